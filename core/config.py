@@ -1,0 +1,204 @@
+"""Typed recipes: YAML parsed into dataclasses, validated once, with command-line overrides.
+
+Every error names the file and the full key path (``training.learning_rate``) so a typo in a
+recipe fails at start-up instead of hours into a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class RecipeError(ValueError):
+    """A recipe (or an override) that does not match its schema."""
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_describe(a) for a in get_args(tp))
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_describe(a) for a in get_args(tp))}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise RecipeError(f"{where}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return _build(tp, value, where)
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arg in get_args(tp):
+            try:
+                return _convert(value, arg, where)
+            except RecipeError as err:
+                errors.append(str(err))
+        raise RecipeError(f"{where}: expected {_describe(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise RecipeError(f"{where}: expected one of {_describe(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecipeError(f"{where}: expected a list, got {value!r}")
+        (item,) = get_args(tp) or (Any,)
+        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{where}: expected a mapping, got {value!r}")
+        key_tp, val_tp = get_args(tp) or (Any, Any)
+        return {_convert(k, key_tp, where): _convert(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is type(None):
+        if value is not None:
+            raise RecipeError(f"{where}: expected null, got {value!r}")
+        return None
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-5" as a string
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise RecipeError(f"{where}: expected {_describe(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type[T], data: dict, where: str) -> T:
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    prefix = f"{where}." if where else ""
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {prefix}{close[0]!r}?)" if close else f"; known: {sorted(fields)}"
+            raise RecipeError(f"unknown key {prefix}{key}{hint}")
+    kwargs = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
+    missing = [
+        name for name, f in fields.items()
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise RecipeError(f"missing required key(s): {', '.join(prefix + m for m in missing)}")
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ValueError as err:
+            raise RecipeError(f"{where or cls.__name__}: {err}") from None
+    return obj
+
+
+def from_dict(cls: type[T], data: dict, source: str = "<dict>") -> T:
+    """Build dataclass ``cls`` from nested ``data``, rejecting unknown keys and wrong types."""
+    try:
+        return _build(cls, data or {}, "")
+    except RecipeError as err:
+        raise RecipeError(f"{source}: {err}") from None
+
+
+def to_dict(obj: Any) -> dict:
+    """The plain nested dict of a config dataclass (for logging and checkpoints)."""
+    return dataclasses.asdict(obj)
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """Turn ``--a.b 3``, ``--a.b=3`` or ``a.b=3`` into the nested dict ``{"a": {"b": 3}}``.
+
+    Values are read as YAML, so ``1e-4``, ``true``, ``[1, 2]`` and ``null`` mean what they say.
+    """
+    nested: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            arg = arg[2:]
+            if "=" not in arg:
+                if i + 1 >= len(args):
+                    raise RecipeError(f"override --{arg} has no value")
+                arg = f"{arg}={args[i + 1]}"
+                i += 1
+        if "=" not in arg:
+            raise RecipeError(f"override {arg!r} must look like key.path=value or --key.path value")
+        key, raw = arg.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = nested
+        parts = key.replace("-", "_").split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override {key!r} conflicts with another override")
+        node[parts[-1]] = value
+        i += 1
+    return nested
+
+
+def merge(base: dict, update: dict) -> dict:
+    """Recursive dict merge; ``update`` wins."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_recipe(
+    cls: type[T], path: str | Path | None, overrides: list[str] | dict | None = None,
+    aliases: dict[str, str] | None = None,
+) -> T:
+    """Read the YAML recipe at ``path`` into ``cls``, applying command-line ``overrides``.
+
+    ``aliases`` maps short override names to key paths (``output_dir`` -> ``training.output_dir``).
+    """
+    data: dict = {}
+    source = str(path) if path else "<defaults>"
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"recipe {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise RecipeError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise RecipeError(f"{path}: the top level must be a mapping of sections")
+    if overrides:
+        extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        for short, full in (aliases or {}).items():
+            if short in extra:
+                value = extra.pop(short)
+                node = extra
+                *parents, leaf = full.split(".")
+                for p in parents:
+                    node = node.setdefault(p, {})
+                node[leaf] = value
+        data = merge(data, extra)
+        source += " (with command-line overrides)"
+    return from_dict(cls, data, source)
+
+
+def dump_recipe(obj: Any, path: str | Path) -> None:
+    """Write a config dataclass back to YAML (saved next to checkpoints for reproducibility)."""
+    Path(path).write_text(yaml.safe_dump(to_dict(obj), sort_keys=False))
+
+
+__all__ = [
+    "RecipeError", "from_dict", "to_dict", "parse_overrides", "merge", "load_recipe", "dump_recipe",
+]

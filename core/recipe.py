@@ -1,0 +1,131 @@
+"""The recipe schema: one dataclass per section, shared by every drafter kind.
+
+A drafter's entry script subclasses :class:`Recipe` with its own ``drafter`` section type.
+Defaults live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+@dataclass
+class TargetConfig:
+    """The frozen model the drafter is trained for and verified by."""
+
+    name: str = "default"  # "default" (bundled SmolLM2-135M-Instruct), hub id, local folder or .gguf
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass
+class DataConfig:
+    """Training conversations and how they are tokenised."""
+
+    path: str = "sharegpt"  # "sharegpt" (bundled file), local .json/.jsonl, or a datasets hub id
+    split: str = "train"  # split name when `path` is a hub id
+    max_length: int = 2048  # tokens per rendered conversation; longer ones are truncated
+    held_out_fraction: float = 0.02  # deterministic by conversation id
+    limit: Optional[int] = None  # use only the first N valid conversations
+    cache_dir: Optional[str] = None  # tokenised-set cache; defaults to the draftsmith cache
+
+    def validate(self) -> None:
+        if self.max_length < 8:
+            raise ValueError(f"data.max_length must be >= 8, got {self.max_length}")
+        if not 0.0 <= self.held_out_fraction < 1.0:
+            raise ValueError(f"data.held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"data.limit must be positive, got {self.limit}")
+
+
+@dataclass
+class DrafterConfig:
+    """Drafter-specific settings; each drafter kind extends this section."""
+
+    kind: str = "none"
+
+
+@dataclass
+class TrainingConfig:
+    """Optimisation, schedule, checkpointing."""
+
+    output_dir: str = "runs/default"
+    seed: int = 0
+    learning_rate: float = 3e-5
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    max_grad_norm: float = 0.5
+    warmup_steps: int = 0
+    max_steps: Optional[int] = None  # optimiser steps; None means num_epochs over the data
+    num_epochs: int = 1
+    batch_size: int = 1  # per device, in sequences
+    gradient_accumulation_steps: int = 1
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    save_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+
+    def validate(self) -> None:
+        if self.learning_rate <= 0:
+            raise ValueError(f"training.learning_rate must be positive, got {self.learning_rate}")
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise ValueError(f"training.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
+        for name in ("batch_size", "gradient_accumulation_steps", "num_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"training.max_steps must be >= 1, got {self.max_steps}")
+
+
+@dataclass
+class DistributedConfig:
+    """How Accelerate spreads the run; the training script builds the DeepSpeed plugin from it."""
+
+    backend: Literal["ddp", "deepspeed"] = "ddp"
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+@dataclass
+class TrackingConfig:
+    """Experiment tracking through Accelerate's trackers."""
+
+    report_to: Literal["wandb", "none"] = "wandb"
+    project: str = "draftsmith"
+    run_name: Optional[str] = None
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: offline without a key
+
+
+@dataclass
+class EvalConfig:
+    """Acceptance measurement with the shared decoding engine."""
+
+    bench: str = "mt_bench"  # "mt_bench" or a .jsonl prompt file
+    limit: Optional[int] = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class Recipe:
+    """A full recipe. Sections: target, data, drafter, training, distributed, tracking, eval."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# Short command-line names for the fields users override most.
+OVERRIDE_ALIASES = {"output_dir": "training.output_dir"}

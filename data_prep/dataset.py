@@ -1,0 +1,141 @@
+"""The tokenised training set: conversations -> ids + assistant loss mask, split and cached.
+
+The cache key covers the source file (path, size, mtime), the tokenizer (vocabulary size and
+chat template), the max length, the limit and the split, so a changed input never reuses a stale
+cache and an unchanged one loads in about a second with ``datasets.load_from_disk``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from draftsmith.assets import asset_path, cache_root
+from draftsmith.data_prep.chat import tokenize_conversation
+from draftsmith.data_prep.sharegpt import BUNDLED, load_conversations
+from draftsmith.recipe import DataConfig
+
+FORMAT_VERSION = 1
+TRAIN, HELD_OUT = "train", "held_out"
+
+
+@dataclass
+class TokenizedSummary:
+    """Counts for the tokenised set (saved beside the cache and printed)."""
+
+    conversations: dict = field(default_factory=dict)  # split -> count
+    tokens: dict = field(default_factory=dict)  # split -> tokens after truncation
+    assistant_tokens: dict = field(default_factory=dict)  # split -> tokens under the loss mask
+    truncated: int = 0
+    dropped: dict = field(default_factory=dict)  # reason -> count (after loading)
+    load_summary: str = ""
+
+    def __str__(self) -> str:
+        parts = [
+            f"{split}: {self.conversations.get(split, 0)} conversations, {self.tokens.get(split, 0):,} "
+            f"tokens ({self.assistant_tokens.get(split, 0):,} assistant)"
+            for split in (TRAIN, HELD_OUT)
+        ]
+        extra = f"; {self.truncated} truncated to max_length"
+        extra += "".join(f"; dropped {n} {reason}" for reason, n in self.dropped.items())
+        return "tokenised set: " + "; ".join(parts) + extra
+
+
+def is_held_out(conversation_id: str, fraction: float) -> bool:
+    """Deterministic split by id: independent of file order, limits and machines."""
+    digest = hashlib.sha256(conversation_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def _source_identity(path: str) -> str:
+    local = asset_path(BUNDLED) if path == BUNDLED else Path(path)
+    if local.is_file():
+        stat = local.stat()
+        return f"{local.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return f"hub:{path}"
+
+
+def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+    template = tokenizer.chat_template or ""
+    return f"{tokenizer.name_or_path}|{len(tokenizer)}|{hashlib.sha256(template.encode()).hexdigest()}"
+
+
+def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+    """Hash of everything the tokenised set depends on."""
+    parts = [
+        FORMAT_VERSION, _source_identity(cfg.path), cfg.split, _tokenizer_identity(tokenizer),
+        cfg.max_length, cfg.limit, cfg.held_out_fraction,
+    ]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _tokenize(conversations: list[dict], tokenizer, cfg: DataConfig) -> tuple[datasets.DatasetDict, TokenizedSummary]:
+    summary = TokenizedSummary()
+    rows = {TRAIN: [], HELD_OUT: []}
+    dropped = Counter()
+    for conv in conversations:
+        encoded = tokenize_conversation(tokenizer, conv["messages"], cfg.max_length)
+        summary.truncated += encoded["truncated"]
+        if not any(encoded["loss_mask"]):
+            # A prompt longer than max_length leaves nothing to learn from.
+            dropped["no_assistant_tokens_within_max_length"] += 1
+            continue
+        split = HELD_OUT if is_held_out(conv["id"], cfg.held_out_fraction) else TRAIN
+        rows[split].append({"id": conv["id"], "input_ids": encoded["input_ids"], "loss_mask": encoded["loss_mask"]})
+    features = datasets.Features({
+        "id": datasets.Value("string"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    })
+    dataset = datasets.DatasetDict({
+        split: datasets.Dataset.from_list(items, features=features) for split, items in rows.items()
+    })
+    for split, items in rows.items():
+        summary.conversations[split] = len(items)
+        summary.tokens[split] = sum(len(r["input_ids"]) for r in items)
+        summary.assistant_tokens[split] = sum(sum(r["loss_mask"]) for r in items)
+    summary.dropped = dict(dropped)
+    return dataset, summary
+
+
+def build_dataset(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, verbose: bool = True
+) -> tuple[datasets.DatasetDict, TokenizedSummary]:
+    """The tokenised ``train``/``held_out`` set for ``cfg``, from the cache when it is current.
+
+    Columns: ``id``, ``input_ids`` and ``loss_mask`` (1 on assistant tokens).
+    """
+    root = Path(cfg.cache_dir) if cfg.cache_dir else cache_root() / "datasets"
+    target = root / cache_key(cfg, tokenizer)
+    summary_file = target / "draftsmith_summary.json"
+    if summary_file.is_file():
+        summary = TokenizedSummary(**json.loads(summary_file.read_text()))
+        dataset = datasets.load_from_disk(str(target))
+        if verbose:
+            print(f"loaded cached tokenised set from {target}\n{summary}")
+        return dataset, summary
+    conversations, load_summary = load_conversations(cfg.path, cfg.split, cfg.limit, verbose=verbose)
+    dataset, summary = _tokenize(conversations, tokenizer, cfg)
+    summary.load_summary = str(load_summary)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
+    try:
+        dataset.save_to_disk(str(tmp))
+        (tmp / "draftsmith_summary.json").write_text(json.dumps(asdict(summary), indent=1))
+        tmp.rename(target)
+    except OSError:
+        # Another process finished the same cache first; its copy is identical.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not summary_file.is_file():
+            raise
+    if verbose:
+        print(summary)
+    return datasets.load_from_disk(str(target)), summary

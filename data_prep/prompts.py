@@ -1,0 +1,52 @@
+"""Evaluation prompt sets: the bundled MT-bench questions or any JSONL file.
+
+Each JSONL line holds either ``turns`` (a list of user messages: turn 2 follows the model's own
+turn-1 answer) or ``prompt`` (one message); ``category`` and ``id``/``question_id`` are optional.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.assets import asset_path
+
+MT_BENCH = "mt_bench"
+
+
+@dataclass
+class Prompt:
+    """One multi-turn evaluation prompt."""
+
+    id: str
+    turns: list[str]
+    category: str = "all"
+
+
+def load_prompts(bench: str = MT_BENCH, limit: int | None = None) -> list[Prompt]:
+    """Prompts of ``bench`` (``mt_bench`` or a JSONL path), the first ``limit`` of them."""
+    path = asset_path(MT_BENCH) if bench == MT_BENCH else Path(bench)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt set {bench!r} is neither 'mt_bench' nor an existing .jsonl file")
+    prompts = []
+    with path.open(encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected an object with 'turns' or 'prompt'")
+            turns = record.get("turns", [record["prompt"]] if "prompt" in record else None)
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+                raise ValueError(f"{where}: 'turns' must be a non-empty list of non-empty strings "
+                                 "(or give one 'prompt' string)")
+            prompt_id = str(record.get("question_id", record.get("id", lineno)))
+            prompts.append(Prompt(id=prompt_id, turns=turns, category=str(record.get("category", "all"))))
+            if limit is not None and len(prompts) >= limit:
+                break
+    return prompts
