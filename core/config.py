@@ -85,7 +85,7 @@ def _build(cls: type[T], data: dict, where: str) -> T:
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f" (did you mean {prefix}{close[0]!r}?)" if close else f"; known: {sorted(fields)}"
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f"; known: {sorted(fields)}"
             raise RecipeError(f"unknown key {prefix}{key}{hint}")
     kwargs = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
     missing = [

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install draftsmith and its dependencies into the current Python environment.
+# Without a GPU, torch is pinned to the CPU build first (2.13.0 lies on this project's machines),
+# so that the range in pyproject.toml then installs nothing more; GPU users keep their CUDA torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        "$PYTHON" -m pip install --quiet "torch>=2.4,<3"
+    else
+        "$PYTHON" -m pip install --quiet "torch==2.13.0"
+    fi
+fi
+"$PYTHON" -m pip install --quiet -e ".[dev]"

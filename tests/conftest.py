@@ -1,0 +1,28 @@
+"""Shared fixtures: the bundled SmolLM2 target (loaded once) and tiny random-weight models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith.target import load_target
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The bundled SmolLM2-135M-Instruct in fp32 on the CPU, with its tokenizer."""
+    model, tokenizer = load_target("default", dtype="float32", device="cpu")
+    return model, tokenizer
+
+
+def tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
+    """A random-weight Llama small enough for exhaustive or statistical tests."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()

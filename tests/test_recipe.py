@@ -1,0 +1,84 @@
+from dataclasses import dataclass, field
+
+import pytest
+
+from draftsmith.config import RecipeError, load_recipe, parse_overrides
+from draftsmith.recipe import OVERRIDE_ALIASES, Recipe
+
+RECIPE = """
+target:
+  name: default
+  dtype: bfloat16
+data:
+  max_length: 512
+training:
+  learning_rate: 3e-5
+  max_steps: 100
+  adam_betas: [0.9, 0.95]
+distributed:
+  backend: deepspeed
+  zero_stage: 2
+"""
+
+
+def test_recipe_parses_into_typed_sections(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(RECIPE)
+    recipe = load_recipe(Recipe, path)
+    assert recipe.target.dtype == "bfloat16"
+    assert recipe.training.learning_rate == pytest.approx(3e-5)  # YAML 1.1 reads 3e-5 as a string
+    assert recipe.training.max_steps == 100
+    assert recipe.distributed.zero_stage == 2
+    assert recipe.data.path == "sharegpt"  # default kept
+
+
+def test_misspelled_key_names_file_and_key_path(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text(RECIPE.replace("learning_rate", "lerning_rate"))
+    with pytest.raises(RecipeError, match=r"typo.yaml: unknown key training.lerning_rate \(did you mean 'training.learning_rate'\?\)"):
+        load_recipe(Recipe, path)
+
+
+def test_wrong_type_names_key_path(tmp_path):
+    path = tmp_path / "type.yaml"
+    path.write_text(RECIPE.replace("max_steps: 100", "max_steps: lots"))
+    with pytest.raises(RecipeError, match=r"type.yaml: training.max_steps: expected int \| null, got 'lots'"):
+        load_recipe(Recipe, path)
+    path.write_text(RECIPE.replace("zero_stage: 2", "zero_stage: 5"))
+    with pytest.raises(RecipeError, match=r"distributed.zero_stage: expected one of 0 \| 1 \| 2 \| 3, got 5"):
+        load_recipe(Recipe, path)
+    path.write_text(RECIPE.replace("max_length: 512", "max_length: 2"))
+    with pytest.raises(RecipeError, match=r"data.max_length must be >= 8"):
+        load_recipe(Recipe, path)
+
+
+def test_overrides_change_fields_and_are_validated(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(RECIPE)
+    recipe = load_recipe(
+        Recipe, path, ["--training.learning_rate", "1e-4", "data.limit=10", "--output_dir=runs/x"],
+        aliases=OVERRIDE_ALIASES,
+    )
+    assert recipe.training.learning_rate == pytest.approx(1e-4)
+    assert recipe.data.limit == 10
+    assert recipe.training.output_dir == "runs/x"
+    assert recipe.training.max_steps == 100  # untouched fields keep the file's value
+    with pytest.raises(RecipeError, match="unknown key training.nope"):
+        load_recipe(Recipe, path, ["--training.nope", "1"])
+    assert parse_overrides(["--a.b-c", "[1, 2]"]) == {"a": {"b_c": [1, 2]}}
+
+
+def test_drafter_section_is_typed_per_kind():
+    @dataclass
+    class HeadConfig:
+        kind: str = "toy"
+        num_layers: int = 1
+
+    @dataclass
+    class ToyRecipe(Recipe):
+        drafter: HeadConfig = field(default_factory=HeadConfig)
+
+    recipe = load_recipe(ToyRecipe, None, {"drafter": {"num_layers": 2}})
+    assert recipe.drafter.num_layers == 2
+    with pytest.raises(RecipeError, match="drafter.num_layers: expected int"):
+        load_recipe(ToyRecipe, None, {"drafter": {"num_layers": "two"}})
