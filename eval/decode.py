@@ -1,0 +1,161 @@
+"""The shared speculative decoding loop, and plain decoding on the same runner (the baseline).
+
+One step: the drafter proposes a tree below the last token, the target scores ``[last token] +
+tree`` in one forward pass, verification keeps the longest correct path plus the target's own
+next token, and the cache keeps only the accepted rows. Acceptance length (tau) is tokens
+produced during decoding divided by target passes during decoding; prefill counts for neither.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.runner import CausalLMRunner, tree_rows
+from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
+from draftsmith.eval.verify import verify
+
+
+@dataclass
+class Generation:
+    """One generation and how it went."""
+
+    tokens: list[int]  # new tokens (ending at EOS or a stop string when one was hit)
+    steps: int = 0  # target forward passes after prefill
+    accepted: list[int] = field(default_factory=list)  # tokens produced per step
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    stop_reason: str = "length"  # "eos", "stop_string" or "length"
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per target pass during decoding (the first token comes from prefill)."""
+        return sum(self.accepted) / self.steps if self.steps else 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    """Every token id that ends a turn for this model."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class SpeculativeDecoder:
+    """Generate with a target and any drafter (``None`` gives plain autoregressive decoding)."""
+
+    def __init__(self, target: PreTrainedModel, drafter: Drafter | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None, sampling: SamplingConfig = SamplingConfig(),
+                 eos_ids: set[int] | None = None):
+        self.runner = CausalLMRunner(target)
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.eos_ids = eos_ids if eos_ids is not None else eos_token_ids(target, tokenizer)
+
+    def _next(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        if self.sampling.greedy:
+            return int(logits.argmax())
+        return sample(probabilities(logits, self.sampling), generator)
+
+    def _finish(self, new: list[int], stop_strings: tuple[str, ...], scanned: int) -> tuple[int | None, str]:
+        """Length to cut ``new`` to if generation must stop, and why."""
+        for i in range(scanned, len(new)):
+            if new[i] in self.eos_ids:
+                return i + 1, "eos"
+        if stop_strings and self.tokenizer is not None:
+            for end in range(max(scanned, 1), len(new) + 1):
+                text = self.tokenizer.decode(new[:end])
+                if any(s in text for s in stop_strings):
+                    return end, "stop_string"
+        return None, "length"
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        stop_strings: tuple[str, ...] = (),
+        streamer: Callable[[list[int]], None] | None = None,
+        seed: int | None = None,
+    ) -> Generation:
+        """Continue ``prompt`` (token ids) by up to ``max_new_tokens`` tokens.
+
+        Stops after an EOS token (kept) even inside an accepted path, or once the decoded text
+        contains one of ``stop_strings``. ``streamer`` receives each step's new tokens.
+        """
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        drafter = self.drafter
+        if drafter is not None:
+            drafter.prepare(prompt, max_new_tokens)
+        result = Generation(tokens=[])
+        start = time.perf_counter()
+        self.runner.reset()
+        hidden = self.runner.forward(prompt)
+        first = self._next(self.runner.logits(hidden[-1]), generator)
+        new = [first]
+        if drafter is not None:
+            drafter.begin(list(prompt) + new, hidden if drafter.needs_hidden else None)
+        result.prefill_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        if streamer:
+            streamer([first])
+        cut, reason = self._finish(new, stop_strings, 0)
+        while cut is None and len(new) < max_new_tokens:
+            tokens = list(prompt) + new
+            remaining = max_new_tokens - len(new)
+            tree = None
+            if drafter is not None:
+                tree = drafter.propose(DraftContext(tokens, self.sampling, generator, remaining - 1))
+            if tree is None or not len(tree):
+                hidden = self.runner.forward([tokens[-1]])
+                accepted_tokens = [self._next(self.runner.logits(hidden[-1]), generator)]
+                kept = hidden
+            else:
+                parents, depths = tree_rows(tree.parents, tree.depths)
+                hidden = self.runner.forward([tokens[-1]] + tree.tokens, parents, depths)
+                path, last = verify(tree, self.runner.logits(hidden), self.sampling, generator)
+                rows = [0] + [node + 1 for node in path]
+                self.runner.commit(rows)
+                accepted_tokens = [tree.tokens[node] for node in path] + [last]
+                kept = hidden[rows]
+            scanned = len(new)
+            new += accepted_tokens
+            result.steps += 1
+            if drafter is not None:
+                drafter.accept(StepResult(accepted_tokens, kept if drafter.needs_hidden else None, list(prompt) + new))
+            cut, reason = self._finish(new, stop_strings, scanned)
+            end = min(cut or len(new), max_new_tokens)
+            result.accepted.append(end - scanned)
+            if streamer:
+                streamer(new[scanned:end])
+            new = new[:end]
+        result.decode_seconds = time.perf_counter() - start
+        result.tokens = new[: cut or max_new_tokens]
+        result.stop_reason = reason if cut is not None else "length"
+        return result
+
+
+def autoregressive_greedy(runner: CausalLMRunner, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy continuation on ``runner`` (no EOS handling): the oracle's reference."""
+    runner.reset()
+    hidden = runner.forward(prompt)
+    out = [int(runner.logits(hidden[-1]).argmax())]
+    while len(out) < max_new_tokens:
+        out.append(int(runner.logits(runner.forward([out[-1]])[-1]).argmax()))
+    return out

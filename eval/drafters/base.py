@@ -1,0 +1,57 @@
+"""The one interface every drafter implements.
+
+Per generation the engine calls ``prepare`` (untimed set-up, e.g. the oracle's reference
+decode), ``begin`` after the target's prefill, then alternately ``propose`` (a token tree hung
+below the last committed token) and ``accept`` (what the target kept). Drafters that need the
+target's features (EAGLE, Medusa) set ``needs_hidden`` and receive the target's last hidden
+state of every token as it enters the target's cache.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.eval.tree import TokenTree
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may look at when it proposes."""
+
+    tokens: list[int]  # prompt + generated so far; the last one is the root of the next tree
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    max_tokens: int  # no use drafting deeper than the remaining new-token budget
+
+
+@dataclass
+class StepResult:
+    """What the target kept in one verification step."""
+
+    accepted: list[int]  # accepted draft tokens followed by the target's own next token
+    hidden: torch.Tensor | None  # target hidden states of [root] + accepted draft rows
+    tokens: list[int]  # the full sequence after this step
+
+
+class Drafter(ABC):
+    """A source of token trees for the target to verify."""
+
+    name: str = "drafter"
+    needs_hidden: bool = False
+
+    def prepare(self, prompt: list[int], max_new_tokens: int) -> None:
+        """Untimed work before a generation (most drafters need none)."""
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        """The target has prefilled ``tokens[:-1]``; ``tokens[-1]`` is its first new token."""
+
+    @abstractmethod
+    def propose(self, context: DraftContext) -> TokenTree:
+        """A tree of guesses for the tokens after ``context.tokens`` (may be empty)."""
+
+    def accept(self, result: StepResult) -> None:
+        """Update internal state (caches, features) after verification."""

@@ -1,0 +1,62 @@
+"""A separate draft language model sharing the target's tokenizer (chains or dynamic trees).
+
+It keeps its own KV cache: each step it feeds the tokens it has not seen (the accepted ones and
+the target's bonus token, in one forward), drafts on pending tree rows, then discards them, so
+rejected guesses never stay in its cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from draftsmith.eval.drafters.base import DraftContext, Drafter
+from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder, grow_tree
+
+
+class DraftLMDrafter(Drafter):
+    """Autoregressive drafting with a small causal LM: a chain (``top_k=1``) or a dynamic tree."""
+
+    def __init__(self, model: PreTrainedModel, depth: int = 4, top_k: int = 1, budget: int | None = None,
+                 name: str = "draft_lm"):
+        self.runner = CausalLMRunner(model)
+        self.depth, self.top_k = depth, top_k
+        self.budget = budget if budget is not None else depth * top_k
+        self.name = name
+        self.cached: list[int] = []
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        self.runner.reset()
+        self.cached = []
+
+    def _sync(self, tokens: list[int]) -> torch.Tensor:
+        """Bring the cache up to ``tokens`` and return the logits after the last one."""
+        common = 0
+        limit = min(len(self.cached), len(tokens) - 1)  # always re-run at least the last token
+        while common < limit and self.cached[common] == tokens[common]:
+            common += 1
+        self.runner.rollback(common)
+        hidden = self.runner.forward(tokens[common:])
+        self.cached = list(tokens)
+        return self.runner.logits(hidden[-1])
+
+    def _expand(self, frontier: list[int], builder: TreeBuilder) -> torch.Tensor:
+        base = len(self.runner.pending_parents)
+        parents = [self._row[builder.parents[n]] for n in frontier]
+        depths = [builder.depths[n] - 1 for n in frontier]  # the root is already in the cache
+        hidden = self.runner.forward([builder.tokens[n] for n in frontier], parents, depths)
+        for i, node in enumerate(frontier):
+            self._row[node] = base + i
+        return self.runner.logits(hidden)
+
+    def propose(self, context: DraftContext) -> TokenTree:
+        depth = min(self.depth, context.max_tokens)
+        root_logits = self._sync(context.tokens)
+        if depth < 1:
+            return TokenTree()
+        self._row = {ROOT: ROOT}
+        tree = grow_tree(root_logits, self._expand, depth, self.top_k, self.budget,
+                         context.sampling, context.generator)
+        self.runner.commit([])  # drafted rows never stay: accepted ones are re-fed with the bonus token
+        return tree

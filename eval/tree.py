@@ -1,0 +1,203 @@
+"""Token trees: what a drafter proposes and the target verifies in one forward pass.
+
+Node indices are topological (a parent always precedes its children); parent ``-1`` is the root,
+i.e. the last committed token, whose own target distribution scores the depth-1 candidates.
+
+For lossless sampling a tree also remembers, per parent, every candidate the drafter drew in
+the order it drew them, including candidates pruned from the tree, and the distribution it drew
+them from. Verification walks them in that order (recursive rejection sampling); a pruned
+candidate that is accepted simply ends the step.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = -1
+
+
+@dataclass
+class Proposal:
+    """The candidates drawn below one parent, in draw order."""
+
+    tokens: list[int]
+    nodes: list[int | None]  # tree node of each candidate, None where pruned
+    probs: torch.Tensor | None = None  # draft distribution they were drawn from (None: deterministic)
+
+
+@dataclass
+class TokenTree:
+    """A topologically ordered token tree."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)  # root's children have depth 1
+    proposals: dict[int, Proposal] = field(default_factory=dict)  # parent -> candidates
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node``."""
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def child_by_token(self, parent: int, token: int) -> int | None:
+        proposal = self.proposals.get(parent)
+        if proposal is None:
+            return None
+        for candidate, node in zip(proposal.tokens, proposal.nodes):
+            if candidate == token and node is not None:
+                return node
+        return None
+
+
+class TreeBuilder:
+    """Grows a tree candidate by candidate, then keeps the best ``budget`` nodes.
+
+    Scores are cumulative draft log-probabilities (or any score that never increases from a
+    parent to its child), so the best nodes always include their ancestors.
+    """
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.scores: list[float] = []
+        self.proposals: dict[int, tuple[list[int], list[int | None], torch.Tensor | None]] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, tokens: list[int], scores: list[float] | None = None,
+            probs: torch.Tensor | None = None) -> list[int]:
+        """Add ``tokens`` as the candidates below ``parent`` (in draw order); returns their node ids."""
+        if parent in self.proposals:
+            raise ValueError(f"node {parent} already has candidates")
+        depth = 1 if parent == ROOT else self.depths[parent] + 1
+        base = 0.0 if parent == ROOT else self.scores[parent]
+        ids = []
+        for i, token in enumerate(tokens):
+            ids.append(len(self.tokens))
+            self.tokens.append(int(token))
+            self.parents.append(parent)
+            self.depths.append(depth)
+            self.scores.append(base + (scores[i] if scores is not None else 0.0))
+        self.proposals[parent] = (list(map(int, tokens)), list(ids), probs)
+        return ids
+
+    def build(self, budget: int | None = None) -> TokenTree:
+        """The tree of the ``budget`` best-scoring nodes (all nodes when None)."""
+        keep = set(range(len(self.tokens)))
+        if budget is not None and budget < len(self.tokens):
+            order = sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], self.depths[i], i))
+            keep = set(order[:budget])
+            for node in list(keep):  # guard against ties breaking ancestor closure
+                while self.parents[node] != ROOT and self.parents[node] not in keep:
+                    node = self.parents[node]
+                    keep.add(node)
+        ordered = sorted(keep, key=lambda i: (self.depths[i], i))
+        new_id = {old: new for new, old in enumerate(ordered)}
+        new_id[ROOT] = ROOT
+        tree = TokenTree(
+            tokens=[self.tokens[i] for i in ordered],
+            parents=[new_id[self.parents[i]] for i in ordered],
+            depths=[self.depths[i] for i in ordered],
+        )
+        for parent, (tokens, nodes, probs) in self.proposals.items():
+            if parent in new_id:
+                tree.proposals[new_id[parent]] = Proposal(tokens, [new_id.get(n) for n in nodes], probs)
+        return tree
+
+
+def chain(tokens: list[int], probs: list[torch.Tensor | None] | None = None) -> TokenTree:
+    """A single path: each token the only candidate below the previous one."""
+    builder = TreeBuilder()
+    parent = ROOT
+    for i, token in enumerate(tokens):
+        (parent,) = builder.add(parent, [token], probs=probs[i] if probs else None)
+    return builder.build()
+
+
+def load_choices(source: str | list) -> list[tuple[int, ...]]:
+    """Medusa-style choices (``[[0], [0, 0], [1], ...]``) from a list, a literal or a JSON/YAML file.
+
+    Each choice is a path of candidate ranks; every prefix of a choice must itself be a choice.
+    """
+    if isinstance(source, str):
+        path = Path(source)
+        text = path.read_text() if path.is_file() else source
+        try:
+            source = json.loads(text)
+        except json.JSONDecodeError:
+            source = ast.literal_eval(text)
+    choices = sorted({tuple(int(r) for r in c) for c in source}, key=lambda c: (len(c), c))
+    present = set(choices)
+    for choice in choices:
+        if not choice or any(r < 0 for r in choice):
+            raise ValueError(f"tree choice {list(choice)} must be a non-empty list of ranks >= 0")
+        if len(choice) > 1 and choice[:-1] not in present:
+            raise ValueError(f"tree choice {list(choice)} has no parent {list(choice[:-1])} in the choices")
+    return choices
+
+
+def choice_slots(choices: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
+    """How many ranked candidates each path prefix needs: ``{prefix: max rank + 1}``."""
+    need: dict[tuple[int, ...], int] = {}
+    for choice in choices:
+        prefix = choice[:-1]
+        need[prefix] = max(need.get(prefix, 0), choice[-1] + 1)
+    return need
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """``[n, n]`` boolean matrix, True where column j is row i or one of its ancestors."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent != ROOT:
+            mask[i] = mask[parent]
+        mask[i, i] = True
+    return mask
+
+
+def grow_tree(
+    root_logits: torch.Tensor,
+    expand,
+    depth: int,
+    top_k: int,
+    budget: int,
+    sampling,
+    generator: torch.Generator | None = None,
+) -> TokenTree:
+    """An EAGLE-2 dynamic tree: expand the ``top_k`` best nodes per depth, keep the best ``budget``.
+
+    ``expand(frontier, builder)`` runs the drafter on the ``frontier`` nodes of ``builder`` and
+    returns their next-token logits ``[len(frontier), V]``. Each expanded node gets ``top_k``
+    candidates (top-k when greedy, drawn without replacement when sampling); nodes are scored
+    by cumulative draft log-probability and the best ``budget`` form the tree.
+    """
+    from draftsmith.eval.sampling import choose  # sampling is a leaf module; keeps this file standalone
+
+    builder = TreeBuilder()
+    frontier, logits = [ROOT], root_logits.view(1, -1)
+    for level in range(depth):
+        if level:
+            logits = expand(frontier, builder)
+        tokens, probs = choose(logits, top_k, sampling, generator)
+        log_q = probs.clamp_min(1e-30).log() if probs is not None else logits.float().log_softmax(-1)
+        scores = log_q.gather(-1, tokens).tolist()
+        tokens = tokens.tolist()
+        added: list[int] = []
+        for i, parent in enumerate(frontier):
+            added += builder.add(parent, tokens[i], scores[i], probs[i] if probs is not None else None)
+        frontier = sorted(added, key=lambda n: -builder.scores[n])[:top_k]
+    return builder.build(budget)
