@@ -1,0 +1,85 @@
+"""Drafters for the shared decoding engine, and the registry that builds them from CLI specs.
+
+A spec is ``KIND[:PATH][?key=value&key=value]``, e.g. ``prompt_lookup``,
+``prompt_lookup?num_tokens=4&branches=3``, ``draft_lm:HuggingFaceTB/SmolLM2-135M-Instruct?depth=5``,
+``draft_lm?layers=4`` (a draft cut from the target), ``oracle?num_tokens=8``. ``name=`` sets the
+label used in tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl
+
+from transformers import PreTrainedModel
+
+from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.drafters.oracle import OracleDrafter
+from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.runner import CausalLMRunner
+
+KINDS = ("prompt_lookup", "oracle", "draft_lm", "eagle", "medusa")
+
+
+@dataclass
+class DrafterSpec:
+    """A parsed ``KIND[:PATH][?options]`` string."""
+
+    kind: str
+    path: str | None = None
+    options: dict = field(default_factory=dict)
+    name: str = ""
+
+
+def _value(raw: str):
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(raw.lower(), raw)
+
+
+def parse_spec(spec: str) -> DrafterSpec:
+    """Parse a drafter spec string (see the module docstring)."""
+    body, _, query = spec.partition("?")
+    kind, _, path = body.partition(":")
+    if kind not in KINDS:
+        raise ValueError(f"unknown drafter kind {kind!r} in {spec!r}; choose from {', '.join(KINDS)}")
+    options = {key: _value(val) for key, val in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))}
+    name = str(options.pop("name", body.rsplit("/", 1)[-1] if path else kind))
+    return DrafterSpec(kind, path or None, options, name)
+
+
+def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
+    """A drafter for ``target`` from a spec string."""
+    from draftsmith.heads.draft_lm import derive_draft_lm, load_draft_lm
+
+    parsed = parse_spec(spec) if isinstance(spec, str) else spec
+    options = dict(parsed.options)
+    try:
+        if parsed.kind == "prompt_lookup":
+            drafter = PromptLookupDrafter(**options)
+        elif parsed.kind == "oracle":
+            drafter = OracleDrafter(CausalLMRunner(target), **options)
+        elif parsed.kind == "draft_lm":
+            layers = options.pop("layers", None)
+            if parsed.path:
+                param = next(target.parameters())
+                model = load_draft_lm(parsed.path, param.dtype, param.device)
+            else:
+                model = derive_draft_lm(target, num_layers=layers or 4)
+            drafter = DraftLMDrafter(model, **options)
+        else:
+            raise ValueError(f"drafter kind {parsed.kind!r} has no engine adapter yet")
+    except TypeError as err:
+        raise ValueError(f"bad option for drafter {parsed.kind!r}: {err}") from None
+    drafter.name = parsed.name
+    return drafter
+
+
+__all__ = [
+    "Drafter", "DraftContext", "StepResult", "PromptLookupDrafter", "OracleDrafter", "DraftLMDrafter",
+    "DrafterSpec", "parse_spec", "build_drafter",
+]

@@ -1,0 +1,134 @@
+"""Turn benchmark runs into the acceptance table (Markdown), results.json, results.csv and plots.
+
+acceptance_length: tokens produced after prefill / target passes after prefill, pooled over
+prompts. speedup: the method's tokens per second over the baseline's, on the same prompts in the
+same run (equal to the wall-clock ratio when both produce the same tokens, as greedy does).
+per_position_acceptance[d-1]: fraction of steps that accepted at least d draft tokens.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from draftsmith.eval.bench import BASELINE, Run, runs_to_dicts
+
+
+def _pool(runs: list[Run]) -> dict:
+    tokens = sum(r.new_tokens for r in runs)
+    decoded = sum(max(r.new_tokens - 1, 0) for r in runs)
+    steps = sum(r.steps for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    return {
+        "acceptance_length": decoded / steps if steps else 0.0,
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "new_tokens": tokens,
+        "target_passes": steps,
+        "seconds": seconds,
+        "num_prompts": len({(r.prompt_id, r.turn) for r in runs}),
+    }
+
+
+def summarise(runs: list[Run], meta: dict | None = None) -> dict:
+    """Per-method metrics, overall and per category, with speedups against the baseline."""
+    by_method: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        by_method[run.method].append(run)
+    baseline = _pool(by_method[BASELINE]) if BASELINE in by_method else None
+    categories = sorted({r.category for r in runs})
+    methods = {}
+    for method, items in by_method.items():
+        stats = _pool(items)
+        base_tps = baseline["tokens_per_second"] if baseline else 0.0
+        stats["baseline_tokens_per_second"] = base_tps
+        stats["speedup"] = stats["tokens_per_second"] / base_tps if base_tps else None
+        depth = max((a for r in items for a in r.accepted), default=1) - 1
+        steps = [a for r in items for a in r.accepted]
+        stats["per_position_acceptance"] = [
+            sum(a - 1 >= d for a in steps) / len(steps) for d in range(1, depth + 1)
+        ] if steps else []
+        stats["accepted_per_step_histogram"] = {str(k): steps.count(k) for k in sorted(set(steps))}
+        stats["per_category"] = {}
+        for category in categories:
+            cat = [r for r in items if r.category == category]
+            base_cat = [r for r in by_method.get(BASELINE, []) if r.category == category]
+            if not cat:
+                continue
+            entry = _pool(cat)
+            base_entry = _pool(base_cat) if base_cat else None
+            entry["speedup"] = (entry["tokens_per_second"] / base_entry["tokens_per_second"]
+                                if base_entry and base_entry["tokens_per_second"] else None)
+            stats["per_category"][category] = entry
+        methods[method] = stats
+    return {"meta": meta or {}, "methods": methods, "categories": categories}
+
+
+def markdown_table(summary: dict) -> str:
+    """Rows: methods; columns: acceptance length, tokens/s, speedup, then tau/speedup per category."""
+    categories = summary["categories"] if len(summary["categories"]) > 1 else []
+    head = ["method", "accept len", "tok/s", "speedup"] + [f"{c} (tau / x)" for c in categories]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for method, s in summary["methods"].items():
+        speed = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+        cells = [method, f"{s['acceptance_length']:.2f}", f"{s['tokens_per_second']:.1f}", speed]
+        for c in categories:
+            e = s["per_category"].get(c)
+            cells.append(f"{e['acceptance_length']:.2f} / {e['speedup']:.2f}x" if e and e["speedup"] else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(runs: list[Run], out_dir: str | Path, meta: dict | None = None) -> dict:
+    """Write results.json (summary + every run), results.csv, table.md and PNG plots; return the summary."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarise(runs, meta)
+    (out / "results.json").write_text(json.dumps({**summary, "runs": runs_to_dicts(runs)}, indent=1))
+    with (out / "results.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["method", "category", "acceptance_length", "tokens_per_second", "speedup",
+                         "new_tokens", "target_passes", "seconds", "num_prompts"])
+        for method, s in summary["methods"].items():
+            for category, e in [("all", s)] + list(s["per_category"].items()):
+                writer.writerow([method, category, round(e["acceptance_length"], 4), round(e["tokens_per_second"], 3),
+                                 round(e["speedup"], 4) if e["speedup"] is not None else "",
+                                 e["new_tokens"], e["target_passes"], round(e["seconds"], 3), e["num_prompts"]])
+    (out / "table.md").write_text(markdown_table(summary) + "\n")
+    _plots(summary, out)
+    return summary
+
+
+def _plots(summary: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in summary["methods"] if m != BASELINE]
+    categories = summary["categories"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) + 2), 4))
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        values = [summary["methods"][method]["per_category"].get(c, {}).get("acceptance_length", 0) for c in categories]
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=method)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))], categories, rotation=30, ha="right")
+    ax.set_ylabel("acceptance length (tokens / target pass)")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_category.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in methods:
+        hist = summary["methods"][method]["accepted_per_step_histogram"]
+        total = sum(hist.values()) or 1
+        ax.plot([int(k) for k in hist], [v / total for v in hist.values()], marker="o", label=method)
+    ax.set_xlabel("tokens accepted per step (incl. the target's own)")
+    ax.set_ylabel("fraction of steps")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "accepted_per_step.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,81 @@
+"""Benchmark drafters with the shared speculative decoding engine and print the acceptance table.
+
+    python eval/run.py --target default --drafter prompt_lookup --drafter oracle \
+        --bench mt_bench --limit 10 --max-new-tokens 256 --temperature 0 --out results/
+
+``--drafter`` repeats; trained drafters are ``KIND:PATH`` (``draft_lm:PATH_OR_HUB_ID``,
+``eagle:runs/x/checkpoint-final``, ``medusa:...``) with options after ``?`` (see
+``draftsmith.eval.drafters``). Writes results.json, results.csv, table.md and PNG plots to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+import torch
+
+from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
+from draftsmith.eval.bench import HF_BASELINES, run_bench
+from draftsmith.eval.drafters import build_drafter, parse_spec
+from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.report import markdown_table, write_results
+from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.target import load_target
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="default", help="'default' (bundled SmolLM2-135M-Instruct), hub id, folder or .gguf")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: the first accelerator)")
+    parser.add_argument("--drafter", action="append", default=[], metavar="SPEC",
+                        help="KIND[:PATH][?key=value&...]; repeat to compare several")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--bench", default=MT_BENCH, help="'mt_bench' (bundled, 80 questions)")
+    source.add_argument("--prompts", help="JSONL prompt set: a 'turns' list or a 'prompt' string per line")
+    parser.add_argument("--limit", type=int, default=None, help="first N prompts")
+    parser.add_argument("--turns", type=int, default=1, help="turns per prompt (MT-bench has 2; turn 2 follows turn 1's answer)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-baseline", action="append", default=[], choices=HF_BASELINES,
+                        help="also time Hugging Face generate: plain, prompt lookup (10 tokens), assisted")
+    parser.add_argument("--out", default="results", help="output folder")
+    args = parser.parse_args(argv)
+    if not args.drafter:
+        parser.error("give at least one --drafter (e.g. --drafter prompt_lookup)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    specs = [parse_spec(s) for s in args.drafter]
+    target, tokenizer = load_target(args.target, args.dtype, args.device)
+    drafters = [build_drafter(spec, target) for spec in specs]
+    prompts = load_prompts(args.prompts or args.bench, args.limit)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    assistant = next((d.runner.model for d in drafters if isinstance(d, DraftLMDrafter)), None)
+    runs = run_bench(target, tokenizer, drafters, prompts, args.max_new_tokens, sampling, args.turns,
+                     tuple(args.hf_baseline), assistant, args.seed)
+    meta = {
+        "argv": sys.argv if argv is None else ["eval/run.py", *argv],
+        "target": args.target, "dtype": args.dtype, "device": str(next(target.parameters()).device),
+        "bench": args.prompts or args.bench, "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "turns": args.turns,
+        "drafters": args.drafter, "torch": torch.__version__, "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+    summary = write_results(runs, args.out, meta)
+    print(f"\n{len(prompts)} prompts x {args.turns} turn(s), {args.max_new_tokens} new tokens, "
+          f"temperature {args.temperature}, target {args.target} ({args.dtype})\n")
+    print(markdown_table(summary))
+    print(f"\nwrote {args.out}/results.json, results.csv, table.md and plots")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

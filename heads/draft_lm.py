@@ -1,0 +1,50 @@
+"""Draft language models: any causal LM sharing the target's tokenizer, or one cut from the target.
+
+A derived draft keeps ``num_layers`` of the target's decoder layers (evenly spaced by default)
+with its embeddings, final norm and LM head, so it starts close to the target. It is an ordinary
+Hugging Face causal LM: ``save_pretrained`` output loads in transformers, vLLM and as HF
+``generate(assistant_model=...)``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+
+def evenly_spaced(total: int, keep: int) -> list[int]:
+    """``keep`` layer indices spread over ``total`` layers, first and last included."""
+    if not 1 <= keep <= total:
+        raise ValueError(f"cannot keep {keep} of {total} layers")
+    if keep == 1:
+        return [0]
+    return sorted({round(i * (total - 1) / (keep - 1)) for i in range(keep)})
+
+
+def derive_draft_lm(target: PreTrainedModel, num_layers: int | None = None,
+                    layers: list[int] | None = None) -> PreTrainedModel:
+    """A copy of ``target`` that keeps only some decoder layers (``layers`` or ``num_layers`` evenly)."""
+    decoder = target.get_decoder()
+    total = len(decoder.layers)
+    keep = layers if layers is not None else evenly_spaced(total, num_layers or max(1, total // 8))
+    if any(not 0 <= i < total for i in keep) or len(set(keep)) != len(keep):
+        raise ValueError(f"layers {keep} must be distinct indices in [0, {total})")
+    draft = copy.deepcopy(target)
+    draft_decoder = draft.get_decoder()
+    draft_decoder.layers = torch.nn.ModuleList(draft_decoder.layers[i] for i in keep)
+    for new_index, layer in enumerate(draft_decoder.layers):
+        # Attention modules index the KV cache by their layer number.
+        if hasattr(layer, "self_attn") and hasattr(layer.self_attn, "layer_idx"):
+            layer.self_attn.layer_idx = new_index
+    draft.config.num_hidden_layers = len(keep)
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = [draft.config.layer_types[i] for i in keep]
+    return draft
+
+
+def load_draft_lm(name_or_path: str, dtype: torch.dtype, device: torch.device | str) -> PreTrainedModel:
+    """A draft LM from a hub id or local folder, frozen, in eval mode."""
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    return model.to(device).eval().requires_grad_(False)

@@ -1,0 +1,54 @@
+import json
+
+import pytest
+
+from draftsmith.eval.bench import Run
+from draftsmith.eval.report import summarise
+from draftsmith.eval.run import main
+
+
+def test_summary_pools_runs_and_computes_speedup_against_baseline():
+    runs = [
+        Run("baseline", "1", "math", 1, new_tokens=11, steps=10, seconds=2.0),
+        Run("baseline", "2", "code", 1, new_tokens=21, steps=20, seconds=4.0),
+        Run("fast", "1", "math", 1, new_tokens=11, steps=4, seconds=1.0, accepted=[3, 3, 2, 2]),
+        Run("fast", "2", "code", 1, new_tokens=21, steps=5, seconds=1.0, accepted=[4, 4, 4, 4, 4]),
+    ]
+    s = summarise(runs)["methods"]
+    assert s["baseline"]["acceptance_length"] == pytest.approx(30 / 30)
+    assert s["fast"]["acceptance_length"] == pytest.approx(30 / 9)
+    assert s["fast"]["tokens_per_second"] == pytest.approx(32 / 2.0)
+    assert s["fast"]["speedup"] == pytest.approx((32 / 2.0) / (32 / 6.0))
+    assert s["fast"]["per_category"]["math"]["speedup"] == pytest.approx(2.0)
+    assert s["fast"]["per_category"]["code"]["acceptance_length"] == pytest.approx(4.0)
+    # 9 steps accepted 1, 1, 1 (x9), then >=2 drafts in 7 steps, >=3 in 5 steps
+    assert s["fast"]["per_position_acceptance"] == pytest.approx([1.0, 7 / 9, 5 / 9])
+    assert s["fast"]["accepted_per_step_histogram"] == {"2": 2, "3": 2, "4": 5}
+
+
+@pytest.mark.slow
+def test_cli_writes_table_json_csv_and_plots(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"id": "a", "category": "rep", "prompt": "Repeat exactly: one two three four five six seven."}) + "\n"
+        + json.dumps({"id": "b", "category": "chat", "turns": ["Say hello.", "Now say it again."]}) + "\n"
+    )
+    out = tmp_path / "out"
+    main(["--drafter", "prompt_lookup", "--drafter", "oracle?num_tokens=4", "--drafter", "draft_lm?layers=2&depth=2",
+          "--prompts", str(prompts), "--turns", "2", "--max-new-tokens", "12", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "| method | accept len | tok/s | speedup | chat (tau / x) | rep (tau / x) |" in printed
+    result = json.loads((out / "results.json").read_text())
+    methods = result["methods"]
+    assert set(methods) == {"baseline", "prompt_lookup", "oracle", "draft_lm"}
+    for name, stats in methods.items():
+        for key in ("acceptance_length", "speedup", "tokens_per_second", "baseline_tokens_per_second",
+                    "num_prompts", "new_tokens"):
+            assert key in stats, (name, key)
+        assert stats["num_prompts"] == 3  # prompt a has one turn, prompt b two
+        assert stats["new_tokens"] == methods["baseline"]["new_tokens"]  # greedy: same output everywhere
+    assert methods["oracle"]["acceptance_length"] > 2.5
+    assert methods["baseline"]["acceptance_length"] == pytest.approx(1.0)
+    assert (out / "results.csv").read_text().startswith("method,category,acceptance_length")
+    for png in ("acceptance_by_category.png", "accepted_per_step.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
