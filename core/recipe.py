@@ -60,7 +60,10 @@ class TrainingConfig:
     num_epochs: int = 1
     batch_size: int = 1  # per device, in sequences
     gradient_accumulation_steps: int = 1
+    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"  # after warm-up
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    num_workers: int = 0  # DataLoader workers
+    stop_after_steps: Optional[int] = None  # end this invocation early (time-sliced jobs); resume later
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
     save_every: int = 0  # 0: only at the end

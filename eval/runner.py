@@ -17,11 +17,13 @@ from draftsmith.eval.tree import ROOT, ancestor_mask
 class CausalLMRunner:
     """Incremental forward passes (chains or trees) over one sequence with a ``DynamicCache``."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel | None = None, *, decoder=None, lm_head=None, config=None):
+        """Wrap an HF causal LM, or any ``decoder`` (HF-decoder-like forward) with an ``lm_head`` callable."""
         self.model = model
-        self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
-        param = next(model.parameters())
+        self.decoder = decoder if decoder is not None else model.get_decoder()
+        self.lm_head = lm_head if lm_head is not None else model.get_output_embeddings()
+        self.config = config if config is not None else model.config
+        param = next(self.decoder.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cache: DynamicCache | None = None
         self.length = 0  # committed tokens in the cache
@@ -29,7 +31,7 @@ class CausalLMRunner:
 
     def reset(self) -> None:
         """Forget the sequence."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = DynamicCache(config=self.config)
         self.length = 0
         self.pending_parents = []
 
@@ -44,14 +46,15 @@ class CausalLMRunner:
 
     @torch.no_grad()
     def forward(self, tokens: list[int] | torch.Tensor, parents: list[int] | None = None,
-                depths: list[int] | None = None) -> torch.Tensor:
+                depths: list[int] | None = None, **inputs) -> torch.Tensor:
         """Run ``tokens`` after the committed prefix and return their last hidden states ``[n, H]``.
 
         Without ``parents`` the tokens form a chain and are committed at once. With ``parents``
         they are tree rows at positions ``length + depths``: ``parents`` index all pending rows
         (earlier tree forwards first, then these), ``-1`` for rows that hang directly off the
         committed prefix. Tree rows stay pending, so a tree can grow over several forwards, until
-        :meth:`commit` keeps the accepted ones.
+        :meth:`commit` keeps the accepted ones. Extra ``inputs`` (e.g. EAGLE's ``features``) go
+        to the decoder as they are.
         """
         if self.cache is None:
             self.reset()
@@ -67,7 +70,7 @@ class CausalLMRunner:
             mask = self._mask(parents)
         out = self.decoder(
             input_ids=ids, position_ids=positions.view(1, -1), attention_mask=mask,
-            past_key_values=self.cache, use_cache=True,
+            past_key_values=self.cache, use_cache=True, **inputs,
         )
         if parents is None:
             self.length += n

@@ -2,7 +2,8 @@
 
 A spec is ``KIND[:PATH][?key=value&key=value]``, e.g. ``prompt_lookup``,
 ``prompt_lookup?num_tokens=4&branches=3``, ``draft_lm:HuggingFaceTB/SmolLM2-135M-Instruct?depth=5``,
-``draft_lm?layers=4`` (a draft cut from the target), ``oracle?num_tokens=8``. ``name=`` sets the
+``draft_lm?layers=4`` (a draft cut from the target), ``oracle?num_tokens=8``,
+``eagle:runs/x/checkpoint-final?depth=5&top_k=3&budget=12``. ``name=`` sets the
 label used in tables.
 """
 
@@ -71,6 +72,14 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
             else:
                 model = derive_draft_lm(target, num_layers=layers or 4)
             drafter = DraftLMDrafter(model, **options)
+        elif parsed.kind == "eagle":
+            from draftsmith.eval.drafters.eagle import EagleDrafter
+            from draftsmith.heads.eagle import EagleHead
+
+            if not parsed.path:
+                raise ValueError("the eagle drafter needs a checkpoint: eagle:PATH")
+            head = EagleHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
+            drafter = EagleDrafter(head, **options)
         else:
             raise ValueError(f"drafter kind {parsed.kind!r} has no engine adapter yet")
     except TypeError as err:

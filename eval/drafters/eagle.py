@@ -1,0 +1,61 @@
+"""EAGLE drafting: the head extends the target's features autoregressively into an EAGLE-2 tree.
+
+The head keeps its own KV cache over (token, target feature) pairs: after the prefill it reads
+the prompt's pairs, after every step the accepted tokens paired with the target's features of
+the tokens before them. Tree rows (fed with the head's own predicted features) are discarded
+after each proposal, so the cache only ever holds real target features.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder, grow_tree
+from draftsmith.heads.eagle import EagleHead
+
+
+class EagleDrafter(Drafter):
+    """An EAGLE head growing dynamic trees of ``depth`` levels, ``top_k`` wide, ``budget`` nodes."""
+
+    needs_hidden = True
+
+    def __init__(self, head: EagleHead, depth: int = 5, top_k: int = 3, budget: int = 12, name: str = "eagle"):
+        self.head = head.eval()
+        self.runner = CausalLMRunner(decoder=head, lm_head=head.logits, config=head.config)
+        self.depth, self.top_k, self.budget, self.name = depth, top_k, budget, name
+        self._tokens: list[int] = []
+        self._features: torch.Tensor | None = None
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        self.runner.reset()
+        # Pair token i+1 with the target's feature of token i.
+        self._tokens, self._features = list(tokens[1:]), hidden
+
+    def accept(self, result: StepResult) -> None:
+        self._tokens, self._features = list(result.accepted), result.hidden
+
+    def _expand(self, frontier: list[int], builder: TreeBuilder) -> torch.Tensor:
+        base = len(self.runner.pending_parents)
+        parents = [builder.parents[n] for n in frontier]
+        features = torch.stack([self._predicted[p] for p in parents])
+        out = self.runner.forward([builder.tokens[n] for n in frontier], [self._row[p] for p in parents],
+                                  [builder.depths[n] - 1 for n in frontier], features=features[None])
+        for i, node in enumerate(frontier):
+            self._row[node], self._predicted[node] = base + i, out[i]
+        return self.head.logits(out)
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> TokenTree:
+        dtype = next(self.head.parameters()).dtype
+        out = self.runner.forward(self._tokens, features=self._features.to(dtype)[None])
+        self._tokens, self._features = [], None
+        depth = min(self.depth, context.max_tokens)
+        if depth < 1:
+            return TokenTree()
+        self._row, self._predicted = {ROOT: ROOT}, {ROOT: out[-1]}
+        tree = grow_tree(self.head.logits(out[-1]), self._expand, depth, self.top_k, self.budget,
+                         context.sampling, context.generator)
+        self.runner.commit([])
+        return tree

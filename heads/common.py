@@ -1,0 +1,63 @@
+"""What every drafter checkpoint shares: a record of the target it was trained for.
+
+A head is useless (and silently wrong) on another target, so its ``config.json`` names the
+target and carries a cheap fingerprint of the target's embedding matrix that is compared on load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+
+class TargetMismatchError(ValueError):
+    """A drafter checkpoint loaded against a target it was not trained for."""
+
+
+def target_record(target: PreTrainedModel, name: str) -> dict:
+    """Identity of ``target``: its name, shape and an embedding checksum (dtype independent)."""
+    embedding = target.get_input_embeddings().weight
+    rows = embedding[: min(256, embedding.shape[0])].detach().double()
+    return {
+        "name": name,
+        "model_type": target.config.model_type,
+        "hidden_size": target.config.hidden_size,
+        "vocab_size": embedding.shape[0],
+        "num_hidden_layers": target.config.num_hidden_layers,
+        "embedding_checksum": float(rows.abs().sum()),
+    }
+
+
+def check_target(record: dict, target: PreTrainedModel, checkpoint: str | Path) -> None:
+    """Raise :class:`TargetMismatchError` unless ``target`` matches the checkpoint's ``record``."""
+    actual = target_record(target, record.get("name", "?"))
+    problems = [
+        f"{key}: checkpoint {record[key]!r} vs target {actual[key]!r}"
+        for key in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers")
+        if record.get(key) != actual[key]
+    ]
+    expected = record.get("embedding_checksum")
+    if not problems and expected is not None:
+        # bf16 vs fp32 copies of the same weights differ by ~0.1% in this sum; another model by far more.
+        if abs(actual["embedding_checksum"] - expected) > 1e-2 * abs(expected):
+            problems.append("embedding weights differ (different model with the same shape)")
+    if problems:
+        raise TargetMismatchError(
+            f"{checkpoint} was trained for target {record.get('name')!r} and does not match the target "
+            f"given: {'; '.join(problems)}"
+        )
+
+
+def read_config(path: str | Path, kind: str) -> dict:
+    """The ``config.json`` of a drafter checkpoint folder, checked to be of ``kind``."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a drafter checkpoint: no config.json")
+    config = json.loads(file.read_text())
+    if config.get("draftsmith_kind") != kind:
+        raise ValueError(f"{path} holds a {config.get('draftsmith_kind')!r} drafter, not {kind!r}")
+    return config
+

@@ -1,0 +1,188 @@
+"""The EAGLE-1 head: a feature-level autoregressive drafter (Li et al., 2024).
+
+At position i the head reads ``[embedding of token i+1 ; f_i]`` (``f_i`` the target's last
+hidden state, the one its LM head reads), maps it from 2h to h with a linear layer and runs
+``num_layers`` decoder layers of the target's own architecture to predict ``f_{i+1}``; the
+target's frozen LM head turns that into draft logits. The target's embedding and LM head are
+used by reference and never saved into the head's checkpoint. An optional reduced draft
+vocabulary (the most frequent tokens) makes every draft step's LM head call that much cheaper.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+from draftsmith.heads.common import check_target, read_config, target_record
+
+KIND = "eagle"
+
+
+class EagleHead(nn.Module):
+    """``fc`` over ``[embedding ; feature]`` then decoder layers of the target's architecture."""
+
+    def __init__(self, target_config: PretrainedConfig, num_layers: int = 1,
+                 draft_vocab: torch.Tensor | None = None, target_info: dict | None = None,
+                 layer_class: type | None = None, rotary_class: type | None = None):
+        super().__init__()
+        config = target_config.__class__.from_dict(target_config.to_dict())
+        config.num_hidden_layers = num_layers
+        config._attn_implementation = "sdpa"
+        self.config = config
+        self.target_info = target_info or {}
+        if layer_class is None or rotary_class is None:
+            layer_class, rotary_class = _architecture(config)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layers = nn.ModuleList(layer_class(config, layer_idx=i) for i in range(num_layers))
+        # The fc output is already a mixed feature: EAGLE drops the first layer's input norm.
+        self.layers[0].input_layernorm = nn.Identity()
+        self.rotary_emb = rotary_class(config)
+        vocab = draft_vocab if draft_vocab is not None else torch.arange(config.vocab_size)
+        self.register_buffer("draft_vocab", vocab.long(), persistent=True)
+        self._target: tuple = ()
+
+    # -- binding to the target -------------------------------------------------------------
+    def bind(self, target: PreTrainedModel) -> "EagleHead":
+        """Use ``target``'s embedding and LM head (by reference, frozen)."""
+        self._target = (target,)  # a tuple: nn.Module neither registers nor saves it
+        return self
+
+    @property
+    def target(self) -> PreTrainedModel:
+        if not self._target:
+            raise RuntimeError("bind(target) the EAGLE head before running it")
+        return self._target[0]
+
+    @property
+    def full_vocab(self) -> bool:
+        return self.draft_vocab.numel() == self.config.vocab_size
+
+    def draft_lm_weight(self) -> torch.Tensor:
+        """The target LM head's rows for the draft vocabulary ``[N, h]``."""
+        weight = self.target.get_output_embeddings().weight
+        return weight if self.full_vocab else weight[self.draft_vocab]
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary ``[..., N]``."""
+        return hidden @ self.draft_lm_weight().to(hidden.dtype).T
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the full vocabulary (``-inf`` outside the draft vocabulary)."""
+        small = self.draft_logits(hidden).float()
+        if self.full_vocab:
+            return small
+        full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, small)
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False):
+        """Predicted next features ``[b, n, h]`` (as ``.last_hidden_state``, like an HF decoder).
+
+        ``attention_mask`` is an additive 4D mask, a ``[b, n]`` padding mask (1 = token), or None
+        for plain causal attention after whatever ``past_key_values`` holds.
+        """
+        embeds = self.target.get_input_embeddings()(input_ids).to(features.dtype)
+        hidden = self.fc(torch.cat([embeds, features], dim=-1))
+        batch, n = input_ids.shape
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=hidden.device).expand(batch, n)
+        if attention_mask is None or attention_mask.dim() == 2:
+            attention_mask = _causal_mask(batch, n, past, attention_mask, hidden.dtype, hidden.device)
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=past_key_values, use_cache=use_cache,
+                           position_embeddings=position_embeddings)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        return SimpleNamespace(last_hidden_state=hidden, past_key_values=past_key_values)
+
+    # -- construction and checkpoints ------------------------------------------------------------
+    @classmethod
+    def for_target(cls, target: PreTrainedModel, target_name: str, num_layers: int = 1,
+                   draft_vocab: torch.Tensor | None = None, init: str = "last_layer") -> "EagleHead":
+        """A fresh head for ``target``.
+
+        ``init="last_layer"`` copies the target's last decoder layer into every head layer and
+        sets ``fc`` to pass the feature through (``[0 | I]``), so training starts from "run the
+        last layer once more" rather than from noise; ``init="random"`` is the paper's.
+        """
+        decoder = target.get_decoder()
+        head = cls(target.config, num_layers, draft_vocab, target_record(target, target_name),
+                   type(decoder.layers[0]), type(decoder.rotary_emb))
+        if init == "last_layer":
+            hidden = target.config.hidden_size
+            with torch.no_grad():
+                head.fc.weight.zero_()
+                head.fc.weight[:, hidden:] = torch.eye(hidden)
+                head.fc.bias.zero_()
+                for layer in head.layers:
+                    state = {k: v for k, v in decoder.layers[-1].state_dict().items()
+                             if not k.startswith("input_layernorm") or not isinstance(layer.input_layernorm, nn.Identity)}
+                    layer.load_state_dict(state, strict=False)
+        elif init != "random":
+            raise ValueError(f"unknown EAGLE head init {init!r}; use 'last_layer' or 'random'")
+        param = next(target.parameters())
+        return head.to(device=param.device).bind(target)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        config = {
+            "draftsmith_kind": KIND,
+            "architectures": ["EagleHead"],
+            "num_layers": len(self.layers),
+            "draft_vocab_size": int(self.draft_vocab.numel()),
+            "target": self.target_info,
+            "target_config": self.config.to_dict(),
+        }
+        (path / "config.json").write_text(json.dumps(config, indent=1, default=str))
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt", "draftsmith_kind": KIND})
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> "EagleHead":
+        """Load a head; with ``target`` it is checked against the recorded target and bound to it."""
+        config = read_config(path, KIND)
+        if target is not None:
+            check_target(config["target"], target, path)
+        target_config = AutoConfig.for_model(**config["target_config"])
+        state = load_file(str(Path(path) / "model.safetensors"))
+        layer_class = rotary_class = None
+        if target is not None:
+            decoder = target.get_decoder()
+            layer_class, rotary_class = type(decoder.layers[0]), type(decoder.rotary_emb)
+        head = cls(target_config, config["num_layers"], state["draft_vocab"], config["target"], layer_class, rotary_class)
+        head.load_state_dict(state)
+        if target is not None:
+            param = next(target.parameters())
+            head.to(device=param.device).bind(target)
+        return head
+
+
+def _architecture(config: PretrainedConfig) -> tuple[type, type]:
+    """Decoder-layer and rotary-embedding classes of ``config``'s architecture."""
+    from transformers import AutoModel
+
+    with torch.device("meta"):
+        shell = AutoModel.from_config(config)
+    return type(shell.layers[0]), type(shell.rotary_emb)
+
+
+def _causal_mask(batch: int, n: int, past: int, padding: torch.Tensor | None, dtype, device) -> torch.Tensor:
+    allowed = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(diagonal=past)
+    allowed = allowed.expand(batch, 1, n, past + n)
+    if padding is not None:
+        keys = torch.cat([padding.new_ones(batch, past), padding], dim=1).bool()
+        allowed = allowed & keys[:, None, None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)

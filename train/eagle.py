@@ -1,0 +1,175 @@
+"""Train an EAGLE head: ``accelerate launch train/eagle.py recipes/smollm2-eagle.yaml [--resume] [--key value]``.
+
+Loss at position i (head input ``[emb(t_{i+1}) ; f_i + noise]``, output the predicted
+``f_{i+1}``): Smooth-L1 against the target's ``f_{i+1}`` plus ``ce_weight`` x the cross-entropy
+between the target's distribution of token i+2 and the LM head applied to the prediction, on
+assistant tokens only. Features come from the frozen target inside the step (``online``) or from
+an on-disk cache written by ``draftsmith.data_prep.features`` (``offline``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.data_prep.dataset import build_dataset
+from draftsmith.data_prep.features import FeatureDataset, extract_features, features_dir
+from draftsmith.heads.eagle import EagleHead
+from draftsmith.recipe import DrafterConfig, Recipe
+from draftsmith.target import load_target
+from draftsmith.train.cli import parse_training_args
+from draftsmith.train.loop import Trainer
+
+
+@dataclass
+class EagleDrafterConfig(DrafterConfig):
+    """The EAGLE head and its loss."""
+
+    kind: str = "eagle"
+    num_layers: int = 1
+    init: Literal["last_layer", "random"] = "last_layer"
+    draft_vocab_size: Optional[int] = None  # None: the full vocabulary; N: the N most frequent assistant tokens
+    feature_noise: float = 0.2  # uniform noise amplitude added to input features while training
+    regression_weight: float = 1.0
+    ce_weight: float = 0.1
+    features: Literal["online", "offline"] = "online"
+    features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache)
+
+    def validate(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
+            raise ValueError(f"drafter.draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
+
+
+@dataclass
+class EagleRecipe(Recipe):
+    drafter: EagleDrafterConfig = field(default_factory=EagleDrafterConfig)
+
+
+def frequent_tokens(dataset, size: int, always: set[int]) -> torch.Tensor:
+    """The ``size`` most frequent assistant tokens (plus ``always``), sorted by id."""
+    counts = torch.zeros(0, dtype=torch.long)
+    for row in dataset:
+        ids = torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"], dtype=torch.bool)]
+        binc = torch.bincount(ids)
+        if binc.numel() > counts.numel():
+            binc[: counts.numel()] += counts
+            counts = binc
+        else:
+            counts[: binc.numel()] += binc
+    chosen = set(torch.argsort(counts, descending=True)[:size].tolist()) | always
+    ranked = sorted(chosen, key=lambda t: -int(counts[t]) if t < counts.numel() else 0)[:size]
+    return torch.tensor(sorted(ranked))
+
+
+class EagleTask:
+    """The EAGLE loss over a frozen target."""
+
+    def __init__(self, recipe: EagleRecipe, target, head: EagleHead):
+        self.cfg = recipe.drafter
+        self.target = target
+        self.model = head
+
+    def collate(self, rows: list[dict]) -> dict:
+        longest = max(len(r["input_ids"]) for r in rows)
+        batch = {
+            "input_ids": torch.zeros(len(rows), longest, dtype=torch.long),
+            "loss_mask": torch.zeros(len(rows), longest, dtype=torch.bool),
+            "attention_mask": torch.zeros(len(rows), longest, dtype=torch.long),
+        }
+        if "hidden" in rows[0]:
+            batch["hidden"] = torch.zeros(len(rows), longest, rows[0]["hidden"].shape[-1], dtype=rows[0]["hidden"].dtype)
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
+            batch["loss_mask"][i, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
+            batch["attention_mask"][i, :n] = 1
+            if "hidden" in row:
+                batch["hidden"][i, :n] = row["hidden"]
+        return batch
+
+    @torch.no_grad()
+    def target_features(self, batch: dict) -> torch.Tensor:
+        """The target's last hidden states (what its LM head reads), from the batch or computed."""
+        if "hidden" in batch:
+            return batch["hidden"]
+        decoder = self.target.get_decoder()
+        return decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+
+    def loss(self, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        head = self.model
+        unwrapped = getattr(head, "module", head)
+        features = self.target_features(batch)
+        dtype = next(unwrapped.parameters()).dtype
+        feats_in = features[:, :-1].to(dtype)
+        if training and self.cfg.feature_noise > 0:
+            feats_in = feats_in + (torch.rand_like(feats_in) * 2 - 1) * self.cfg.feature_noise
+        pred = head(batch["input_ids"][:, 1:], feats_in, attention_mask=batch["attention_mask"][:, 1:]).last_hidden_state
+        target_next = features[:, 1:].to(pred.dtype)
+        # Position i predicts the feature of i+1, which scores token i+2: weigh by that token's mask.
+        mask = torch.zeros_like(batch["loss_mask"][:, 1:])
+        mask[:, :-1] = batch["loss_mask"][:, 2:]
+        mask = mask & batch["attention_mask"][:, 1:].bool()
+        pred, target_next = pred[mask], target_next[mask]
+        tokens = int(mask.sum())
+        if tokens == 0:
+            zero = pred.sum() * 0.0
+            return zero, {"tokens": 0.0}
+        regression = F.smooth_l1_loss(pred.float(), target_next.float(), reduction="none").mean(-1)
+        with torch.no_grad():
+            target_logits = unwrapped.draft_logits(target_next).float()
+            target_probs = target_logits.softmax(-1)
+            full_best = (target_next @ self.target.get_output_embeddings().weight.to(target_next.dtype).T).argmax(-1)
+        draft_logits = unwrapped.draft_logits(pred).float()
+        ce = -(target_probs * draft_logits.log_softmax(-1)).sum(-1)
+        loss = (self.cfg.regression_weight * regression + self.cfg.ce_weight * ce).mean()
+        with torch.no_grad():
+            top3 = unwrapped.draft_vocab[draft_logits.topk(3, dim=-1).indices]
+            top1_hits = (top3[:, 0] == full_best).sum()
+            top3_hits = (top3 == full_best[:, None]).any(-1).sum()
+        metrics = {
+            "tokens": float(tokens),
+            "loss": float(loss.detach()) * tokens,
+            "regression_loss": float(regression.sum()),
+            "ce_loss": float(ce.sum()),
+            "top1": float(top1_hits),
+            "top3": float(top3_hits),
+        }
+        return loss, metrics
+
+    def save_pretrained(self, model, path: Path) -> None:
+        model.save_pretrained(path)
+
+
+def build(recipe: EagleRecipe):
+    """Target, tokenised data (or features), head and task for ``recipe``."""
+    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype)
+    data, _ = build_dataset(recipe.data, tokenizer)
+    draft_vocab = None
+    if recipe.drafter.draft_vocab_size:
+        special = {i for i in tokenizer.all_special_ids if i is not None}
+        draft_vocab = frequent_tokens(data["train"], recipe.drafter.draft_vocab_size, special)
+    head = EagleHead.for_target(target, recipe.target.name, recipe.drafter.num_layers, draft_vocab, recipe.drafter.init)
+    train_set, eval_set = data["train"], data["held_out"]
+    if recipe.drafter.features == "offline":
+        root = features_dir(recipe, data)
+        extract_features(target, data, root)
+        train_set, eval_set = FeatureDataset(root / "train"), FeatureDataset(root / "held_out")
+    return target, EagleTask(recipe, target, head), train_set, eval_set
+
+
+def main(argv: list[str] | None = None) -> Path:
+    recipe, resume = parse_training_args(EagleRecipe, argv, __doc__)
+    target, task, train_set, eval_set = build(recipe)
+    trainer = Trainer(recipe, task, train_set, eval_set)
+    task.target.to(trainer.accelerator.device)
+    return trainer.train(resume=resume)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""The training loop every drafter kind shares.
+
+Accelerate drives devices, mixed precision, DDP or DeepSpeed (built from the recipe, so a bare
+``accelerate launch script.py recipe.yaml`` needs no extra flags) and the W&B tracker. A drafter
+kind supplies a :class:`TrainTask`: the trainable module, the loss of a batch and how to export
+a checkpoint. Checkpoints are written atomically (``checkpoint-N``: the exported drafter plus
+``state/`` with model, optimiser, scheduler and RNG states and the data position), and
+``--resume`` continues from the newest one so an interrupted run ends where an uninterrupted run
+would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from accelerate import Accelerator, DeepSpeedPlugin
+from accelerate.utils import InitProcessGroupKwargs, set_seed
+from torch.utils.data import DataLoader, Subset
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from draftsmith.config import dump_recipe, to_dict
+from draftsmith.recipe import Recipe
+
+FINAL = "checkpoint-final"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+class TrainTask(Protocol):
+    """What a drafter kind plugs into the loop."""
+
+    model: torch.nn.Module  # the trainable module (only its parameters are optimised)
+
+    def loss(self, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss of a batch and metrics to log (summed over tokens: ``metrics['tokens']`` weighs them)."""
+
+    def collate(self, rows: list[dict]) -> dict:
+        """Pad a list of dataset rows into a batch."""
+
+    def save_pretrained(self, model: torch.nn.Module, path: Path) -> None:
+        """Export ``model`` (the unwrapped trainable module) as a self-describing checkpoint."""
+
+
+@dataclass
+class TrainState:
+    """Where training stands (saved with every checkpoint)."""
+
+    step: int = 0  # optimiser steps done
+    epoch: int = 0
+    batches_in_epoch: int = 0  # micro-batches of this epoch already consumed
+    tokens: int = 0  # loss tokens seen
+
+
+def _wandb_mode(mode: str) -> None:
+    if mode != "auto":
+        os.environ["WANDB_MODE"] = mode
+        return
+    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
+        return
+    try:
+        has_login = netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        has_login = False
+    if not has_login:  # W&B errors out without a key: log locally, `wandb sync` later
+        os.environ["WANDB_MODE"] = "offline"
+
+
+def make_accelerator(recipe: Recipe) -> Accelerator:
+    """An Accelerator configured from the recipe's training, distributed and tracking sections."""
+    train, dist, track = recipe.training, recipe.distributed, recipe.tracking
+    kwargs: dict = {
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "mixed_precision": train.mixed_precision,
+        "project_dir": train.output_dir,
+    }
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.backend == "deepspeed"
+    if launched and not torch.cuda.is_available():
+        # Multi-process CPU runs (and DeepSpeed on CPU) need gloo instead of NCCL.
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    if dist.backend == "deepspeed":
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
+            zero_stage=dist.zero_stage,
+            gradient_accumulation_steps=train.gradient_accumulation_steps,
+            gradient_clipping=train.max_grad_norm,
+            offload_optimizer_device="cpu" if dist.offload_optimizer else "none",
+            offload_param_device="cpu" if dist.offload_params else "none",
+            zero3_init_flag=False,
+        )
+    if track.report_to == "wandb" and track.mode != "disabled":
+        _wandb_mode(track.mode)
+        kwargs["log_with"] = "wandb"
+    return Accelerator(**kwargs)
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete numbered checkpoints, oldest first."""
+    root = Path(output_dir)
+    found = [(int(m.group(1)), p) for p in root.glob("checkpoint-*") if (m := _CHECKPOINT.match(p.name))
+             and (p / "state" / "trainer_state.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def _epoch_loader(dataset, task: TrainTask, recipe: Recipe, epoch: int) -> DataLoader:
+    order = np.random.default_rng(recipe.training.seed + epoch).permutation(len(dataset)).tolist()
+    return DataLoader(Subset(dataset, order), batch_size=recipe.training.batch_size, shuffle=False,
+                      collate_fn=task.collate, num_workers=recipe.training.num_workers)
+
+
+def _param_checksum(model: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+class Trainer:
+    """Runs a :class:`TrainTask` under a recipe."""
+
+    def __init__(self, recipe: Recipe, task: TrainTask, train_data, eval_data=None):
+        self.recipe, self.task = recipe, task
+        self.train_data, self.eval_data = train_data, eval_data
+        self.output_dir = Path(recipe.training.output_dir)
+        self.accelerator = make_accelerator(recipe)
+        set_seed(recipe.training.seed)
+        t = recipe.training
+        micro_batches = math.ceil(len(train_data) / t.batch_size / self.accelerator.num_processes)
+        self.steps_per_epoch = max(1, micro_batches // t.gradient_accumulation_steps)
+        self.max_steps = t.max_steps or self.steps_per_epoch * t.num_epochs
+        params = [p for p in task.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+        schedule = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[t.lr_schedule]
+        # Accelerate advances a prepared scheduler once per process at every optimiser step.
+        world = self.accelerator.num_processes
+        scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=t.warmup_steps * world,
+                                  num_training_steps=self.max_steps * world)
+        # DeepSpeed reads the micro-batch size from a prepared dataloader; give it one.
+        probe = _epoch_loader(train_data, task, recipe, 0)
+        self.model, self.optimizer, self.scheduler, _ = self.accelerator.prepare(task.model, optimizer, scheduler, probe)
+        self.state = TrainState()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save(self, name: str) -> Path:
+        """Write ``output_dir/name`` atomically: exported drafter + resumable state."""
+        acc = self.accelerator
+        final = self.output_dir / name
+        tmp = self.output_dir / f".{name}.tmp"
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp / "state"))
+        if acc.is_main_process:
+            self.task.save_pretrained(acc.unwrap_model(self.model), tmp)
+            (tmp / "state" / "trainer_state.json").write_text(json.dumps(self.state.__dict__))
+            dump_recipe(self.recipe, tmp / "recipe.yaml")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            self._prune()
+        acc.wait_for_everyone()
+        return final
+
+    def _prune(self) -> None:
+        keep = self.recipe.training.keep_checkpoints
+        for old in checkpoints(self.output_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def resume(self) -> bool:
+        """Load the newest checkpoint under ``output_dir``; False when there is none."""
+        found = checkpoints(self.output_dir)
+        if not found:
+            return False
+        self.accelerator.load_state(str(found[-1] / "state"))
+        self.state = TrainState(**json.loads((found[-1] / "state" / "trainer_state.json").read_text()))
+        self.accelerator.print(f"resumed from {found[-1]} at step {self.state.step}")
+        return True
+
+    # -- evaluation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Token-weighted held-out metrics, prefixed ``eval/``."""
+        if not self.eval_data or len(self.eval_data) == 0:
+            return {}
+        self.model.eval()
+        loader = self.accelerator.prepare(DataLoader(self.eval_data, batch_size=self.recipe.training.batch_size,
+                                                     collate_fn=self.task.collate))
+        totals: dict[str, float] = {}
+        for batch in loader:
+            _, metrics = self.task.loss(batch, training=False)
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value
+        self.model.train()
+        keys = sorted(totals)
+        summed = self.accelerator.reduce(torch.tensor([totals[k] for k in keys], device=self.accelerator.device), "sum")
+        totals = dict(zip(keys, summed.tolist()))
+        tokens = max(totals.pop("tokens", 1.0), 1.0)
+        return {f"eval/{k}": v / tokens for k, v in totals.items()}
+
+    # -- the loop --------------------------------------------------------------------------------
+    def train(self, resume: bool = False) -> Path:
+        """Train to ``max_steps`` (or ``stop_after_steps``); returns the last checkpoint written."""
+        acc, t, track = self.accelerator, self.recipe.training, self.recipe.tracking
+        if resume:
+            self.resume()
+        if acc.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        if track.report_to == "wandb" and track.mode != "disabled":
+            acc.init_trackers(track.project, config=to_dict(self.recipe),
+                              init_kwargs={"wandb": {"name": track.run_name, "dir": str(self.output_dir)}})
+        stop_at = min(self.max_steps, t.stop_after_steps or self.max_steps)
+        window: dict[str, float] = {}
+        window_start = time.perf_counter()
+        last_saved: Path | None = None
+        self.model.train()
+        bar = tqdm(total=stop_at, initial=self.state.step, desc="train", disable=not acc.is_local_main_process)
+        while self.state.step < stop_at:
+            loader = acc.prepare(_epoch_loader(self.train_data, self.task, self.recipe, self.state.epoch))
+            if self.state.batches_in_epoch:
+                loader = acc.skip_first_batches(loader, self.state.batches_in_epoch)
+            for batch in loader:
+                with acc.accumulate(self.model):
+                    loss, metrics = self.task.loss(batch, training=True)
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+                    self.optimizer.step()
+                    self.scheduler.step()  # a no-op between accumulation boundaries
+                    self.optimizer.zero_grad()
+                self.state.batches_in_epoch += 1
+                for key, value in metrics.items():
+                    window[key] = window.get(key, 0.0) + value
+                if not acc.sync_gradients:
+                    continue
+                self.state.step += 1
+                bar.update()
+                self.state.tokens += int(metrics.get("tokens", 0))
+                if self.state.step % t.log_every == 0 or self.state.step == stop_at:
+                    self._log(window, time.perf_counter() - window_start)
+                    window, window_start = {}, time.perf_counter()
+                if t.eval_every and self.state.step % t.eval_every == 0:
+                    acc.log(self.evaluate(), step=self.state.step)
+                if t.save_every and self.state.step % t.save_every == 0 and self.state.step < self.max_steps:
+                    last_saved = self.save(f"checkpoint-{self.state.step}")
+                if self.state.step >= stop_at:
+                    break
+            else:
+                self.state.epoch += 1
+                self.state.batches_in_epoch = 0
+        bar.close()
+        if self.state.step >= self.max_steps:
+            acc.log(self.evaluate(), step=self.state.step)
+            last_saved = self.save(FINAL)
+            self._write_replica_checksums(last_saved)
+        elif last_saved is None or not last_saved.name.endswith(f"-{self.state.step}"):
+            last_saved = self.save(f"checkpoint-{self.state.step}")
+        acc.end_training()
+        return last_saved
+
+    def _log(self, window: dict[str, float], seconds: float) -> None:
+        keys = sorted(window)
+        summed = self.accelerator.reduce(torch.tensor([window[k] for k in keys], device=self.accelerator.device), "sum")
+        totals = dict(zip(keys, summed.tolist()))
+        tokens = max(totals.get("tokens", 1.0), 1.0)
+        logs = {f"train/{k}": v / tokens for k, v in totals.items() if k != "tokens"}
+        logs["train/tokens_per_second"] = totals.get("tokens", 0.0) / max(seconds, 1e-9)
+        logs["train/lr"] = self.scheduler.get_last_lr()[0]
+        logs["train/epoch"] = self.state.epoch
+        self.accelerator.log(logs, step=self.state.step)
+        if self.accelerator.is_main_process:
+            shown = {k.split("/")[-1]: round(v, 4) for k, v in logs.items()}
+            tqdm.write(f"step {self.state.step}: {shown}")
+
+    def _write_replica_checksums(self, checkpoint: Path) -> None:
+        """Record every process's parameter checksum: replicas must agree after training."""
+        if self.recipe.distributed.backend == "deepspeed" and self.recipe.distributed.zero_stage == 3:
+            return  # parameters are partitioned; each rank holds a different shard
+        local = torch.tensor([_param_checksum(self.accelerator.unwrap_model(self.model))],
+                             dtype=torch.float64, device=self.accelerator.device)
+        gathered = self.accelerator.gather(local).tolist()
+        if self.accelerator.is_main_process:
+            state_file = checkpoint / "state" / "trainer_state.json"
+            state = json.loads(state_file.read_text())
+            state["replica_checksums"] = gathered
+            state_file.write_text(json.dumps(state))
