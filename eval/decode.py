@@ -72,15 +72,16 @@ class SpeculativeDecoder:
         return sample(probabilities(logits, self.sampling), generator)
 
     def _finish(self, new: list[int], stop_strings: tuple[str, ...], scanned: int) -> tuple[int | None, str]:
-        """Length to cut ``new`` to if generation must stop, and why."""
-        for i in range(scanned, len(new)):
-            if new[i] in self.eos_ids:
-                return i + 1, "eos"
+        """Length to cut ``new`` to if generation must stop, and why (the earliest stop wins)."""
+        eos = next((i + 1 for i in range(scanned, len(new)) if new[i] in self.eos_ids), None)
         if stop_strings and self.tokenizer is not None:
-            for end in range(max(scanned, 1), len(new) + 1):
+            # Only before the EOS: a stop string completed earlier in the step ends it there.
+            for end in range(max(scanned, 1), eos if eos is not None else len(new) + 1):
                 text = self.tokenizer.decode(new[:end])
                 if any(s in text for s in stop_strings):
                     return end, "stop_string"
+        if eos is not None:
+            return eos, "eos"
         return None, "length"
 
     @torch.no_grad()
@@ -140,6 +141,8 @@ class SpeculativeDecoder:
             if drafter is not None:
                 drafter.accept(StepResult(accepted_tokens, kept if drafter.needs_hidden else None, list(prompt) + new))
             cut, reason = self._finish(new, stop_strings, scanned)
+            if cut is not None and cut > max_new_tokens:  # a drafter overshot: the stop is never reached
+                cut = None
             end = min(cut or len(new), max_new_tokens)
             result.accepted.append(end - scanned)
             if streamer:

@@ -62,7 +62,7 @@ def choose(
     probs = probabilities(logits, sampling)
     k = min(k, int((probs > 0).sum(-1).min()))
     uniform = torch.rand(probs.shape, generator=generator, device=probs.device)
-    gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)).clamp_min(1e-20))
+    gumbel = -torch.log((-torch.log(uniform.clamp_min(1e-20))).clamp_min(1e-20))
     return torch.topk(probs.log() + gumbel, k, dim=-1).indices, probs
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.heads.common import check_target, read_config, target_record
 
@@ -103,7 +103,7 @@ class EagleHead(nn.Module):
                            past_key_values=past_key_values, use_cache=use_cache,
                            position_embeddings=position_embeddings)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        return SimpleNamespace(last_hidden_state=hidden, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
 
     # -- construction and checkpoints ------------------------------------------------------------
     @classmethod

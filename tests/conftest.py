@@ -16,8 +16,14 @@ def smollm2():
     return model, tokenizer
 
 
-def tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
-    """A random-weight Llama small enough for exhaustive or statistical tests."""
+def tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, seed: int = 0,
+               scale: float = 1.0) -> LlamaForCausalLM:
+    """A random-weight Llama small enough for exhaustive or statistical tests.
+
+    At the default init (std 0.02) such a model is nearly uniform and context-blind, so greedy
+    decoding repeats one token; ``scale`` multiplies every weight except the norms (10-20 gives
+    peaked, context-dependent distributions and varied greedy text).
+    """
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
@@ -25,4 +31,16 @@ def tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, see
         max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=1,
         tie_word_embeddings=True,
     )
-    return LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval()
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" not in name:
+                    param.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="session")
+def make_tiny_llama():
+    """``tiny_llama`` as a fixture: with ``--import-mode=importlib`` tests cannot import conftest."""
+    return tiny_llama

@@ -101,9 +101,8 @@ class EagleTask:
         decoder = self.target.get_decoder()
         return decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
 
-    def loss(self, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
-        head = self.model
-        unwrapped = getattr(head, "module", head)
+    def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        unwrapped = self.model
         features = self.target_features(batch)
         dtype = next(unwrapped.parameters()).dtype
         feats_in = features[:, :-1].to(dtype)

@@ -42,8 +42,9 @@ class TrainTask(Protocol):
 
     model: torch.nn.Module  # the trainable module (only its parameters are optimised)
 
-    def loss(self, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss of a batch and metrics to log (summed over tokens: ``metrics['tokens']`` weighs them)."""
+    def loss(self, model: torch.nn.Module, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss of a batch through ``model`` (the wrapped module: DDP/DeepSpeed hooks live there) and
+        metrics to log, summed over tokens (``metrics['tokens']`` weighs them)."""
 
     def collate(self, rows: list[dict]) -> dict:
         """Pad a list of dataset rows into a batch."""
@@ -113,8 +114,11 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
 
 def _epoch_loader(dataset, task: TrainTask, recipe: Recipe, epoch: int) -> DataLoader:
     order = np.random.default_rng(recipe.training.seed + epoch).permutation(len(dataset)).tolist()
+    # Its own generator: creating an iterator then draws its worker seed from it, not from the
+    # global RNG, so a resumed run consumes the global RNG exactly as an uninterrupted one.
+    generator = torch.Generator().manual_seed(recipe.training.seed + epoch)
     return DataLoader(Subset(dataset, order), batch_size=recipe.training.batch_size, shuffle=False,
-                      collate_fn=task.collate, num_workers=recipe.training.num_workers)
+                      collate_fn=task.collate, num_workers=recipe.training.num_workers, generator=generator)
 
 
 def _param_checksum(model: torch.nn.Module) -> float:
@@ -193,7 +197,7 @@ class Trainer:
                                                      collate_fn=self.task.collate))
         totals: dict[str, float] = {}
         for batch in loader:
-            _, metrics = self.task.loss(batch, training=False)
+            _, metrics = self.task.loss(self.model, batch, training=False)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         self.model.train()
@@ -226,7 +230,7 @@ class Trainer:
                 loader = acc.skip_first_batches(loader, self.state.batches_in_epoch)
             for batch in loader:
                 with acc.accumulate(self.model):
-                    loss, metrics = self.task.loss(batch, training=True)
+                    loss, metrics = self.task.loss(self.model, batch, training=True)
                     acc.backward(loss)
                     if acc.sync_gradients:
                         acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
