@@ -17,6 +17,7 @@ import netrc
 import os
 import re
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Protocol
 import numpy as np
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin
-from accelerate.utils import InitProcessGroupKwargs, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -77,6 +78,12 @@ def _wandb_mode(mode: str) -> None:
         os.environ["WANDB_MODE"] = "offline"
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def make_accelerator(recipe: Recipe) -> Accelerator:
     """An Accelerator configured from the recipe's training, distributed and tracking sections."""
     train, dist, track = recipe.training, recipe.distributed, recipe.tracking
@@ -85,7 +92,11 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         "mixed_precision": train.mixed_precision,
         "project_dir": train.output_dir,
     }
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.backend == "deepspeed"
+    if dist.backend == "deepspeed" and "RANK" not in os.environ:
+        # A single process started without a launcher: DeepSpeed would go looking for MPI.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    launched = "LOCAL_RANK" in os.environ  # started by accelerate launch / torchrun (or just above)
     if launched and not torch.cuda.is_available():
         # Multi-process CPU runs (and DeepSpeed on CPU) need gloo instead of NCCL.
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
@@ -101,7 +112,14 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     if track.report_to == "wandb" and track.mode != "disabled":
         _wandb_mode(track.mode)
         kwargs["log_with"] = "wandb"
-    return Accelerator(**kwargs)
+    accelerator = Accelerator(**kwargs)
+    if dist.backend == "deepspeed" and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise RuntimeError(
+            "the recipe asks for DeepSpeed but Accelerate did not enable it: ACCELERATE_USE_CPU=true "
+            "drops DeepSpeed silently. Launch with `accelerate launch --multi_gpu --num_processes N "
+            "SCRIPT RECIPE` (without ACCELERATE_USE_CPU) or set distributed.backend: ddp."
+        )
+    return accelerator
 
 
 def checkpoints(output_dir: str | Path) -> list[Path]:
