@@ -162,12 +162,14 @@ def build(recipe: EagleRecipe):
     return target, EagleTask(recipe, target, head), train_set, eval_set
 
 
-def main(argv: list[str] | None = None) -> Path:
+def main(argv: list[str] | None = None) -> Trainer:
+    """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
     recipe, resume = parse_training_args(EagleRecipe, argv, __doc__)
     target, task, train_set, eval_set = build(recipe)
     trainer = Trainer(recipe, task, train_set, eval_set)
     task.target.to(trainer.accelerator.device)
-    return trainer.train(resume=resume)
+    trainer.last_checkpoint = trainer.train(resume=resume)
+    return trainer
 
 
 if __name__ == "__main__":

@@ -167,6 +167,7 @@ class Trainer:
         probe = _epoch_loader(train_data, task, recipe, 0)
         self.model, self.optimizer, self.scheduler, _ = self.accelerator.prepare(task.model, optimizer, scheduler, probe)
         self.state = TrainState()
+        self.history: list[dict] = []  # every logged metrics dict, with its step
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self, name: str) -> Path:
@@ -267,7 +268,7 @@ class Trainer:
                     self._log(window, time.perf_counter() - window_start)
                     window, window_start = {}, time.perf_counter()
                 if t.eval_every and self.state.step % t.eval_every == 0:
-                    acc.log(self.evaluate(), step=self.state.step)
+                    self._log_eval()
                 if t.save_every and self.state.step % t.save_every == 0 and self.state.step < self.max_steps:
                     last_saved = self.save(f"checkpoint-{self.state.step}")
                 if self.state.step >= stop_at:
@@ -277,13 +278,21 @@ class Trainer:
                 self.state.batches_in_epoch = 0
         bar.close()
         if self.state.step >= self.max_steps:
-            acc.log(self.evaluate(), step=self.state.step)
+            self._log_eval()
             last_saved = self.save(FINAL)
             self._write_replica_checksums(last_saved)
         elif last_saved is None or not last_saved.name.endswith(f"-{self.state.step}"):
             last_saved = self.save(f"checkpoint-{self.state.step}")
         acc.end_training()
         return last_saved
+
+    def _log_eval(self) -> None:
+        metrics = self.evaluate()
+        if metrics:
+            self.accelerator.log(metrics, step=self.state.step)
+            self.history.append({"step": self.state.step, **metrics})
+            if self.accelerator.is_main_process:
+                tqdm.write(f"step {self.state.step} held-out: { {k: round(v, 4) for k, v in metrics.items()} }")
 
     def _log(self, window: dict[str, float], seconds: float) -> None:
         keys = sorted(window)
@@ -295,6 +304,7 @@ class Trainer:
         logs["train/lr"] = self.scheduler.get_last_lr()[0]
         logs["train/epoch"] = self.state.epoch
         self.accelerator.log(logs, step=self.state.step)
+        self.history.append({"step": self.state.step, **logs})
         if self.accelerator.is_main_process:
             shown = {k.split("/")[-1]: round(v, 4) for k, v in logs.items()}
             tqdm.write(f"step {self.state.step}: {shown}")
