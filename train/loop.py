@@ -278,7 +278,8 @@ class Trainer:
                 self.state.batches_in_epoch = 0
         bar.close()
         if self.state.step >= self.max_steps:
-            self._log_eval()
+            if not (t.eval_every and self.state.step % t.eval_every == 0):
+                self._log_eval()
             last_saved = self.save(FINAL)
             self._write_replica_checksums(last_saved)
         elif last_saved is None or not last_saved.name.endswith(f"-{self.state.step}"):
