@@ -31,7 +31,7 @@ class EagleDrafterConfig(DrafterConfig):
 
     kind: str = "eagle"
     num_layers: int = 1
-    init: Literal["last_layer", "random"] = "last_layer"
+    init: Literal["identity", "random"] = "identity"
     draft_vocab_size: Optional[int] = None  # None: the full vocabulary; N: the N most frequent assistant tokens
     feature_noise: float = 0.2  # uniform noise amplitude added to input features while training
     regression_weight: float = 1.0
@@ -52,7 +52,7 @@ class EagleRecipe(Recipe):
 
 
 def frequent_tokens(dataset, size: int, always: set[int]) -> torch.Tensor:
-    """The ``size`` most frequent assistant tokens (plus ``always``), sorted by id."""
+    """``size`` token ids, sorted: ``always`` and then the most frequent assistant tokens."""
     counts = torch.zeros(0, dtype=torch.long)
     for row in dataset:
         ids = torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"], dtype=torch.bool)]
@@ -63,7 +63,7 @@ def frequent_tokens(dataset, size: int, always: set[int]) -> torch.Tensor:
         else:
             counts[: binc.numel()] += binc
     chosen = set(torch.argsort(counts, descending=True)[:size].tolist()) | always
-    ranked = sorted(chosen, key=lambda t: -int(counts[t]) if t < counts.numel() else 0)[:size]
+    ranked = sorted(chosen, key=lambda t: (t not in always, -int(counts[t]) if t < counts.numel() else 0))[:size]
     return torch.tensor(sorted(ranked))
 
 

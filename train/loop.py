@@ -180,6 +180,7 @@ class Trainer:
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp / "state"))
+        acc.wait_for_everyone()  # every rank writes its random_states_{i}.pkl last: all in tmp before the rename
         if acc.is_main_process:
             self.task.save_pretrained(acc.unwrap_model(self.model), tmp)
             (tmp / "state" / "trainer_state.json").write_text(json.dumps(self.state.__dict__))
