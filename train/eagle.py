@@ -123,7 +123,13 @@ class EagleTask:
         with torch.no_grad():
             target_logits = unwrapped.draft_logits(target_next).float()
             target_probs = target_logits.softmax(-1)
-            full_best = (target_next @ self.target.get_output_embeddings().weight.to(target_next.dtype).T).argmax(-1)
+            if training or unwrapped.full_vocab:
+                # The target's argmax within the draft vocabulary: exact with the full vocabulary,
+                # and it spares a full-vocabulary LM-head pass per step (the costliest matmul left).
+                full_best = unwrapped.draft_vocab[target_logits.argmax(-1)]
+            else:
+                lm_head = self.target.get_output_embeddings().weight
+                full_best = (target_next @ lm_head.to(target_next.dtype).T).argmax(-1)
         draft_logits = unwrapped.draft_logits(pred).float()
         ce = -(target_probs * draft_logits.log_softmax(-1)).sum(-1)
         loss = (self.cfg.regression_weight * regression + self.cfg.ce_weight * ce).mean()
