@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.profiler import record_function
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
@@ -122,24 +123,32 @@ class SpeculativeDecoder:
             remaining = max_new_tokens - len(new)
             tree = None
             if drafter is not None:
-                tree = drafter.propose(DraftContext(tokens, self.sampling, generator, remaining - 1))
+                with record_function("draft"):
+                    tree = drafter.propose(DraftContext(tokens, self.sampling, generator, remaining - 1))
             if tree is None or not len(tree):
-                hidden = self.runner.forward([tokens[-1]])
-                accepted_tokens = [self._next(self.runner.logits(hidden[-1]), generator)]
+                with record_function("target_forward"):
+                    hidden = self.runner.forward([tokens[-1]])
+                    logits = self.runner.logits(hidden[-1])
+                accepted_tokens = [self._next(logits, generator)]
                 kept = hidden
             else:
                 parents, depths = tree_rows(tree.parents, tree.depths)
-                hidden = self.runner.forward([tokens[-1]] + tree.tokens, parents, depths)
-                path, last = verify(tree, self.runner.logits(hidden), self.sampling, generator)
+                with record_function("target_forward"):
+                    hidden = self.runner.forward([tokens[-1]] + tree.tokens, parents, depths)
+                    logits = self.runner.logits(hidden)
+                with record_function("verify"):
+                    path, last = verify(tree, logits, self.sampling, generator)
                 rows = [0] + [node + 1 for node in path]
-                self.runner.commit(rows)
+                with record_function("commit"):
+                    self.runner.commit(rows)
                 accepted_tokens = [tree.tokens[node] for node in path] + [last]
                 kept = hidden[rows]
             scanned = len(new)
             new += accepted_tokens
             result.steps += 1
             if drafter is not None:
-                drafter.accept(StepResult(accepted_tokens, kept if drafter.needs_hidden else None, list(prompt) + new))
+                with record_function("draft_accept"):
+                        drafter.accept(StepResult(accepted_tokens, kept if drafter.needs_hidden else None, list(prompt) + new))
             cut, reason = self._finish(new, stop_strings, scanned)
             if cut is not None and cut > max_new_tokens:  # a drafter overshot: the stop is never reached
                 cut = None
