@@ -140,8 +140,8 @@ class EagleTask:
         metrics = {
             "tokens": float(tokens),
             "loss": float(loss.detach()) * tokens,
-            "regression_loss": float(regression.sum()),
-            "ce_loss": float(ce.sum()),
+            "regression_loss": float(regression.detach().sum()),
+            "ce_loss": float(ce.detach().sum()),
             "top1": float(top1_hits),
             "top3": float(top3_hits),
         }
@@ -159,6 +159,7 @@ def build(recipe: EagleRecipe):
     if recipe.drafter.draft_vocab_size:
         special = {i for i in tokenizer.all_special_ids if i is not None}
         draft_vocab = frequent_tokens(data["train"], recipe.drafter.draft_vocab_size, special)
+    torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
     head = EagleHead.for_target(target, recipe.target.name, recipe.drafter.num_layers, draft_vocab, recipe.drafter.init)
     train_set, eval_set = data["train"], data["held_out"]
     if recipe.drafter.features == "offline":
