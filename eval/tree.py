@@ -11,12 +11,11 @@ candidate that is accepted simply ends the step.
 
 from __future__ import annotations
 
-import ast
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
 ROOT = -1
 
@@ -134,11 +133,12 @@ def load_choices(source: str | list) -> list[tuple[int, ...]]:
     """
     if isinstance(source, str):
         path = Path(source)
-        text = path.read_text() if path.is_file() else source
-        try:
-            source = json.loads(text)
-        except json.JSONDecodeError:
-            source = ast.literal_eval(text)
+        if path.suffix in (".json", ".yaml", ".yml") and not path.is_file():
+            raise FileNotFoundError(f"tree choices file {source} does not exist")
+        # JSON is YAML, and so is the Python-literal style Medusa repos use.
+        source = yaml.safe_load(path.read_text() if path.is_file() else source)
+        if not isinstance(source, list):
+            raise ValueError(f"tree choices must be a list of lists of ranks, got {type(source).__name__}")
     choices = sorted({tuple(int(r) for r in c) for c in source}, key=lambda c: (len(c), c))
     present = set(choices)
     for choice in choices:

@@ -1,0 +1,299 @@
+"""Greedy speculative decoding is lossless: every drafter gives exactly the plain greedy tokens.
+
+The bundled SmolLM2 (fp32) decodes five chat prompts plainly once (module-scoped reference);
+each drafter must reproduce those tokens exactly, and the step bookkeeping must add up.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+from draftsmith.data_prep.chat import render_prompt
+from draftsmith.eval.decode import SpeculativeDecoder, autoregressive_greedy
+from draftsmith.eval.drafters.base import DraftContext, Drafter
+from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.drafters.oracle import OracleDrafter
+from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
+
+NEW_TOKENS = 64
+
+MESSAGES = [
+    "Repeat the following sentence exactly three times: The little robot walked to the market to "
+    "buy fresh apples and warm bread.",  # short answer that ends with EOS
+    "Here is a Python function:\n```python\ndef add_numbers(first_number, second_number):\n"
+    "    result = first_number + second_number\n    return result\n```\n"
+    "Rewrite it with type hints and a docstring.",
+    "Write a short story about a dragon who learns to bake bread.",
+    "Explain in detail how a bicycle works, covering the frame, wheels, chain, gears and brakes.",
+    "Write a Python function that checks whether a string is a palindrome, then explain it line by line.",
+]
+REPETITIVE = (0, 1, 3)  # answers that copy the prompt or repeat themselves
+# The costliest drafters (a draft-LM step costs ~2.5 plain steps on this CPU, a random tree step
+# ~1.2 with nothing accepted) run on a subset to keep the file near 2 minutes; the cheap ones and
+# the tiny-model tests below cover every prompt / many more trees.
+DRAFT_LM_PROMPTS = (0, 1, 3)
+RANDOM_TREE_PROMPTS = (0, 2)
+
+
+def check_bookkeeping(gen, reference: list[int], max_depth: int | None = None) -> None:
+    assert gen.tokens == reference
+    assert len(gen.accepted) == gen.steps
+    # The first token comes from prefill; every later one from exactly one step.
+    assert sum(gen.accepted) == len(gen.tokens) - 1
+    assert all(a >= 1 for a in gen.accepted)
+    if max_depth is not None:
+        assert all(a <= max_depth + 1 for a in gen.accepted)
+    expected_reason = "eos" if len(reference) < NEW_TOKENS else "length"
+    assert gen.stop_reason == expected_reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Test-local drafters
+
+
+def random_subtree(builder: TreeBuilder, rng: random.Random, parent: int, levels: int, vocab: int,
+                   avoid: set[int] = frozenset()) -> None:
+    """Random tokens hanging below ``parent``, ``levels`` deep at most."""
+    if levels <= 0:
+        return
+    tokens = [t for t in rng.sample(range(vocab), rng.randint(1, 3)) if t not in avoid]
+    if not tokens:
+        return
+    for node in builder.add(parent, tokens):
+        if rng.random() < 0.4:
+            random_subtree(builder, rng, node, levels - 1, vocab)
+
+
+class RandomTreeDrafter(Drafter):
+    """Random trees of random tokens (nothing useful to accept; exercises the reject-all commit)."""
+
+    name = "random_tree"
+
+    def __init__(self, vocab: int, seed: int = 0, max_depth: int = 4):
+        self.vocab, self.rng, self.max_depth = vocab, random.Random(seed), max_depth
+
+    def propose(self, context: DraftContext) -> TokenTree:
+        builder = TreeBuilder()
+        random_subtree(builder, self.rng, ROOT, min(self.max_depth, context.max_tokens), self.vocab)
+        return builder.build()
+
+
+class GreedyPrefixDrafter(Drafter):
+    """Peeks at the known greedy continuation: the first ``k`` (random) tokens of it, hidden among
+    random siblings and random wrong subtrees, so the accepted rows are scattered through the tree
+    and commit() has to gather non-contiguous rows. Records how many tokens each step must yield.
+    """
+
+    name = "greedy_prefix"
+
+    def __init__(self, prompt: list[int], continuation: list[int], vocab: int, seed: int = 0, max_depth: int = 7):
+        self.full = list(prompt) + list(continuation)
+        self.prompt_length, self.continuation_length = len(prompt), len(continuation)
+        self.vocab, self.rng, self.max_depth = vocab, random.Random(seed), max_depth
+        self.expected: list[int] = []
+        self.noncontiguous = 0
+
+    def propose(self, context: DraftContext) -> TokenTree:
+        n = len(context.tokens)
+        assert context.tokens == self.full[:n], "decoding left the greedy path"
+        k = self.rng.randint(0, min(self.max_depth, context.max_tokens))
+        true = self.full[n:n + k]
+        builder = TreeBuilder()
+        parent = ROOT
+        for depth, token in enumerate(true):
+            wrong = [t for t in self.rng.sample(range(self.vocab), self.rng.randint(0, 3)) if t != token]
+            siblings = list(wrong)
+            siblings.insert(self.rng.randint(0, len(wrong)), token)
+            nodes = builder.add(parent, siblings)
+            for sibling, node in zip(siblings, nodes):
+                if sibling != token and self.rng.random() < 0.5:
+                    random_subtree(builder, self.rng, node, min(2, context.max_tokens - depth - 1), self.vocab)
+            parent = nodes[siblings.index(token)]
+        # Wrong guesses below the last correct node (never the true next token).
+        room = context.max_tokens - len(true)
+        if room > 0 and self.rng.random() < 0.7:
+            random_subtree(builder, self.rng, parent, min(2, room), self.vocab, avoid={self.full[n + len(true)]}
+                           if n + len(true) < len(self.full) else set())
+        tree = builder.build()
+        generated = n - self.prompt_length
+        self.expected.append(min(len(true) + 1, self.continuation_length - generated))
+        # Count proposals whose correct rows are not a prefix of the row order.
+        node, path = ROOT, []
+        for token in true:
+            node = tree.child_by_token(node, token)
+            path.append(node)
+        if path and path != list(range(len(path))):
+            self.noncontiguous += 1
+        return tree
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture(scope="module")
+def target(smollm2):
+    return smollm2
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    _, tokenizer = target
+    return [render_prompt(tokenizer, [{"role": "user", "content": m}]) for m in MESSAGES]
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts):
+    model, tokenizer = target
+    decoder = SpeculativeDecoder(model, None, tokenizer)
+    outputs = []
+    for prompt in prompts:
+        gen = decoder.generate(prompt, NEW_TOKENS)
+        assert gen.steps == len(gen.tokens) - 1 and gen.accepted == [1] * gen.steps
+        outputs.append(gen.tokens)
+    # One answer ends with EOS, the others run the full length.
+    assert [len(o) == NEW_TOKENS for o in outputs] == [False, True, True, True, True]
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def small_draft(target):
+    """The target's first 2 layers (plus its embeddings, final norm and head) as a draft LM."""
+    model, _ = target
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:2]
+    draft.config.num_hidden_layers = 2
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:2]
+    return draft
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests on the bundled SmolLM2
+
+
+@pytest.mark.slow
+def test_plain_decoder_matches_hf_generate(target, prompts, plain):
+    model, _ = target
+    for i in (0, 2):  # one that stops at EOS, one that runs the full length
+        ids = torch.tensor([prompts[i]])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=NEW_TOKENS, pad_token_id=2)
+        assert out[0, ids.shape[1]:].tolist() == plain[i]
+    # ... and the oracle's reference decode (no EOS handling) continues past the EOS.
+    continued = autoregressive_greedy(CausalLMRunner(model), prompts[0], len(plain[0]) + 3)
+    assert continued[:len(plain[0])] == plain[0] and len(continued) == len(plain[0]) + 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("branches", [1, 3])
+def test_prompt_lookup_is_lossless(target, prompts, plain, branches):
+    model, tokenizer = target
+    decoder = SpeculativeDecoder(model, PromptLookupDrafter(num_tokens=6, branches=branches), tokenizer)
+    saved = 0
+    for i, (prompt, reference) in enumerate(zip(prompts, plain)):
+        gen = decoder.generate(prompt, NEW_TOKENS)
+        check_bookkeeping(gen, reference, max_depth=6)
+        if i in REPETITIVE:
+            saved += (len(gen.tokens) - 1) - gen.steps
+    # Prompt lookup really accepts drafts on the copying prompts (each saved step is a token).
+    assert saved >= 20
+
+
+@pytest.mark.slow
+def test_oracle_is_lossless_and_accepts_everything(target, prompts, plain):
+    model, tokenizer = target
+    decoder = SpeculativeDecoder(model, OracleDrafter(CausalLMRunner(model), num_tokens=8), tokenizer)
+    for prompt, reference in zip(prompts, plain):
+        gen = decoder.generate(prompt, NEW_TOKENS)
+        check_bookkeeping(gen, reference, max_depth=8)
+        # Every drafted token is accepted: 9 tokens per step until the end.
+        assert gen.steps == math.ceil((len(reference) - 1) / 9)
+        assert all(a == 9 for a in gen.accepted[:-1])
+        if len(reference) == NEW_TOKENS:
+            assert gen.acceptance_length > 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k,budget", [(1, None), (3, 10)], ids=["chain", "tree"])
+def test_draft_lm_is_lossless(target, prompts, plain, small_draft, top_k, budget):
+    model, tokenizer = target
+    drafter = DraftLMDrafter(small_draft, depth=4, top_k=top_k, budget=budget)
+    decoder = SpeculativeDecoder(model, drafter, tokenizer)
+    for i in DRAFT_LM_PROMPTS:
+        gen = decoder.generate(prompts[i], NEW_TOKENS)
+        check_bookkeeping(gen, plain[i], max_depth=4)
+
+
+@pytest.mark.slow
+def test_random_trees_are_lossless(target, prompts, plain):
+    model, tokenizer = target
+    decoder = SpeculativeDecoder(model, RandomTreeDrafter(model.config.vocab_size, seed=1), tokenizer)
+    for i in RANDOM_TREE_PROMPTS:
+        gen = decoder.generate(prompts[i], NEW_TOKENS)
+        check_bookkeeping(gen, plain[i], max_depth=4)
+
+
+@pytest.mark.slow
+def test_scattered_correct_paths_are_accepted_exactly(target, prompts, plain):
+    model, tokenizer = target
+    noncontiguous = 0
+    for seed, (prompt, reference) in enumerate(zip(prompts, plain)):
+        drafter = GreedyPrefixDrafter(prompt, reference, model.config.vocab_size, seed=seed)
+        gen = SpeculativeDecoder(model, drafter, tokenizer).generate(prompt, NEW_TOKENS)
+        check_bookkeeping(gen, reference, max_depth=7)
+        # Each step yields exactly the correct drafted tokens plus the bonus token.
+        assert gen.accepted == drafter.expected
+        noncontiguous += drafter.noncontiguous
+    assert noncontiguous >= 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast checks on a tiny random model
+
+
+def test_draft_lm_equal_to_target_accepts_every_token(make_tiny_llama):
+    """A draft LM with the target's own weights must be fully accepted: its cache stays in sync."""
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=11)
+    prompt = [5, 9, 3, 17, 22, 8]
+    plain = SpeculativeDecoder(model, None, eos_ids=set()).generate(prompt, 40)
+    assert plain.accepted == [1] * 39
+    for depth in (1, 4):
+        gen = SpeculativeDecoder(model, DraftLMDrafter(model, depth=depth), eos_ids=set()).generate(prompt, 40)
+        assert gen.tokens == plain.tokens
+        assert gen.accepted[:-1] == [depth + 1] * (len(gen.accepted) - 1)
+        assert sum(gen.accepted) == 39 and gen.steps == math.ceil(39 / (depth + 1))
+    # A dynamic tree from the exact target always contains the greedy token at depth 1.
+    tree = DraftLMDrafter(model, depth=3, top_k=2, budget=5)
+    gen = SpeculativeDecoder(model, tree, eos_ids=set()).generate(prompt, 40)
+    assert gen.tokens == plain.tokens and all(a >= 2 for a in gen.accepted[:-1])
+
+
+def test_tiny_drafters_are_lossless(make_tiny_llama):
+    target = make_tiny_llama(vocab_size=32, hidden_size=32, layers=2, seed=4)
+    draft = make_tiny_llama(vocab_size=32, hidden_size=32, layers=1, seed=5)
+    rng = random.Random(0)
+    for trial in range(4):
+        prompt = [rng.randrange(32) for _ in range(10)] * 2
+        reference = SpeculativeDecoder(target, None, eos_ids=set()).generate(prompt, 30).tokens
+        drafters = [
+            PromptLookupDrafter(branches=3),
+            OracleDrafter(CausalLMRunner(target), num_tokens=5),
+            DraftLMDrafter(draft, depth=3, top_k=3, budget=6),
+            RandomTreeDrafter(32, seed=trial),
+            GreedyPrefixDrafter(prompt, reference, 32, seed=trial),
+        ]
+        for drafter in drafters:
+            gen = SpeculativeDecoder(target, drafter, eos_ids=set()).generate(prompt, 30)
+            assert gen.tokens == reference, drafter.name
+            assert sum(gen.accepted) == 29 and len(gen.accepted) == gen.steps
+            if isinstance(drafter, GreedyPrefixDrafter):
+                assert gen.accepted == drafter.expected

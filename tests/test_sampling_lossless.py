@@ -1,0 +1,303 @@
+"""Speculative sampling is lossless: generated tokens follow the target's (warped) distribution.
+
+On tiny random models with an 8-token vocabulary the exact joint distribution of the first T
+generated tokens is enumerated by running the target on every prefix; thousands of seeded
+generations are compared with it by a chi-square test (cells with expected count < 5 pooled).
+The first token always comes from the prefill, so T = depth + 2 is needed for a depth-``depth``
+draft to be used in full (T = 2 would never draft at all).
+
+Everything is seeded (models, and ``generate(seed=i)`` for sample i), so each test is
+deterministic; the threshold is the 0.999 quantile of the chi-square distribution. Negative
+controls (a verifier that accepts every draft, one that resamples from p instead of the residual,
+and drafting the top-k while claiming to sample) must land far above the threshold.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import draftsmith.eval.decode as decode_module
+import draftsmith.eval.sampling as sampling_module
+import draftsmith.eval.verify as verify_module
+from draftsmith.eval.decode import SpeculativeDecoder
+from draftsmith.eval.drafters.base import DraftContext, Drafter
+from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.sampling import SamplingConfig, choose, probabilities, sample
+from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
+from draftsmith.eval.verify import verify_sampling
+
+V = 8
+PROMPT = [3, 5, 2, 7, 4]
+SAMPLES = 2000
+QUANTILE = 0.999
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact reference and the test statistic
+
+
+@torch.no_grad()
+def exact_joint(model, prompt: list[int], length: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
+    """P(first ``length`` generated tokens) under plain sampling from ``model``, every prefix enumerated."""
+    joint = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(joint)
+        logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+        probs = probabilities(logits, sampling).double().tolist()
+        joint = {p + (x,): joint[p] * q for p, row in zip(prefixes, probs) for x, q in enumerate(row) if q > 0}
+    return joint
+
+
+def chi_square(counts: collections.Counter, joint: dict, n: int) -> tuple[float, float, int]:
+    """(statistic, threshold, cells); outcomes outside the support fail at once."""
+    impossible = {k: c for k, c in counts.items() if k not in joint}
+    assert not impossible, f"outcomes with probability 0 were generated: {impossible}"
+    observed, expected = [], []
+    pooled_observed = pooled_expected = 0.0
+    for outcome, p in joint.items():
+        if p * n >= 5:
+            observed.append(counts.get(outcome, 0))
+            expected.append(p * n)
+        else:
+            pooled_observed += counts.get(outcome, 0)
+            pooled_expected += p * n
+    if pooled_expected > 0:
+        observed.append(pooled_observed)
+        expected.append(pooled_expected)
+    observed, expected = np.array(observed, float), np.array(expected)
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    return statistic, float(stats.chi2.ppf(QUANTILE, len(observed) - 1)), len(observed)
+
+
+def generate_counts(decoder: SpeculativeDecoder, length: int, n: int = SAMPLES, prompt: list[int] = PROMPT):
+    counts, accepted = collections.Counter(), collections.Counter()
+    for i in range(n):
+        gen = decoder.generate(prompt, length, seed=i)
+        assert len(gen.tokens) == length and sum(gen.accepted) == length - 1
+        counts[tuple(gen.tokens)] += 1
+        accepted[tuple(gen.accepted)] += 1
+    return counts, accepted
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and drafters
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models are all Python overhead; one thread avoids OpenMP stalls on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(make_tiny_llama):
+    return make_tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
+
+
+@pytest.fixture(scope="module")
+def draft(make_tiny_llama):
+    """An unrelated model (other seed, flatter): many rejections, some acceptances."""
+    return make_tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=1, scale=8.0)
+
+
+class FixedTreeDrafter(Drafter):
+    """Deterministic (q = None) candidates: three siblings at depth 1, two of them with children."""
+
+    name = "fixed_tree"
+
+    def propose(self, context: DraftContext) -> TokenTree:
+        b = TreeBuilder()
+        last = context.tokens[-1]
+        first = [(last + 1) % V, (last + 3) % V, (last + 6) % V]
+        nodes = b.add(ROOT, first)
+        if context.max_tokens >= 2:
+            b.add(nodes[0], [(first[0] + 2) % V, (first[0] + 5) % V])
+            b.add(nodes[2], [(first[2] + 1) % V])
+        return b.build()
+
+
+class Recorder:
+    """Wraps ``decode.verify`` to count verification events."""
+
+    def __init__(self, verify):
+        self.verify, self.trees, self.pruned_tokens_out = verify, 0, 0
+        self.pruned_trees = 0
+
+    def __call__(self, tree, logits, sampling, generator=None):
+        path, last = self.verify(tree, logits, sampling, generator)
+        self.trees += 1
+        pruned = {t for p in tree.proposals.values() for t, n in zip(p.tokens, p.nodes) if n is None}
+        self.pruned_trees += bool(pruned)
+        end = path[-1] if path else ROOT
+        proposal = tree.proposals.get(end)
+        if proposal is not None and any(t == last and n is None for t, n in zip(proposal.tokens, proposal.nodes)):
+            self.pruned_tokens_out += 1  # the step ended on a (probably accepted) pruned candidate
+        return path, last
+
+
+def run_case(monkeypatch, target, drafter, sampling, length, n=SAMPLES, prompt=PROMPT):
+    recorder = Recorder(decode_module.verify)
+    monkeypatch.setattr(decode_module, "verify", recorder)
+    decoder = SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set())
+    counts, accepted = generate_counts(decoder, length, n, prompt)
+    statistic, threshold, cells = chi_square(counts, exact_joint(target, prompt, length, sampling), n)
+    print(f"{drafter.name}: chi2 = {statistic:.1f} (threshold {threshold:.1f}, {cells} cells), "
+          f"accepted {accepted.most_common(4)}, pruned trees {recorder.pruned_trees}, "
+          f"ended on pruned {recorder.pruned_tokens_out}")
+    return statistic, threshold, accepted, recorder
+
+
+# ---------------------------------------------------------------------------------------------
+# End-to-end cases
+
+
+def test_plain_sampling_matches_exact(target):
+    """The reference itself: plain sampling (no drafter) must pass the same test."""
+    sampling = SamplingConfig(temperature=1.0)
+    decoder = SpeculativeDecoder(target, None, None, sampling, eos_ids=set())
+    counts, _ = generate_counts(decoder, 3, 2000)
+    statistic, threshold, _ = chi_square(counts, exact_joint(target, PROMPT, 3, sampling), 2000)
+    assert statistic < threshold
+
+
+def test_chain_draft_lm(monkeypatch, target, draft):
+    drafter = DraftLMDrafter(draft, depth=2, top_k=1)
+    statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4)
+    assert statistic < threshold
+    # Both ways out of a step happen often: full acceptance (+ bonus) and early rejection.
+    assert accepted[(3,)] > 200 and accepted[(1, 1, 1)] > 200
+
+
+def test_tree_draft_lm_with_pruning(monkeypatch, target, draft):
+    drafter = DraftLMDrafter(draft, depth=2, top_k=3, budget=4)  # 3 + 9 candidates, 4 kept
+    statistic, threshold, accepted, recorder = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4)
+    assert statistic < threshold
+    assert recorder.pruned_trees >= SAMPLES  # (at least) every first step's tree was pruned
+    assert recorder.pruned_tokens_out > 100  # and steps did end on pruned candidates
+    assert accepted[(3,)] > 50  # a depth-2 path fully accepted, plus the bonus
+
+
+def test_deterministic_sibling_proposals(monkeypatch, target):
+    statistic, threshold, accepted, _ = run_case(monkeypatch, target, FixedTreeDrafter(), SamplingConfig(1.0), 4)
+    assert statistic < threshold
+    assert accepted[(3,)] > 20 and accepted[(1, 1, 1)] > 50
+
+
+def test_prompt_lookup_branches(monkeypatch, target):
+    # A prompt whose suffix recurs with several different continuations: a 3-branch trie.
+    prompt = [1, 2, 3, 1, 2, 5, 1, 2, 6, 1, 2]
+    drafter = PromptLookupDrafter(num_tokens=2, max_ngram=2, branches=3)
+    tree = drafter.propose(DraftContext(prompt, SamplingConfig(1.0), None, 2))
+    assert tree.proposals[ROOT].tokens == [6, 5, 3] and tree.proposals[ROOT].probs is None
+    statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, prompt=prompt)
+    assert statistic < threshold
+    assert sum(c for a, c in accepted.items() if a[0] > 1) > 100
+
+
+def test_warped_sampling(monkeypatch, target, draft):
+    sampling = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
+    drafter = DraftLMDrafter(draft, depth=2, top_k=2, budget=4)
+    statistic, threshold, accepted, recorder = run_case(monkeypatch, target, drafter, sampling, 4)
+    assert statistic < threshold
+    assert accepted[(3,)] > 50 and recorder.pruned_trees > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Negative controls: the same test must reject broken verification or drafting
+
+
+def accept_everything(tree, logits, sampling, generator=None):
+    """Broken: follows the first candidate that is in the tree, never rejects."""
+    path, node = [], ROOT
+    while tree.proposals.get(node) is not None:
+        child = next((n for n in tree.proposals[node].nodes if n is not None), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path, sample(probabilities(logits[node + 1], sampling), generator)
+
+
+def test_negative_control_accept_everything(monkeypatch, target, draft):
+    monkeypatch.setattr(decode_module, "verify", accept_everything)
+    drafter = DraftLMDrafter(draft, depth=2)
+    statistic, threshold, _, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, n=1000)
+    assert statistic > 10 * threshold
+
+
+def test_negative_control_resample_from_target_after_rejection(monkeypatch, target, draft):
+    """A subtle bug: only a bias of the rejected mass, so it needs the full sample size."""
+    monkeypatch.setattr(verify_module, "_residual", lambda p, q: p)
+    statistic, threshold, _, _ = run_case(monkeypatch, target, DraftLMDrafter(draft, depth=2), SamplingConfig(1.0), 4)
+    assert statistic > 1.5 * threshold
+
+
+def test_negative_control_top_k_drafts_claimed_as_samples(monkeypatch, target, draft):
+    """The bug this file found: broken Gumbel noise made ``choose`` return the top-k tokens."""
+
+    def top_k_choose(logits, k, sampling, generator=None):
+        probs = probabilities(logits, sampling)
+        return torch.topk(probs, k, dim=-1).indices, probs
+
+    monkeypatch.setattr(sampling_module, "choose", top_k_choose)
+    drafter = DraftLMDrafter(draft, depth=2)
+    statistic, threshold, _, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, n=1000)
+    assert statistic > 3 * threshold
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces on their own (no model): choose() and verify_sampling()
+
+
+def test_choose_draws_without_replacement_from_q():
+    q = torch.tensor([0.35, 0.2, 0.15, 0.1, 0.1, 0.05, 0.04, 0.01])
+    n = 40000
+    generator = torch.Generator().manual_seed(0)
+    tokens, probs = choose(q.log().expand(n, V), 2, SamplingConfig(1.0), generator)
+    assert torch.allclose(probs[0], q, atol=1e-6)
+    pairs = collections.Counter(map(tuple, tokens.tolist()))
+    # Ordered pair (a, b) of a draw without replacement: q(a) * q(b) / (1 - q(a)).
+    joint = {(a, b): float(q[a] * q[b] / (1 - q[a])) for a in range(V) for b in range(V) if a != b}
+    statistic, threshold, _ = chi_square(pairs, joint, n)
+    assert statistic < threshold
+    # Greedy mode: the top-k, no distribution.
+    top, none = choose(q.log().view(1, -1), 3, SamplingConfig(), None)
+    assert top.tolist() == [[0, 1, 2]] and none is None
+
+
+def one_level_tree(tokens: list[int], probs: torch.Tensor | None, budget: int | None = None) -> TokenTree:
+    b = TreeBuilder()
+    b.add(ROOT, tokens, scores=[-float(i) for i in range(len(tokens))], probs=probs)
+    return b.build(budget)
+
+
+@pytest.mark.parametrize("kind", ["single", "three_without_replacement", "pruned", "deterministic"])
+def test_verify_sampling_emits_p(kind):
+    """One verification step over a depth-1 tree: the emitted token must follow p exactly."""
+    p = torch.tensor([0.02, 0.3, 0.05, 0.25, 0.1, 0.18, 0.07, 0.03])
+    q = torch.tensor([0.3, 0.05, 0.2, 0.05, 0.15, 0.05, 0.1, 0.1])
+    sampling = SamplingConfig(1.0)
+    logits = torch.stack([p.log(), torch.zeros(V), torch.zeros(V), torch.zeros(V)])
+    n = 20000
+    generator = torch.Generator().manual_seed(1)
+    counts = collections.Counter()
+    for _ in range(n):
+        if kind == "deterministic":
+            tree = one_level_tree([1, 6, 0], None)
+        else:
+            k = 1 if kind == "single" else 3
+            drawn, probs = choose(q.log().view(1, -1), k, sampling, generator)
+            tree = one_level_tree(drawn[0].tolist(), probs[0], budget=1 if kind == "pruned" else None)
+        path, last = verify_sampling(tree, logits, sampling, generator)
+        counts[(tree.tokens[path[0]] if path else last,)] += 1
+    statistic, threshold, _ = chi_square(counts, {(x,): float(p[x]) for x in range(V)}, n)
+    assert statistic < threshold
