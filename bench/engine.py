@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--oracle-tokens", type=int, default=8)
     parser.add_argument("--lookup", default="prompt_lookup", help="our prompt-lookup spec")
+    parser.add_argument("--extra", action="append", default=[], help="more drafter specs to include")
     parser.add_argument("--draft-lm", default="draft_lm?layers=4&depth=3", help="draft LM spec (also HF's assistant)")
     parser.add_argument("--out", default="results/engine")
     args = parser.parse_args()
@@ -36,6 +37,7 @@ def main() -> None:
         "--dtype", args.dtype, "--bench", "mt_bench", "--limit", str(args.limit),
         "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
         "--drafter", args.lookup, "--drafter", f"oracle?num_tokens={k}", "--drafter", args.draft_lm,
+        *[arg for spec in args.extra for arg in ("--drafter", spec)],
         "--hf-baseline", "hf_plain", "--hf-baseline", "hf_prompt_lookup", "--hf-baseline", "hf_assisted",
         "--out", args.out,
     ])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from draftsmith.data_prep.chat import render_prompt

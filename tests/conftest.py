@@ -44,3 +44,13 @@ def tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, see
 def make_tiny_llama():
     """``tiny_llama`` as a fixture: with ``--import-mode=importlib`` tests cannot import conftest."""
     return tiny_llama
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for tiny models: their ops are all overhead, and two threads on two
+    busy cores stall (10-100x slower) on oversubscription."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import collections
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
+
+from stats_helpers import chi_square, exact_joint
 
 from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters import build_drafter
@@ -24,20 +24,14 @@ from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
 from draftsmith.eval.tree import ROOT
 from draftsmith.heads.eagle import EagleHead
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a short poem about the sea.",
     "List three tips for learning a new programming language.",
 ]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: with two on two busy cores, small ops stall (10x slower) on oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,39 +80,6 @@ V = 8
 PROMPT = [3, 5, 2, 7, 4]
 LENGTH = 4  # the first token comes from the prefill: depth 2 plus the bonus token
 SAMPLES = 3000
-QUANTILE = 0.999
-
-
-@torch.no_grad()
-def exact_joint(model, prompt: list[int], length: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
-    """P(first ``length`` generated tokens) under plain sampling, every prefix enumerated."""
-    joint = {(): 1.0}
-    for _ in range(length):
-        prefixes = list(joint)
-        logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
-        probs = probabilities(logits, sampling).double().tolist()
-        joint = {p + (x,): joint[p] * q for p, row in zip(prefixes, probs) for x, q in enumerate(row) if q > 0}
-    return joint
-
-
-def chi_square(counts: collections.Counter, joint: dict, n: int) -> tuple[float, float]:
-    """(statistic, 0.999 threshold); cells with expected count < 5 pooled, impossible outcomes fail."""
-    impossible = {k: c for k, c in counts.items() if k not in joint}
-    assert not impossible, f"outcomes with probability 0 were generated: {impossible}"
-    observed, expected, pooled_o, pooled_e = [], [], 0.0, 0.0
-    for outcome, p in joint.items():
-        if p * n >= 5:
-            observed.append(counts.get(outcome, 0))
-            expected.append(p * n)
-        else:
-            pooled_o += counts.get(outcome, 0)
-            pooled_e += p * n
-    if pooled_e > 0:
-        observed.append(pooled_o)
-        expected.append(pooled_e)
-    observed, expected = np.array(observed, float), np.array(expected)
-    statistic = float(((observed - expected) ** 2 / expected).sum())
-    return statistic, float(stats.chi2.ppf(QUANTILE, len(observed) - 1))
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +106,7 @@ def test_sampling_with_eagle_matches_exact_distribution(tiny_target, init, draft
         counts[tuple(gen.tokens)] += 1
         accepted[tuple(gen.accepted)] += 1
         drafted.update(gen.tokens[1:gen.accepted[0]])  # the first step's accepted draft tokens
-    statistic, threshold = chi_square(counts, exact_joint(tiny_target, PROMPT, LENGTH, sampling), SAMPLES)
+    statistic, threshold, _ = chi_square(counts, exact_joint(tiny_target, PROMPT, LENGTH, sampling), SAMPLES)
     print(f"chi2 {statistic:.1f} (threshold {threshold:.1f}); accepted {accepted.most_common(4)}")
     assert statistic < threshold
     # The drafts mattered: whole depth-2 paths accepted (+ bonus) and first drafts rejected, often.
@@ -174,7 +135,7 @@ def test_chi_square_catches_a_lossy_verifier(tiny_target, monkeypatch):
     counts = collections.Counter(tuple(decoder.generate(PROMPT, LENGTH, seed=i).tokens) for i in range(n))
     joint = exact_joint(tiny_target, PROMPT, LENGTH, sampling)
     counts = collections.Counter({k: c for k, c in counts.items() if k in joint})
-    statistic, threshold = chi_square(counts, joint, sum(counts.values()))
+    statistic, threshold, _ = chi_square(counts, joint, sum(counts.values()))
     assert statistic > 3 * threshold
 
 

@@ -30,6 +30,8 @@ from draftsmith.heads.eagle import EagleHead
 from draftsmith.target import load_tokenizer
 from draftsmith.train.eagle import frequent_tokens, main
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 49152  # the bundled SmolLM2 tokenizer
 EOS = 2  # <|im_end|>
@@ -38,14 +40,6 @@ EOS = 2  # <|im_end|>
 # ---------------------------------------------------------------------------------------------
 # Tiny targets and recipes
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run many small ops: one torch thread avoids oversubscription stalls on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _save_tiny_target(folder: Path, tokenizer, seed: int = 0, hidden_size: int = 64) -> Path:

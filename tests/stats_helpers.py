@@ -1,0 +1,47 @@
+"""Helpers shared by the statistical tests: the exact distribution of a tiny model's first
+tokens and a chi-square comparison against it."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import torch
+from scipy import stats
+
+from draftsmith.eval.sampling import SamplingConfig, probabilities
+
+QUANTILE = 0.999
+
+
+@torch.no_grad()
+def exact_joint(model, prompt: list[int], length: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
+    """P(first ``length`` generated tokens) under plain sampling from ``model``, every prefix enumerated."""
+    joint = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(joint)
+        logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+        probs = probabilities(logits, sampling).double().tolist()
+        joint = {p + (x,): joint[p] * q for p, row in zip(prefixes, probs) for x, q in enumerate(row) if q > 0}
+    return joint
+
+
+def chi_square(counts: collections.Counter, joint: dict, n: int) -> tuple[float, float, int]:
+    """(statistic, threshold, cells); outcomes outside the support fail at once."""
+    impossible = {k: c for k, c in counts.items() if k not in joint}
+    assert not impossible, f"outcomes with probability 0 were generated: {impossible}"
+    observed, expected = [], []
+    pooled_observed = pooled_expected = 0.0
+    for outcome, p in joint.items():
+        if p * n >= 5:
+            observed.append(counts.get(outcome, 0))
+            expected.append(p * n)
+        else:
+            pooled_observed += counts.get(outcome, 0)
+            pooled_expected += p * n
+    if pooled_expected > 0:
+        observed.append(pooled_observed)
+        expected.append(pooled_expected)
+    observed, expected = np.array(observed, float), np.array(expected)
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    return statistic, float(stats.chi2.ppf(QUANTILE, len(observed) - 1)), len(observed)
