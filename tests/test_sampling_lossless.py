@@ -155,7 +155,7 @@ def test_deterministic_sibling_proposals(monkeypatch, target):
 def test_prompt_lookup_branches(monkeypatch, target):
     # A prompt whose suffix recurs with several different continuations: a 3-branch trie.
     prompt = [1, 2, 3, 1, 2, 5, 1, 2, 6, 1, 2]
-    drafter = PromptLookupDrafter(num_tokens=2, max_ngram=2, branches=3)
+    drafter = PromptLookupDrafter(num_tokens=2, max_ngram=2, min_ngram=1, branches=3)
     tree = drafter.propose(DraftContext(prompt, SamplingConfig(1.0), None, 2))
     assert tree.proposals[ROOT].tokens == [6, 5, 3] and tree.proposals[ROOT].probs is None
     statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, prompt=prompt)
