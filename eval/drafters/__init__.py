@@ -42,6 +42,16 @@ def _value(raw: str):
     return {"true": True, "false": False}.get(raw.lower(), raw)
 
 
+def _default_name(kind: str, path: str) -> str:
+    """``kind``, or ``kind:model`` for a path: its last part, or the run folder of a checkpoint."""
+    if not path:
+        return kind
+    parts = [p for p in path.rstrip("/").split("/") if p]
+    if len(parts) > 1 and parts[-1].startswith("checkpoint"):
+        return f"{kind}:{parts[-2]}"
+    return f"{kind}:{parts[-1]}"
+
+
 def parse_spec(spec: str) -> DrafterSpec:
     """Parse a drafter spec string (see the module docstring)."""
     body, _, query = spec.partition("?")
@@ -49,7 +59,7 @@ def parse_spec(spec: str) -> DrafterSpec:
     if kind not in KINDS:
         raise ValueError(f"unknown drafter kind {kind!r} in {spec!r}; choose from {', '.join(KINDS)}")
     options = {key: _value(val) for key, val in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))}
-    name = str(options.pop("name", body.rsplit("/", 1)[-1] if path else kind))
+    name = str(options.pop("name", _default_name(kind, path)))
     return DrafterSpec(kind, path or None, options, name)
 
 
