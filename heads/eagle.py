@@ -65,9 +65,17 @@ class EagleHead(nn.Module):
         return self.draft_vocab.numel() == self.config.vocab_size
 
     def draft_lm_weight(self) -> torch.Tensor:
-        """The target LM head's rows for the draft vocabulary ``[N, h]``."""
+        """The target LM head's rows for the draft vocabulary ``[N, h]`` (gathered once, then cached)."""
         weight = self.target.get_output_embeddings().weight
-        return weight if self.full_vocab else weight[self.draft_vocab]
+        if self.full_vocab:
+            return weight
+        # Gathering 8k of 49k rows on every call took 14% of a decode (torch.profiler); the
+        # target's LM head is frozen, so the gathered copy stays valid until it changes.
+        key = (weight.data_ptr(), weight.dtype, weight._version, self.draft_vocab.data_ptr())
+        if getattr(self, "_draft_weight_key", None) != key:
+            self._draft_weight = weight.detach()[self.draft_vocab]
+            self._draft_weight_key = key
+        return self._draft_weight
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary ``[..., N]``."""
