@@ -16,6 +16,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -327,7 +328,12 @@ def test_wandb_offline_records_the_logged_history(recipe, tmp_path, monkeypatch)
     assert os.environ.get("WANDB_MODE") == "offline"  # chosen automatically without a key
     files = sorted(out.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
-    rows = {row["_step"]: row for row in wandb_history(files[0])}
+    # wandb-core writes the file from its own process and may still be flushing when
+    # finish() returns (seen once in a fresh-machine CI run): give it a few seconds.
+    deadline = time.monotonic() + 20
+    while not (history := wandb_history(files[0])) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    rows = {row["_step"]: row for row in history}
     logged = [h for h in trainer.history if "train/loss" in h]
     assert [h["step"] for h in logged] == [2, 4] and sorted(rows) == [2, 4]
     for h in logged:
