@@ -222,24 +222,24 @@ def test_oracle_is_lossless_and_accepts_everything(target, prompts, plain):
             assert gen.acceptance_length > 4
 
 
+def _check_prompts(decoder, prompts, plain, indices, max_depth=4):
+    for i in indices:
+        check_bookkeeping(decoder.generate(prompts[i], NEW_TOKENS), plain[i], max_depth=max_depth)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("top_k,budget", [(1, None), (3, 10)], ids=["chain", "tree"])
 def test_draft_lm_is_lossless(target, prompts, plain, small_draft, top_k, budget):
     model, tokenizer = target
     drafter = DraftLMDrafter(small_draft, depth=4, top_k=top_k, budget=budget)
-    decoder = SpeculativeDecoder(model, drafter, tokenizer)
-    for i in DRAFT_LM_PROMPTS:
-        gen = decoder.generate(prompts[i], NEW_TOKENS)
-        check_bookkeeping(gen, plain[i], max_depth=4)
+    _check_prompts(SpeculativeDecoder(model, drafter, tokenizer), prompts, plain, DRAFT_LM_PROMPTS)
 
 
 @pytest.mark.slow
 def test_random_trees_are_lossless(target, prompts, plain):
     model, tokenizer = target
     decoder = SpeculativeDecoder(model, RandomTreeDrafter(model.config.vocab_size, seed=1), tokenizer)
-    for i in RANDOM_TREE_PROMPTS:
-        gen = decoder.generate(prompts[i], NEW_TOKENS)
-        check_bookkeeping(gen, plain[i], max_depth=4)
+    _check_prompts(decoder, prompts, plain, RANDOM_TREE_PROMPTS)
 
 
 @pytest.mark.slow

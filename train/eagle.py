@@ -51,19 +51,12 @@ class EagleRecipe(Recipe):
     drafter: EagleDrafterConfig = field(default_factory=EagleDrafterConfig)
 
 
-def frequent_tokens(dataset, size: int, always: set[int]) -> torch.Tensor:
+def frequent_tokens(dataset, size: int, always: set[int], vocab_size: int = 0) -> torch.Tensor:
     """``size`` token ids, sorted: ``always`` and then the most frequent assistant tokens."""
-    counts = torch.zeros(0, dtype=torch.long)
-    for row in dataset:
-        ids = torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"], dtype=torch.bool)]
-        binc = torch.bincount(ids)
-        if binc.numel() > counts.numel():
-            binc[: counts.numel()] += counts
-            counts = binc
-        else:
-            counts[: binc.numel()] += binc
+    masked = [torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"], dtype=torch.bool)] for row in dataset]
+    counts = torch.bincount(torch.cat(masked), minlength=vocab_size)
     chosen = set(torch.argsort(counts, descending=True)[:size].tolist()) | always
-    ranked = sorted(chosen, key=lambda t: (t not in always, -int(counts[t]) if t < counts.numel() else 0))[:size]
+    ranked = sorted(chosen, key=lambda t: (t not in always, -int(counts[t]) if t < len(counts) else 0))[:size]
     return torch.tensor(sorted(ranked))
 
 
@@ -158,7 +151,8 @@ def build(recipe: EagleRecipe):
     draft_vocab = None
     if recipe.drafter.draft_vocab_size:
         special = {i for i in tokenizer.all_special_ids if i is not None}
-        draft_vocab = frequent_tokens(data["train"], recipe.drafter.draft_vocab_size, special)
+        draft_vocab = frequent_tokens(data["train"], recipe.drafter.draft_vocab_size, special,
+                                      target.config.vocab_size)
     torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
     head = EagleHead.for_target(target, recipe.target.name, recipe.drafter.num_layers, draft_vocab, recipe.drafter.init)
     train_set, eval_set = data["train"], data["held_out"]

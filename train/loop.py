@@ -221,9 +221,7 @@ class Trainer:
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         self.model.train()
-        keys = sorted(totals)
-        summed = self.accelerator.reduce(torch.tensor([totals[k] for k in keys], device=self.accelerator.device), "sum")
-        totals = dict(zip(keys, summed.tolist()))
+        totals = self._sum_over_processes(totals)
         tokens = max(totals.pop("tokens", 1.0), 1.0)
         return {f"eval/{k}": v / tokens for k, v in totals.items()}
 
@@ -288,6 +286,11 @@ class Trainer:
         acc.end_training()
         return last_saved
 
+    def _sum_over_processes(self, values: dict[str, float]) -> dict[str, float]:
+        keys = sorted(values)
+        summed = self.accelerator.reduce(torch.tensor([values[k] for k in keys], device=self.accelerator.device), "sum")
+        return dict(zip(keys, summed.tolist()))
+
     def _log_eval(self) -> None:
         metrics = self.evaluate()
         if metrics:
@@ -297,9 +300,7 @@ class Trainer:
                 tqdm.write(f"step {self.state.step} held-out: { {k: round(v, 4) for k, v in metrics.items()} }")
 
     def _log(self, window: dict[str, float], seconds: float) -> None:
-        keys = sorted(window)
-        summed = self.accelerator.reduce(torch.tensor([window[k] for k in keys], device=self.accelerator.device), "sum")
-        totals = dict(zip(keys, summed.tolist()))
+        totals = self._sum_over_processes(window)
         tokens = max(totals.get("tokens", 1.0), 1.0)
         logs = {f"train/{k}": v / tokens for k, v in totals.items() if k != "tokens"}
         logs["train/tokens_per_second"] = totals.get("tokens", 0.0) / max(seconds, 1e-9)
