@@ -19,6 +19,28 @@ class TargetConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    """Self-distillation: the target rewrites the assistant turns before tokenising (resumable)."""
+
+    enabled: bool = False
+    max_new_tokens: int = 512
+    max_turns: Optional[int] = 1  # assistant turns rewritten per conversation (None: all; later ones are dropped)
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    batch_size: int = 16
+    seed: Optional[int] = 0
+    output: Optional[str] = None  # JSONL file; default: under the draftsmith cache, keyed by its inputs
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError("data.regenerate.max_new_tokens and batch_size must be >= 1")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"data.regenerate.max_turns must be >= 1 or null, got {self.max_turns}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("data.regenerate.temperature must be >= 0 and top_p in (0, 1]")
+
+
+@dataclass
 class DataConfig:
     """Training conversations and how they are tokenised."""
 
@@ -28,6 +50,7 @@ class DataConfig:
     held_out_fraction: float = 0.02  # deterministic by conversation id
     limit: Optional[int] = None  # use only the first N valid conversations
     cache_dir: Optional[str] = None  # tokenised-set cache; defaults to the draftsmith cache
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
     def validate(self) -> None:
         if self.max_length < 8:

@@ -120,3 +120,15 @@ def load_target(
     model.to(device if device is not None else default_device())
     model.eval().requires_grad_(False)
     return model, load_tokenizer(name_or_path)
+
+
+def merge_adapter(target: PreTrainedModel, adapter: str | Path) -> PreTrainedModel:
+    """A copy of ``target`` with the ``peft`` LoRA adapter in folder ``adapter`` merged in (frozen, eval)."""
+    import copy
+
+    from peft import PeftModel
+
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{adapter} holds no LoRA adapter (adapter_config.json)")
+    merged = PeftModel.from_pretrained(copy.deepcopy(target), str(adapter)).merge_and_unload()
+    return merged.eval().requires_grad_(False)

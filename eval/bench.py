@@ -82,7 +82,10 @@ def run_bench(
     for drafter in drafters:
         if drafter.name in decoders or drafter.name in HF_BASELINES:
             raise ValueError(f"two methods are named {drafter.name!r}; give one a name= option")
-        decoders[drafter.name] = SpeculativeDecoder(target, drafter, tokenizer, sampling, eos)
+        # A drafter trained jointly with its own copy of the target (Medusa-2) is verified by that
+        # copy; its cost per pass is the target's, so plain decoding stays the baseline.
+        verifier = drafter.verifier or target
+        decoders[drafter.name] = SpeculativeDecoder(verifier, drafter, tokenizer, sampling, eos)
     if "hf_assisted" in hf_baselines and assistant_model is None:
         raise ValueError("the hf_assisted baseline needs an assistant (draft) model")
     hf_kwargs = {"hf_plain": {}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": 10},

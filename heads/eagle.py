@@ -20,11 +20,12 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.heads.common import check_target, read_config, target_record
+from draftsmith.heads.vocab import DraftVocabMixin
 
 KIND = "eagle"
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftVocabMixin, nn.Module):
     """``fc`` over ``[embedding ; feature]`` then decoder layers of the target's architecture."""
 
     def __init__(self, target_config: PretrainedConfig, num_layers: int = 1,
@@ -60,34 +61,9 @@ class EagleHead(nn.Module):
             raise RuntimeError("bind(target) the EAGLE head before running it")
         return self._target[0]
 
-    @property
-    def full_vocab(self) -> bool:
-        return self.draft_vocab.numel() == self.config.vocab_size
-
-    def draft_lm_weight(self) -> torch.Tensor:
-        """The target LM head's rows for the draft vocabulary ``[N, h]`` (gathered once, then cached)."""
-        weight = self.target.get_output_embeddings().weight
-        if self.full_vocab:
-            return weight
-        # Gathering 8k of 49k rows on every call took 14% of a decode (torch.profiler); the
-        # target's LM head is frozen, so the gathered copy stays valid until it changes.
-        key = (weight.data_ptr(), weight.dtype, weight._version, self.draft_vocab.data_ptr())
-        if getattr(self, "_draft_weight_key", None) != key:
-            self._draft_weight = weight.detach()[self.draft_vocab]
-            self._draft_weight_key = key
-        return self._draft_weight
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary ``[..., N]``."""
-        return hidden @ self.draft_lm_weight().to(hidden.dtype).T
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the full vocabulary (``-inf`` outside the draft vocabulary)."""
-        small = self.draft_logits(hidden).float()
-        if self.full_vocab:
-            return small
-        full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.draft_vocab, small)
+        return self.to_full_vocab(self.draft_logits(hidden))
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor | None = None,

@@ -23,36 +23,24 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+
+from tiny_targets import EOS, VOCAB, save_tiny_target
 
 from draftsmith.config import RecipeError
 from draftsmith.heads.common import TargetMismatchError
 from draftsmith.heads.eagle import EagleHead
+from draftsmith.heads.vocab import frequent_tokens
 from draftsmith.target import load_tokenizer
-from draftsmith.train.eagle import frequent_tokens, main
+from draftsmith.train.eagle import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 49152  # the bundled SmolLM2 tokenizer
-EOS = 2  # <|im_end|>
 
 
 # ---------------------------------------------------------------------------------------------
 # Tiny targets and recipes
-
-
-
-def _save_tiny_target(folder: Path, tokenizer, seed: int = 0, hidden_size: int = 64) -> Path:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS, tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +49,9 @@ def targets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("targets")
     tokenizer = load_tokenizer("default")
     return {
-        "main": _save_tiny_target(root / "main", tokenizer),
-        "other_seed": _save_tiny_target(root / "other_seed", tokenizer, seed=1),
-        "narrow": _save_tiny_target(root / "narrow", tokenizer, hidden_size=32),
+        "main": save_tiny_target(root / "main", tokenizer),
+        "other_seed": save_tiny_target(root / "other_seed", tokenizer, seed=1),
+        "narrow": save_tiny_target(root / "narrow", tokenizer, hidden_size=32),
     }
 
 

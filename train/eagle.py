@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.features import FeatureDataset, extract_features, features_dir
 from draftsmith.heads.eagle import EagleHead
+from draftsmith.heads.vocab import frequent_tokens
 from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.target import load_target
 from draftsmith.train.cli import parse_training_args
-from draftsmith.train.loop import Trainer
+from draftsmith.train.loop import Trainer, pad_batch
 
 
 @dataclass
@@ -51,15 +52,6 @@ class EagleRecipe(Recipe):
     drafter: EagleDrafterConfig = field(default_factory=EagleDrafterConfig)
 
 
-def frequent_tokens(dataset, size: int, always: set[int], vocab_size: int = 0) -> torch.Tensor:
-    """``size`` token ids, sorted: ``always`` and then the most frequent assistant tokens."""
-    masked = [torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"], dtype=torch.bool)] for row in dataset]
-    counts = torch.bincount(torch.cat(masked), minlength=vocab_size)
-    chosen = set(torch.argsort(counts, descending=True)[:size].tolist()) | always
-    ranked = sorted(chosen, key=lambda t: (t not in always, -int(counts[t]) if t < len(counts) else 0))[:size]
-    return torch.tensor(sorted(ranked))
-
-
 class EagleTask:
     """The EAGLE loss over a frozen target."""
 
@@ -68,23 +60,7 @@ class EagleTask:
         self.target = target
         self.model = head
 
-    def collate(self, rows: list[dict]) -> dict:
-        longest = max(len(r["input_ids"]) for r in rows)
-        batch = {
-            "input_ids": torch.zeros(len(rows), longest, dtype=torch.long),
-            "loss_mask": torch.zeros(len(rows), longest, dtype=torch.bool),
-            "attention_mask": torch.zeros(len(rows), longest, dtype=torch.long),
-        }
-        if "hidden" in rows[0]:
-            batch["hidden"] = torch.zeros(len(rows), longest, rows[0]["hidden"].shape[-1], dtype=rows[0]["hidden"].dtype)
-        for i, row in enumerate(rows):
-            n = len(row["input_ids"])
-            batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
-            batch["loss_mask"][i, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
-            batch["attention_mask"][i, :n] = 1
-            if "hidden" in row:
-                batch["hidden"][i, :n] = row["hidden"]
-        return batch
+    collate = staticmethod(pad_batch)
 
     @torch.no_grad()
     def target_features(self, batch: dict) -> torch.Tensor:

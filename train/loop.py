@@ -53,6 +53,12 @@ class TrainTask(Protocol):
     def save_pretrained(self, model: torch.nn.Module, path: Path) -> None:
         """Export ``model`` (the unwrapped trainable module) as a self-describing checkpoint."""
 
+    # Optional hooks:
+    # - ``param_groups()`` -> AdamW parameter groups, each with its own ``lr``, ``name`` and an
+    #   optional ``start_step`` before which its learning rate stays 0 (e.g. Medusa-2's LoRA
+    #   adapters wait for the heads to warm up). Without it every trainable parameter is one group.
+    # - ``on_evaluate(metrics)``: the held-out metrics, summed over processes, after each evaluation.
+
 
 @dataclass
 class TrainState:
@@ -62,6 +68,27 @@ class TrainState:
     epoch: int = 0
     batches_in_epoch: int = 0  # micro-batches of this epoch already consumed
     tokens: int = 0  # loss tokens seen
+
+
+def pad_batch(rows: list[dict]) -> dict:
+    """Right-pad tokenised rows (``input_ids``, ``loss_mask`` and, when present, cached ``hidden``)
+    into a batch with an ``attention_mask``."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    batch = {
+        "input_ids": torch.zeros(len(rows), longest, dtype=torch.long),
+        "loss_mask": torch.zeros(len(rows), longest, dtype=torch.bool),
+        "attention_mask": torch.zeros(len(rows), longest, dtype=torch.long),
+    }
+    if "hidden" in rows[0]:
+        batch["hidden"] = torch.zeros(len(rows), longest, rows[0]["hidden"].shape[-1], dtype=rows[0]["hidden"].dtype)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
+        batch["loss_mask"][i, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
+        batch["attention_mask"][i, :n] = 1
+        if "hidden" in row:
+            batch["hidden"][i, :n] = row["hidden"]
+    return batch
 
 
 def _wandb_mode(mode: str) -> None:
@@ -139,6 +166,28 @@ def _epoch_loader(dataset, task: TrainTask, recipe: Recipe, epoch: int) -> DataL
                       collate_fn=task.collate, num_workers=recipe.training.num_workers, generator=generator)
 
 
+def _delayed(schedule, start: int, warmup: int):
+    """``schedule`` held at 0 until step ``start``, then warmed up again over ``warmup`` steps."""
+    def factor(step: int) -> float:
+        if step < start:
+            return 0.0
+        return schedule(step) * min(1.0, (step - start + 1) / max(1, warmup))
+    return factor
+
+
+def _normalise(totals: dict[str, float], prefix: str) -> dict[str, float]:
+    """Token-weighted sums -> means. ``"X/name"`` divides by ``"X/tokens"`` when the task gives
+    one (e.g. a Medusa head's own count of positions), everything else by ``"tokens"``."""
+    tokens = max(totals.get("tokens", 1.0), 1.0)
+    out = {}
+    for key, value in totals.items():
+        if key == "tokens" or key.endswith("/tokens"):
+            continue
+        group = key.rsplit("/", 1)[0] + "/tokens" if "/" in key else None
+        out[f"{prefix}/{key}"] = value / max(totals[group], 1.0) if group in totals else value / tokens
+    return out
+
+
 def _param_checksum(model: torch.nn.Module) -> float:
     return float(sum(p.detach().double().sum() for p in model.parameters()))
 
@@ -156,13 +205,21 @@ class Trainer:
         micro_batches = math.ceil(len(train_data) / t.batch_size / self.accelerator.num_processes)
         self.steps_per_epoch = max(1, micro_batches // t.gradient_accumulation_steps)
         self.max_steps = t.max_steps or self.steps_per_epoch * t.num_epochs
-        params = [p for p in task.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+        if hasattr(task, "param_groups"):
+            groups = [dict(g) for g in task.param_groups()]
+        else:
+            groups = [{"params": [p for p in task.model.parameters() if p.requires_grad]}]
+        starts = [g.pop("start_step", 0) for g in groups]
+        optimizer = torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
         schedule = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[t.lr_schedule]
         # Accelerate advances a prepared scheduler once per process at every optimiser step.
         world = self.accelerator.num_processes
         scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=t.warmup_steps * world,
                                   num_training_steps=self.max_steps * world)
+        if any(starts):  # a new scheduler, so that step 0 already uses the delayed factors
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [
+                _delayed(f, start * world, t.warmup_steps * world) if start else f
+                for f, start in zip(scheduler.lr_lambdas, starts)])
         # DeepSpeed reads the micro-batch size from a prepared dataloader; give it one.
         probe = _epoch_loader(train_data, task, recipe, 0)
         self.model, self.optimizer, self.scheduler, _ = self.accelerator.prepare(task.model, optimizer, scheduler, probe)
@@ -221,9 +278,7 @@ class Trainer:
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         self.model.train()
-        totals = self._sum_over_processes(totals)
-        tokens = max(totals.pop("tokens", 1.0), 1.0)
-        return {f"eval/{k}": v / tokens for k, v in totals.items()}
+        return _normalise(self._sum_over_processes(totals), "eval")
 
     # -- the loop --------------------------------------------------------------------------------
     def train(self, resume: bool = False) -> Path:
@@ -294,6 +349,8 @@ class Trainer:
     def _log_eval(self) -> None:
         metrics = self.evaluate()
         if metrics:
+            if hasattr(self.task, "on_evaluate"):  # e.g. Medusa heads record their accuracy in checkpoints
+                self.task.on_evaluate(metrics)
             self.accelerator.log(metrics, step=self.state.step)
             self.history.append({"step": self.state.step, **metrics})
             if self.accelerator.is_main_process:
@@ -301,15 +358,17 @@ class Trainer:
 
     def _log(self, window: dict[str, float], seconds: float) -> None:
         totals = self._sum_over_processes(window)
-        tokens = max(totals.get("tokens", 1.0), 1.0)
-        logs = {f"train/{k}": v / tokens for k, v in totals.items() if k != "tokens"}
+        logs = _normalise(totals, "train")
         logs["train/tokens_per_second"] = totals.get("tokens", 0.0) / max(seconds, 1e-9)
-        logs["train/lr"] = self.scheduler.get_last_lr()[0]
+        rates = self.scheduler.get_last_lr()
+        logs["train/lr"] = rates[0]
+        for group, rate in zip(self.optimizer.param_groups[1:], rates[1:]):
+            logs[f"train/lr_{group.get('name', 'group')}"] = rate
         logs["train/epoch"] = self.state.epoch
         self.accelerator.log(logs, step=self.state.step)
         self.history.append({"step": self.state.step, **logs})
         if self.accelerator.is_main_process:
-            shown = {k.split("/")[-1]: round(v, 4) for k, v in logs.items()}
+            shown = {k.removeprefix("train/"): round(v, 4) for k, v in logs.items()}
             tqdm.write(f"step {self.state.step}: {shown}")
 
     def _write_replica_checksums(self, checkpoint: Path) -> None:

@@ -90,12 +90,48 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
                 raise ValueError("the eagle drafter needs a checkpoint: eagle:PATH")
             head = EagleHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
             drafter = EagleDrafter(head, **options)
+        elif parsed.kind == "medusa":
+            from draftsmith.eval.drafters.medusa import MedusaDrafter
+
+            if not parsed.path:
+                raise ValueError("the medusa drafter needs a checkpoint: medusa:PATH")
+            heads, choices, verifier = _medusa_parts(parsed.path, target, options.pop("choices", None),
+                                                     options.pop("budget", None))
+            drafter = MedusaDrafter(heads, choices, verifier=verifier, **options)
         else:
-            raise ValueError(f"drafter kind {parsed.kind!r} has no engine adapter yet")
+            raise ValueError(f"drafter kind {parsed.kind!r} has no engine adapter")
     except TypeError as err:
         raise ValueError(f"bad option for drafter {parsed.kind!r}: {err}") from None
     drafter.name = parsed.name
     return drafter
+
+
+def _medusa_parts(path: str, target: PreTrainedModel, choices, budget):
+    """Heads, tree and (for Medusa-2 checkpoints) the LoRA-merged target to verify with.
+
+    The tree is ``choices`` (a file or a literal), else the optimal ``budget``-node tree for the
+    heads' recorded held-out accuracies, else the checkpoint's calibrated ``tree.yaml``, else the
+    optimal tree of Medusa's default size (63 nodes).
+    """
+    from pathlib import Path
+
+    from draftsmith.eval.tree import load_choices, optimal_choices
+    from draftsmith.heads.medusa import DEFAULT_TREE_SIZE, MedusaHeads, rank_accuracy
+    from draftsmith.target import merge_adapter
+
+    heads = MedusaHeads.from_pretrained(path, target).to(next(target.parameters()).dtype)
+    adapter = Path(path) / "adapter"
+    verifier = merge_adapter(target, adapter) if adapter.is_dir() else None
+    if verifier is not None:
+        heads.bind(verifier)
+    if choices is not None:
+        return heads, load_choices(str(choices)), verifier
+    calibrated = Path(path) / "tree.yaml"
+    if budget is None and calibrated.is_file():
+        return heads, load_choices(str(calibrated)), verifier
+    if not heads.head_accuracy:
+        raise ValueError(f"{path} records no head accuracies: pass choices=FILE or run eval/calibrate_tree.py")
+    return heads, optimal_choices(rank_accuracy(heads.head_accuracy), int(budget or DEFAULT_TREE_SIZE)), verifier
 
 
 __all__ = [

@@ -42,6 +42,9 @@ class Drafter(ABC):
 
     name: str = "drafter"
     needs_hidden: bool = False
+    # The model that must verify this drafter's trees when it is not the engine's target (a
+    # drafter trained jointly with a tuned copy of the target, e.g. Medusa-2); None: the target.
+    verifier = None
 
     def prepare(self, prompt: list[int], max_new_tokens: int) -> None:
         """Untimed work before a generation (most drafters need none)."""

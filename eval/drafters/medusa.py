@@ -1,0 +1,63 @@
+"""Medusa drafting: every head guesses one future position from the target's last hidden state,
+and a static tree (Medusa ``choices``) combines their ranked guesses.
+
+Node ``(r1, ..., rd)`` is head d-1's rank-rd guess below node ``(r1, ..., r(d-1))``. Greedy
+decoding takes each head's top-k; sampling draws each head's candidates without replacement from
+its warped distribution, so the engine's recursive rejection sampling keeps the output
+distributed as the target's (lossless; Medusa's typical acceptance is not offered).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.sampling import choose
+from draftsmith.eval.tree import TokenTree, choice_slots, static_tree
+from draftsmith.heads.medusa import MedusaHeads
+
+
+class MedusaDrafter(Drafter):
+    """Medusa heads over a static tree of ``choices``.
+
+    ``verifier``: the target this drafter must be verified by when it is not the engine's own
+    (Medusa-2 heads come with a LoRA-tuned target, merged into a copy of the base target).
+    """
+
+    needs_hidden = True
+
+    def __init__(self, heads: MedusaHeads, choices: list[tuple[int, ...]], name: str = "medusa",
+                 verifier: PreTrainedModel | None = None):
+        if not choices:
+            raise ValueError("a Medusa tree needs at least one choice")
+        too_deep = max(len(c) for c in choices)
+        if too_deep > heads.num_heads:
+            raise ValueError(f"the tree is {too_deep} levels deep but the checkpoint has {heads.num_heads} heads")
+        self.heads = heads.eval()
+        self.choices = list(choices)
+        self.depth = too_deep
+        slots = choice_slots(self.choices)
+        self.width = [max(n for prefix, n in slots.items() if len(prefix) == d) for d in range(self.depth)]
+        self.name, self.verifier = name, verifier
+        self._last: torch.Tensor | None = None
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        self._last = hidden[-1]
+
+    def accept(self, result: StepResult) -> None:
+        self._last = result.hidden[-1]
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> TokenTree:
+        depth = min(self.depth, context.max_tokens)
+        if depth < 1:
+            return TokenTree()
+        dtype = next(self.heads.parameters()).dtype
+        logits = self.heads.logits(self._last.to(dtype)[None])[:depth, 0]  # [depth, V]
+        candidates, probs = [], []
+        for d in range(depth):
+            tokens, q = choose(logits[d:d + 1], self.width[d], context.sampling, context.generator)
+            candidates.append(tokens[0].tolist())
+            probs.append(q[0] if q is not None else None)
+        return static_tree(self.choices, candidates, None if context.sampling.greedy else probs)

@@ -1,0 +1,176 @@
+"""Medusa heads (Cai et al., 2024): extra decoding heads on the target's last hidden state.
+
+Head k (0-based) reads the hidden state ``h_i`` of position i, the one whose LM-head output is
+token i+1, and predicts token i+k+2. Each head is ``num_layers`` residual blocks
+``x + SiLU(W x + b)`` with W and b zero-initialised, so a fresh head returns ``h_i`` unchanged and
+its logits equal the target's own next-token logits (shifted by k+1 positions). The heads score
+through an LM head that is either the target's, shared by reference and never saved
+(``lm_head="shared"``), or a trainable per-head copy initialised from it (``"copy"``). Shared
+heads run all K LM-head products as one matrix multiply. An optional draft vocabulary restricts
+scoring to the N most frequent tokens (see :mod:`draftsmith.heads.vocab`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from draftsmith.heads.common import check_target, read_config, target_record
+from draftsmith.heads.vocab import DraftVocabMixin
+
+KIND = "medusa"
+LM_HEAD_MODES = ("shared", "copy")
+DEFAULT_TREE_SIZE = 63  # nodes in the Medusa paper's default sparse tree
+TOP_K_RECORDED = 10  # ranks whose accuracy is measured per head
+
+
+def rank_accuracy(top_k_accuracy: list[list[float]]) -> list[list[float]]:
+    """Per head, the probability that its rank-r guess is right, from cumulative top-k accuracies."""
+    return [[max(0.0, hi - lo) for lo, hi in zip([0.0, *row[:-1]], row)] for row in top_k_accuracy]
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(linear(x))``, zero-initialised: the identity until trained."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class _Shape:
+    """The few config fields the heads and the draft-vocabulary mixin read."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+
+
+class MedusaHeads(DraftVocabMixin, nn.Module):
+    """K Medusa heads over one target."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, num_layers: int = 1,
+                 lm_head: str = "shared", draft_vocab: torch.Tensor | None = None,
+                 target_info: dict | None = None, head_accuracy: list[list[float]] | None = None):
+        super().__init__()
+        if lm_head not in LM_HEAD_MODES:
+            raise ValueError(f"Medusa lm_head must be one of {LM_HEAD_MODES}, got {lm_head!r}")
+        if num_heads < 1 or num_layers < 0:
+            raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads} and {num_layers}")
+        self.config = _Shape(hidden_size, vocab_size)
+        self.num_heads, self.num_layers, self.lm_head_mode = num_heads, num_layers, lm_head
+        self.target_info = target_info or {}
+        # Held-out top-k accuracy of each head (k = 1..10), written by the trainer; the drafter
+        # builds its default tree from it.
+        self.head_accuracy = head_accuracy
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers))) for _ in range(num_heads))
+        vocab = draft_vocab if draft_vocab is not None else torch.arange(vocab_size)
+        self.register_buffer("draft_vocab", vocab.long(), persistent=True)
+        self.lm_weight = (nn.Parameter(torch.zeros(num_heads, vocab.numel(), hidden_size))
+                          if lm_head == "copy" else None)
+        self._target: tuple = ()
+
+    # -- binding to the target -------------------------------------------------------------
+    def bind(self, target: PreTrainedModel) -> "MedusaHeads":
+        """Use ``target``'s LM head (by reference, frozen) when ``lm_head`` is shared."""
+        self._target = (target,)  # a tuple: nn.Module neither registers nor saves it
+        return self
+
+    @property
+    def target(self) -> PreTrainedModel:
+        if not self._target:
+            raise RuntimeError("bind(target) the Medusa heads before running them")
+        return self._target[0]
+
+    # -- forward -----------------------------------------------------------------------------
+    def head_states(self, hidden: torch.Tensor, heads: range | None = None) -> torch.Tensor:
+        """Each head's residual-block output ``[K, ..., h]`` for hidden states ``[..., h]``."""
+        heads = heads if heads is not None else range(self.num_heads)
+        return torch.stack([self.blocks[k](hidden) for k in heads])
+
+    def draft_logits_per_head(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits ``[K, ..., N]`` of head states ``[K, ..., h]``: one batched product."""
+        if self.lm_weight is None:
+            return self.draft_logits(states)
+        flat = states.reshape(states.shape[0], -1, states.shape[-1])
+        out = torch.bmm(flat, self.lm_weight.to(flat.dtype).transpose(1, 2))
+        return out.reshape(*states.shape[:-1], -1)
+
+    def forward(self, hidden: torch.Tensor, positions: list[torch.Tensor] | None = None):
+        """Draft-vocabulary logits ``[K, ..., N]`` of every head for hidden states ``[..., h]``.
+
+        With ``positions`` (per head, indices into the flattened leading dimensions of ``hidden``)
+        only those rows are scored: a list of K ``[M_k, N]`` tensors. Training uses this to skip
+        positions without a label; shared LM heads still score all heads in one product.
+        """
+        if positions is None:
+            return self.draft_logits_per_head(self.head_states(hidden))
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        states = [self.blocks[k](flat[index]) for k, index in enumerate(positions)]
+        if self.lm_weight is None:
+            return list(self.draft_logits(torch.cat(states)).split([len(s) for s in states]))
+        return [s @ self.lm_weight[k].to(s.dtype).T for k, s in enumerate(states)]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 full-vocabulary logits ``[K, ..., V]`` (``-inf`` outside the draft vocabulary)."""
+        return self.to_full_vocab(self(hidden))
+
+    # -- construction and checkpoints ------------------------------------------------------------
+    @classmethod
+    def for_target(cls, target: PreTrainedModel, target_name: str, num_heads: int = 4, num_layers: int = 1,
+                   lm_head: str = "shared", draft_vocab: torch.Tensor | None = None) -> "MedusaHeads":
+        """Fresh heads for ``target``: identity blocks, LM head shared with or copied from the target's."""
+        config = target.config
+        vocab_size = target.get_output_embeddings().weight.shape[0]
+        heads = cls(config.hidden_size, vocab_size, num_heads, num_layers, lm_head, draft_vocab,
+                    target_record(target, target_name))
+        param = next(target.parameters())
+        heads.to(device=param.device).bind(target)
+        if heads.lm_weight is not None:
+            with torch.no_grad():
+                rows = target.get_output_embeddings().weight.detach()[heads.draft_vocab].float()
+                heads.lm_weight.copy_(rows.expand(num_heads, -1, -1))
+        return heads
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (never the target's own weights)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        config = {
+            "draftsmith_kind": KIND,
+            "architectures": ["MedusaHeads"],
+            "num_heads": self.num_heads,
+            "num_layers": self.num_layers,
+            "lm_head": self.lm_head_mode,
+            "hidden_size": self.config.hidden_size,
+            "vocab_size": self.config.vocab_size,
+            "draft_vocab_size": int(self.draft_vocab.numel()),
+            "head_accuracy": self.head_accuracy,
+            "target": self.target_info,
+        }
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt", "draftsmith_kind": KIND})
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> "MedusaHeads":
+        """Load heads; with ``target`` they are checked against the recorded target and bound to it."""
+        config = read_config(path, KIND)
+        if target is not None:
+            check_target(config["target"], target, path)
+        state = load_file(str(Path(path) / "model.safetensors"))
+        heads = cls(config["hidden_size"], config["vocab_size"], config["num_heads"], config["num_layers"],
+                    config["lm_head"], state["draft_vocab"], config["target"], config.get("head_accuracy"))
+        heads.load_state_dict(state)
+        if target is not None:
+            heads.to(device=next(target.parameters()).device).bind(target)
+        return heads

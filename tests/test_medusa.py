@@ -1,0 +1,269 @@
+"""Medusa heads: zero-initialised blocks, Medusa-1 and Medusa-2 training on a tiny target, the
+calibrated tree against brute force, static trees in the engine, and lossless sampling.
+
+Greedy losslessness on the bundled SmolLM2 is in ``test_greedy_lossless.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+from stats_helpers import chi_square, exact_joint
+from tiny_targets import VOCAB, save_tiny_target
+
+from draftsmith.data_prep.chat import render_prompt
+from draftsmith.eval.decode import SpeculativeDecoder
+from draftsmith.eval.drafters import build_drafter
+from draftsmith.eval.drafters.base import DraftContext
+from draftsmith.eval.drafters.medusa import MedusaDrafter
+from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.eval.tree import ROOT, expected_acceptance, load_choices, optimal_choices, static_tree
+from draftsmith.heads.common import TargetMismatchError
+from draftsmith.heads.medusa import MedusaHeads, rank_accuracy
+from draftsmith.target import load_tokenizer
+from draftsmith.train.medusa import head_positions, main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---------------------------------------------------------------------------------------------
+# The heads
+
+
+@pytest.mark.parametrize("lm_head", ["shared", "copy"])
+@pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "draft_vocab"])
+def test_fresh_heads_equal_the_target_lm_head(make_tiny_llama, lm_head, reduced):
+    target = make_tiny_llama(vocab_size=64, hidden_size=32, seed=3, scale=5.0)
+    vocab = torch.tensor([0, 1, 5, 9, 17, 40, 63]) if reduced else None
+    heads = MedusaHeads.for_target(target, "tiny", num_heads=3, num_layers=2, lm_head=lm_head, draft_vocab=vocab)
+    hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    expected = target.lm_head(hidden)
+    got = heads.logits(hidden)
+    assert got.shape == (3, 2, 5, 64)
+    for k in range(3):
+        if reduced:
+            assert torch.allclose(got[k][..., vocab], expected[..., vocab], atol=1e-5)
+            outside = torch.ones(64, dtype=torch.bool)
+            outside[vocab] = False
+            assert torch.isinf(got[k][..., outside]).all()
+        else:
+            assert torch.allclose(got[k], expected, atol=1e-5)
+    # Selected positions give the same rows, one list entry per head.
+    positions = [torch.tensor([0, 7]), torch.tensor([3]), torch.tensor([9, 1, 2])]
+    picked = heads(hidden, positions)
+    for k, index in enumerate(positions):
+        assert torch.allclose(picked[k], heads(hidden)[k].reshape(10, -1)[index], atol=1e-6)
+
+
+def test_head_positions_shift_by_k_plus_two():
+    batch = {"input_ids": torch.tensor([[10, 11, 12, 13, 14, 15]]),
+             "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 0]], dtype=torch.bool)}
+    positions, labels = head_positions(batch, 3)
+    # head 0 at position i predicts token i+2: positions 0..2 carry assistant labels 12, 13, 14.
+    assert positions[0].tolist() == [0, 1, 2] and labels[0].tolist() == [12, 13, 14]
+    assert positions[1].tolist() == [0, 1] and labels[1].tolist() == [13, 14]
+    assert positions[2].tolist() == [0] and labels[2].tolist() == [14]
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees
+
+
+def brute_force_best(rank_acc, budget):
+    nodes = [c for d in range(1, len(rank_acc) + 1) for c in itertools.product(range(len(rank_acc[0])), repeat=d)]
+    best = 0.0
+    for subset in itertools.combinations(nodes, budget):
+        chosen = set(subset)
+        if all(len(c) == 1 or c[:-1] in chosen for c in chosen):
+            best = max(best, expected_acceptance(list(chosen), rank_acc))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget", [1, 3, 5])
+def test_calibrated_tree_is_the_brute_force_optimum(seed, budget):
+    gen = torch.Generator().manual_seed(seed)
+    # Three heads, three ranks, accuracies falling with depth and rank (not strictly: seeds vary).
+    top_k = (torch.rand(3, 3, generator=gen) * 0.5).cumsum(-1).clamp_max(0.95).tolist()
+    rank_acc = rank_accuracy(top_k)
+    choices = optimal_choices(rank_acc, budget)
+    assert len(choices) == budget and load_choices([list(c) for c in choices]) == choices  # closed under parents
+    assert expected_acceptance(choices, rank_acc) == pytest.approx(brute_force_best(rank_acc, budget))
+
+
+def test_rank_accuracy_from_cumulative_top_k():
+    assert rank_accuracy([[0.5, 0.7, 0.75]])[0] == pytest.approx([0.5, 0.2, 0.05])
+
+
+def test_static_tree_shares_each_heads_ranked_guesses():
+    choices = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    tree = static_tree(choices, [[7, 8], [20, 21], [30]])
+    assert tree.tokens == [7, 8, 20, 21, 20, 30]
+    assert tree.parents == [ROOT, ROOT, 0, 0, 1, 2]
+    assert tree.depths == [1, 1, 2, 2, 2, 3]
+    assert tree.proposals[ROOT].tokens == [7, 8] and tree.proposals[1].tokens == [20]
+    # Ranks beyond the candidates drawn, and levels beyond the heads given, are dropped.
+    small = static_tree(choices, [[7], [20, 21]])
+    assert small.tokens == [7, 20, 21]
+
+
+# ---------------------------------------------------------------------------------------------
+# Training on a tiny target
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("targets")
+    tokenizer = load_tokenizer("default")
+    return {"main": save_tiny_target(root / "main", tokenizer), "other": save_tiny_target(root / "other", tokenizer, seed=1)}
+
+
+@pytest.fixture(scope="module")
+def recipe(targets, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("recipe")
+    data = {
+        "target": {"name": str(targets["main"])},
+        "data": {"limit": 8, "max_length": 128, "held_out_fraction": 0.1, "cache_dir": str(root / "data")},
+        "drafter": {"num_heads": 3, "num_layers": 1},
+        "training": {"output_dir": str(root / "unused"), "learning_rate": 1e-2, "max_steps": 6, "batch_size": 2,
+                     "log_every": 1, "save_every": 3, "warmup_steps": 1},
+        "tracking": {"report_to": "none"},
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def train(recipe: Path, out: Path, *overrides: str):
+    return main([str(recipe), "--output_dir", str(out), *overrides])
+
+
+@pytest.fixture(scope="module")
+def six_steps(recipe, tmp_path_factory):
+    return train(recipe, tmp_path_factory.mktemp("six") / "run")
+
+
+def test_medusa1_loss_decreases_and_logs_per_head_accuracy(recipe, tmp_path):
+    trainer = train(recipe, tmp_path / "run", "--training.max_steps", "16", "--training.lr_schedule", "constant",
+                    "--training.log_every", "4", "--training.save_every", "0", "--drafter.lm_head", "copy")
+    logs = [h for h in trainer.history if "train/loss" in h]
+    losses = [h["train/loss"] for h in logs]
+    assert losses[-1] < 0.8 * losses[0], losses
+    for h in logs:
+        for k in (1, 2, 3):
+            assert 0.0 <= h[f"train/head{k}/top1"] <= h[f"train/head{k}/top5"] <= 1.0
+        assert "train/head1/tokens" not in h
+    final = [h for h in trainer.history if "eval/loss" in h][-1]
+    assert final["eval/head1/top1"] <= final["eval/head1/top10"]
+
+
+def test_checkpoint_reloads_identically_and_records_accuracy(six_steps, targets):
+    final = six_steps.last_checkpoint
+    config = json.loads((final / "config.json").read_text())
+    assert config["draftsmith_kind"] == "medusa" and config["num_heads"] == 3 and config["lm_head"] == "shared"
+    assert config["target"]["name"] == str(targets["main"])
+    accuracy = config["head_accuracy"]
+    assert len(accuracy) == 3 and all(len(row) == 10 and row == sorted(row) for row in accuracy)
+    evaluated = [h for h in six_steps.history if "eval/loss" in h][-1]
+    assert accuracy[1][4] == pytest.approx(evaluated["eval/head2/top5"])
+    tensors = load_file(str(final / "model.safetensors"))
+    assert not [k for k, v in tensors.items() if v.shape[0] == VOCAB and v.dim() == 2]  # LM head not saved when shared
+
+    target = six_steps.task.target
+    loaded = MedusaHeads.from_pretrained(final, target)
+    hidden = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded.logits(hidden), six_steps.task.heads.logits(hidden))
+    fresh = MedusaHeads.for_target(target, "x", 3, 1)
+    assert not torch.equal(fresh.blocks[0][0].linear.weight, loaded.blocks[0][0].linear.weight)
+    with pytest.raises(TargetMismatchError, match="embedding weights differ"):
+        MedusaHeads.from_pretrained(final, LlamaForCausalLM.from_pretrained(targets["other"]))
+
+
+def test_resume_matches_uninterrupted(six_steps, recipe, tmp_path):
+    out = tmp_path / "run"
+    first = train(recipe, out, "--training.stop_after_steps", "4")
+    assert first.last_checkpoint == out / "checkpoint-4"
+    resumed = train(recipe, out, "--resume")
+    assert resumed.last_checkpoint == out / "checkpoint-final"
+    expected = load_file(str(six_steps.last_checkpoint / "model.safetensors"))
+    got = load_file(str(resumed.last_checkpoint / "model.safetensors"))
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+
+
+def test_trained_heads_draft_losslessly(six_steps):
+    target = six_steps.task.target
+    tokenizer = load_tokenizer(str(six_steps.recipe.target.name))
+    drafter = build_drafter(f"medusa:{six_steps.last_checkpoint}?budget=6", target)
+    assert len(drafter.choices) == 6
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "Name three colours."}])
+    plain = SpeculativeDecoder(target, None, tokenizer).generate(prompt, 24)
+    spec = SpeculativeDecoder(target, drafter, tokenizer).generate(prompt, 24)
+    assert spec.tokens == plain.tokens
+
+
+def test_medusa2_trains_lora_after_the_heads_warm_up(recipe, tmp_path):
+    trainer = train(recipe, tmp_path / "run", "--drafter.lora.enabled", "true", "--drafter.lora.start_step", "3",
+                    "--drafter.lora.r", "4", "--drafter.lora.learning_rate", "1e-2", "--training.warmup_steps", "0",
+                    "--training.lr_schedule", "constant", "--drafter.lora.dropout", "0")
+    logs = [h for h in trainer.history if "train/loss" in h]
+    # The logged rate is the next step's: steps 1-3 ran at 0, later ones at the LoRA rate.
+    assert [h["train/lr_lora"] for h in logs[:2]] == [0.0, 0.0]
+    assert all(h["train/lr_lora"] == pytest.approx(1e-2) for h in logs[2:])
+    assert all(h["train/lr"] == pytest.approx(1e-2) for h in logs)
+    # The adapters stay put while the heads warm up (the tuned target equals the frozen one),
+    # then move it: its KL from the frozen target becomes positive.
+    assert [h["train/target/loss"] for h in logs[:3]] == [0.0, 0.0, 0.0]
+    assert [h["train/target/argmax_agreement"] for h in logs[:3]] == [1.0, 1.0, 1.0]
+    assert logs[-1]["train/target/loss"] > 1e-4
+    assert 0.0 <= logs[-1]["train/target/argmax_agreement"] <= 1.0
+
+    final = trainer.last_checkpoint
+    assert (final / "adapter" / "adapter_config.json").is_file()
+    base = LlamaForCausalLM.from_pretrained(trainer.recipe.target.name).eval()
+    drafter = build_drafter(f"medusa:{final}?budget=4", base)
+    verifier = drafter.verifier
+    assert verifier is not None and verifier is not base
+    # The merged verifier is the tuned target: same outputs as the trained (unmerged) LoRA model.
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        tuned = trainer.task.target.eval()(input_ids=ids).logits
+        merged = verifier(input_ids=ids).logits
+        assert torch.allclose(merged, tuned, atol=1e-4)
+        assert not torch.allclose(merged, base(input_ids=ids).logits, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lossless sampling through static trees (exact joint distribution vs chi-square, tiny vocab)
+
+
+def test_medusa_sampling_is_lossless(make_tiny_llama):
+    V, prompt, n = 8, [3, 5, 2, 7, 4], 2000
+    target = make_tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
+    heads = MedusaHeads.for_target(target, "tiny", num_heads=2, num_layers=1)
+    with torch.no_grad():  # perturbed heads: their guesses differ from the target's own prediction
+        for block in heads.blocks:
+            block[0].linear.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    choices = [(0,), (1,), (0, 0), (0, 1), (1, 0)]
+    drafter = MedusaDrafter(heads, choices)
+    sampling = SamplingConfig(temperature=1.0)
+    decoder = SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set())
+    counts, accepted = {}, {}
+    for i in range(n):
+        gen = decoder.generate(prompt, 4, seed=i)
+        counts[tuple(gen.tokens)] = counts.get(tuple(gen.tokens), 0) + 1
+        accepted[tuple(gen.accepted)] = accepted.get(tuple(gen.accepted), 0) + 1
+    statistic, threshold, _ = chi_square(counts, exact_joint(target, prompt, 4, sampling), n)
+    assert statistic < threshold
+    assert accepted.get((3,), 0) > 20  # depth-2 paths were accepted, not only rejections
+    tree = drafter.propose(DraftContext(prompt, sampling, torch.Generator().manual_seed(0), 4))
+    assert tree.proposals[ROOT].probs is not None and len(tree.proposals[ROOT].tokens) == 2

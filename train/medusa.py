@@ -1,0 +1,258 @@
+"""Train Medusa heads: ``accelerate launch train/medusa.py recipes/smollm2-medusa.yaml [--resume] [--key value]``.
+
+Medusa-1 (``drafter.lora.enabled: false``): the target is frozen; head k (0-based) at position i
+predicts token i+k+2 with cross-entropy on assistant tokens, weighted ``head_decay ** k``.
+Hidden states come from the target inside the step (``online``) or from the offline feature
+cache that EAGLE training also uses (``offline``).
+
+Medusa-2 (``drafter.lora.enabled: true``): LoRA adapters on the target (``peft``) train jointly
+with the heads. The target keeps its own behaviour through ``lora.target_loss``: ``distill``
+(KL from the frozen target, adapters disabled, to the tuned one) or ``lm`` (next-token
+cross-entropy on the data; use self-distilled data, ``data.regenerate``). The heads warm up
+alone until ``lora.start_step``; heads and adapters have separate learning rates. Checkpoints
+hold the heads plus ``adapter/``; the engine verifies with the target with the adapter merged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.data_prep.dataset import build_dataset
+from draftsmith.data_prep.features import FeatureDataset, extract_features, features_dir
+from draftsmith.data_prep.regenerate import prepare_data_config
+from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads
+from draftsmith.heads.vocab import frequent_tokens
+from draftsmith.recipe import DrafterConfig, Recipe
+from draftsmith.target import load_target
+from draftsmith.train.cli import parse_training_args
+from draftsmith.train.loop import Trainer, pad_batch
+
+
+@dataclass
+class LoraSettings:
+    """Medusa-2: LoRA on the target, trained with the heads."""
+
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
+    learning_rate: float = 5e-5  # the heads use training.learning_rate
+    start_step: int = 0  # optimiser steps the heads train alone before the adapters join
+    target_loss: Literal["distill", "lm"] = "distill"
+    target_loss_weight: float = 1.0
+
+    def validate(self) -> None:
+        if self.r < 1 or self.learning_rate <= 0 or self.start_step < 0 or self.target_loss_weight < 0:
+            raise ValueError("drafter.lora: need r >= 1, learning_rate > 0, start_step >= 0, target_loss_weight >= 0")
+
+
+@dataclass
+class MedusaDrafterConfig(DrafterConfig):
+    """The Medusa heads and their loss."""
+
+    kind: str = "medusa"
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head
+    lm_head: Literal["shared", "copy"] = "shared"  # the target's LM head by reference, or a trainable copy per head
+    draft_vocab_size: Optional[int] = None  # None: the full vocabulary; N: the N most frequent assistant tokens
+    head_decay: float = 0.8  # head k's loss weight is head_decay ** k
+    features: Literal["online", "offline"] = "online"
+    features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache, shared with EAGLE)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+
+    def validate(self) -> None:
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(f"drafter.num_heads must be >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
+        if not 0 < self.head_decay <= 1:
+            raise ValueError(f"drafter.head_decay must be in (0, 1], got {self.head_decay}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
+            raise ValueError(f"drafter.draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
+        if self.lora.enabled and self.features == "offline":
+            raise ValueError("drafter.features must be 'online' with drafter.lora.enabled: the tuned target's "
+                             "hidden states change as it trains")
+
+
+@dataclass
+class MedusaRecipe(Recipe):
+    drafter: MedusaDrafterConfig = field(default_factory=MedusaDrafterConfig)
+
+
+class JointMedusa(nn.Module):
+    """Medusa-2's trainable module: the LoRA-wrapped target and the heads, run in one forward."""
+
+    def __init__(self, target, heads: MedusaHeads):
+        super().__init__()
+        self.target, self.heads = target, heads
+
+    def forward(self, input_ids, attention_mask, positions):
+        hidden = self.target.get_base_model().get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return hidden, self.heads(hidden, positions)
+
+
+def head_positions(batch: dict, num_heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per head k: flat indices of positions i whose label (token i+k+2) is an assistant token, and those labels."""
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    n = ids.shape[1]
+    positions, labels = [], []
+    for k in range(num_heads):
+        shift = k + 2
+        valid = torch.zeros_like(mask)
+        shifted = torch.zeros_like(ids)
+        if n > shift:
+            valid[:, :n - shift] = mask[:, shift:]
+            shifted[:, :n - shift] = ids[:, shift:]
+        index = valid.flatten().nonzero().squeeze(1)
+        positions.append(index)
+        labels.append(shifted.flatten()[index])
+    return positions, labels
+
+
+class MedusaTask:
+    """Medusa-1 or Medusa-2 loss over a target."""
+
+    def __init__(self, recipe: MedusaRecipe, target, heads: MedusaHeads):
+        self.cfg = recipe.drafter
+        self.recipe = recipe
+        self.heads = heads
+        self.latest_eval: dict[str, float] = {}
+        if self.cfg.lora.enabled:
+            from peft import LoraConfig, get_peft_model
+
+            lora = self.cfg.lora
+            peft_target = get_peft_model(target, LoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+                bias="none"))
+            self.target = peft_target
+            self.model = JointMedusa(peft_target, heads)
+        else:
+            self.target = target
+            self.model = heads
+
+    collate = staticmethod(pad_batch)
+
+    def param_groups(self) -> list[dict]:
+        groups = [{"params": list(self.heads.parameters()), "name": "heads"}]
+        if self.cfg.lora.enabled:
+            adapters = [p for p in self.target.parameters() if p.requires_grad]
+            groups.append({"params": adapters, "lr": self.cfg.lora.learning_rate, "name": "lora",
+                           "start_step": self.cfg.lora.start_step})
+        return groups
+
+    def loss(self, model, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        positions, labels = head_positions(batch, self.cfg.num_heads)
+        metrics: dict[str, float] = {}
+        if self.cfg.lora.enabled:
+            hidden, head_logits = model(batch["input_ids"], batch["attention_mask"], positions)
+            target_loss = self._target_loss(hidden, batch, metrics)
+        else:
+            with torch.no_grad():
+                hidden = batch["hidden"] if "hidden" in batch else self.target.get_decoder()(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            head_logits = model(hidden.to(next(self.heads.parameters()).dtype), positions)
+            target_loss = None
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for k, (logits, gold) in enumerate(zip(head_logits, labels)):
+            draft_gold = self.heads.to_draft_ids(gold)
+            known = draft_gold >= 0  # labels outside the draft vocabulary cannot be learnt, only missed
+            ce = F.cross_entropy(logits[known].float(), draft_gold[known], reduction="sum")
+            total = total + self.cfg.head_decay ** k * ce / max(1, len(gold))
+            with torch.no_grad():
+                ranks = min(TOP_K_RECORDED if not training else 5, logits.shape[-1])
+                top = self.heads.draft_vocab[logits.topk(ranks, dim=-1).indices]
+                hits = (top == gold[:, None]).cumsum(-1).clamp_max(1).sum(0)
+            name = f"head{k + 1}"
+            metrics[f"{name}/tokens"] = float(len(gold))
+            metrics[f"{name}/ce"] = float(ce.detach())
+            for r in ((1, 5) if training else range(1, ranks + 1)):
+                metrics[f"{name}/top{r}"] = float(hits[r - 1]) if len(gold) else 0.0
+        if target_loss is not None:
+            total = total + self.cfg.lora.target_loss_weight * target_loss
+        metrics["tokens"] = float(len(labels[0]))
+        metrics["loss"] = float(total.detach()) * metrics["tokens"]
+        return total, metrics
+
+    def _target_loss(self, hidden: torch.Tensor, batch: dict, metrics: dict) -> torch.Tensor:
+        """How far the tuned target moved, on assistant positions (next-token predictions)."""
+        mask = torch.zeros_like(batch["loss_mask"])
+        mask[:, :-1] = batch["loss_mask"][:, 1:]
+        rows = hidden[mask]
+        lm_head = self.target.get_output_embeddings()
+        logits = lm_head(rows).float()
+        count = max(1, rows.shape[0])
+        if self.cfg.lora.target_loss == "lm":
+            gold = batch["input_ids"][:, 1:][mask[:, :-1]]
+            loss = F.cross_entropy(logits, gold, reduction="sum")
+            reference = None
+        else:
+            with torch.no_grad(), self.target.disable_adapter():
+                base = self.target.get_base_model().get_decoder()(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+                reference = lm_head(base[mask]).float()
+            loss = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum")
+        metrics["target/tokens"] = float(rows.shape[0])
+        metrics["target/loss"] = float(loss.detach())
+        if reference is not None:
+            metrics["target/argmax_agreement"] = float((logits.argmax(-1) == reference.argmax(-1)).sum())
+        return loss / count
+
+    def on_evaluate(self, metrics: dict[str, float]) -> None:
+        self.latest_eval = metrics
+
+    def head_accuracy(self) -> list[list[float]] | None:
+        """Held-out top-1..top-10 accuracy of each head from the latest evaluation."""
+        rows = []
+        for k in range(self.cfg.num_heads):
+            row = [self.latest_eval.get(f"eval/head{k + 1}/top{r}") for r in range(1, TOP_K_RECORDED + 1)]
+            if any(v is None for v in row):
+                return None
+            rows.append(row)
+        return rows
+
+    def save_pretrained(self, model, path: Path) -> None:
+        heads = model.heads if isinstance(model, JointMedusa) else model
+        heads.head_accuracy = self.head_accuracy() or heads.head_accuracy
+        heads.save_pretrained(path)
+        if isinstance(model, JointMedusa):
+            model.target.save_pretrained(str(Path(path) / "adapter"))
+
+
+def build(recipe: MedusaRecipe):
+    """Target, tokenised data (or features), heads and task for ``recipe``."""
+    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype)
+    data_cfg = prepare_data_config(recipe.data, target, recipe.target.name, tokenizer)
+    data, _ = build_dataset(data_cfg, tokenizer)
+    cfg = recipe.drafter
+    draft_vocab = None
+    if cfg.draft_vocab_size:
+        special = {i for i in tokenizer.all_special_ids if i is not None}
+        draft_vocab = frequent_tokens(data["train"], cfg.draft_vocab_size, special, target.config.vocab_size)
+    torch.manual_seed(recipe.training.seed)
+    heads = MedusaHeads.for_target(target, recipe.target.name, cfg.num_heads, cfg.num_layers, cfg.lm_head, draft_vocab)
+    train_set, eval_set = data["train"], data["held_out"]
+    if cfg.features == "offline":
+        root = features_dir(recipe, data)
+        extract_features(target, data, root)
+        train_set, eval_set = FeatureDataset(root / "train"), FeatureDataset(root / "held_out")
+    return MedusaTask(recipe, target, heads), train_set, eval_set
+
+
+def main(argv: list[str] | None = None) -> Trainer:
+    """Train as the command line says; returns the finished trainer (``.history``, ``.task.heads``)."""
+    recipe, resume = parse_training_args(MedusaRecipe, argv, __doc__)
+    task, train_set, eval_set = build(recipe)
+    trainer = Trainer(recipe, task, train_set, eval_set)
+    task.target.to(trainer.accelerator.device)
+    trainer.last_checkpoint = trainer.train(resume=resume)
+    return trainer
+
+
+if __name__ == "__main__":
+    main()
