@@ -28,6 +28,7 @@ class RegenerateConfig:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     batch_size: int = 16
+    max_prompt_tokens: Optional[int] = None  # longer first prompts are left out (counted); None: data.max_length
     seed: Optional[int] = 0
     output: Optional[str] = None  # JSONL file; default: under the draftsmith cache, keyed by its inputs
 

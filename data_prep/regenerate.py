@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.assets import cache_root
+from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.dataset import _source_identity, _tokenizer_identity
 from draftsmith.data_prep.sharegpt import load_conversations
 from draftsmith.recipe import DataConfig, RegenerateConfig
@@ -43,6 +44,11 @@ def _done_ids(path: Path) -> set[str]:
     return {json.loads(line)["id"] for line in keep.decode("utf-8").splitlines() if line.strip()}
 
 
+def _through_first_user(messages: list[dict]) -> list[dict]:
+    first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return messages[: first + 1]
+
+
 @torch.no_grad()
 def _generate(target, tokenizer, histories: list[list[dict]], cfg: RegenerateConfig) -> list[str]:
     texts = [tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
@@ -58,13 +64,24 @@ def regenerate(target, tokenizer, conversations: list[dict], out: str | Path, cf
     """Write ``conversations`` with target-written assistant turns to ``out`` (JSONL); resumable.
 
     Returns counts: ``written`` (this call), ``skipped`` (already in the file), ``turns`` regenerated,
-    ``empty`` (replies that came out empty: the conversation is cut before that turn and counted).
+    ``empty`` (replies that came out empty: the conversation is cut before that turn and counted),
+    ``prompt_too_long`` (first prompt over ``cfg.max_prompt_tokens``: left out, listed when shown).
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out)
     todo = [c for c in conversations if c["id"] not in done]
-    stats = {"written": 0, "skipped": len(conversations) - len(todo), "turns": 0, "empty": 0}
+    stats = {"written": 0, "skipped": len(conversations) - len(todo), "turns": 0, "empty": 0, "prompt_too_long": 0}
+    # Longest first prompt per conversation: batches of similar lengths waste little on padding.
+    first_prompt = {c["id"]: len(render_prompt(tokenizer, _through_first_user(c["messages"]))) for c in todo}
+    if cfg.max_prompt_tokens:
+        long = [c for c in todo if first_prompt[c["id"]] > cfg.max_prompt_tokens]
+        stats["prompt_too_long"] = len(long)
+        if long and show:
+            print(f"regenerate: {len(long)} conversations whose first prompt exceeds {cfg.max_prompt_tokens} "
+                  f"tokens are left out (e.g. {', '.join(c['id'] for c in long[:3])})")
+        todo = [c for c in todo if first_prompt[c["id"]] <= cfg.max_prompt_tokens]
+    todo.sort(key=lambda c: first_prompt[c["id"]])
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     bar = tqdm(total=len(todo), desc="regenerate", disable=not show)
@@ -119,6 +136,8 @@ def prepare_data_config(data: DataConfig, target, target_name: str, tokenizer) -
     """``data`` itself, or (with ``data.regenerate.enabled``) a copy pointing at its regenerated file."""
     if not data.regenerate.enabled:
         return data
+    if data.regenerate.max_prompt_tokens is None:  # a prompt longer than max_length leaves nothing to train on
+        data = replace(data, regenerate=replace(data.regenerate, max_prompt_tokens=data.max_length))
     path = regenerated_path(data, target_name, tokenizer)
     conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
     stats = regenerate(target, tokenizer, conversations, path, data.regenerate)
@@ -136,10 +155,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-turns", type=int, default=RegenerateConfig.max_turns)
     parser.add_argument("--temperature", type=float, default=RegenerateConfig.temperature)
     parser.add_argument("--batch-size", type=int, default=RegenerateConfig.batch_size)
+    parser.add_argument("--max-prompt-tokens", type=int, default=None, help="leave out longer first prompts (counted)")
     parser.add_argument("--out", required=True, help="output JSONL (appended to and resumed)")
     args = parser.parse_args(argv)
     cfg = RegenerateConfig(enabled=True, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
-                           temperature=args.temperature, batch_size=args.batch_size)
+                           temperature=args.temperature, batch_size=args.batch_size,
+                           max_prompt_tokens=args.max_prompt_tokens)
     cfg.validate()
     target, tokenizer = load_target(args.target, args.dtype)
     conversations, _ = load_conversations(args.data, limit=args.limit)
