@@ -16,6 +16,7 @@ class TargetConfig:
 
     name: str = "default"  # "default" (bundled SmolLM2-135M-Instruct), hub id, local folder or .gguf
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    chat_template: Optional[str] = None  # a .jinja file or template text, for targets that ship none
 
 
 @dataclass

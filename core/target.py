@@ -94,11 +94,18 @@ def resolve_target(name_or_path: str) -> str:
     return str(out_dir)
 
 
-def load_tokenizer(name_or_path: str = DEFAULT_TARGET) -> PreTrainedTokenizerBase:
-    """The tokenizer of a target (same names as :func:`load_target`)."""
+def load_tokenizer(name_or_path: str = DEFAULT_TARGET, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a target (same names as :func:`load_target`).
+
+    ``chat_template``: a Jinja file or template text replacing the tokenizer's own (for models
+    that ship none, e.g. Vicuna).
+    """
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(name_or_path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template:
+        path = Path(chat_template)
+        tokenizer.chat_template = path.read_text() if path.suffix == ".jinja" or path.is_file() else chat_template
     return tokenizer
 
 
@@ -106,6 +113,7 @@ def load_target(
     name_or_path: str = DEFAULT_TARGET,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device | None = None,
+    chat_template: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a frozen target model in eval mode and its tokenizer.
 
@@ -114,12 +122,13 @@ def load_target(
             folder, or a ``.gguf`` file.
         dtype: ``float32``, ``bfloat16`` or ``float16`` (or a ``torch.dtype``).
         device: where to put the model; the first accelerator by default.
+        chat_template: replaces the tokenizer's chat template (see :func:`load_tokenizer`).
     """
     source = resolve_target(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=parse_dtype(dtype))
     model.to(device if device is not None else default_device())
     model.eval().requires_grad_(False)
-    return model, load_tokenizer(name_or_path)
+    return model, load_tokenizer(name_or_path, chat_template)
 
 
 def merge_adapter(target: PreTrainedModel, adapter: str | Path) -> PreTrainedModel:

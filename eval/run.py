@@ -29,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="default", help="'default' (bundled SmolLM2-135M-Instruct), hub id, folder or .gguf")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--chat-template", default=None, help="Jinja file or text, for targets that ship none (e.g. Vicuna)")
     parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: the first accelerator)")
     parser.add_argument("--drafter", action="append", default=[], metavar="SPEC",
                         help="KIND[:PATH][?key=value&...]; repeat to compare several")
@@ -54,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     specs = [parse_spec(s) for s in args.drafter]
-    target, tokenizer = load_target(args.target, args.dtype, args.device)
+    target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template)
     drafters = [build_drafter(spec, target) for spec in specs]
     prompts = load_prompts(args.prompts or args.bench, args.limit)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
@@ -68,11 +69,15 @@ def main(argv: list[str] | None = None) -> dict:
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "turns": args.turns,
         "drafters": args.drafter, "torch": torch.__version__, "machine": platform.machine(),
         "threads": torch.get_num_threads(),
+        "verified_by": {d.name: d.verifier_label or f"target {args.target}" for d in drafters},
     }
     summary = write_results(runs, args.out, meta)
     print(f"\n{len(prompts)} prompts x {args.turns} turn(s), {args.max_new_tokens} new tokens, "
           f"temperature {args.temperature}, target {args.target} ({args.dtype})\n")
     print(markdown_table(summary))
+    for drafter in drafters:
+        if drafter.verifier_label:
+            print(f"{drafter.name} is verified by its own target: {drafter.verifier_label}")
     print(f"\nwrote {args.out}/results.json, results.csv, table.md and plots")
     return summary
 

@@ -17,10 +17,12 @@ from draftsmith.data_prep.chat import render_prompt
 from draftsmith.eval.decode import SpeculativeDecoder, autoregressive_greedy
 from draftsmith.eval.drafters.base import DraftContext, Drafter
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.drafters.medusa import MedusaDrafter
 from draftsmith.eval.drafters.oracle import OracleDrafter
 from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
+from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder, optimal_choices
+from draftsmith.heads.medusa import MedusaHeads, rank_accuracy
 
 NEW_TOKENS = 64
 
@@ -223,8 +225,10 @@ def test_oracle_is_lossless_and_accepts_everything(target, prompts, plain):
 
 
 def _check_prompts(decoder, prompts, plain, indices, max_depth=4):
-    for i in indices:
-        check_bookkeeping(decoder.generate(prompts[i], NEW_TOKENS), plain[i], max_depth=max_depth)
+    generations = [decoder.generate(prompts[i], NEW_TOKENS) for i in indices]
+    for i, gen in zip(indices, generations):
+        check_bookkeeping(gen, plain[i], max_depth=max_depth)
+    return generations
 
 
 @pytest.mark.slow
@@ -233,6 +237,21 @@ def test_draft_lm_is_lossless(target, prompts, plain, small_draft, top_k, budget
     model, tokenizer = target
     drafter = DraftLMDrafter(small_draft, depth=4, top_k=top_k, budget=budget)
     _check_prompts(SpeculativeDecoder(model, drafter, tokenizer), prompts, plain, DRAFT_LM_PROMPTS)
+
+
+@pytest.mark.slow
+def test_medusa_is_lossless(target, prompts, plain):
+    """Medusa heads (fresh ones, perturbed so their guesses vary) over a 12-node static tree."""
+    model, tokenizer = target
+    heads = MedusaHeads.for_target(model, "default", num_heads=4, num_layers=1)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for block in heads.blocks:
+            block[0].linear.weight.copy_(torch.randn(block[0].linear.weight.shape, generator=generator) * 0.02)
+    accuracy = [[0.6, 0.7, 0.75], [0.4, 0.5, 0.55], [0.3, 0.35, 0.4], [0.2, 0.25, 0.3]]
+    drafter = MedusaDrafter(heads, optimal_choices(rank_accuracy(accuracy), 12))
+    generations = _check_prompts(SpeculativeDecoder(model, drafter, tokenizer), prompts, plain, REPETITIVE)
+    assert max(a for gen in generations for a in gen.accepted) >= 3  # deeper heads' guesses were accepted too
 
 
 @pytest.mark.slow

@@ -267,3 +267,73 @@ def test_medusa_sampling_is_lossless(make_tiny_llama):
     assert accepted.get((3,), 0) > 20  # depth-2 paths were accepted, not only rejections
     tree = drafter.propose(DraftContext(prompt, sampling, torch.Generator().manual_seed(0), 4))
     assert tree.proposals[ROOT].probs is not None and len(tree.proposals[ROOT].tokens) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration to the device
+
+
+def test_calibration_writes_the_best_tree_for_the_measured_curve(six_steps, tmp_path):
+    from draftsmith.eval.calibrate_tree import main as calibrate_main
+
+    checkpoint = six_steps.last_checkpoint
+    result = calibrate_main([str(checkpoint), "--dtype", "float32", "--device", "cpu", "--max-budget", "6",
+                             "--sizes", "1,2,4,8"])
+    curve = result["curve"]
+    assert [row["budget"] for row in curve] == [1, 2, 3, 4, 5, 6]
+    assert result["budget"] == max(curve, key=lambda r: r["estimated_speedup"])["budget"]
+    # Expected acceptance grows with the budget; the chosen tree is the optimum for its size.
+    taus = [row["expected_acceptance"] for row in curve]
+    assert taus == sorted(taus) and taus[0] >= 1.0
+    rank_acc = rank_accuracy(result["head_accuracy"])
+    assert [list(c) for c in optimal_choices(rank_acc, result["budget"])] == result["choices"]
+    assert set(result["pass_cost_ms"]) == {1, 2, 4, 8}
+    # The drafter now uses the calibrated tree unless told otherwise.
+    drafter = build_drafter(f"medusa:{checkpoint}", six_steps.task.target)
+    assert [list(c) for c in drafter.choices] == result["choices"]
+    assert len(build_drafter(f"medusa:{checkpoint}?budget=5", six_steps.task.target).choices) == 5
+    (checkpoint / "tree.yaml").unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-distillation data
+
+
+def test_regeneration_is_batched_and_resumes_to_the_same_file(targets, tmp_path):
+    from draftsmith.data_prep.regenerate import regenerate
+    from draftsmith.recipe import RegenerateConfig
+    from draftsmith.data_prep.sharegpt import load_conversations
+
+    target = LlamaForCausalLM.from_pretrained(targets["main"]).eval()
+    with torch.no_grad():  # at its init scale the tiny target only says newlines: make it talk
+        for name, param in target.named_parameters():
+            if "norm" not in name:
+                param.mul_(8)
+    tokenizer = load_tokenizer(str(targets["main"]))
+    conversations, _ = load_conversations("sharegpt", limit=7, verbose=False)
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=6, max_turns=2, batch_size=3, max_prompt_tokens=100)
+    whole = tmp_path / "whole.jsonl"
+    stats = regenerate(target, tokenizer, conversations, whole, cfg, show=False)
+    assert stats["written"] == 5 and stats["prompt_too_long"] == 2  # prompts of 145 and 373 tokens
+    rows = [json.loads(line) for line in whole.read_text().splitlines()]
+    assert len(rows) == stats["written"]
+    by_id = {c["id"]: c for c in conversations}
+    # A reply that decodes to nothing (a random model may say only special tokens) ends its
+    # conversation before that turn; one ended at its first turn is written empty (and counted).
+    complete = [r for r in rows if r["messages"]]
+    assert len(complete) >= 4 and len(rows) - len(complete) <= stats["empty"]
+    for row in complete:
+        original = by_id[row["id"]]["messages"]
+        users = [m for m in row["messages"] if m["role"] == "user"]
+        assert users == [m for m in original if m["role"] == "user"][:len(users)] and 1 <= len(users) <= 2
+        replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert replies and not set(replies) & {m["content"] for m in original if m["role"] == "assistant"}
+    assert stats["turns"] == sum(len([m for m in r["messages"] if m["role"] == "assistant"]) for r in rows)
+
+    # Interrupted after the first batch, in the middle of writing the second: resume completes it.
+    part = tmp_path / "part.jsonl"
+    lines = whole.read_text().splitlines(keepends=True)
+    part.write_text("".join(lines[:3]) + lines[3][:10])
+    resumed = regenerate(target, tokenizer, conversations, part, cfg, show=False)
+    assert resumed["skipped"] == 3 and resumed["written"] == len(rows) - 3
+    assert part.read_text() == whole.read_text()

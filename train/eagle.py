@@ -122,7 +122,7 @@ class EagleTask:
 
 def build(recipe: EagleRecipe):
     """Target, tokenised data (or features), head and task for ``recipe``."""
-    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype)
+    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
     data, _ = build_dataset(recipe.data, tokenizer)
     draft_vocab = None
     if recipe.drafter.draft_vocab_size:

@@ -226,7 +226,7 @@ class MedusaTask:
 
 def build(recipe: MedusaRecipe):
     """Target, tokenised data (or features), heads and task for ``recipe``."""
-    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype)
+    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
     data_cfg = prepare_data_config(recipe.data, target, recipe.target.name, tokenizer)
     data, _ = build_dataset(data_cfg, tokenizer)
     cfg = recipe.drafter

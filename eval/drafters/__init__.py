@@ -98,6 +98,8 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
             heads, choices, verifier = _medusa_parts(parsed.path, target, options.pop("choices", None),
                                                      options.pop("budget", None))
             drafter = MedusaDrafter(heads, choices, verifier=verifier, **options)
+            if verifier is not None:
+                drafter.verifier_label = f"target + LoRA adapter {parsed.path}/adapter, merged"
         else:
             raise ValueError(f"drafter kind {parsed.kind!r} has no engine adapter")
     except TypeError as err:

@@ -45,6 +45,7 @@ class Drafter(ABC):
     # The model that must verify this drafter's trees when it is not the engine's target (a
     # drafter trained jointly with a tuned copy of the target, e.g. Medusa-2); None: the target.
     verifier = None
+    verifier_label = ""  # what ``verifier`` is, for tables
 
     def prepare(self, prompt: list[int], max_new_tokens: int) -> None:
         """Untimed work before a generation (most drafters need none)."""

@@ -1,0 +1,156 @@
+"""Calibrate a Medusa tree to the device: measure, then pick the tree and its size.
+
+1. Each head's top-k accuracy (k = 1..10) on held-out data (the checkpoint's own recipe's split).
+2. For every node budget n, the tree with the largest expected acceptance length E(n) under
+   those accuracies (:func:`draftsmith.eval.tree.optimal_choices`).
+3. The measured cost of one verification pass of n+1 tokens on this device and of one Medusa
+   draft step, giving the estimated speedup ``E(n) * t(1) / (t(n+1) + t_draft)``; the budget that
+   maximises it wins.
+
+The tree, the curve and the accuracies are written to ``CHECKPOINT/tree.yaml``, which the Medusa
+drafter then uses by default.
+
+    python eval/calibrate_tree.py runs/smollm2-medusa/checkpoint-final --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+from draftsmith.config import load_recipe
+from draftsmith.data_prep.dataset import build_dataset
+from draftsmith.data_prep.regenerate import prepare_data_config
+from draftsmith.eval.pass_cost import measure_pass_cost
+from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.eval.tree import expected_acceptance, optimal_choices
+from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, rank_accuracy
+from draftsmith.target import load_target, merge_adapter
+from draftsmith.train.loop import pad_batch
+from draftsmith.train.medusa import MedusaRecipe, MedusaTask
+
+
+@torch.no_grad()
+def measure_head_accuracy(task: MedusaTask, rows, batch_size: int = 1) -> list[list[float]]:
+    """Per head, top-1..top-10 accuracy against the data's tokens over ``rows``."""
+    totals: dict[str, float] = {}
+    for batch in DataLoader(rows, batch_size=batch_size, collate_fn=pad_batch):
+        batch = {k: v.to(task.heads.draft_vocab.device) for k, v in batch.items()}
+        _, metrics = task.loss(task.heads, batch, training=False)
+        for key, value in metrics.items():
+            totals[key] = totals.get(key, 0.0) + value
+    return [[totals[f"head{k + 1}/top{r}"] / max(totals[f"head{k + 1}/tokens"], 1.0)
+             for r in range(1, TOP_K_RECORDED + 1)] for k in range(task.cfg.num_heads)]
+
+
+@torch.no_grad()
+def measure_draft_cost(heads: MedusaHeads, repeats: int = 20) -> float:
+    """Median seconds of one Medusa draft step (all heads' logits and their top-k)."""
+    param = next(heads.parameters())
+    hidden = torch.randn(1, heads.config.hidden_size, dtype=param.dtype, device=param.device)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        heads.logits(hidden).topk(TOP_K_RECORDED, dim=-1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def interpolate(costs: dict[int, float], n: int) -> float:
+    """Pass cost at ``n`` tokens, linear between the measured sizes."""
+    sizes = sorted(costs)
+    return float(np.interp(n, sizes, [costs[s] for s in sizes]))
+
+
+def calibrate(rank_acc: list[list[float]], costs: dict[int, float], draft_cost: float, max_budget: int) -> list[dict]:
+    """Per budget: expected acceptance length, pass cost and estimated speedup over plain decoding."""
+    curve = []
+    for n in range(1, max_budget + 1):
+        choices = optimal_choices(rank_acc, n)
+        tau = expected_acceptance(choices, rank_acc)
+        step = interpolate(costs, n + 1) + draft_cost
+        curve.append({"budget": n, "expected_acceptance": tau, "step_ms": step * 1e3,
+                      "estimated_speedup": tau * costs[1] / step, "choices": choices})
+    return curve
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a Medusa checkpoint folder")
+    parser.add_argument("--target", default=None, help="default: the target named in the checkpoint's recipe")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--limit", type=int, default=None, help="held-out conversations to measure accuracy on")
+    parser.add_argument("--max-budget", type=int, default=64, help="largest tree (nodes) considered")
+    parser.add_argument("--sizes", default="1,2,3,4,6,8,12,16,24,32,48,64,80",
+                        help="pass sizes (tokens) measured; others are interpolated")
+    parser.add_argument("--out", default=None, help="default: CHECKPOINT/tree.yaml")
+    args = parser.parse_args(argv)
+
+    checkpoint = Path(args.checkpoint)
+    recipe = load_recipe(MedusaRecipe, str(checkpoint / "recipe.yaml"), [])
+    target_name = args.target or recipe.target.name
+    target, tokenizer = load_target(target_name, args.dtype, args.device, recipe.target.chat_template)
+    adapter = checkpoint / "adapter"
+    verifier = merge_adapter(target, adapter) if adapter.is_dir() else target
+    heads = MedusaHeads.from_pretrained(checkpoint, verifier).to(verifier.dtype)
+
+    data_cfg = prepare_data_config(recipe.data, verifier, recipe.target.name, tokenizer)
+    held_out = build_dataset(data_cfg, tokenizer)[0]["held_out"]
+    if args.limit:
+        held_out = held_out.select(range(min(args.limit, len(held_out))))
+    task = MedusaTask(replace(recipe, drafter=replace(recipe.drafter, lora=replace(recipe.drafter.lora, enabled=False))),
+                      verifier, heads)
+    accuracy = measure_head_accuracy(task, held_out)
+    rank_acc = rank_accuracy(accuracy)
+
+    sizes = sorted({int(s) for s in args.sizes.split(",")} | {1})
+    sizes = [s for s in sizes if s <= args.max_budget + 1] + [s for s in sizes if s > args.max_budget + 1][:1]
+    costs = measure_pass_cost(CausalLMRunner(verifier), sizes=tuple(sizes))
+    draft_cost = measure_draft_cost(heads)
+    curve = calibrate(rank_acc, costs, draft_cost, args.max_budget)
+    best = max(curve, key=lambda row: row["estimated_speedup"])
+
+    print(f"held-out top-k accuracy per head ({len(held_out)} conversations):")
+    for k, row in enumerate(accuracy):
+        print(f"  head {k + 1}: top-1 {row[0]:.3f}  top-5 {row[4]:.3f}  top-10 {row[9]:.3f}")
+    print(f"\nverification pass cost on {next(verifier.parameters()).device} ({args.dtype}), draft step {draft_cost * 1e3:.2f} ms")
+    print("| tokens | ms per pass | x single-token pass |\n|---|---|---|")
+    for n, seconds in costs.items():
+        print(f"| {n} | {seconds * 1e3:.1f} | {seconds / costs[1]:.2f} |")
+    print("\n| tree nodes | expected accept len | ms per step | est. speedup |\n|---|---|---|---|")
+    for row in curve:
+        if row["budget"] in (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63, 64) or row is best:
+            mark = "  <- chosen" if row is best else ""
+            print(f"| {row['budget']} | {row['expected_acceptance']:.2f} | {row['step_ms']:.1f} | {row['estimated_speedup']:.2f}{mark} |")
+
+    result = {
+        "choices": [list(c) for c in best["choices"]],
+        "budget": best["budget"],
+        "expected_acceptance": round(best["expected_acceptance"], 4),
+        "estimated_speedup": round(best["estimated_speedup"], 4),
+        "measured_on": {"device": str(next(verifier.parameters()).device), "dtype": args.dtype,
+                        "torch_threads": torch.get_num_threads()},
+        "head_accuracy": [[round(v, 4) for v in row] for row in accuracy],
+        "pass_cost_ms": {n: round(s * 1e3, 3) for n, s in costs.items()},
+        "draft_cost_ms": round(draft_cost * 1e3, 3),
+        "curve": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "choices"}
+                  for row in curve],
+    }
+    out = Path(args.out) if args.out else checkpoint / "tree.yaml"
+    out.write_text(yaml.safe_dump(result, sort_keys=False, default_flow_style=None))
+    print(f"\nchose {best['budget']} nodes (expected acceptance {best['expected_acceptance']:.2f}, "
+          f"estimated {best['estimated_speedup']:.2f}x); wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
