@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +22,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
-from tiny_targets import EOS, VOCAB, save_tiny_target
+from training_helpers import EOS, VOCAB, launch, save_tiny_target
 
 from draftsmith.config import RecipeError
 from draftsmith.heads.common import TargetMismatchError
@@ -36,7 +33,6 @@ from draftsmith.train.eagle import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,20 +332,6 @@ def test_wandb_offline_records_the_logged_history(recipe, tmp_path, monkeypatch)
 # Multi-process (slow)
 
 
-def launch(recipe: Path, out: Path, *extra: str, cpu: bool, timeout: int = 400) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["ACCELERATE_USE_CPU"] = "true" if cpu else "false"
-    if not cpu:
-        env.pop("ACCELERATE_USE_CPU")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "draftsmith" / "torch_extensions"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(port), "train/eagle.py", str(recipe), "--output_dir", str(out), *extra]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def _checkpoint_param_sum(folder: Path) -> float:
     tensors = load_file(str(folder / "model.safetensors"))
     return float(sum(v.double().sum() for k, v in tensors.items() if k != "draft_vocab"))
@@ -373,7 +355,7 @@ def _check_two_replicas(out: Path, targets) -> None:
 @pytest.mark.slow
 def test_ddp_two_processes(recipe, targets, tmp_path):
     out = tmp_path / "ddp"
-    proc = launch(recipe, out, "--training.max_steps", "2", cpu=True)
+    proc = launch("train/eagle.py", recipe, out, "--training.max_steps", "2", cpu=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_two_replicas(out, targets)
     assert (out / "checkpoint-final" / "state" / "model.safetensors").is_file()
@@ -382,7 +364,7 @@ def test_ddp_two_processes(recipe, targets, tmp_path):
 @pytest.mark.slow
 def test_deepspeed_zero2_two_processes(recipe, targets, tmp_path):
     out = tmp_path / "ds"
-    proc = launch(recipe, out, "--training.max_steps", "2", "--distributed.backend", "deepspeed",
+    proc = launch("train/eagle.py", recipe, out, "--training.max_steps", "2", "--distributed.backend", "deepspeed",
                   "--distributed.zero_stage", "2", cpu=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_two_replicas(out, targets)
@@ -391,7 +373,7 @@ def test_deepspeed_zero2_two_processes(recipe, targets, tmp_path):
 
 @pytest.mark.slow
 def test_deepspeed_under_accelerate_use_cpu_fails_clearly(recipe, tmp_path):
-    proc = launch(recipe, tmp_path / "ds-cpu", "--training.max_steps", "2", "--distributed.backend", "deepspeed",
+    proc = launch("train/eagle.py", recipe, tmp_path / "ds-cpu", "--training.max_steps", "2", "--distributed.backend", "deepspeed",
                   cpu=True, timeout=200)
     assert proc.returncode != 0
     assert "RuntimeError: the recipe asks for DeepSpeed but Accelerate did not enable it" in proc.stderr

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from stats_helpers import chi_square, exact_joint
-from tiny_targets import VOCAB, save_tiny_target
+from training_helpers import VOCAB, launch, save_tiny_target
 
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.eval.decode import SpeculativeDecoder
@@ -337,3 +337,15 @@ def test_regeneration_is_batched_and_resumes_to_the_same_file(targets, tmp_path)
     resumed = regenerate(target, tokenizer, conversations, part, cfg, show=False)
     assert resumed["skipped"] == 3 and resumed["written"] == len(rows) - 3
     assert part.read_text() == whole.read_text()
+
+
+@pytest.mark.slow
+def test_medusa2_ddp_two_processes_agree(recipe, tmp_path):
+    out = tmp_path / "ddp"
+    proc = launch("train/medusa.py", recipe, out, "--training.max_steps", "2", "--drafter.lora.enabled", "true",
+                  "--drafter.lora.r", "4", cpu=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    final = out / "checkpoint-final"
+    checksums = json.loads((final / "state" / "trainer_state.json").read_text())["replica_checksums"]
+    assert len(checksums) == 2 and checksums[0] == checksums[1]
+    assert (final / "adapter" / "adapter_config.json").is_file()

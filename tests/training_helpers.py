@@ -1,0 +1,50 @@
+"""Helpers for training tests: tiny random-weight Llama targets saved to folders (sharing the
+bundled SmolLM2 tokenizer, loaded by path like any user's target; seconds per run on one CPU
+thread) and two-process ``accelerate launch`` runs of a training script.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 49152  # the bundled SmolLM2 tokenizer
+EOS = 2  # <|im_end|>
+
+
+def save_tiny_target(folder: Path, tokenizer, seed: int = 0, hidden_size: int = 64) -> Path:
+    """Save a 2-layer Llama of ``hidden_size`` with ``tokenizer`` into ``folder``."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launch(script: str, recipe: Path, out: Path, *extra: str, cpu: bool, timeout: int = 400) -> subprocess.CompletedProcess:
+    """``accelerate launch --multi_gpu --num_processes 2 SCRIPT RECIPE``: DDP over gloo with ``cpu``
+    (``ACCELERATE_USE_CPU``), else what the recipe selects (DeepSpeed needs it unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["ACCELERATE_USE_CPU"] = "true" if cpu else "false"
+    if not cpu:
+        env.pop("ACCELERATE_USE_CPU")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "draftsmith" / "torch_extensions"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(port), script, str(recipe), "--output_dir", str(out), *extra]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
