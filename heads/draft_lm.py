@@ -9,9 +9,11 @@ Hugging Face causal LM: ``save_pretrained`` output loads in transformers, vLLM a
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 
 def evenly_spaced(total: int, keep: int) -> list[int]:
@@ -48,3 +50,37 @@ def load_draft_lm(name_or_path: str, dtype: torch.dtype, device: torch.device | 
     """A draft LM from a hub id or local folder, frozen, in eval mode."""
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     return model.to(device).eval().requires_grad_(False)
+
+
+def student_for(target: PreTrainedModel, source: str | None = None, num_layers: int | None = None,
+                layers: list[int] | None = None) -> PreTrainedModel:
+    """A trainable draft LM for ``target``: loaded from ``source`` (hub id or folder), else derived.
+
+    A loaded student must share the target's vocabulary; a mismatch is an error, not a silent
+    misalignment of token ids.
+    """
+    if source:
+        param = next(target.parameters())
+        student = AutoModelForCausalLM.from_pretrained(source, dtype=param.dtype).to(param.device)
+        want, got = target.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0]
+        if want != got:
+            raise ValueError(f"student {source!r} has a vocabulary of {got} tokens but the target has {want}: "
+                             "a draft LM must share the target's tokenizer")
+    else:
+        student = derive_draft_lm(target, num_layers=num_layers, layers=layers)
+    return student.train().requires_grad_(True)
+
+
+def save_draft_lm(model: PreTrainedModel, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
+                  target_info: dict | None = None) -> None:
+    """Save a plain Hugging Face causal LM (LoRA adapters merged into a copy first) that transformers,
+    vLLM and ``generate(assistant_model=...)`` load as they are; ``target_info`` goes to
+    ``draftsmith_target.json`` beside it."""
+    path = Path(path)
+    if hasattr(model, "merge_and_unload"):  # a peft model: export the merged weights, keep training the adapter
+        model = copy.deepcopy(model).merge_and_unload()
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    if target_info is not None:
+        (path / "draftsmith_target.json").write_text(json.dumps(target_info, indent=1))

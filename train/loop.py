@@ -58,6 +58,7 @@ class TrainTask(Protocol):
     #   optional ``start_step`` before which its learning rate stays 0 (e.g. Medusa-2's LoRA
     #   adapters wait for the heads to warm up). Without it every trainable parameter is one group.
     # - ``on_evaluate(metrics)``: the held-out metrics, summed over processes, after each evaluation.
+    # - ``finalise_metrics(logs)``: derived values (e.g. perplexity) from the token-weighted means.
 
 
 @dataclass
@@ -278,7 +279,7 @@ class Trainer:
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         self.model.train()
-        return _normalise(self._sum_over_processes(totals), "eval")
+        return self._finalise(_normalise(self._sum_over_processes(totals), "eval"))
 
     # -- the loop --------------------------------------------------------------------------------
     def train(self, resume: bool = False) -> Path:
@@ -346,6 +347,9 @@ class Trainer:
         summed = self.accelerator.reduce(torch.tensor([values[k] for k in keys], device=self.accelerator.device), "sum")
         return dict(zip(keys, summed.tolist()))
 
+    def _finalise(self, logs: dict[str, float]) -> dict[str, float]:
+        return self.task.finalise_metrics(logs) if hasattr(self.task, "finalise_metrics") else logs
+
     def _log_eval(self) -> None:
         metrics = self.evaluate()
         if metrics:
@@ -358,7 +362,7 @@ class Trainer:
 
     def _log(self, window: dict[str, float], seconds: float) -> None:
         totals = self._sum_over_processes(window)
-        logs = _normalise(totals, "train")
+        logs = self._finalise(_normalise(totals, "train"))
         logs["train/tokens_per_second"] = totals.get("tokens", 0.0) / max(seconds, 1e-9)
         rates = self.scheduler.get_last_lr()
         logs["train/lr"] = rates[0]

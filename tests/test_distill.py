@@ -1,0 +1,203 @@
+"""DistillSpec: divergences against hand-computed values, on-policy generation, derived students,
+and training on a tiny target (loss goes down, checkpoints are plain HF models, resume is exact)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from training_helpers import save_tiny_target
+
+from draftsmith.heads.draft_lm import derive_draft_lm, student_for
+from draftsmith.target import load_tokenizer
+from draftsmith.train.distill import DistillRecipe, DistillTask, main, prompt_response_pairs
+from draftsmith.train.divergences import DIVERGENCES, acceptance_rate, divergence
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+P = torch.tensor([[0.5, 0.5]])
+Q = torch.tensor([[0.25, 0.75]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Divergences
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("fkl", 0.5 * math.log(2) + 0.5 * math.log(2 / 3)),
+    ("rkl", 0.25 * math.log(0.5) + 0.75 * math.log(1.5)),
+    ("jsd", 0.5 * (0.5 * math.log(0.5 / 0.375) + 0.5 * math.log(0.5 / 0.625))
+     + 0.5 * (0.25 * math.log(0.25 / 0.375) + 0.75 * math.log(0.75 / 0.625))),
+    ("tvd", 0.25),
+])
+def test_divergence_matches_hand_computed_value(name, expected):
+    assert divergence(name, P.log(), Q.log()).item() == pytest.approx(expected, rel=1e-6)
+    # Logits are only defined up to a constant per row.
+    assert divergence(name, P.log() + 3.0, Q.log() - 1.0).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_acceptance_rate_is_one_minus_tvd():
+    assert acceptance_rate(P.log(), Q.log()).item() == pytest.approx(0.75)
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
+    other = torch.randn(5, 11, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(acceptance_rate(logits, other), 1 - divergence("tvd", logits, other), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", DIVERGENCES)
+def test_divergence_is_zero_for_identical_distributions_and_trains_only_the_student(name):
+    gen = torch.Generator().manual_seed(2)
+    target = torch.randn(4, 9, generator=gen, requires_grad=True)
+    student = torch.randn(4, 9, generator=gen, requires_grad=True)
+    assert torch.allclose(divergence(name, target, target.detach().clone()), torch.zeros(4), atol=1e-6)
+    divergence(name, target, student).sum().backward()
+    assert target.grad is None
+    assert student.grad is not None and student.grad.abs().sum() > 0
+    assert (divergence(name, target, student) > 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Students
+
+
+def test_derived_student_with_every_layer_reproduces_the_target(make_tiny_llama):
+    target = make_tiny_llama(vocab_size=64, hidden_size=32, layers=3, seed=4, scale=5.0)
+    student = derive_draft_lm(target, num_layers=3)
+    ids = torch.tensor([[3, 9, 27, 5, 60, 1]])
+    with torch.no_grad():
+        assert torch.equal(student(ids).logits, target(ids).logits)
+    fewer = derive_draft_lm(target, layers=[0, 2])
+    assert len(fewer.model.layers) == 2 and fewer.config.num_hidden_layers == 2
+    with torch.no_grad():
+        assert not torch.allclose(fewer(ids).logits, target(ids).logits)
+
+
+def test_loaded_student_must_share_the_vocabulary(make_tiny_llama, tmp_path):
+    target = make_tiny_llama(vocab_size=64, hidden_size=32, seed=0)
+    make_tiny_llama(vocab_size=80, hidden_size=32, seed=0).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="vocabulary of 80 tokens but the target has 64"):
+        student_for(target, str(tmp_path / "other"))
+
+
+def test_prompt_response_pairs_take_the_first_assistant_span():
+    rows = [{"id": "a", "input_ids": [1, 2, 3, 4, 5, 6, 7], "loss_mask": [0, 0, 1, 1, 0, 1, 1]},
+            {"id": "b", "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 0, 0, 1]}]
+    pairs, too_long = prompt_response_pairs(rows, max_prompt_tokens=3)
+    assert pairs == [{"id": "a", "prompt": [1, 2], "response": [3, 4]}] and too_long == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Training on a tiny target
+
+
+@pytest.fixture(scope="module")
+def target_folder(tmp_path_factory) -> Path:
+    return save_tiny_target(tmp_path_factory.mktemp("target") / "t", load_tokenizer("default"))
+
+
+@pytest.fixture(scope="module")
+def recipe(target_folder, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("recipe")
+    data = {
+        "target": {"name": str(target_folder)},
+        "data": {"limit": 10, "max_length": 96, "held_out_fraction": 0.2, "cache_dir": str(root / "data")},
+        "drafter": {"num_layers": 1, "max_new_tokens": 8, "max_prompt_tokens": 80,
+                    "mixture": {"fixed": 0.5, "student": 0.5}},
+        "training": {"output_dir": str(root / "unused"), "learning_rate": 3e-3, "max_steps": 6, "batch_size": 2,
+                     "log_every": 1, "save_every": 3, "warmup_steps": 1},
+        "tracking": {"report_to": "none"},
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def train(recipe: Path, out: Path, *overrides: str):
+    return main([str(recipe), "--output_dir", str(out), *overrides])
+
+
+@pytest.fixture(scope="module")
+def six_steps(recipe, tmp_path_factory):
+    return train(recipe, tmp_path_factory.mktemp("six") / "run")
+
+
+def test_on_policy_generation_follows_the_students_current_weights(target_folder):
+    tokenizer = load_tokenizer(str(target_folder))
+    target = LlamaForCausalLM.from_pretrained(target_folder).eval().requires_grad_(False)
+    recipe = DistillRecipe()
+    recipe.drafter.max_new_tokens = 12
+    task = DistillTask(recipe, target, student_for(target, num_layers=1), tokenizer)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+
+    def sample():
+        torch.manual_seed(0)
+        return task.generate(task.model, prompts)
+
+    before = sample()
+    assert before == sample()  # seeded: the same weights give the same responses
+    assert all(0 < len(r) <= 12 for r in before)
+    with torch.no_grad():  # what an optimiser step does: new weights in the same module
+        task.model.get_output_embeddings().weight.add_(torch.randn_like(task.model.get_output_embeddings().weight))
+    assert sample() != before
+
+
+def test_loss_decreases(recipe, tmp_path):
+    trainer = train(recipe, tmp_path / "run", "--training.max_steps", "16", "--training.log_every", "4",
+                    "--training.lr_schedule", "constant", "--training.save_every", "0")
+    logs = [h for h in trainer.history if "train/loss" in h]
+    losses = [h["train/loss"] for h in logs]
+    assert losses[-1] < 0.7 * losses[0], losses
+    for h in logs:
+        assert 0.0 < h["train/acceptance_rate"] <= 1.0
+        assert h["train/perplexity"] == pytest.approx(math.exp(h["train/nll"]), rel=1e-6)
+        assert h["train/divergence"] == pytest.approx(h["train/loss"], rel=1e-4)  # fkl averaged over tokens
+    evals = [h for h in trainer.history if "eval/acceptance_rate" in h]
+    assert evals and 0.0 < evals[-1]["eval/acceptance_rate"] <= 1.0
+
+
+def test_checkpoint_is_a_plain_hf_causal_lm(six_steps, target_folder):
+    final = six_steps.last_checkpoint
+    config = json.loads((final / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["model_type"] == "llama"
+    assert json.loads((final / "draftsmith_target.json").read_text())["name"] == str(target_folder)
+    loaded = AutoModelForCausalLM.from_pretrained(final).eval()
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, six_steps.task.model.eval()(ids).logits)
+    assert (final / "tokenizer_config.json").is_file()
+    # HF assisted generation takes it as it is.
+    target = LlamaForCausalLM.from_pretrained(target_folder).eval()
+    plain = target.generate(ids, max_new_tokens=6, do_sample=False)
+    assisted = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=loaded)
+    assert torch.equal(plain, assisted)
+
+
+def test_resume_matches_uninterrupted(six_steps, recipe, tmp_path):
+    out = tmp_path / "run"
+    first = train(recipe, out, "--training.stop_after_steps", "4")
+    assert first.last_checkpoint == out / "checkpoint-4"
+    resumed = train(recipe, out, "--resume")
+    expected = six_steps.task.model.state_dict()
+    got = AutoModelForCausalLM.from_pretrained(resumed.last_checkpoint).state_dict()
+    for key, value in got.items():
+        assert torch.equal(value, expected[key]), key
+    for step in (5, 6):
+        a = next(h for h in six_steps.history if h["step"] == step and "train/loss" in h)
+        b = next(h for h in resumed.history if h["step"] == step and "train/loss" in h)
+        assert a["train/loss"] == b["train/loss"]
+
+
+def test_lora_student_exports_merged_weights(recipe, tmp_path):
+    trainer = train(recipe, tmp_path / "run", "--drafter.finetune", "lora", "--drafter.lora_r", "4",
+                    "--training.max_steps", "2")
+    final = trainer.last_checkpoint
+    assert not (final / "adapter_config.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(final).eval()
+    ids = torch.tensor([[4, 8, 15, 16]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, trainer.task.model.eval()(ids).logits, atol=1e-5)

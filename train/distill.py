@@ -1,0 +1,251 @@
+"""Distil a draft LM from the target (DistillSpec): ``accelerate launch train/distill.py recipes/smollm2-distill.yaml``.
+
+Each training sequence is a ShareGPT prompt (its first user turn) followed by a response drawn,
+per sequence, from the recipe's mixture: the dataset's own reply (``fixed``), one sampled from
+the target (``target``) or one sampled from the student as it is now (``student``, on-policy:
+regenerated every step, so it follows the student as it trains). Both models score the whole
+sequence; the loss is the recipe's token-level divergence between the target's distribution p
+and the student's q at a temperature, averaged over response tokens. Logged: the divergence, the
+acceptance rate ``sum min(p, q)`` (held-out: on target-sampled responses, i.e. where speculative
+decoding goes) and the student's perplexity on the responses.
+
+The student is any causal LM with the target's tokenizer (``drafter.student``) or a few of the
+target's own layers (``drafter.num_layers`` / ``layers``), fully fine-tuned or with LoRA.
+Checkpoints are plain Hugging Face causal LMs (adapters merged) with the tokenizer: ready for
+transformers, vLLM and ``generate(assistant_model=...)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+
+from draftsmith.data_prep.dataset import build_dataset
+from draftsmith.data_prep.regenerate import prepare_data_config
+from draftsmith.eval.decode import eos_token_ids
+from draftsmith.heads.common import target_record
+from draftsmith.heads.draft_lm import save_draft_lm, student_for
+from draftsmith.recipe import DrafterConfig, Recipe
+from draftsmith.target import load_target
+from draftsmith.train.cli import parse_training_args
+from draftsmith.train.divergences import acceptance_rate, divergence
+from draftsmith.train.loop import Trainer
+
+@dataclass
+class MixtureConfig:
+    """Weights of the response sources (normalised): the data's replies, target samples, student samples."""
+
+    fixed: float = 0.0
+    target: float = 0.0
+    student: float = 1.0
+
+    def validate(self) -> None:
+        weights = [self.fixed, self.target, self.student]
+        if min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError(f"drafter.mixture weights must be >= 0 with a positive sum, got {weights}")
+
+
+@dataclass
+class DistillDrafterConfig(DrafterConfig):
+    """The student, its divergence and where its training responses come from."""
+
+    kind: str = "distill"
+    student: Optional[str] = None  # hub id or folder of a causal LM with the target's tokenizer; None: derive
+    num_layers: int = 4  # derived student: this many of the target's layers, evenly spaced
+    layers: Optional[list[int]] = None  # or exactly these layer indices
+    finetune: Literal["full", "lora"] = "full"
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "gate_proj", "up_proj", "down_proj"])
+    divergence: Literal["fkl", "rkl", "jsd", "tvd"] = "fkl"
+    jsd_beta: float = 0.5
+    temperature: float = 1.0  # both distributions are taken at this temperature
+    mixture: MixtureConfig = field(default_factory=MixtureConfig)
+    sample_temperature: float = 1.0  # generating target and student responses (0: greedy)
+    max_new_tokens: int = 128  # response length (fixed replies are cut to it too)
+    max_prompt_tokens: int = 512  # longer prompts are left out (counted)
+
+    def validate(self) -> None:
+        if self.num_layers < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
+            raise ValueError("drafter.num_layers, max_new_tokens and max_prompt_tokens must be >= 1")
+        if self.temperature <= 0 or self.sample_temperature < 0:
+            raise ValueError("drafter.temperature must be > 0 and sample_temperature >= 0")
+        if not 0 < self.jsd_beta < 1:
+            raise ValueError(f"drafter.jsd_beta must be in (0, 1), got {self.jsd_beta}")
+
+
+@dataclass
+class DistillRecipe(Recipe):
+    drafter: DistillDrafterConfig = field(default_factory=DistillDrafterConfig)
+
+
+def prompt_response_pairs(rows, max_prompt_tokens: int) -> tuple[list[dict], int]:
+    """``{id, prompt, response}`` from tokenised conversations: the tokens before the first assistant
+    span and that span. Returns the pairs and how many were left out for a too-long prompt."""
+    pairs, too_long = [], 0
+    for row in rows:
+        mask = list(row["loss_mask"])
+        start = mask.index(1)
+        end = start
+        while end < len(mask) and mask[end]:
+            end += 1
+        if start > max_prompt_tokens:
+            too_long += 1
+            continue
+        ids = list(row["input_ids"])
+        pairs.append({"id": row["id"], "prompt": ids[:start], "response": ids[start:end]})
+    return pairs, too_long
+
+
+def _collate(rows: list[dict]) -> dict:
+    return {"ids": [r["id"] for r in rows], "prompts": [r["prompt"] for r in rows],
+            "responses": [r["response"] for r in rows]}
+
+
+class DistillTask:
+    """Divergence between the target and the student on prompt + response sequences."""
+
+    def __init__(self, recipe: DistillRecipe, target, student, tokenizer):
+        self.cfg, self.recipe = recipe.drafter, recipe
+        self.target, self.tokenizer = target, tokenizer
+        self.eos = eos_token_ids(target, tokenizer)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos)
+        if self.cfg.finetune == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            student = get_peft_model(student, LoraConfig(
+                r=self.cfg.lora_r, lora_alpha=self.cfg.lora_alpha, lora_dropout=self.cfg.lora_dropout,
+                target_modules=self.cfg.lora_target_modules, bias="none"))
+        self.model = student
+        weights = torch.tensor([self.cfg.mixture.fixed, self.cfg.mixture.target, self.cfg.mixture.student])
+        self.mixture = weights / weights.sum()
+        self._held_out: dict[str, list[int]] = {}  # target responses to held-out prompts, sampled once
+
+    collate = staticmethod(_collate)
+
+    @torch.no_grad()
+    def generate(self, model, prompts: list[list[int]], temperature: float | None = None) -> list[list[int]]:
+        """Responses of ``model`` to ``prompts`` (batched, left-padded), each ending at its first EOS."""
+        temperature = self.cfg.sample_temperature if temperature is None else temperature
+        device = next(model.parameters()).device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt):] = torch.tensor(prompt, device=device)
+            mask[i, width - len(prompt):] = 1
+        sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+                    if temperature > 0 else {"do_sample": False})
+        was_training = model.training
+        model.eval()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
+                             pad_token_id=self.pad, eos_token_id=sorted(self.eos), **sampling)
+        model.train(was_training)
+        responses = []
+        for row in out[:, width:].tolist():
+            end = next((i + 1 for i, t in enumerate(row) if t in self.eos), len(row))
+            responses.append(row[:end])
+        return responses
+
+    def responses(self, batch: dict, training: bool) -> list[list[int]]:
+        """Each row's response from its source (drawn from the mixture; held-out rows: the target's)."""
+        prompts = batch["prompts"]
+        if not training:
+            missing = [i for i, key in enumerate(batch["ids"]) if key not in self._held_out]
+            if missing:
+                with torch.random.fork_rng(devices=[]):  # the same held-out responses every evaluation
+                    torch.manual_seed(self.recipe.training.seed)
+                    for i, response in zip(missing, self.generate(self.target, [prompts[i] for i in missing])):
+                        self._held_out[batch["ids"][i]] = response
+            return [self._held_out[key] for key in batch["ids"]]
+        sources = torch.multinomial(self.mixture, len(prompts), replacement=True).tolist()
+        out = [list(r[: self.cfg.max_new_tokens]) for r in batch["responses"]]
+        for source, model in ((1, self.target), (2, self.model)):
+            rows = [i for i, s in enumerate(sources) if s == source]
+            if rows:
+                for i, response in zip(rows, self.generate(model, [prompts[i] for i in rows])):
+                    out[i] = response
+        return out
+
+    def loss(self, model, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        prompts = batch["prompts"]
+        responses = self.responses(batch, training)
+        # Prompts left-padded to one width and responses right-padded after it: every response
+        # starts at the same column, so only the response columns need logits.
+        width = max(len(p) for p in prompts)
+        length = max(max(len(r) for r in responses), 1)
+        device = next(self.target.parameters()).device
+        ids = torch.full((len(prompts), width + length), self.pad, dtype=torch.long, device=device)
+        attention = torch.zeros_like(ids)
+        scored = torch.zeros(len(prompts), length, dtype=torch.bool, device=device)
+        for i, (prompt, response) in enumerate(zip(prompts, responses)):
+            ids[i, width - len(prompt):width] = torch.tensor(prompt, device=device)
+            ids[i, width:width + len(response)] = torch.tensor(response, dtype=torch.long, device=device)
+            attention[i, width - len(prompt):width + len(response)] = 1
+            scored[i, :len(response)] = True
+        positions = (attention.cumsum(-1) - 1).clamp_min(0)
+        keep = length + 1  # logits at columns width-1 .. end: the ones that predict response tokens
+        with torch.no_grad():
+            p_logits = self.target(input_ids=ids, attention_mask=attention, position_ids=positions,
+                                   logits_to_keep=keep).logits[:, :-1][scored].float()
+        q_logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                         logits_to_keep=keep).logits[:, :-1][scored].float()
+        tokens = int(scored.sum())
+        if tokens == 0:
+            return q_logits.sum() * 0.0, {"tokens": 0.0}
+        t = self.cfg.temperature
+        per_token = divergence(self.cfg.divergence, p_logits / t, q_logits / t, self.cfg.jsd_beta)
+        loss = per_token.mean()
+        with torch.no_grad():
+            gold = ids[:, width:][scored]
+            nll = torch.nn.functional.cross_entropy(q_logits, gold, reduction="sum")
+            accept = acceptance_rate(p_logits / t, q_logits / t).sum()
+        metrics = {"tokens": float(tokens), "loss": float(loss.detach()) * tokens,
+                   "divergence": float(per_token.detach().sum()), "acceptance_rate": float(accept), "nll": float(nll)}
+        return loss, metrics
+
+    def finalise_metrics(self, logs: dict[str, float]) -> dict[str, float]:
+        """Adds perplexity (``exp`` of the mean response NLL) to logged means."""
+        for key in [k for k in logs if k.endswith("/nll")]:
+            logs[key[: -len("nll")] + "perplexity"] = math.exp(min(logs[key], 50.0))
+        return logs
+
+    def save_pretrained(self, model, path: Path) -> None:
+        save_draft_lm(model, path, self.tokenizer, target_record(self.target, self.recipe.target.name))
+
+
+def build(recipe: DistillRecipe):
+    """Target, prompt/response pairs, student and task for ``recipe``."""
+    cfg = recipe.drafter
+    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
+    data_cfg = prepare_data_config(recipe.data, target, recipe.target.name, tokenizer)
+    data, _ = build_dataset(data_cfg, tokenizer)
+    splits = {}
+    for split in ("train", "held_out"):
+        splits[split], too_long = prompt_response_pairs(data[split], cfg.max_prompt_tokens)
+        if too_long:
+            print(f"distill: {too_long} {split} prompts longer than drafter.max_prompt_tokens="
+                  f"{cfg.max_prompt_tokens} left out")
+    torch.manual_seed(recipe.training.seed)
+    student = student_for(target, cfg.student, cfg.num_layers, cfg.layers)
+    return DistillTask(recipe, target, student, tokenizer), splits["train"], splits["held_out"]
+
+
+def main(argv: list[str] | None = None) -> Trainer:
+    """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
+    recipe, resume = parse_training_args(DistillRecipe, argv, __doc__)
+    task, train_set, eval_set = build(recipe)
+    trainer = Trainer(recipe, task, train_set, eval_set)
+    task.target.to(trainer.accelerator.device)
+    trainer.last_checkpoint = trainer.train(resume=resume)
+    return trainer
+
+
+if __name__ == "__main__":
+    main()
