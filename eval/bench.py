@@ -72,11 +72,16 @@ def run_bench(
     sampling: SamplingConfig = SamplingConfig(),
     turns: int = 1,
     hf_baselines: tuple[str, ...] = (),
-    assistant_model: PreTrainedModel | None = None,
+    assistants: dict[str, tuple[PreTrainedModel, int]] | None = None,
     seed: int = 0,
     warmup: bool = True,
 ) -> list[Run]:
-    """Run the baseline, every drafter and the requested HF baselines on every prompt turn."""
+    """Run the baseline, every drafter and the requested HF baselines on every prompt turn.
+
+    ``assistants``: draft LMs for ``hf_assisted`` as ``{name: (model, draft length)}``; HF drafts a
+    constant number of tokens per step with each (its adaptive schedule would compare a different
+    policy), one row per assistant (``hf_assisted`` alone, ``hf_assisted:NAME`` for several).
+    """
     eos = eos_token_ids(target, tokenizer)
     decoders = {BASELINE: SpeculativeDecoder(target, None, tokenizer, sampling, eos)}
     for drafter in drafters:
@@ -86,16 +91,21 @@ def run_bench(
         # copy; its cost per pass is the target's, so plain decoding stays the baseline.
         verifier = drafter.verifier or target
         decoders[drafter.name] = SpeculativeDecoder(verifier, drafter, tokenizer, sampling, eos)
-    if "hf_assisted" in hf_baselines and assistant_model is None:
-        raise ValueError("the hf_assisted baseline needs an assistant (draft) model")
-    hf_kwargs = {"hf_plain": {}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": 10},
-                 "hf_assisted": {"assistant_model": assistant_model}}
+    hf_kwargs = {name: kwargs for name, kwargs in (("hf_plain", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10}))
+                 if name in hf_baselines}
+    if "hf_assisted" in hf_baselines:
+        if not assistants:
+            raise ValueError("the hf_assisted baseline needs an assistant (a draft_lm drafter)")
+        for name, (model, length) in assistants.items():
+            model.generation_config.num_assistant_tokens = length
+            model.generation_config.num_assistant_tokens_schedule = "constant"
+            hf_kwargs["hf_assisted" if len(assistants) == 1 else f"hf_assisted:{name}"] = {"assistant_model": model}
     if warmup:  # first calls pay one-off allocation and kernel selection costs
         warm = render_prompt(tokenizer, [{"role": "user", "content": "Hello!"}])
         for decoder in decoders.values():
             decoder.generate(warm, 8, seed=seed)
     runs: list[Run] = []
-    total = len(prompts) * turns * (len(decoders) + len(hf_baselines))
+    total = len(prompts) * turns * (len(decoders) + len(hf_kwargs))
     with tqdm(total=total, desc="bench", unit="gen") as bar:
         for index, prompt in enumerate(prompts):
             history: list[dict] = []
@@ -110,10 +120,10 @@ def run_bench(
                     runs.append(Run(name, prompt.id, prompt.category, turn, len(gen.tokens), gen.steps,
                                     gen.seconds, gen.accepted))
                     bar.update()
-                for name in hf_baselines:
+                for name, kwargs in hf_kwargs.items():
                     bar.set_postfix_str(f"{prompt.id}/{turn} {name}")
                     tokens, steps, seconds = _hf_generate(target, tokenizer, ids, max_new_tokens, sampling,
-                                                          eos, seed + index, **hf_kwargs[name])
+                                                          eos, seed + index, **kwargs)
                     runs.append(Run(name, prompt.id, prompt.category, turn, len(tokens), steps, seconds))
                     bar.update()
                 answer = [t for t in reference.tokens if t not in eos]

@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-baseline", action="append", default=[], choices=HF_BASELINES,
-                        help="also time Hugging Face generate: plain, prompt lookup (10 tokens), assisted")
+                        help="also time Hugging Face generate: plain, prompt lookup (10 tokens), assisted "
+                             "(with each draft_lm drafter's model, at its depth)")
     parser.add_argument("--out", default="results", help="output folder")
     args = parser.parse_args(argv)
     if not args.drafter:
@@ -59,9 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     drafters = [build_drafter(spec, target) for spec in specs]
     prompts = load_prompts(args.prompts or args.bench, args.limit)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    assistant = next((d.runner.model for d in drafters if isinstance(d, DraftLMDrafter)), None)
+    assistants = {d.name: (d.runner.model, d.depth) for d in drafters if isinstance(d, DraftLMDrafter)}
     runs = run_bench(target, tokenizer, drafters, prompts, args.max_new_tokens, sampling, args.turns,
-                     tuple(args.hf_baseline), assistant, args.seed)
+                     tuple(args.hf_baseline), assistants, args.seed)
     meta = {
         "argv": sys.argv if argv is None else ["eval/run.py", *argv],
         "target": args.target, "dtype": args.dtype, "device": str(next(target.parameters()).device),
