@@ -108,3 +108,13 @@ class FeatureDataset(Dataset):
                 "loss_mask": handle.get_slice("loss_mask")[lo:hi].bool(),
                 "hidden": handle.get_slice("hidden")[lo:hi],
             }
+
+
+def training_sets(recipe, target, data):
+    """``(train, held_out)``: the tokenised splits (``drafter.features: online``) or their offline
+    feature caches, extracted first where missing (``offline``)."""
+    if recipe.drafter.features != "offline":
+        return data["train"], data["held_out"]
+    root = features_dir(recipe, data)
+    extract_features(target, data, root)
+    return FeatureDataset(root / "train"), FeatureDataset(root / "held_out")

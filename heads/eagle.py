@@ -49,18 +49,6 @@ class EagleHead(DraftVocabMixin, nn.Module):
         self.register_buffer("draft_vocab", vocab.long(), persistent=True)
         self._target: tuple = ()
 
-    # -- binding to the target -------------------------------------------------------------
-    def bind(self, target: PreTrainedModel) -> "EagleHead":
-        """Use ``target``'s embedding and LM head (by reference, frozen)."""
-        self._target = (target,)  # a tuple: nn.Module neither registers nor saves it
-        return self
-
-    @property
-    def target(self) -> PreTrainedModel:
-        if not self._target:
-            raise RuntimeError("bind(target) the EAGLE head before running it")
-        return self._target[0]
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the full vocabulary (``-inf`` outside the draft vocabulary)."""
         return self.to_full_vocab(self.draft_logits(hidden))

@@ -79,18 +79,6 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
                           if lm_head == "copy" else None)
         self._target: tuple = ()
 
-    # -- binding to the target -------------------------------------------------------------
-    def bind(self, target: PreTrainedModel) -> "MedusaHeads":
-        """Use ``target``'s LM head (by reference, frozen) when ``lm_head`` is shared."""
-        self._target = (target,)  # a tuple: nn.Module neither registers nor saves it
-        return self
-
-    @property
-    def target(self) -> PreTrainedModel:
-        if not self._target:
-            raise RuntimeError("bind(target) the Medusa heads before running them")
-        return self._target[0]
-
     # -- forward -----------------------------------------------------------------------------
     def head_states(self, hidden: torch.Tensor, heads: range | None = None) -> torch.Tensor:
         """Each head's residual-block output ``[K, ..., h]`` for hidden states ``[..., h]``."""

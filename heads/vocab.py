@@ -20,12 +20,33 @@ def frequent_tokens(dataset, size: int, always: set[int], vocab_size: int = 0) -
     return torch.tensor(sorted(ranked))
 
 
-class DraftVocabMixin:
-    """Scoring through the bound target's LM head, restricted to ``self.draft_vocab``.
+def draft_vocab_for(size: int | None, dataset, tokenizer, vocab_size: int) -> torch.Tensor | None:
+    """The ``size`` most frequent assistant tokens of ``dataset`` plus the tokenizer's special
+    tokens (never without an end of turn), or None for the full vocabulary."""
+    if not size:
+        return None
+    special = {i for i in tokenizer.all_special_ids if i is not None}
+    return frequent_tokens(dataset, size, special, vocab_size)
 
-    The host module provides ``self.draft_vocab`` (a long buffer of token ids), ``self.target``
-    (the bound target model) and ``self.config.vocab_size``.
+
+class DraftVocabMixin:
+    """A head bound to its target (by reference: never registered as a submodule, never saved)
+    that scores through the target's LM head, restricted to ``self.draft_vocab``.
+
+    The host module provides ``self.draft_vocab`` (a long buffer of token ids),
+    ``self.config.vocab_size`` and ``self._target = ()`` before its first :meth:`bind`.
     """
+
+    def bind(self, target):
+        """Use ``target``'s embedding and LM head (by reference, frozen); returns ``self``."""
+        self._target = (target,)  # a tuple: nn.Module neither registers nor saves it
+        return self
+
+    @property
+    def target(self):
+        if not self._target:
+            raise RuntimeError(f"bind(target) the {type(self).__name__} before running it")
+        return self._target[0]
 
     @property
     def full_vocab(self) -> bool:

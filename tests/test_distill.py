@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from training_helpers import save_tiny_target
+from training_helpers import save_tiny_target, write_recipe
 
 from draftsmith.heads.draft_lm import derive_draft_lm, student_for
 from draftsmith.target import load_tokenizer
@@ -102,19 +101,10 @@ def target_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def recipe(target_folder, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("recipe")
-    data = {
-        "target": {"name": str(target_folder)},
-        "data": {"limit": 10, "max_length": 96, "held_out_fraction": 0.2, "cache_dir": str(root / "data")},
-        "drafter": {"num_layers": 1, "max_new_tokens": 8, "max_prompt_tokens": 80,
-                    "mixture": {"fixed": 0.5, "student": 0.5}},
-        "training": {"output_dir": str(root / "unused"), "learning_rate": 3e-3, "max_steps": 6, "batch_size": 2,
-                     "log_every": 1, "save_every": 3, "warmup_steps": 1},
-        "tracking": {"report_to": "none"},
-    }
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    drafter = {"num_layers": 1, "max_new_tokens": 8, "max_prompt_tokens": 80, "mixture": {"fixed": 0.5, "student": 0.5}}
+    return write_recipe(tmp_path_factory.mktemp("recipe"), target_folder, drafter,
+                        {"limit": 10, "max_length": 96, "held_out_fraction": 0.2},
+                        learning_rate=3e-3, max_steps=6, log_every=1, save_every=3)
 
 
 def train(recipe: Path, out: Path, *overrides: str):

@@ -22,7 +22,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
-from training_helpers import EOS, VOCAB, launch, save_tiny_target
+from training_helpers import EOS, VOCAB, launch, save_tiny_target, write_recipe
 
 from draftsmith.config import RecipeError
 from draftsmith.heads.common import TargetMismatchError
@@ -53,18 +53,8 @@ def targets(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def recipe(targets, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("recipe")
-    data = {
-        "target": {"name": str(targets["main"])},
-        "data": {"limit": 8, "max_length": 128, "held_out_fraction": 0.1, "cache_dir": str(root / "data")},
-        "drafter": {"num_layers": 1},
-        "training": {"output_dir": str(root / "unused"), "learning_rate": 1e-3, "max_steps": 8, "batch_size": 2,
-                     "log_every": 2, "save_every": 4, "warmup_steps": 1},
-        "tracking": {"report_to": "none"},
-    }
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return write_recipe(tmp_path_factory.mktemp("recipe"), targets["main"], {"num_layers": 1},
+                        learning_rate=1e-3, max_steps=8, log_every=2, save_every=4)
 
 
 def train(recipe: Path, out: Path, *overrides: str):

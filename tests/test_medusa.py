@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from stats_helpers import chi_square, exact_joint
-from training_helpers import VOCAB, launch, save_tiny_target
+from training_helpers import VOCAB, launch, save_tiny_target, write_recipe
 
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.eval.decode import SpeculativeDecoder
@@ -128,18 +127,8 @@ def targets(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def recipe(targets, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("recipe")
-    data = {
-        "target": {"name": str(targets["main"])},
-        "data": {"limit": 8, "max_length": 128, "held_out_fraction": 0.1, "cache_dir": str(root / "data")},
-        "drafter": {"num_heads": 3, "num_layers": 1},
-        "training": {"output_dir": str(root / "unused"), "learning_rate": 1e-2, "max_steps": 6, "batch_size": 2,
-                     "log_every": 1, "save_every": 3, "warmup_steps": 1},
-        "tracking": {"report_to": "none"},
-    }
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return write_recipe(tmp_path_factory.mktemp("recipe"), targets["main"], {"num_heads": 3, "num_layers": 1},
+                        learning_rate=1e-2, max_steps=6, log_every=1, save_every=3)
 
 
 def train(recipe: Path, out: Path, *overrides: str):

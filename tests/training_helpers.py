@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer
@@ -48,3 +49,18 @@ def launch(script: str, recipe: Path, out: Path, *extra: str, cpu: bool, timeout
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--main_process_port", str(port), script, str(recipe), "--output_dir", str(out), *extra]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def write_recipe(root: Path, target: Path, drafter: dict, data: dict | None = None, **training) -> Path:
+    """A tiny recipe file under ``root``: 8 conversations of at most 128 tokens, batch 2, no tracker;
+    ``data`` and ``training`` entries override those defaults."""
+    recipe = {
+        "target": {"name": str(target)},
+        "data": {"limit": 8, "max_length": 128, "held_out_fraction": 0.1, "cache_dir": str(root / "data"), **(data or {})},
+        "drafter": drafter,
+        "training": {"output_dir": str(root / "unused"), "batch_size": 2, "warmup_steps": 1, **training},
+        "tracking": {"report_to": "none"},
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path

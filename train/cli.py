@@ -15,3 +15,31 @@ def parse_training_args(recipe_class, argv: list[str] | None = None, description
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output dir")
     args, overrides = parser.parse_known_args(argv)
     return load_recipe(recipe_class, args.recipe, overrides, aliases=OVERRIDE_ALIASES), args.resume
+
+
+def run_training(recipe_class, build, argv: list[str] | None = None, description: str = ""):
+    """Parse the command line, ``build(recipe) -> (task, train_set, eval_set)`` and train.
+
+    Returns the finished :class:`~draftsmith.train.loop.Trainer` (``.history``, ``.task``,
+    ``.last_checkpoint``).
+    """
+    from draftsmith.train.loop import Trainer
+
+    recipe, resume = parse_training_args(recipe_class, argv, description)
+    task, train_set, eval_set = build(recipe)
+    trainer = Trainer(recipe, task, train_set, eval_set)
+    task.target.to(trainer.accelerator.device)
+    trainer.last_checkpoint = trainer.train(resume=resume)
+    return trainer
+
+
+def target_and_data(recipe):
+    """The recipe's target (frozen), its tokenizer and the tokenised train/held-out set, after
+    self-distillation when ``data.regenerate`` asks for it."""
+    from draftsmith.data_prep.dataset import build_dataset
+    from draftsmith.data_prep.regenerate import prepare_data_config
+    from draftsmith.target import load_target
+
+    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
+    data, _ = build_dataset(prepare_data_config(recipe.data, target, recipe.target.name, tokenizer), tokenizer)
+    return target, tokenizer, data

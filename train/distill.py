@@ -24,14 +24,11 @@ from typing import Literal, Optional
 
 import torch
 
-from draftsmith.data_prep.dataset import build_dataset
-from draftsmith.data_prep.regenerate import prepare_data_config
 from draftsmith.eval.decode import eos_token_ids
 from draftsmith.heads.common import target_record
 from draftsmith.heads.draft_lm import save_draft_lm, student_for
 from draftsmith.recipe import DrafterConfig, Recipe
-from draftsmith.target import load_target
-from draftsmith.train.cli import parse_training_args
+from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.train.divergences import acceptance_rate, divergence
 from draftsmith.train.loop import Trainer
 
@@ -223,9 +220,7 @@ class DistillTask:
 def build(recipe: DistillRecipe):
     """Target, prompt/response pairs, student and task for ``recipe``."""
     cfg = recipe.drafter
-    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
-    data_cfg = prepare_data_config(recipe.data, target, recipe.target.name, tokenizer)
-    data, _ = build_dataset(data_cfg, tokenizer)
+    target, tokenizer, data = target_and_data(recipe)
     splits = {}
     for split in ("train", "held_out"):
         splits[split], too_long = prompt_response_pairs(data[split], cfg.max_prompt_tokens)
@@ -239,12 +234,7 @@ def build(recipe: DistillRecipe):
 
 def main(argv: list[str] | None = None) -> Trainer:
     """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
-    recipe, resume = parse_training_args(DistillRecipe, argv, __doc__)
-    task, train_set, eval_set = build(recipe)
-    trainer = Trainer(recipe, task, train_set, eval_set)
-    task.target.to(trainer.accelerator.device)
-    trainer.last_checkpoint = trainer.train(resume=resume)
-    return trainer
+    return run_training(DistillRecipe, build, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,11 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from draftsmith.data_prep.dataset import build_dataset
-from draftsmith.data_prep.features import FeatureDataset, extract_features, features_dir
+from draftsmith.data_prep.features import training_sets
 from draftsmith.heads.eagle import EagleHead
-from draftsmith.heads.vocab import frequent_tokens
+from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
-from draftsmith.target import load_target
-from draftsmith.train.cli import parse_training_args
+from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.train.loop import Trainer, pad_batch
 
 
@@ -122,31 +120,17 @@ class EagleTask:
 
 def build(recipe: EagleRecipe):
     """Target, tokenised data (or features), head and task for ``recipe``."""
-    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
-    data, _ = build_dataset(recipe.data, tokenizer)
-    draft_vocab = None
-    if recipe.drafter.draft_vocab_size:
-        special = {i for i in tokenizer.all_special_ids if i is not None}
-        draft_vocab = frequent_tokens(data["train"], recipe.drafter.draft_vocab_size, special,
-                                      target.config.vocab_size)
+    target, tokenizer, data = target_and_data(recipe)
+    draft_vocab = draft_vocab_for(recipe.drafter.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
     torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
     head = EagleHead.for_target(target, recipe.target.name, recipe.drafter.num_layers, draft_vocab, recipe.drafter.init)
-    train_set, eval_set = data["train"], data["held_out"]
-    if recipe.drafter.features == "offline":
-        root = features_dir(recipe, data)
-        extract_features(target, data, root)
-        train_set, eval_set = FeatureDataset(root / "train"), FeatureDataset(root / "held_out")
-    return target, EagleTask(recipe, target, head), train_set, eval_set
+    train_set, eval_set = training_sets(recipe, target, data)
+    return EagleTask(recipe, target, head), train_set, eval_set
 
 
 def main(argv: list[str] | None = None) -> Trainer:
     """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
-    recipe, resume = parse_training_args(EagleRecipe, argv, __doc__)
-    target, task, train_set, eval_set = build(recipe)
-    trainer = Trainer(recipe, task, train_set, eval_set)
-    task.target.to(trainer.accelerator.device)
-    trainer.last_checkpoint = trainer.train(resume=resume)
-    return trainer
+    return run_training(EagleRecipe, build, argv, __doc__)
 
 
 if __name__ == "__main__":

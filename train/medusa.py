@@ -23,14 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.data_prep.dataset import build_dataset
-from draftsmith.data_prep.features import FeatureDataset, extract_features, features_dir
-from draftsmith.data_prep.regenerate import prepare_data_config
+from draftsmith.data_prep.features import training_sets
 from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads
-from draftsmith.heads.vocab import frequent_tokens
+from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
-from draftsmith.target import load_target
-from draftsmith.train.cli import parse_training_args
+from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.train.loop import Trainer, pad_batch
 
 
@@ -226,32 +223,18 @@ class MedusaTask:
 
 def build(recipe: MedusaRecipe):
     """Target, tokenised data (or features), heads and task for ``recipe``."""
-    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
-    data_cfg = prepare_data_config(recipe.data, target, recipe.target.name, tokenizer)
-    data, _ = build_dataset(data_cfg, tokenizer)
+    target, tokenizer, data = target_and_data(recipe)
     cfg = recipe.drafter
-    draft_vocab = None
-    if cfg.draft_vocab_size:
-        special = {i for i in tokenizer.all_special_ids if i is not None}
-        draft_vocab = frequent_tokens(data["train"], cfg.draft_vocab_size, special, target.config.vocab_size)
+    draft_vocab = draft_vocab_for(cfg.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
     torch.manual_seed(recipe.training.seed)
     heads = MedusaHeads.for_target(target, recipe.target.name, cfg.num_heads, cfg.num_layers, cfg.lm_head, draft_vocab)
-    train_set, eval_set = data["train"], data["held_out"]
-    if cfg.features == "offline":
-        root = features_dir(recipe, data)
-        extract_features(target, data, root)
-        train_set, eval_set = FeatureDataset(root / "train"), FeatureDataset(root / "held_out")
+    train_set, eval_set = training_sets(recipe, target, data)
     return MedusaTask(recipe, target, heads), train_set, eval_set
 
 
 def main(argv: list[str] | None = None) -> Trainer:
     """Train as the command line says; returns the finished trainer (``.history``, ``.task.heads``)."""
-    recipe, resume = parse_training_args(MedusaRecipe, argv, __doc__)
-    task, train_set, eval_set = build(recipe)
-    trainer = Trainer(recipe, task, train_set, eval_set)
-    task.target.to(trainer.accelerator.device)
-    trainer.last_checkpoint = trainer.train(resume=resume)
-    return trainer
+    return run_training(MedusaRecipe, build, argv, __doc__)
 
 
 if __name__ == "__main__":
