@@ -24,8 +24,9 @@ class Prompt:
     category: str = "all"
 
 
-def load_prompts(bench: str = MT_BENCH, limit: int | None = None) -> list[Prompt]:
-    """Prompts of ``bench`` (``mt_bench`` or a JSONL path), the first ``limit`` of them."""
+def load_prompts(bench: str = MT_BENCH, limit: int | None = None, per_category: int | None = None) -> list[Prompt]:
+    """Prompts of ``bench`` (``mt_bench`` or a JSONL path): the first ``per_category`` of each
+    category (in file order), then the first ``limit`` of those."""
     path = asset_path(MT_BENCH) if bench == MT_BENCH else Path(bench)
     if not path.is_file():
         raise FileNotFoundError(f"prompt set {bench!r} is neither 'mt_bench' nor an existing .jsonl file")
@@ -47,6 +48,12 @@ def load_prompts(bench: str = MT_BENCH, limit: int | None = None) -> list[Prompt
                                  "(or give one 'prompt' string)")
             prompt_id = str(record.get("question_id", record.get("id", lineno)))
             prompts.append(Prompt(id=prompt_id, turns=turns, category=str(record.get("category", "all"))))
-            if limit is not None and len(prompts) >= limit:
-                break
-    return prompts
+    if per_category is not None:
+        seen: dict[str, int] = {}
+        kept = []
+        for prompt in prompts:
+            seen[prompt.category] = seen.get(prompt.category, 0) + 1
+            if seen[prompt.category] <= per_category:
+                kept.append(prompt)
+        prompts = kept
+    return prompts[:limit] if limit is not None else prompts

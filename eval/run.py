@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--bench", default=MT_BENCH, help="'mt_bench' (bundled, 80 questions)")
     source.add_argument("--prompts", help="JSONL prompt set: a 'turns' list or a 'prompt' string per line")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts")
+    parser.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
     parser.add_argument("--turns", type=int, default=1, help="turns per prompt (MT-bench has 2; turn 2 follows turn 1's answer)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     specs = [parse_spec(s) for s in args.drafter]
     target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template)
     drafters = [build_drafter(spec, target) for spec in specs]
-    prompts = load_prompts(args.prompts or args.bench, args.limit)
+    prompts = load_prompts(args.prompts or args.bench, args.limit, args.per_category)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     assistants = {d.name: (d.runner.model, d.depth) for d in drafters if isinstance(d, DraftLMDrafter)}
     runs = run_bench(target, tokenizer, drafters, prompts, args.max_new_tokens, sampling, args.turns,
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     meta = {
         "argv": sys.argv if argv is None else ["eval/run.py", *argv],
         "target": args.target, "dtype": args.dtype, "device": str(next(target.parameters()).device),
-        "bench": args.prompts or args.bench, "max_new_tokens": args.max_new_tokens,
+        "bench": args.prompts or args.bench, "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "turns": args.turns,
         "drafters": args.drafter, "torch": torch.__version__, "machine": platform.machine(),
         "threads": torch.get_num_threads(),

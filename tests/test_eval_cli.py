@@ -52,3 +52,14 @@ def test_cli_writes_table_json_csv_and_plots(tmp_path, capsys):
     assert (out / "results.csv").read_text().startswith("method,category,acceptance_length")
     for png in ("acceptance_by_category.png", "accepted_per_step.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prompts_per_category_keep_file_order(tmp_path):
+    from draftsmith.data_prep.prompts import load_prompts
+
+    mt_bench = load_prompts("mt_bench")
+    assert len(mt_bench) == 80 and len({p.category for p in mt_bench}) == 8
+    two = load_prompts("mt_bench", per_category=2)
+    assert len(two) == 16 and all(sum(p.category == c for p in two) == 2 for c in {p.category for p in two})
+    assert [p.id for p in two if p.category == "writing"] == [p.id for p in mt_bench if p.category == "writing"][:2]
+    assert [p.id for p in load_prompts("mt_bench", limit=3, per_category=2)] == [p.id for p in two[:3]]
