@@ -182,7 +182,8 @@ class MedusaTask:
         mask[:, :-1] = batch["loss_mask"][:, 1:]
         rows = hidden[mask]
         lm_head = self.target.get_output_embeddings()
-        logits = lm_head(rows).float()
+        # fp32 LoRA adapters can lift the tuned hidden states out of the target's dtype.
+        logits = lm_head(rows.to(lm_head.weight.dtype)).float()
         count = max(1, rows.shape[0])
         if self.cfg.lora.target_loss == "lm":
             gold = batch["input_ids"][:, 1:][mask[:, :-1]]
@@ -192,7 +193,7 @@ class MedusaTask:
             with torch.no_grad(), self.target.disable_adapter():
                 base = self.target.get_base_model().get_decoder()(
                     input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-                reference = lm_head(base[mask]).float()
+                reference = lm_head(base[mask].to(lm_head.weight.dtype)).float()
             loss = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum")
         metrics["target/tokens"] = float(rows.shape[0])
         metrics["target/loss"] = float(loss.detach())
