@@ -80,10 +80,9 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
         self._target: tuple = ()
 
     # -- forward -----------------------------------------------------------------------------
-    def head_states(self, hidden: torch.Tensor, heads: range | None = None) -> torch.Tensor:
+    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each head's residual-block output ``[K, ..., h]`` for hidden states ``[..., h]``."""
-        heads = heads if heads is not None else range(self.num_heads)
-        return torch.stack([self.blocks[k](hidden) for k in heads])
+        return torch.stack([block(hidden) for block in self.blocks])
 
     def draft_logits_per_head(self, states: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[K, ..., N]`` of head states ``[K, ..., h]``: one batched product."""

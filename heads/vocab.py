@@ -81,6 +81,10 @@ class DraftVocabMixin:
         """Positions of full-vocabulary ``tokens`` in the draft vocabulary; -1 where absent."""
         if self.full_vocab:
             return tokens
-        lookup = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=tokens.device)
-        lookup[self.draft_vocab.to(tokens.device)] = torch.arange(self.draft_vocab.numel(), device=tokens.device)
-        return lookup[tokens]
+        # Built once per vocabulary and device: training maps every head's labels on every step.
+        key = (self.draft_vocab.data_ptr(), tokens.device)
+        if getattr(self, "_draft_lookup_key", None) != key:
+            lookup = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=tokens.device)
+            lookup[self.draft_vocab.to(tokens.device)] = torch.arange(self.draft_vocab.numel(), device=tokens.device)
+            self._draft_lookup, self._draft_lookup_key = lookup, key
+        return self._draft_lookup[tokens]
