@@ -38,6 +38,10 @@ class Run:
     steps: int  # target passes after prefill
     seconds: float  # prefill + decode wall-clock
     accepted: list[int] = field(default_factory=list)  # tokens per step (empty for HF baselines)
+    # Greedy only: whether the output equals plain decoding's and how many leading tokens agree (a
+    # lossless method matches up to floating-point near-ties; a tuned verifier, Medusa-2's, may drift).
+    same_output: bool | None = None
+    common_prefix: int | None = None
 
 
 def _hf_generate(model, tokenizer, prompt, max_new_tokens, sampling, eos, seed, **kwargs) -> tuple[list[int], int, float]:
@@ -104,6 +108,7 @@ def run_bench(
         warm = render_prompt(tokenizer, [{"role": "user", "content": "Hello!"}])
         for decoder in decoders.values():
             decoder.generate(warm, 8, seed=seed)
+    greedy = sampling.temperature == 0
     runs: list[Run] = []
     total = len(prompts) * turns * (len(decoders) + len(hf_kwargs))
     with tqdm(total=total, desc="bench", unit="gen") as bar:
@@ -118,17 +123,26 @@ def run_bench(
                     gen = decoder.generate(ids, max_new_tokens, seed=seed + index)
                     reference = reference or gen
                     runs.append(Run(name, prompt.id, prompt.category, turn, len(gen.tokens), gen.steps,
-                                    gen.seconds, gen.accepted))
+                                    gen.seconds, gen.accepted, *_agreement(gen.tokens, reference.tokens, greedy)))
                     bar.update()
                 for name, kwargs in hf_kwargs.items():
                     bar.set_postfix_str(f"{prompt.id}/{turn} {name}")
                     tokens, steps, seconds = _hf_generate(target, tokenizer, ids, max_new_tokens, sampling,
                                                           eos, seed + index, **kwargs)
-                    runs.append(Run(name, prompt.id, prompt.category, turn, len(tokens), steps, seconds))
+                    runs.append(Run(name, prompt.id, prompt.category, turn, len(tokens), steps, seconds,
+                                    [], *_agreement(tokens, reference.tokens, greedy)))
                     bar.update()
                 answer = [t for t in reference.tokens if t not in eos]
                 history.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
     return runs
+
+
+def _agreement(tokens: list[int], reference: list[int], greedy: bool) -> tuple[bool | None, int | None]:
+    """(same output, common prefix length) against plain decoding's tokens; (None, None) when sampling."""
+    if not greedy:  # sampled outputs differ by design
+        return None, None
+    prefix = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    return list(tokens) == list(reference), prefix
 
 
 def runs_to_dicts(runs: list[Run]) -> list[dict]:

@@ -4,6 +4,8 @@ acceptance_length: tokens produced after prefill / target passes after prefill, 
 prompts. speedup: the method's tokens per second over the baseline's, on the same prompts in the
 same run (equal to the wall-clock ratio when both produce the same tokens, as greedy does).
 per_position_acceptance[d-1]: fraction of steps that accepted at least d draft tokens.
+Greedy runs also give same_output (the fraction of prompt turns whose output equals plain
+decoding's) and matched_fraction (the tokens before the first difference over all tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def _pool(runs: list[Run]) -> dict:
     decoded = sum(max(r.new_tokens - 1, 0) for r in runs)
     steps = sum(r.steps for r in runs)
     seconds = sum(r.seconds for r in runs)
-    return {
+    stats = {
         "acceptance_length": decoded / steps if steps else 0.0,
         "tokens_per_second": tokens / seconds if seconds else 0.0,
         "new_tokens": tokens,
@@ -29,6 +31,11 @@ def _pool(runs: list[Run]) -> dict:
         "seconds": seconds,
         "num_prompts": len({(r.prompt_id, r.turn) for r in runs}),
     }
+    compared = [r for r in runs if r.same_output is not None]
+    if compared:
+        stats["same_output"] = sum(r.same_output for r in compared) / len(compared)
+        stats["matched_fraction"] = sum(r.common_prefix for r in compared) / max(sum(r.new_tokens for r in compared), 1)
+    return stats
 
 
 def summarise(runs: list[Run], meta: dict | None = None) -> dict:
@@ -68,11 +75,15 @@ def summarise(runs: list[Run], meta: dict | None = None) -> dict:
 def markdown_table(summary: dict) -> str:
     """Rows: methods; columns: acceptance length, tokens/s, speedup, then tau/speedup per category."""
     categories = summary["categories"] if len(summary["categories"]) > 1 else []
-    head = ["method", "accept len", "tok/s", "speedup"] + [f"{c} (tau / x)" for c in categories]
+    greedy = any("same_output" in s for s in summary["methods"].values())
+    head = (["method", "accept len", "tok/s", "speedup"] + (["same output"] if greedy else [])
+            + [f"{c} (tau / x)" for c in categories])
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for method, s in summary["methods"].items():
         speed = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
         cells = [method, f"{s['acceptance_length']:.2f}", f"{s['tokens_per_second']:.1f}", speed]
+        if greedy:
+            cells.append(f"{s['same_output']:.0%}" if "same_output" in s else "-")
         for c in categories:
             e = s["per_category"].get(c)
             cells.append(f"{e['acceptance_length']:.2f} / {e['speedup']:.2f}x" if e and e["speedup"] else "-")

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from training_helpers import save_tiny_target, write_recipe
 
-from draftsmith.heads.draft_lm import derive_draft_lm, student_for
+from draftsmith.heads.draft_lm import derive_draft_lm, save_draft_lm, student_for
 from draftsmith.target import load_tokenizer
 from draftsmith.train.distill import DistillRecipe, DistillTask, main, prompt_response_pairs
 from draftsmith.train.divergences import DIVERGENCES, acceptance_rate, divergence
@@ -83,6 +84,20 @@ def test_loaded_student_must_share_the_vocabulary(make_tiny_llama, tmp_path):
         student_for(target, str(tmp_path / "other"))
 
 
+def test_student_trains_in_fp32_and_exports_in_the_targets_dtype(make_tiny_llama, tmp_path):
+    target = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=1).to(torch.bfloat16)
+    student = student_for(target, num_layers=1)
+    assert {p.dtype for p in student.parameters()} == {torch.float32}
+    with torch.no_grad():  # an update far below bf16's resolution of the weight must survive
+        student.model.norm.weight.add_(1e-4)
+    save_draft_lm(student, tmp_path / "s", dtype=torch.bfloat16)
+    saved = load_file(tmp_path / "s" / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    assert torch.equal(saved["model.norm.weight"], student.model.norm.weight.to(torch.bfloat16))
+    assert student.model.norm.weight.dtype == torch.float32  # the trained model itself is left as it is
+    assert torch.allclose(student.model.norm.weight, target.model.norm.weight.float() + 1e-4)
+
+
 def test_prompt_response_pairs_take_the_first_assistant_span():
     rows = [{"id": "a", "input_ids": [1, 2, 3, 4, 5, 6, 7], "loss_mask": [0, 0, 1, 1, 0, 1, 1]},
             {"id": "b", "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 0, 0, 1]}]
@@ -136,6 +151,28 @@ def test_on_policy_generation_follows_the_students_current_weights(target_folder
     assert sample() != before
 
 
+def test_loss_scores_each_response_token_as_the_unpadded_target_does(target_folder):
+    """Left-padded prompts of different lengths, right-padded responses: a student equal to the
+    target gives divergence 0, acceptance 1 and the target's own NLL of every response token."""
+    tokenizer = load_tokenizer(str(target_folder))
+    target = LlamaForCausalLM.from_pretrained(target_folder).eval().requires_grad_(False)
+    recipe = DistillRecipe()
+    recipe.drafter.mixture.fixed, recipe.drafter.mixture.student = 1.0, 0.0
+    task = DistillTask(recipe, target, student_for(target, num_layers=2), tokenizer)
+    batch = {"ids": ["a", "b"], "prompts": [[1, 20, 300, 4000, 5], [6, 70]], "responses": [[8, 9, 10], [11, 12]]}
+    _, metrics = task.loss(task.model, batch, training=True)
+    nll = 0.0
+    for prompt, response in zip(batch["prompts"], batch["responses"]):
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(response), reduction="sum"))
+    assert metrics["tokens"] == 5 and metrics["fixed/tokens"] == 5
+    assert metrics["divergence"] == pytest.approx(0.0, abs=1e-4)
+    assert metrics["acceptance_rate"] == pytest.approx(5.0, abs=1e-4)
+    assert metrics["top1_agreement"] == 5.0
+    assert metrics["nll"] == pytest.approx(nll, rel=1e-4)
+
+
 def test_loss_decreases(recipe, tmp_path):
     trainer = train(recipe, tmp_path / "run", "--training.max_steps", "16", "--training.log_every", "4",
                     "--training.lr_schedule", "constant", "--training.save_every", "0")
@@ -146,6 +183,9 @@ def test_loss_decreases(recipe, tmp_path):
         assert 0.0 < h["train/acceptance_rate"] <= 1.0
         assert h["train/perplexity"] == pytest.approx(math.exp(h["train/nll"]), rel=1e-6)
         assert h["train/divergence"] == pytest.approx(h["train/loss"], rel=1e-4)  # fkl averaged over tokens
+        assert 0.0 <= h["train/top1_agreement"] <= 1.0
+        per_source = [h[f"train/{s}/acceptance_rate"] for s in ("fixed", "student") if f"train/{s}/acceptance_rate" in h]
+        assert per_source and all(0.0 < a <= 1.0 for a in per_source)
     evals = [h for h in trainer.history if "eval/acceptance_rate" in h]
     assert evals and 0.0 < evals[-1]["eval/acceptance_rate"] <= 1.0
 

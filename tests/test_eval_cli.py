@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from draftsmith.eval.bench import Run
+from draftsmith.eval.bench import Run, _agreement
 from draftsmith.eval.report import summarise
 from draftsmith.eval.run import main
 
@@ -26,6 +26,22 @@ def test_summary_pools_runs_and_computes_speedup_against_baseline():
     assert s["fast"]["accepted_per_step_histogram"] == {"2": 2, "3": 2, "4": 5}
 
 
+def test_greedy_runs_report_agreement_with_plain_decoding():
+    assert _agreement([5, 6, 7, 8], [5, 6, 9, 8], greedy=True) == (False, 2)
+    assert _agreement([5, 6], [5, 6, 7], greedy=True) == (False, 2)  # a prefix is not the same output
+    assert _agreement([5, 6, 7], [5, 6, 7], greedy=True) == (True, 3)
+    assert _agreement([5, 6, 7], [1, 2, 3], greedy=False) == (None, None)
+    runs = [
+        Run("baseline", "1", "math", 1, new_tokens=4, steps=3, seconds=1.0, same_output=True, common_prefix=4),
+        Run("tuned", "1", "math", 1, new_tokens=4, steps=2, seconds=1.0, same_output=False, common_prefix=2),
+        Run("tuned", "2", "math", 1, new_tokens=6, steps=2, seconds=1.0, same_output=True, common_prefix=6),
+        Run("sampled", "1", "math", 1, new_tokens=4, steps=2, seconds=1.0),
+    ]
+    s = summarise(runs)["methods"]
+    assert s["tuned"]["same_output"] == 0.5 and s["tuned"]["matched_fraction"] == pytest.approx(8 / 10)
+    assert "same_output" not in s["sampled"]
+
+
 @pytest.mark.slow
 def test_cli_writes_table_json_csv_and_plots(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
@@ -37,7 +53,7 @@ def test_cli_writes_table_json_csv_and_plots(tmp_path, capsys):
     main(["--drafter", "prompt_lookup", "--drafter", "oracle?num_tokens=4", "--drafter", "draft_lm?layers=2&depth=2",
           "--prompts", str(prompts), "--turns", "2", "--max-new-tokens", "12", "--out", str(out)])
     printed = capsys.readouterr().out
-    assert "| method | accept len | tok/s | speedup | chat (tau / x) | rep (tau / x) |" in printed
+    assert "| method | accept len | tok/s | speedup | same output | chat (tau / x) | rep (tau / x) |" in printed
     result = json.loads((out / "results.json").read_text())
     methods = result["methods"]
     assert set(methods) == {"baseline", "prompt_lookup", "oracle", "draft_lm"}
@@ -47,6 +63,7 @@ def test_cli_writes_table_json_csv_and_plots(tmp_path, capsys):
             assert key in stats, (name, key)
         assert stats["num_prompts"] == 3  # prompt a has one turn, prompt b two
         assert stats["new_tokens"] == methods["baseline"]["new_tokens"]  # greedy: same output everywhere
+        assert stats["same_output"] == 1.0 and stats["matched_fraction"] == 1.0, name
     assert methods["oracle"]["acceptance_length"] > 2.5
     assert methods["baseline"]["acceptance_length"] == pytest.approx(1.0)
     assert (out / "results.csv").read_text().startswith("method,category,acceptance_length")

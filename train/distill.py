@@ -6,8 +6,9 @@ the target (``target``) or one sampled from the student as it is now (``student`
 regenerated every step, so it follows the student as it trains). Both models score the whole
 sequence; the loss is the recipe's token-level divergence between the target's distribution p
 and the student's q at a temperature, averaged over response tokens. Logged: the divergence, the
-acceptance rate ``sum min(p, q)`` (held-out: on target-sampled responses, i.e. where speculative
-decoding goes) and the student's perplexity on the responses.
+acceptance rate ``sum min(p, q)`` and the greedy top-1 agreement (held-out: on target-sampled
+responses, i.e. where speculative decoding goes; in training also per response source, e.g.
+``train/student/acceptance_rate``) and the student's perplexity on the responses.
 
 The student is any causal LM with the target's tokenizer (``drafter.student``) or a few of the
 target's own layers (``drafter.num_layers`` / ``layers``), fully fine-tuned or with LoRA.
@@ -100,6 +101,9 @@ def prompt_response_pairs(rows, max_prompt_tokens: int) -> tuple[list[dict], int
     return pairs, too_long
 
 
+SOURCES = ("fixed", "target", "student")  # the mixture's order
+
+
 def _collate(rows: list[dict]) -> dict:
     return {"ids": [r["id"] for r in rows], "prompts": [r["prompt"] for r in rows],
             "responses": [r["response"] for r in rows]}
@@ -150,17 +154,21 @@ class DistillTask:
             responses.append(row[:end])
         return responses
 
-    def responses(self, batch: dict, training: bool) -> list[list[int]]:
-        """Each row's response from its source (drawn from the mixture; held-out rows: the target's)."""
+    def responses(self, batch: dict, training: bool) -> tuple[list[list[int]], list[str]]:
+        """Each row's response and its source (drawn from the mixture; held-out rows: the target's)."""
         prompts = batch["prompts"]
         if not training:
             missing = [i for i, key in enumerate(batch["ids"]) if key not in self._held_out]
             if missing:
-                with torch.random.fork_rng(devices=[]):  # the same held-out responses every evaluation
+                # The same held-out responses every evaluation, without touching the training
+                # streams (manual_seed reseeds the accelerator's generator too: fork it as well).
+                device = next(self.target.parameters()).device
+                accel = [] if device.type == "cpu" else [device.index or 0]
+                with torch.random.fork_rng(devices=accel, device_type=device.type):
                     torch.manual_seed(self.recipe.training.seed)
                     for i, response in zip(missing, self.generate(self.target, [prompts[i] for i in missing])):
                         self._held_out[batch["ids"][i]] = response
-            return [self._held_out[key] for key in batch["ids"]]
+            return [self._held_out[key] for key in batch["ids"]], ["target"] * len(prompts)
         sources = torch.multinomial(self.mixture, len(prompts), replacement=True).tolist()
         out = [list(r[: self.cfg.max_new_tokens]) for r in batch["responses"]]
         for source, model in ((1, self.target), (2, self.model)):
@@ -168,11 +176,11 @@ class DistillTask:
             if rows:
                 for i, response in zip(rows, self.generate(model, [prompts[i] for i in rows])):
                     out[i] = response
-        return out
+        return out, [SOURCES[s] for s in sources]
 
     def loss(self, model, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
         prompts = batch["prompts"]
-        responses = self.responses(batch, training)
+        responses, sources = self.responses(batch, training)
         # Prompts left-padded to one width and responses right-padded after it: every response
         # starts at the same column, so only the response columns need logits.
         width = max(len(p) for p in prompts)
@@ -190,9 +198,9 @@ class DistillTask:
         keep = length + 1  # logits at columns width-1 .. end: the ones that predict response tokens
         with torch.no_grad():
             p_logits = self.target(input_ids=ids, attention_mask=attention, position_ids=positions,
-                                   logits_to_keep=keep).logits[:, :-1][scored].float()
+                                   logits_to_keep=keep, use_cache=False).logits[:, :-1][scored].float()
         q_logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
-                         logits_to_keep=keep).logits[:, :-1][scored].float()
+                         logits_to_keep=keep, use_cache=False).logits[:, :-1][scored].float()
         tokens = int(scored.sum())
         if tokens == 0:
             return q_logits.sum() * 0.0, {"tokens": 0.0}
@@ -202,9 +210,19 @@ class DistillTask:
         with torch.no_grad():
             gold = ids[:, width:][scored]
             nll = torch.nn.functional.cross_entropy(q_logits, gold, reduction="sum")
-            accept = acceptance_rate(p_logits / t, q_logits / t).sum()
+            accept = acceptance_rate(p_logits / t, q_logits / t)
+            # Greedy drafting is accepted where the two argmaxes agree.
+            agree = (p_logits.argmax(-1) == q_logits.argmax(-1)).float()
         metrics = {"tokens": float(tokens), "loss": float(loss.detach()) * tokens,
-                   "divergence": float(per_token.detach().sum()), "acceptance_rate": float(accept), "nll": float(nll)}
+                   "divergence": float(per_token.detach().sum()), "acceptance_rate": float(accept.sum()),
+                   "top1_agreement": float(agree.sum()), "nll": float(nll)}
+        if training:  # the sources differ a lot (the student agrees with the target on its own samples first)
+            row = torch.arange(len(prompts), device=device)[:, None].expand_as(scored)[scored]
+            for name in sorted(set(sources)):
+                rows = torch.tensor([s == name for s in sources], device=device)[row]
+                metrics[f"{name}/tokens"] = float(rows.sum())
+                metrics[f"{name}/acceptance_rate"] = float(accept[rows].sum())
+                metrics[f"{name}/top1_agreement"] = float(agree[rows].sum())
         return loss, metrics
 
     def finalise_metrics(self, logs: dict[str, float]) -> dict[str, float]:
@@ -214,7 +232,8 @@ class DistillTask:
         return logs
 
     def save_pretrained(self, model, path: Path) -> None:
-        save_draft_lm(model, path, self.tokenizer, target_record(self.target, self.recipe.target.name))
+        save_draft_lm(model, path, self.tokenizer, target_record(self.target, self.recipe.target.name),
+                      dtype=next(self.target.parameters()).dtype)
 
 
 def build(recipe: DistillRecipe):
@@ -228,7 +247,8 @@ def build(recipe: DistillRecipe):
             print(f"distill: {too_long} {split} prompts longer than drafter.max_prompt_tokens="
                   f"{cfg.max_prompt_tokens} left out")
     torch.manual_seed(recipe.training.seed)
-    student = student_for(target, cfg.student, cfg.num_layers, cfg.layers)
+    dtype = torch.float32 if cfg.finetune == "full" else next(target.parameters()).dtype
+    student = student_for(target, cfg.student, cfg.num_layers, cfg.layers, dtype)
     return DistillTask(recipe, target, student, tokenizer), splits["train"], splits["held_out"]
 
 

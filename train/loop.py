@@ -372,7 +372,7 @@ class Trainer:
         self.accelerator.log(logs, step=self.state.step)
         self.history.append({"step": self.state.step, **logs})
         if self.accelerator.is_main_process:
-            shown = {k.removeprefix("train/"): round(v, 4) for k, v in logs.items()}
+            shown = {k.removeprefix("train/"): float(f"{v:.4g}") for k, v in logs.items()}  # small lrs stay visible
             tqdm.write(f"step {self.state.step}: {shown}")
 
     def _write_replica_checksums(self, checkpoint: Path) -> None:
