@@ -108,7 +108,6 @@ def run_bench(
         warm = render_prompt(tokenizer, [{"role": "user", "content": "Hello!"}])
         for decoder in decoders.values():
             decoder.generate(warm, 8, seed=seed)
-    greedy = sampling.temperature == 0
     runs: list[Run] = []
     total = len(prompts) * turns * (len(decoders) + len(hf_kwargs))
     with tqdm(total=total, desc="bench", unit="gen") as bar:
@@ -123,14 +122,14 @@ def run_bench(
                     gen = decoder.generate(ids, max_new_tokens, seed=seed + index)
                     reference = reference or gen
                     runs.append(Run(name, prompt.id, prompt.category, turn, len(gen.tokens), gen.steps,
-                                    gen.seconds, gen.accepted, *_agreement(gen.tokens, reference.tokens, greedy)))
+                                    gen.seconds, gen.accepted, *_agreement(gen.tokens, reference.tokens, sampling.greedy)))
                     bar.update()
                 for name, kwargs in hf_kwargs.items():
                     bar.set_postfix_str(f"{prompt.id}/{turn} {name}")
                     tokens, steps, seconds = _hf_generate(target, tokenizer, ids, max_new_tokens, sampling,
                                                           eos, seed + index, **kwargs)
                     runs.append(Run(name, prompt.id, prompt.category, turn, len(tokens), steps, seconds,
-                                    [], *_agreement(tokens, reference.tokens, greedy)))
+                                    [], *_agreement(tokens, reference.tokens, sampling.greedy)))
                     bar.update()
                 answer = [t for t in reference.tokens if t not in eos]
                 history.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})

@@ -217,7 +217,7 @@ class DistillTask:
                    "divergence": float(per_token.detach().sum()), "acceptance_rate": float(accept.sum()),
                    "top1_agreement": float(agree.sum()), "nll": float(nll)}
         if training:  # the sources differ a lot (the student agrees with the target on its own samples first)
-            row = torch.arange(len(prompts), device=device)[:, None].expand_as(scored)[scored]
+            row = scored.nonzero()[:, 0]  # each scored token's sequence, in the order of [scored]
             for name in sorted(set(sources)):
                 rows = torch.tensor([s == name for s in sources], device=device)[row]
                 metrics[f"{name}/tokens"] = float(rows.sum())
