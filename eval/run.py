@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-baseline", action="append", default=[], choices=HF_BASELINES,
                         help="also time Hugging Face generate: plain, prompt lookup (10 tokens), assisted "
                              "(with each draft_lm drafter's model, at its depth)")
+    parser.add_argument("--hf-assistant", action="append", default=[], metavar="NAME",
+                        help="with --hf-baseline hf_assisted: only these draft_lm drafters (by name) as "
+                             "assistants; repeatable (default: every draft_lm drafter)")
     parser.add_argument("--out", default="results", help="output folder")
     args = parser.parse_args(argv)
     if not args.drafter:
@@ -57,11 +60,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     specs = [parse_spec(s) for s in args.drafter]
+    draft_lms = [s.name for s in specs if s.kind == "draft_lm"]
+    unknown = sorted(set(args.hf_assistant) - set(draft_lms))
+    if unknown:  # before the target loads: a typo should not cost a model load
+        raise SystemExit(f"--hf-assistant {', '.join(unknown)}: no draft_lm drafter of that name "
+                         f"(draft_lm drafters: {', '.join(draft_lms) or 'none'})")
     target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template)
     drafters = [build_drafter(spec, target) for spec in specs]
     prompts = load_prompts(args.prompts or args.bench, args.limit, args.per_category)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     assistants = {d.name: (d.runner.model, d.depth) for d in drafters if isinstance(d, DraftLMDrafter)}
+    if args.hf_assistant:
+        assistants = {name: assistants[name] for name in args.hf_assistant}
     runs = run_bench(target, tokenizer, drafters, prompts, args.max_new_tokens, sampling, args.turns,
                      tuple(args.hf_baseline), assistants, args.seed)
     meta = {

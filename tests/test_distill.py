@@ -77,6 +77,19 @@ def test_derived_student_with_every_layer_reproduces_the_target(make_tiny_llama)
         assert not torch.allclose(fewer(ids).logits, target(ids).logits)
 
 
+def test_draft_lm_spec_cuts_the_same_student_as_the_recipe(make_tiny_llama):
+    from draftsmith.eval.drafters import build_drafter
+
+    target = make_tiny_llama(vocab_size=64, hidden_size=32, layers=4, seed=5, scale=5.0)
+    ids = torch.tensor([[3, 9, 27, 5, 60, 1]])
+    with torch.no_grad():
+        for spec, layers in (("draft_lm?layers=0,3", [0, 3]), ("draft_lm?layers=1,2", [1, 2]), ("draft_lm?layers=3", [0, 2, 3])):
+            drafted = build_drafter(spec, target).runner.model
+            assert torch.equal(drafted(ids).logits, derive_draft_lm(target, layers=layers)(ids).logits), spec
+    with pytest.raises(ValueError, match="layers='0,x'"):
+        build_drafter("draft_lm?layers=0,x", target)
+
+
 def test_loaded_student_must_share_the_vocabulary(make_tiny_llama, tmp_path):
     target = make_tiny_llama(vocab_size=64, hidden_size=32, seed=0)
     make_tiny_llama(vocab_size=80, hidden_size=32, seed=0).save_pretrained(tmp_path / "other")

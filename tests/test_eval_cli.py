@@ -80,3 +80,25 @@ def test_prompts_per_category_keep_file_order(tmp_path):
     assert len(two) == 16 and all(sum(p.category == c for p in two) == 2 for c in {p.category for p in two})
     assert [p.id for p in two if p.category == "writing"] == [p.id for p in mt_bench if p.category == "writing"][:2]
     assert [p.id for p in load_prompts("mt_bench", limit=3, per_category=2)] == [p.id for p in two[:3]]
+
+
+def test_hf_assistant_must_name_a_draft_lm_drafter():
+    with pytest.raises(SystemExit, match="--hf-assistant after: no draft_lm drafter of that name"):
+        main(["--drafter", "draft_lm?layers=2&name=before", "--drafter", "prompt_lookup",
+              "--hf-baseline", "hf_assisted", "--hf-assistant", "after"])
+
+
+@pytest.mark.slow
+def test_hf_assisted_runs_only_the_chosen_assistant(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "Count from one to ten."}) + "\n")
+    out = tmp_path / "out"
+    main(["--drafter", "draft_lm?layers=2&depth=2&name=small", "--drafter", "draft_lm?layers=30&depth=2&name=whole",
+          "--hf-baseline", "hf_assisted", "--hf-assistant", "whole", "--prompts", str(prompts),
+          "--max-new-tokens", "12", "--out", str(out)])
+    methods = json.loads((out / "results.json").read_text())["methods"]
+    assert set(methods) == {"baseline", "small", "whole", "hf_assisted"}
+    # The assistant is the 30-layer copy of the target: HF accepts every drafted token (2 per
+    # pass, plus the bonus), which the 2-layer draft would not.
+    assert methods["hf_assisted"]["acceptance_length"] == pytest.approx(methods["whole"]["acceptance_length"], abs=0.2)
+    assert methods["whole"]["acceptance_length"] > 2.5

@@ -2,7 +2,7 @@
 
 A spec is ``KIND[:PATH][?key=value&key=value]``, e.g. ``prompt_lookup``,
 ``prompt_lookup?num_tokens=4&branches=3``, ``draft_lm:HuggingFaceTB/SmolLM2-135M-Instruct?depth=5``,
-``draft_lm?layers=4`` (a draft cut from the target), ``oracle?num_tokens=8``,
+``draft_lm?layers=4`` (a draft cut from the target: 4 evenly spaced layers, or ``layers=0,1,2,29``), ``oracle?num_tokens=8``,
 ``eagle:runs/x/checkpoint-final?depth=5&top_k=3&budget=12``. ``name=`` sets the
 label used in tables.
 """
@@ -75,12 +75,19 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
         elif parsed.kind == "oracle":
             drafter = OracleDrafter(CausalLMRunner(target), **options)
         elif parsed.kind == "draft_lm":
-            layers = options.pop("layers", None)
+            layers = options.pop("layers", 4)
             if parsed.path:
                 param = next(target.parameters())
                 model = load_draft_lm(parsed.path, param.dtype, param.device)
-            else:
-                model = derive_draft_lm(target, num_layers=layers or 4)
+            elif isinstance(layers, int):
+                model = derive_draft_lm(target, num_layers=layers)
+            else:  # exact indices, as a recipe's drafter.layers: layers=0,1,2,29
+                try:
+                    indices = [int(i) for i in str(layers).split(",")]
+                except ValueError:
+                    raise ValueError(f"draft_lm option layers={layers!r}: give a count or comma-separated "
+                                     "layer indices, e.g. layers=4 or layers=0,1,2,29") from None
+                model = derive_draft_lm(target, layers=indices)
             drafter = DraftLMDrafter(model, **options)
         elif parsed.kind == "eagle":
             from draftsmith.eval.drafters.eagle import EagleDrafter
