@@ -98,7 +98,8 @@ def test_hf_assisted_runs_only_the_chosen_assistant(tmp_path):
           "--max-new-tokens", "12", "--out", str(out)])
     methods = json.loads((out / "results.json").read_text())["methods"]
     assert set(methods) == {"baseline", "small", "whole", "hf_assisted"}
-    # The assistant is the 30-layer copy of the target: HF accepts every drafted token (2 per
-    # pass, plus the bonus), which the 2-layer draft would not.
-    assert methods["hf_assisted"]["acceptance_length"] == pytest.approx(methods["whole"]["acceptance_length"], abs=0.2)
-    assert methods["whole"]["acceptance_length"] > 2.5
+    # The assistant is the 30-layer copy of the target: both engines accept every drafted token
+    # (2 per pass plus the bonus: 11 tokens after prefill in 4 passes), which a 2-layer draft would not.
+    assert methods["whole"]["acceptance_length"] == pytest.approx(11 / 4)
+    assert methods["hf_assisted"]["acceptance_length"] == pytest.approx(11 / 4)
+    assert methods["small"]["acceptance_length"] < 2
