@@ -13,7 +13,12 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from draftsmith.heads.vocab import most_frequent
+
+TOKEN_COUNTS = "token_counts.safetensors"
 
 
 def evenly_spaced(total: int, keep: int) -> list[int]:
@@ -76,10 +81,13 @@ def student_for(target: PreTrainedModel, source: str | None = None, num_layers: 
 
 
 def save_draft_lm(model: PreTrainedModel, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
-                  target_info: dict | None = None, dtype: torch.dtype | None = None) -> None:
+                  target_info: dict | None = None, dtype: torch.dtype | None = None,
+                  counts: torch.Tensor | None = None) -> None:
     """Save a plain Hugging Face causal LM (LoRA adapters merged into a copy first) that transformers,
     vLLM and ``generate(assistant_model=...)`` load as they are, in ``dtype`` (the target's, so it
-    serves beside it; default: as trained); ``target_info`` goes to ``draftsmith_target.json`` beside it."""
+    serves beside it; default: as trained); ``target_info`` goes to ``draftsmith_target.json`` beside it,
+    ``counts`` (training-response token frequencies) to ``token_counts.safetensors``, from which
+    the engine takes a reduced draft vocabulary (``draft_lm:PATH?vocab=N``)."""
     path = Path(path)
     merge = hasattr(model, "merge_and_unload")  # a peft model: export the merged weights, keep training the adapter
     recast = dtype is not None and next(model.parameters()).dtype != dtype
@@ -94,3 +102,24 @@ def save_draft_lm(model: PreTrainedModel, path: str | Path, tokenizer: PreTraine
         tokenizer.save_pretrained(path)
     if target_info is not None:
         (path / "draftsmith_target.json").write_text(json.dumps(target_info, indent=1))
+    if counts is not None:
+        save_file({"counts": counts.detach().cpu().long().contiguous()}, path / TOKEN_COUNTS)
+
+
+def draft_vocab_from_counts(path: str | Path, size: int, model: PreTrainedModel) -> torch.Tensor:
+    """The ``size`` most frequent token ids recorded in the draft LM checkpoint at ``path`` (its
+    end-of-sequence tokens always included, so drafts can still stop)."""
+    counts_file = Path(path) / TOKEN_COUNTS
+    if not counts_file.is_file():
+        raise ValueError(f"{path} has no {TOKEN_COUNTS} (written by train/distill.py): a reduced draft "
+                         "vocabulary needs the training responses' token counts; leave out vocab=")
+    counts = load_file(counts_file)["counts"]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if counts.numel() != vocab:
+        raise ValueError(f"{counts_file} counts {counts.numel()} token ids but the draft LM's vocabulary has {vocab}")
+    if not 0 < size <= vocab:
+        raise ValueError(f"vocab={size}: give a draft vocabulary size in [1, {vocab}]")
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    eos = model.config.eos_token_id if eos is None else eos
+    always = {eos} if isinstance(eos, int) else set(eos or [])
+    return most_frequent(counts, size, always)

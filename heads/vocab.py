@@ -11,13 +11,22 @@ from __future__ import annotations
 import torch
 
 
-def frequent_tokens(dataset, size: int, always: set[int], vocab_size: int = 0) -> torch.Tensor:
-    """``size`` token ids, sorted: ``always`` and then the most frequent assistant tokens of ``dataset``."""
+def token_counts(dataset, vocab_size: int = 0) -> torch.Tensor:
+    """How often each token id occurs among the assistant (loss-masked) tokens of ``dataset``."""
     masked = [torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"], dtype=torch.bool)] for row in dataset]
-    counts = torch.bincount(torch.cat(masked), minlength=vocab_size)
+    return torch.bincount(torch.cat(masked), minlength=vocab_size)
+
+
+def most_frequent(counts: torch.Tensor, size: int, always: set[int]) -> torch.Tensor:
+    """``size`` token ids, sorted: ``always`` and then the most frequent by ``counts``."""
     chosen = set(torch.argsort(counts, descending=True)[:size].tolist()) | always
     ranked = sorted(chosen, key=lambda t: (t not in always, -int(counts[t]) if t < len(counts) else 0))[:size]
     return torch.tensor(sorted(ranked))
+
+
+def frequent_tokens(dataset, size: int, always: set[int], vocab_size: int = 0) -> torch.Tensor:
+    """``size`` token ids, sorted: ``always`` and then the most frequent assistant tokens of ``dataset``."""
+    return most_frequent(token_counts(dataset, vocab_size), size, always)
 
 
 def draft_vocab_for(size: int | None, dataset, tokenizer, vocab_size: int) -> torch.Tensor | None:

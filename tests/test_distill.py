@@ -220,6 +220,31 @@ def test_checkpoint_is_a_plain_hf_causal_lm(six_steps, target_folder):
     assert torch.equal(plain, assisted)
 
 
+def test_checkpoint_counts_response_tokens_for_a_reduced_draft_vocabulary(six_steps, target_folder):
+    from draftsmith.eval.drafters import build_drafter
+    from draftsmith.heads.draft_lm import TOKEN_COUNTS
+
+    final = six_steps.last_checkpoint
+    counts = load_file(final / TOKEN_COUNTS)["counts"]
+    target = LlamaForCausalLM.from_pretrained(target_folder).eval()
+    assert counts.numel() == target.config.vocab_size and counts.sum() > 0
+    drafter = build_drafter(f"draft_lm:{final}?vocab=8&depth=2", target)
+    kept = drafter.runner.lm_head.token_ids
+    eos = {target.config.eos_token_id} if isinstance(target.config.eos_token_id, int) else set(target.config.eos_token_id)
+    assert len(kept) == 8 and eos <= set(kept.tolist())
+    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    outside[kept] = False
+    frequent = torch.tensor([t for t in kept.tolist() if t not in eos])
+    assert counts[frequent].min() >= counts[outside].max()  # the rest are the most frequent tokens
+    hidden = torch.randn(3, target.config.hidden_size)
+    logits = drafter.runner.logits(hidden)
+    full = drafter.runner.model.get_output_embeddings()(hidden).float()
+    assert torch.isneginf(logits[:, outside]).all()
+    assert torch.allclose(logits[:, kept], full[:, kept], atol=1e-5)
+    with pytest.raises(ValueError, match="needs a trained draft LM"):
+        build_drafter("draft_lm?layers=1&vocab=8", target)
+
+
 def test_resume_matches_uninterrupted(six_steps, recipe, tmp_path):
     out = tmp_path / "run"
     first = train(recipe, out, "--training.stop_after_steps", "4")

@@ -137,6 +137,25 @@ def test_chain_draft_lm(monkeypatch, target, draft):
     assert accepted[(3,)] > 200 and accepted[(1, 1, 1)] > 200
 
 
+def test_chain_draft_lm_over_a_reduced_draft_vocabulary(monkeypatch, target, draft):
+    """Drafts come only from the draft vocabulary and the output distribution stays the target's."""
+    subset = [1, 2, 4, 6]
+    drafter = DraftLMDrafter(draft, depth=2, top_k=1, draft_vocab=torch.tensor(subset))
+    drafted = collections.Counter()
+    propose = drafter.propose
+
+    def recording(context):
+        tree = propose(context)
+        drafted.update(tree.tokens)
+        return tree
+
+    monkeypatch.setattr(drafter, "propose", recording)
+    statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4)
+    assert statistic < threshold
+    assert set(drafted) == set(subset)
+    assert accepted[(3,)] > 100 and accepted[(1, 1, 1)] > 100
+
+
 def test_tree_draft_lm_with_pruning(monkeypatch, target, draft):
     drafter = DraftLMDrafter(draft, depth=2, top_k=3, budget=4)  # 3 + 9 candidates, 4 kept
     statistic, threshold, accepted, recorder = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4)

@@ -28,6 +28,7 @@ import torch
 from draftsmith.eval.decode import eos_token_ids
 from draftsmith.heads.common import target_record
 from draftsmith.heads.draft_lm import save_draft_lm, student_for
+from draftsmith.heads.vocab import token_counts
 from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.train.divergences import acceptance_rate, divergence
@@ -112,8 +113,9 @@ def _collate(rows: list[dict]) -> dict:
 class DistillTask:
     """Divergence between the target and the student on prompt + response sequences."""
 
-    def __init__(self, recipe: DistillRecipe, target, student, tokenizer):
+    def __init__(self, recipe: DistillRecipe, target, student, tokenizer, counts: torch.Tensor | None = None):
         self.cfg, self.recipe = recipe.drafter, recipe
+        self.counts = counts  # response-token frequencies, saved for reduced draft vocabularies
         self.target, self.tokenizer = target, tokenizer
         self.eos = eos_token_ids(target, tokenizer)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos)
@@ -233,7 +235,7 @@ class DistillTask:
 
     def save_pretrained(self, model, path: Path) -> None:
         save_draft_lm(model, path, self.tokenizer, target_record(self.target, self.recipe.target.name),
-                      dtype=next(self.target.parameters()).dtype)
+                      dtype=next(self.target.parameters()).dtype, counts=self.counts)
 
 
 def build(recipe: DistillRecipe):
@@ -249,7 +251,8 @@ def build(recipe: DistillRecipe):
     torch.manual_seed(recipe.training.seed)
     dtype = torch.float32 if cfg.finetune == "full" else next(target.parameters()).dtype
     student = student_for(target, cfg.student, cfg.num_layers, cfg.layers, dtype)
-    return DistillTask(recipe, target, student, tokenizer), splits["train"], splits["held_out"]
+    counts = token_counts(data["train"], target.get_output_embeddings().weight.shape[0])
+    return DistillTask(recipe, target, student, tokenizer, counts), splits["train"], splits["held_out"]
 
 
 def main(argv: list[str] | None = None) -> Trainer:

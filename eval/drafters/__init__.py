@@ -65,7 +65,7 @@ def parse_spec(spec: str) -> DrafterSpec:
 
 def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
     """A drafter for ``target`` from a spec string."""
-    from draftsmith.heads.draft_lm import derive_draft_lm, load_draft_lm
+    from draftsmith.heads.draft_lm import derive_draft_lm, draft_vocab_from_counts, load_draft_lm
 
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
     options = dict(parsed.options)
@@ -76,9 +76,14 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
             drafter = OracleDrafter(CausalLMRunner(target), **options)
         elif parsed.kind == "draft_lm":
             layers = options.pop("layers", 4)
+            vocab = options.pop("vocab", None)
+            if vocab is not None and not parsed.path:
+                raise ValueError("draft_lm option vocab=N needs a trained draft LM (draft_lm:PATH) with token counts")
             if parsed.path:
                 param = next(target.parameters())
                 model = load_draft_lm(parsed.path, param.dtype, param.device)
+                if vocab is not None:
+                    options["draft_vocab"] = draft_vocab_from_counts(parsed.path, int(vocab), model)
             elif isinstance(layers, int):
                 model = derive_draft_lm(target, num_layers=layers)
             else:  # exact indices, as a recipe's drafter.layers: layers=0,1,2,29

@@ -15,12 +15,37 @@ from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder, grow_tree
 
 
+class DraftVocabLMHead:
+    """A draft LM's LM head over a subset of token ids (FR-Spec style): full-vocabulary fp32 logits
+    with ``-inf`` outside the subset, so drafts never leave it and the draft probabilities the
+    verifier sees are exactly the ones sampled from (sampling stays lossless)."""
+
+    def __init__(self, lm_head: torch.nn.Module, token_ids: torch.Tensor, vocab_size: int):
+        self.token_ids = token_ids.to(lm_head.weight.device).long()
+        self.weight = lm_head.weight.detach()[self.token_ids]  # gathered once: the head is frozen
+        self.bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()[self.token_ids]
+        self.vocab_size = vocab_size
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        small = torch.nn.functional.linear(hidden, self.weight, self.bias).float()
+        full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.token_ids, small)
+
+
 class DraftLMDrafter(Drafter):
-    """Autoregressive drafting with a small causal LM: a chain (``top_k=1``) or a dynamic tree."""
+    """Autoregressive drafting with a small causal LM: a chain (``top_k=1``) or a dynamic tree.
+
+    ``draft_vocab``: token ids to draft from (the LM head scores only those rows); on small
+    models the LM head is most of a draft step's cost.
+    """
 
     def __init__(self, model: PreTrainedModel, depth: int = 4, top_k: int = 1, budget: int | None = None,
-                 name: str = "draft_lm"):
-        self.runner = CausalLMRunner(model)
+                 name: str = "draft_lm", draft_vocab: torch.Tensor | None = None):
+        lm_head = None
+        if draft_vocab is not None:
+            lm_head = DraftVocabLMHead(model.get_output_embeddings(), draft_vocab,
+                                       model.get_output_embeddings().weight.shape[0])
+        self.runner = CausalLMRunner(model, lm_head=lm_head)
         self.depth, self.top_k = depth, top_k
         self.budget = budget if budget is not None else depth * top_k
         self.name = name
