@@ -24,6 +24,13 @@ def most_frequent(counts: torch.Tensor, size: int, always: set[int]) -> torch.Te
     return torch.tensor(sorted(ranked))
 
 
+def scatter_to_vocab(small: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """fp32 full-vocabulary logits from logits over ``token_ids`` (``-inf`` elsewhere)."""
+    small = small.float()
+    full = small.new_full((*small.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, token_ids, small)
+
+
 def frequent_tokens(dataset, size: int, always: set[int], vocab_size: int = 0) -> torch.Tensor:
     """``size`` token ids, sorted: ``always`` and then the most frequent assistant tokens of ``dataset``."""
     return most_frequent(token_counts(dataset, vocab_size), size, always)
@@ -80,11 +87,9 @@ class DraftVocabMixin:
 
     def to_full_vocab(self, small: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the full vocabulary from draft-vocabulary logits (``-inf`` elsewhere)."""
-        small = small.float()
         if self.full_vocab:
-            return small
-        full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.draft_vocab, small)
+            return small.float()
+        return scatter_to_vocab(small, self.draft_vocab, self.config.vocab_size)
 
     def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """Positions of full-vocabulary ``tokens`` in the draft vocabulary; -1 where absent."""

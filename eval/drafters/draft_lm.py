@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from draftsmith.eval.drafters.base import DraftContext, Drafter
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder, grow_tree
+from draftsmith.heads.vocab import scatter_to_vocab
 
 
 class DraftVocabLMHead:
@@ -20,16 +21,14 @@ class DraftVocabLMHead:
     with ``-inf`` outside the subset, so drafts never leave it and the draft probabilities the
     verifier sees are exactly the ones sampled from (sampling stays lossless)."""
 
-    def __init__(self, lm_head: torch.nn.Module, token_ids: torch.Tensor, vocab_size: int):
+    def __init__(self, lm_head: torch.nn.Module, token_ids: torch.Tensor):
         self.token_ids = token_ids.to(lm_head.weight.device).long()
+        self.vocab_size = lm_head.weight.shape[0]
         self.weight = lm_head.weight.detach()[self.token_ids]  # gathered once: the head is frozen
         self.bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()[self.token_ids]
-        self.vocab_size = vocab_size
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        small = torch.nn.functional.linear(hidden, self.weight, self.bias).float()
-        full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.token_ids, small)
+        return scatter_to_vocab(torch.nn.functional.linear(hidden, self.weight, self.bias), self.token_ids, self.vocab_size)
 
 
 class DraftLMDrafter(Drafter):
@@ -41,10 +40,7 @@ class DraftLMDrafter(Drafter):
 
     def __init__(self, model: PreTrainedModel, depth: int = 4, top_k: int = 1, budget: int | None = None,
                  name: str = "draft_lm", draft_vocab: torch.Tensor | None = None):
-        lm_head = None
-        if draft_vocab is not None:
-            lm_head = DraftVocabLMHead(model.get_output_embeddings(), draft_vocab,
-                                       model.get_output_embeddings().weight.shape[0])
+        lm_head = None if draft_vocab is None else DraftVocabLMHead(model.get_output_embeddings(), draft_vocab)
         self.runner = CausalLMRunner(model, lm_head=lm_head)
         self.depth, self.top_k = depth, top_k
         self.budget = budget if budget is not None else depth * top_k
