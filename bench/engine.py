@@ -10,20 +10,22 @@ speedup left if verification passes were the only cost. Prints the ratios BENCHM
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import load_prompts
+from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.eval.pass_cost import measure_pass_cost
 from draftsmith.eval.run import main as run_eval
 from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.precision import DTYPE_CHOICES
 from draftsmith.target import load_target
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16")
+@report_user_errors
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--oracle-tokens", type=int, default=8)
@@ -31,7 +33,7 @@ def main() -> None:
     parser.add_argument("--extra", action="append", default=[], help="more drafter specs to include")
     parser.add_argument("--draft-lm", default="draft_lm?layers=4&depth=3", help="draft LM spec (also HF's assistant)")
     parser.add_argument("--out", default="results/engine")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     k = args.oracle_tokens
     summary = run_eval([
         "--dtype", args.dtype, "--bench", "mt_bench", "--limit", str(args.limit),

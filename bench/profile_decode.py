@@ -5,25 +5,27 @@
 
 from __future__ import annotations
 
-import argparse
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import load_prompts
+from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters import build_drafter
+from draftsmith.precision import DTYPE_CHOICES
 from draftsmith.target import load_target
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@report_user_errors
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafter", default="prompt_lookup")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=0, help="MT-bench question index")
     parser.add_argument("--rows", type=int, default=15)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model, tokenizer = load_target("default", args.dtype)
     drafter = build_drafter(args.drafter, model) if args.drafter != "none" else None
     decoder = SpeculativeDecoder(model, drafter, tokenizer)

@@ -8,17 +8,39 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from draftsmith.errors import UserError
+
 T = TypeVar("T")
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe (or an override) that does not match its schema."""
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML with 1.2 booleans: only true/false are booleans, so ``mixed_precision: no`` (a
+    string field) stays the string ``"no"``; bool fields still accept yes/no/on/off."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_BOOL_WORDS = {"yes": True, "on": True, "y": True, "no": False, "off": False, "n": False}
+
+
+def read_yaml(text: str):
+    """Parse YAML text with 1.2 booleans (see :class:`_Yaml12Loader`)."""
+    return yaml.load(text, Loader=_Yaml12Loader)
 
 
 def _describe(tp: Any) -> str:
@@ -66,6 +88,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if value is not None:
             raise RecipeError(f"{where}: expected null, got {value!r}")
         return None
+    if tp is bool and isinstance(value, str) and value.lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[value.lower()]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):
@@ -136,7 +160,7 @@ def parse_overrides(args: list[str]) -> dict:
         if "=" not in arg:
             raise RecipeError(f"override {arg!r} must look like key.path=value or --key.path value")
         key, raw = arg.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = read_yaml(raw) if raw != "" else ""
         node = nested
         parts = key.replace("-", "_").split(".")
         for part in parts[:-1]:
@@ -174,7 +198,7 @@ def load_recipe(
         if not path.is_file():
             raise RecipeError(f"recipe {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = read_yaml(path.read_text()) or {}
         except yaml.YAMLError as err:
             raise RecipeError(f"{path}: not valid YAML: {err}") from None
         if not isinstance(data, dict):
@@ -202,3 +226,53 @@ def dump_recipe(obj: Any, path: str | Path) -> None:
 __all__ = [
     "RecipeError", "from_dict", "to_dict", "parse_overrides", "merge", "load_recipe", "dump_recipe",
 ]
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """One-line docs of a config dataclass's fields: the trailing ``# comment`` of each field's line
+    in the class body (the schema is documented once, where it is defined), inherited ones included."""
+    import inspect
+
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        try:
+            lines, _ = inspect.getsourcelines(klass)
+        except (OSError, TypeError):
+            continue
+        for line in lines:
+            match = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.+)$", line)
+            if match:
+                docs[match.group(1)] = match.group(2).strip()
+    return docs
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        if dataclasses.is_dataclass(value):
+            return ""
+    else:
+        return "(required)"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return value or "''"
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def schema_help(cls: type, prefix: str = "") -> str:
+    """Every field of config dataclass ``cls`` as ``section.field  type  default  doc`` lines."""
+    hints = get_type_hints(cls)
+    docs = field_docs(cls)
+    lines = []
+    for f in dataclasses.fields(cls):
+        key, tp = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            title = (tp.__doc__ or "").strip().splitlines()[0] if tp.__doc__ else ""
+            lines.append(f"\n{key}:  {title}")
+            lines.append(schema_help(tp, f"{key}."))
+            continue
+        lines.append(f"  {key} = {_default_text(f)}  [{_describe(tp)}]  {docs.get(f.name, '')}".rstrip())
+    return "\n".join(lines)

@@ -15,7 +15,7 @@ class TargetConfig:
     """The frozen model the drafter is trained for and verified by."""
 
     name: str = "default"  # "default" (bundled SmolLM2-135M-Instruct), hub id, local folder or .gguf
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPUs and on CPUs where a measured bf16 matmul is faster, else fp32
     chat_template: Optional[str] = None  # a .jinja file or template text, for targets that ship none
 
 
@@ -23,14 +23,14 @@ class TargetConfig:
 class RegenerateConfig:
     """Self-distillation: the target rewrites the assistant turns before tokenising (resumable)."""
 
-    enabled: bool = False
-    max_new_tokens: int = 512
+    enabled: bool = False  # rewrite the data's assistant replies with the target before training
+    max_new_tokens: int = 512  # longest rewritten reply, in tokens
     max_turns: Optional[int] = 1  # assistant turns rewritten per conversation (None: all; later ones are dropped)
     temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    batch_size: int = 16
+    top_p: float = 1.0  # nucleus sampling when temperature > 0 (1.0: off)
+    batch_size: int = 16  # conversations per generate call
     max_prompt_tokens: Optional[int] = None  # longer first prompts are left out (counted); None: data.max_length
-    seed: Optional[int] = 0
+    seed: Optional[int] = 0  # sampling seed (null: unseeded)
     output: Optional[str] = None  # JSONL file; default: under the draftsmith cache, keyed by its inputs
 
     def validate(self) -> None:
@@ -67,32 +67,32 @@ class DataConfig:
 class DrafterConfig:
     """Drafter-specific settings; each drafter kind extends this section."""
 
-    kind: str = "none"
+    kind: str = "none"  # the drafter kind this recipe trains (set by the entry script)
 
 
 @dataclass
 class TrainingConfig:
     """Optimisation, schedule, checkpointing."""
 
-    output_dir: str = "runs/default"
-    seed: int = 0
-    learning_rate: float = 3e-5
-    weight_decay: float = 0.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    max_grad_norm: float = 0.5
-    warmup_steps: int = 0
+    output_dir: str = "runs/default"  # checkpoints, recipe copy and W&B files (--output_dir for short)
+    seed: int = 0  # data order, initialisation and sampling
+    learning_rate: float = 3e-5  # peak AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
+    max_grad_norm: float = 0.5  # gradient clipping norm
+    warmup_steps: int = 0  # linear warm-up, in optimiser steps
     max_steps: Optional[int] = None  # optimiser steps; None means num_epochs over the data
-    num_epochs: int = 1
+    num_epochs: int = 1  # passes over the training set when max_steps is null
     batch_size: int = 1  # per device, in sequences
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = 1  # micro-batches per optimiser step
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"  # after warm-up
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # Accelerate autocast; auto: bf16 when target.dtype resolves to bf16
     num_workers: int = 0  # DataLoader workers
     stop_after_steps: Optional[int] = None  # end this invocation early (time-sliced jobs); resume later
-    log_every: int = 10
+    log_every: int = 10  # optimiser steps between logged training metrics
     eval_every: int = 0  # 0: only at the end
     save_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # numbered checkpoints kept (older ones are deleted; 0: keep all)
 
     def validate(self) -> None:
         if self.learning_rate <= 0:
@@ -110,19 +110,19 @@ class TrainingConfig:
 class DistributedConfig:
     """How Accelerate spreads the run; the training script builds the DeepSpeed plugin from it."""
 
-    backend: Literal["ddp", "deepspeed"] = "ddp"
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    offload_optimizer: bool = False
-    offload_params: bool = False
+    backend: Literal["ddp", "deepspeed"] = "ddp"  # DDP (or one process) through Accelerate, or DeepSpeed ZeRO
+    zero_stage: Literal[0, 1, 2, 3] = 2  # DeepSpeed ZeRO stage
+    offload_optimizer: bool = False  # DeepSpeed: optimiser states on the CPU
+    offload_params: bool = False  # DeepSpeed ZeRO-3: parameters on the CPU
 
 
 @dataclass
 class TrackingConfig:
     """Experiment tracking through Accelerate's trackers."""
 
-    report_to: Literal["wandb", "none"] = "wandb"
-    project: str = "draftsmith"
-    run_name: Optional[str] = None
+    report_to: Literal["wandb", "none"] = "wandb"  # tracker (none: console only)
+    project: str = "draftsmith"  # W&B project
+    run_name: Optional[str] = None  # W&B run name (null: W&B picks one)
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: offline without a key
 
 
@@ -131,9 +131,9 @@ class EvalConfig:
     """Acceptance measurement with the shared decoding engine."""
 
     bench: str = "mt_bench"  # "mt_bench" or a .jsonl prompt file
-    limit: Optional[int] = None
-    max_new_tokens: int = 256
-    temperature: float = 0.0
+    limit: Optional[int] = None  # first N prompts (null: all)
+    max_new_tokens: int = 256  # tokens generated per prompt
+    temperature: float = 0.0  # 0: greedy
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:

@@ -17,25 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.assets import asset_path, cache_root
+from draftsmith.errors import UserError
+from draftsmith.hub import check_hub_id
+from draftsmith.precision import resolve_dtype
 
 DEFAULT_TARGET = "default"
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Turn ``"bf16"``/``"bfloat16"``/``torch.bfloat16`` and friends into a ``torch.dtype``."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def default_device() -> torch.device:
@@ -74,19 +60,21 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         raise
 
 
-def resolve_target(name_or_path: str) -> str:
+def resolve_target(name_or_path: str, field: str = "target") -> str:
     """Where to load ``name_or_path`` from with ``from_pretrained``: a local folder or a hub id.
 
     ``default`` is the bundled SmolLM2-135M-Instruct; a ``.gguf`` path is converted once to a
-    cached safetensors folder; a local folder is used as is; anything else is a hub id.
+    cached safetensors folder; a local folder is used as is; anything else is a hub id, checked
+    once for access (:func:`~draftsmith.hub.check_hub_id`; ``field`` names the setting in errors).
     """
     if name_or_path == DEFAULT_TARGET:
         gguf = asset_path("smollm2")
     elif name_or_path.endswith(".gguf"):
         gguf = Path(name_or_path)
         if not gguf.is_file():
-            raise FileNotFoundError(f"GGUF target {name_or_path!r} does not exist")
+            raise UserError(f"{field}: GGUF file {name_or_path} does not exist")
     else:
+        check_hub_id(name_or_path, field)
         return name_or_path
     out_dir = _gguf_cache_dir(gguf)
     if not (out_dir / "model.safetensors").is_file():
@@ -94,13 +82,18 @@ def resolve_target(name_or_path: str) -> str:
     return str(out_dir)
 
 
-def load_tokenizer(name_or_path: str = DEFAULT_TARGET, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str = DEFAULT_TARGET, chat_template: str | None = None,
+                   field: str = "target") -> PreTrainedTokenizerBase:
     """The tokenizer of a target (same names as :func:`load_target`).
 
     ``chat_template``: a Jinja file or template text replacing the tokenizer's own (for models
     that ship none, e.g. Vicuna).
     """
-    tokenizer = AutoTokenizer.from_pretrained(resolve_target(name_or_path))
+    return _tokenizer_from(resolve_target(name_or_path, field), chat_template)
+
+
+def _tokenizer_from(source: str, chat_template: str | None) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if chat_template:
@@ -111,24 +104,29 @@ def load_tokenizer(name_or_path: str = DEFAULT_TARGET, chat_template: str | None
 
 def load_target(
     name_or_path: str = DEFAULT_TARGET,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     chat_template: str | None = None,
+    field: str = "target",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a frozen target model in eval mode and its tokenizer.
 
     Args:
         name_or_path: ``default`` (bundled SmolLM2-135M-Instruct), a hub id, a local Hugging Face
             folder, or a ``.gguf`` file.
-        dtype: ``float32``, ``bfloat16`` or ``float16`` (or a ``torch.dtype``).
+        dtype: ``auto`` (bf16 where it is fast on the device, else fp32; see
+            :func:`~draftsmith.precision.resolve_dtype`), ``float32``, ``bfloat16`` or ``float16``
+            (or a ``torch.dtype``).
         device: where to put the model; the first accelerator by default.
         chat_template: replaces the tokenizer's chat template (see :func:`load_tokenizer`).
+        field: the setting that named the target, for error messages (``target.name``, ``--target``).
     """
-    source = resolve_target(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=parse_dtype(dtype))
-    model.to(device if device is not None else default_device())
+    source = resolve_target(name_or_path, field)
+    device = torch.device(device) if device is not None else default_device()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device))
+    model.to(device)
     model.eval().requires_grad_(False)
-    return model, load_tokenizer(name_or_path, chat_template)
+    return model, _tokenizer_from(source, chat_template)
 
 
 def merge_adapter(target: PreTrainedModel, adapter: str | Path) -> PreTrainedModel:
@@ -138,6 +136,6 @@ def merge_adapter(target: PreTrainedModel, adapter: str | Path) -> PreTrainedMod
     from peft import PeftModel
 
     if not (Path(adapter) / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"{adapter} holds no LoRA adapter (adapter_config.json)")
+        raise UserError(f"{adapter} holds no LoRA adapter (adapter_config.json)")
     merged = PeftModel.from_pretrained(copy.deepcopy(target), str(adapter)).merge_and_unload()
     return merged.eval().requires_grad_(False)

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from draftsmith.assets import asset_path, cache_root
 from draftsmith.data_prep.chat import tokenize_conversation
-from draftsmith.data_prep.sharegpt import BUNDLED, load_conversations
+from draftsmith.data_prep.sharegpt import BUNDLED, DataError, load_conversations
 from draftsmith.recipe import DataConfig
 
 FORMAT_VERSION = 1
@@ -103,6 +103,12 @@ def _tokenize(conversations: list[dict], tokenizer, cfg: DataConfig) -> tuple[da
         summary.tokens[split] = sum(len(r["input_ids"]) for r in items)
         summary.assistant_tokens[split] = sum(sum(r["loss_mask"]) for r in items)
     summary.dropped = dict(dropped)
+    if not rows[TRAIN]:
+        kept = f"{len(rows[HELD_OUT])} held out, " if rows[HELD_OUT] else ""
+        raise DataError(f"{cfg.path}: no training conversation left after tokenising {len(conversations)} "
+                        f"({kept}{dropped['no_assistant_tokens_within_max_length']} with no assistant token "
+                        f"within data.max_length={cfg.max_length}); raise data.max_length or data.limit, "
+                        "or lower data.held_out_fraction")
     return dataset, summary
 
 

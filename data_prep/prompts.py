@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.assets import asset_path
+from draftsmith.data_prep.sharegpt import DataError
 
 MT_BENCH = "mt_bench"
 
@@ -29,7 +30,7 @@ def load_prompts(bench: str = MT_BENCH, limit: int | None = None, per_category: 
     category (in file order), then the first ``limit`` of those."""
     path = asset_path(MT_BENCH) if bench == MT_BENCH else Path(bench)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt set {bench!r} is neither 'mt_bench' nor an existing .jsonl file")
+        raise DataError(f"prompt set {bench!r} is neither 'mt_bench' nor an existing .jsonl file")
     prompts = []
     with path.open(encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, start=1):
@@ -39,12 +40,12 @@ def load_prompts(bench: str = MT_BENCH, limit: int | None = None, per_category: 
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+                raise DataError(f"{where}: not valid JSON ({err.msg})") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected an object with 'turns' or 'prompt'")
+                raise DataError(f"{where}: expected an object with 'turns' or 'prompt'")
             turns = record.get("turns", [record["prompt"]] if "prompt" in record else None)
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-                raise ValueError(f"{where}: 'turns' must be a non-empty list of non-empty strings "
+                raise DataError(f"{where}: 'turns' must be a non-empty list of non-empty strings "
                                  "(or give one 'prompt' string)")
             prompt_id = str(record.get("question_id", record.get("id", lineno)))
             prompts.append(Prompt(id=prompt_id, turns=turns, category=str(record.get("category", "all"))))

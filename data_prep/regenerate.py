@@ -14,7 +14,6 @@ conversations already in the file and first cuts off a half-written last line.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -28,6 +27,8 @@ from draftsmith.assets import cache_root
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.dataset import _source_identity, _tokenizer_identity
 from draftsmith.data_prep.sharegpt import load_conversations
+from draftsmith.errors import ArgumentParser, report_user_errors
+from draftsmith.precision import DTYPE_CHOICES
 from draftsmith.recipe import DataConfig, RegenerateConfig
 from draftsmith.target import load_target
 
@@ -145,10 +146,11 @@ def prepare_data_config(data: DataConfig, target, target_name: str, tokenizer) -
     return replace(data, path=str(path), split="train")
 
 
+@report_user_errors
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="default")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32")
     parser.add_argument("--data", default="sharegpt", help="'sharegpt' (bundled), a .json/.jsonl file or a hub id")
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=RegenerateConfig.max_new_tokens)

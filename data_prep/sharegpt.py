@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from draftsmith.assets import asset_path
+from draftsmith.errors import UserError
+from draftsmith.hub import check_hub_id
 
 ROLE_ALIASES = {
     "human": "user", "user": "user",
@@ -25,7 +27,7 @@ ROLE_ALIASES = {
 BUNDLED = "sharegpt"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset that cannot be read at all (as opposed to individual bad records)."""
 
 
@@ -46,6 +48,10 @@ class LoadSummary:
         ids = self.examples.setdefault(reason, [])
         if len(ids) < 3:
             ids.append(record_id)
+
+    def reasons(self) -> str:
+        """The drop reasons and their counts on one line, most frequent first."""
+        return ", ".join(f"{n} dropped as {reason}" for reason, n in self.dropped.most_common())
 
     def __str__(self) -> str:
         lines = [f"{self.source}: {self.records} records read, {self.kept} conversations kept"]
@@ -160,7 +166,11 @@ def _raw_records(source: str, split: str, summary: LoadSummary) -> Iterable[tupl
         raise DataError(f"dataset file {source} does not exist or is not a file")
     import datasets  # a hub id
 
-    return enumerate(datasets.load_dataset(source, split=split))
+    check_hub_id(source, "data.path", "dataset")
+    try:
+        return enumerate(datasets.load_dataset(source, split=split))
+    except ValueError as err:  # e.g. an unknown split
+        raise DataError(f"data.path {source} (split {split!r}): {err}") from None
 
 
 def load_conversations(
@@ -193,4 +203,8 @@ def load_conversations(
     summary.kept = len(kept)
     if verbose:
         print(summary)
+    if not kept:
+        raise DataError(f"{summary.source}: no usable conversation in {summary.records} complete records "
+                        f"({summary.reasons() or 'the source is empty'}); give a file of ShareGPT-style records "
+                        "('conversations': [{'from', 'value'}] or 'messages': [{'role', 'content'}])")
     return kept, summary

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import Prompt
+from draftsmith.errors import UsageError
 from draftsmith.eval.decode import Generation, SpeculativeDecoder, eos_token_ids
 from draftsmith.eval.drafters.base import Drafter
 from draftsmith.eval.sampling import SamplingConfig
@@ -90,7 +91,7 @@ def run_bench(
     decoders = {BASELINE: SpeculativeDecoder(target, None, tokenizer, sampling, eos)}
     for drafter in drafters:
         if drafter.name in decoders or drafter.name in HF_BASELINES:
-            raise ValueError(f"two methods are named {drafter.name!r}; give one a name= option")
+            raise UsageError(f"two methods are named {drafter.name!r}; give one a name= option")
         # A drafter trained jointly with its own copy of the target (Medusa-2) is verified by that
         # copy; its cost per pass is the target's, so plain decoding stays the baseline.
         verifier = drafter.verifier or target
@@ -99,7 +100,7 @@ def run_bench(
                  if name in hf_baselines}
     if "hf_assisted" in hf_baselines:
         if not assistants:
-            raise ValueError("the hf_assisted baseline needs an assistant (a draft_lm drafter)")
+            raise UsageError("--hf-baseline hf_assisted needs an assistant (a draft_lm drafter)")
         for name, (model, length) in assistants.items():
             model.generation_config.num_assistant_tokens = length
             model.generation_config.num_assistant_tokens_schedule = "constant"

@@ -15,7 +15,6 @@ drafter then uses by default.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from dataclasses import replace
@@ -29,10 +28,12 @@ from torch.utils.data import DataLoader
 from draftsmith.config import load_recipe
 from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.regenerate import prepare_data_config
+from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.eval.pass_cost import measure_pass_cost
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.eval.tree import expected_acceptance, optimal_choices
 from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, rank_accuracy
+from draftsmith.precision import DTYPE_CHOICES, dtype_name
 from draftsmith.target import load_target, merge_adapter
 from draftsmith.train.loop import pad_batch
 from draftsmith.train.medusa import MedusaRecipe, MedusaTask
@@ -82,11 +83,12 @@ def calibrate(rank_acc: list[list[float]], costs: dict[int, float], draft_cost: 
     return curve
 
 
+@report_user_errors
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a Medusa checkpoint folder")
     parser.add_argument("--target", default=None, help="default: the target named in the checkpoint's recipe")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32")
     parser.add_argument("--device", default=None)
     parser.add_argument("--limit", type=int, default=None, help="held-out conversations to measure accuracy on")
     parser.add_argument("--max-budget", type=int, default=64, help="largest tree (nodes) considered")
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"held-out top-k accuracy per head ({len(held_out)} conversations):")
     for k, row in enumerate(accuracy):
         print(f"  head {k + 1}: top-1 {row[0]:.3f}  top-5 {row[4]:.3f}  top-10 {row[9]:.3f}")
-    print(f"\nverification pass cost on {next(verifier.parameters()).device} ({args.dtype}), draft step {draft_cost * 1e3:.2f} ms")
+    print(f"\nverification pass cost on {next(verifier.parameters()).device} ({dtype_name(next(verifier.parameters()).dtype)}), draft step {draft_cost * 1e3:.2f} ms")
     print("| tokens | ms per pass | x single-token pass |\n|---|---|---|")
     for n, seconds in costs.items():
         print(f"| {n} | {seconds * 1e3:.1f} | {seconds / costs[1]:.2f} |")
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         "budget": best["budget"],
         "expected_acceptance": round(best["expected_acceptance"], 4),
         "estimated_speedup": round(best["estimated_speedup"], 4),
-        "measured_on": {"device": str(next(verifier.parameters()).device), "dtype": args.dtype,
+        "measured_on": {"device": str(next(verifier.parameters()).device), "dtype": dtype_name(next(verifier.parameters()).dtype),
                         "torch_threads": torch.get_num_threads()},
         "head_accuracy": [[round(v, 4) for v in row] for row in accuracy],
         "pass_cost_ms": {n: round(s * 1e3, 3) for n, s in costs.items()},

@@ -8,13 +8,14 @@ settings: on a small CPU a 64-token pass costs several single-token passes.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.eval.runner import CausalLMRunner, tree_rows
+from draftsmith.precision import DTYPE_CHOICES
 from draftsmith.target import load_target
 
 
@@ -46,10 +47,11 @@ def ceiling_speedup(costs: dict[int, float], tokens_per_pass: int) -> float:
     return tokens_per_pass * costs[1] / costs[tokens_per_pass]
 
 
+@report_user_errors
 def main(argv: list[str] | None = None) -> dict[int, float]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="default")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32")
     parser.add_argument("--device", default=None)
     parser.add_argument("--prefix", type=int, default=200)
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64")

@@ -17,18 +17,21 @@ import sys
 import torch
 
 from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
+from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
 from draftsmith.eval.bench import HF_BASELINES, run_bench
-from draftsmith.eval.drafters import build_drafter, parse_spec
+from draftsmith.eval.drafters import build_drafter, kinds_help, parse_spec
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
 from draftsmith.eval.report import markdown_table, write_results
 from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.precision import DTYPE_CHOICES, dtype_name
 from draftsmith.target import load_target
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=kinds_help())
     parser.add_argument("--target", default="default", help="'default' (bundled SmolLM2-135M-Instruct), hub id, folder or .gguf")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="auto: bf16 where it is fast on this device (measured), else fp32")
     parser.add_argument("--chat-template", default=None, help="Jinja file or text, for targets that ship none (e.g. Vicuna)")
     parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: the first accelerator)")
     parser.add_argument("--drafter", action="append", default=[], metavar="SPEC",
@@ -36,13 +39,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--bench", default=MT_BENCH, help="'mt_bench' (bundled, 80 questions)")
     source.add_argument("--prompts", help="JSONL prompt set: a 'turns' list or a 'prompt' string per line")
-    parser.add_argument("--limit", type=int, default=None, help="first N prompts")
-    parser.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
-    parser.add_argument("--turns", type=int, default=1, help="turns per prompt (MT-bench has 2; turn 2 follows turn 1's answer)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--limit", type=at_least(1), default=None, help="first N prompts")
+    parser.add_argument("--per-category", type=at_least(1), default=None, help="first N prompts of each category")
+    parser.add_argument("--turns", type=at_least(1), default=1, help="turns per prompt (MT-bench has 2; turn 2 follows turn 1's answer)")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0: off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-baseline", action="append", default=[], choices=HF_BASELINES,
                         help="also time Hugging Face generate: plain, prompt lookup (10 tokens), assisted "
@@ -54,21 +57,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.drafter:
         parser.error("give at least one --drafter (e.g. --drafter prompt_lookup)")
+    try:
+        args.sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    except ValueError as err:
+        parser.error(f"--{str(err).replace('_', '-')}")
     return args
 
 
+@report_user_errors
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    # Everything the user typed is checked before the target loads: a typo should not cost a model load.
     specs = [parse_spec(s) for s in args.drafter]
     draft_lms = [s.name for s in specs if s.kind == "draft_lm"]
     unknown = sorted(set(args.hf_assistant) - set(draft_lms))
-    if unknown:  # before the target loads: a typo should not cost a model load
-        raise SystemExit(f"--hf-assistant {', '.join(unknown)}: no draft_lm drafter of that name "
+    if unknown:
+        raise UsageError(f"--hf-assistant {', '.join(unknown)}: no draft_lm drafter of that name "
                          f"(draft_lm drafters: {', '.join(draft_lms) or 'none'})")
-    target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template)
-    drafters = [build_drafter(spec, target) for spec in specs]
     prompts = load_prompts(args.prompts or args.bench, args.limit, args.per_category)
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if not prompts:
+        raise UsageError(f"{args.prompts or args.bench}: no prompts to run")
+    short = [p.id for p in prompts if len(p.turns) < args.turns]
+    if short:
+        raise UsageError(f"--turns {args.turns}: {len(short)} prompt(s) have fewer turns (e.g. id {short[0]}); "
+                         f"lower --turns")
+    target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template, field="--target")
+    drafters = [build_drafter(spec, target) for spec in specs]
+    sampling = args.sampling
     assistants = {d.name: (d.runner.model, d.depth) for d in drafters if isinstance(d, DraftLMDrafter)}
     if args.hf_assistant:
         assistants = {name: assistants[name] for name in args.hf_assistant}
@@ -76,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
                      tuple(args.hf_baseline), assistants, args.seed)
     meta = {
         "argv": sys.argv if argv is None else ["eval/run.py", *argv],
-        "target": args.target, "dtype": args.dtype, "device": str(next(target.parameters()).device),
+        "target": args.target, "dtype": dtype_name(next(target.parameters()).dtype),
+        "device": str(next(target.parameters()).device),
         "bench": args.prompts or args.bench, "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "turns": args.turns,
         "drafters": args.drafter, "torch": torch.__version__, "machine": platform.machine(),
@@ -85,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     summary = write_results(runs, args.out, meta)
     print(f"\n{len(prompts)} prompts x {args.turns} turn(s), {args.max_new_tokens} new tokens, "
-          f"temperature {args.temperature}, target {args.target} ({args.dtype})\n")
+          f"temperature {args.temperature}, target {args.target} ({meta['dtype']})\n")
     print(markdown_table(summary))
     for drafter in drafters:
         if drafter.verifier_label:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from draftsmith.errors import UsageError
 ROOT = -1
 
 
@@ -135,20 +136,20 @@ def load_choices(source: str | list) -> list[tuple[int, ...]]:
     if isinstance(source, str):
         path = Path(source)
         if path.suffix in (".json", ".yaml", ".yml") and not path.is_file():
-            raise FileNotFoundError(f"tree choices file {source} does not exist")
+            raise UsageError(f"tree choices file {source} does not exist")
         # JSON is YAML, and so is the Python-literal style Medusa repos use.
         source = yaml.safe_load(path.read_text() if path.is_file() else source)
         if isinstance(source, dict) and "choices" in source:
             source = source["choices"]
         if not isinstance(source, list):
-            raise ValueError(f"tree choices must be a list of lists of ranks, got {type(source).__name__}")
+            raise UsageError(f"tree choices must be a list of lists of ranks, got {type(source).__name__}")
     choices = sorted({tuple(int(r) for r in c) for c in source}, key=lambda c: (len(c), c))
     present = set(choices)
     for choice in choices:
         if not choice or any(r < 0 for r in choice):
-            raise ValueError(f"tree choice {list(choice)} must be a non-empty list of ranks >= 0")
+            raise UsageError(f"tree choice {list(choice)} must be a non-empty list of ranks >= 0")
         if len(choice) > 1 and choice[:-1] not in present:
-            raise ValueError(f"tree choice {list(choice)} has no parent {list(choice[:-1])} in the choices")
+            raise UsageError(f"tree choice {list(choice)} has no parent {list(choice[:-1])} in the choices")
     return choices
 
 

@@ -11,8 +11,10 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
+from draftsmith.errors import CheckpointError
 
-class TargetMismatchError(ValueError):
+
+class TargetMismatchError(CheckpointError):
     """A drafter checkpoint loaded against a target it was not trained for."""
 
 
@@ -70,9 +72,11 @@ def read_config(path: str | Path, kind: str) -> dict:
     """The ``config.json`` of a drafter checkpoint folder, checked to be of ``kind``."""
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(f"{path} is not a drafter checkpoint: no config.json")
+        raise CheckpointError(f"{path} is not a drafter checkpoint: it has no config.json (give a checkpoint-N "
+                              "or checkpoint-final folder written by training)")
     config = json.loads(file.read_text())
     if config.get("draftsmith_kind") != kind:
-        raise ValueError(f"{path} holds a {config.get('draftsmith_kind')!r} drafter, not {kind!r}")
+        raise CheckpointError(f"{path} holds a {config.get('draftsmith_kind')!r} drafter, not {kind!r}: "
+                              f"use the drafter kind that trained it ({config.get('draftsmith_kind')}:PATH)")
     return config
 

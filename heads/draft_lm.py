@@ -16,7 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from draftsmith.errors import CheckpointError, UsageError
 from draftsmith.heads.vocab import most_frequent
+from draftsmith.hub import check_hub_id
 
 TOKEN_COUNTS = "token_counts.safetensors"
 
@@ -53,6 +55,7 @@ def derive_draft_lm(target: PreTrainedModel, num_layers: int | None = None,
 
 def load_draft_lm(name_or_path: str, dtype: torch.dtype, device: torch.device | str) -> PreTrainedModel:
     """A draft LM from a hub id or local folder, frozen, in eval mode."""
+    check_hub_id(name_or_path, "draft_lm:PATH")
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     return model.to(device).eval().requires_grad_(False)
 
@@ -70,10 +73,11 @@ def student_for(target: PreTrainedModel, source: str | None = None, num_layers: 
     of token ids.
     """
     if source:
+        check_hub_id(source, "drafter.student")
         student = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(next(target.parameters()).device)
         want, got = target.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0]
         if want != got:
-            raise ValueError(f"student {source!r} has a vocabulary of {got} tokens but the target has {want}: "
+            raise CheckpointError(f"drafter.student: {source!r} has a vocabulary of {got} tokens but the target has {want}: "
                              "a draft LM must share the target's tokenizer")
     else:
         student = derive_draft_lm(target, num_layers=num_layers, layers=layers)
@@ -111,14 +115,14 @@ def draft_vocab_from_counts(path: str | Path, size: int, model: PreTrainedModel)
     end-of-sequence tokens always included, so drafts can still stop)."""
     counts_file = Path(path) / TOKEN_COUNTS
     if not counts_file.is_file():
-        raise ValueError(f"{path} has no {TOKEN_COUNTS} (written by train/distill.py): a reduced draft "
+        raise CheckpointError(f"{path} has no {TOKEN_COUNTS} (written by train/distill.py): a reduced draft "
                          "vocabulary needs the training responses' token counts; leave out vocab=")
     counts = load_file(counts_file)["counts"]
     vocab = model.get_output_embeddings().weight.shape[0]
     if counts.numel() != vocab:
-        raise ValueError(f"{counts_file} counts {counts.numel()} token ids but the draft LM's vocabulary has {vocab}")
+        raise CheckpointError(f"{counts_file} counts {counts.numel()} token ids but the draft LM's vocabulary has {vocab}")
     if not 0 < size <= vocab:
-        raise ValueError(f"vocab={size}: give a draft vocabulary size in [1, {vocab}]")
+        raise UsageError(f"draft_lm option vocab={size}: give a draft vocabulary size in [1, {vocab}]")
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     eos = model.config.eos_token_id if eos is None else eos
     always = {eos} if isinstance(eos, int) else set(eos or [])

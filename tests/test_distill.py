@@ -37,7 +37,8 @@ Q = torch.tensor([[0.25, 0.75]])
     ("tvd", 0.25),
 ])
 def test_divergence_matches_hand_computed_value(name, expected):
-    assert divergence(name, P.log(), Q.log()).item() == pytest.approx(expected, rel=1e-6)
+    # fp32 arithmetic: ~1e-6 relative error depends on the CPU's kernels (seen 1.07e-6 for jsd).
+    assert divergence(name, P.log(), Q.log()).item() == pytest.approx(expected, rel=1e-5)
     # Logits are only defined up to a constant per row.
     assert divergence(name, P.log() + 3.0, Q.log() - 1.0).item() == pytest.approx(expected, rel=1e-5)
 

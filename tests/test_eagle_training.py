@@ -22,9 +22,9 @@ import yaml
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from cli_helpers import assert_user_error
 from training_helpers import EOS, VOCAB, launch, save_tiny_target, write_recipe
 
-from draftsmith.config import RecipeError
 from draftsmith.heads.common import TargetMismatchError
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.vocab import frequent_tokens
@@ -200,23 +200,22 @@ def test_trained_head_drafts_losslessly_for_its_target(six_steps):
 # Recipe errors fail before anything loads
 
 
-def test_misspelled_override_names_the_key(recipe, tmp_path):
-    with pytest.raises(RecipeError, match=r"unknown key drafter\.num_layer \(did you mean 'drafter\.num_layers'\?\)"):
-        train(recipe, tmp_path / "run", "--drafter.num_layer", "2")
-    with pytest.raises(RecipeError, match=r"drafter\.features: expected one of 'online' \| 'offline', got 3"):
-        train(recipe, tmp_path / "run", "--drafter.features", "3")
-    with pytest.raises(RecipeError, match=r"drafter\.num_layers: expected int, got str 'two'"):
-        train(recipe, tmp_path / "run", "--drafter.num_layers", "two")
-    with pytest.raises(RecipeError, match=r"drafter\.num_layers must be >= 1"):
-        train(recipe, tmp_path / "run", "--drafter.num_layers", "0")
+def test_misspelled_override_names_the_key(recipe, tmp_path, capsys):
+    assert_user_error(capsys, r"unknown key drafter\.num_layer \(did you mean 'drafter\.num_layers'\?\)",
+                      train, recipe, tmp_path / "run", "--drafter.num_layer", "2")
+    assert_user_error(capsys, r"drafter\.features: expected one of 'online' \| 'offline', got 3",
+                      train, recipe, tmp_path / "run", "--drafter.features", "3")
+    assert_user_error(capsys, r"drafter\.num_layers: expected int, got str 'two'",
+                      train, recipe, tmp_path / "run", "--drafter.num_layers", "two")
+    assert_user_error(capsys, r"drafter\.num_layers must be >= 1", train, recipe, tmp_path / "run", "--drafter.num_layers", "0")
     assert not (tmp_path / "run").exists()
 
 
-def test_yaml_typo_names_file_and_key(recipe, tmp_path):
+def test_yaml_typo_names_file_and_key(recipe, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text(recipe.read_text().replace("num_layers", "num_layer"))
-    with pytest.raises(RecipeError, match=r"bad\.yaml: unknown key drafter\.num_layer \(did you mean 'drafter\.num_layers'\?\)"):
-        main([str(bad)])
+    assert_user_error(capsys, r"bad\.yaml: unknown key drafter\.num_layer \(did you mean 'drafter\.num_layers'\?\)",
+                      main, [str(bad)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -82,10 +82,12 @@ def test_prompts_per_category_keep_file_order(tmp_path):
     assert [p.id for p in load_prompts("mt_bench", limit=3, per_category=2)] == [p.id for p in two[:3]]
 
 
-def test_hf_assistant_must_name_a_draft_lm_drafter():
-    with pytest.raises(SystemExit, match="--hf-assistant after: no draft_lm drafter of that name"):
+def test_hf_assistant_must_name_a_draft_lm_drafter(capsys):
+    with pytest.raises(SystemExit) as exit_:
         main(["--drafter", "draft_lm?layers=2&name=before", "--drafter", "prompt_lookup",
               "--hf-baseline", "hf_assisted", "--hf-assistant", "after"])
+    assert exit_.value.code == 2
+    assert "--hf-assistant after: no draft_lm drafter of that name" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -5,7 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from draftsmith.assets import asset_path
-from draftsmith.target import load_target, parse_dtype, resolve_target
+from draftsmith.errors import UserError
+from draftsmith.precision import resolve_dtype
+from draftsmith.target import load_target, resolve_target
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +38,6 @@ def test_cached_load_is_a_plain_hf_folder_and_fast(smollm2):
 
 def test_bad_dtype_and_missing_gguf_are_clear():
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
-        parse_dtype("fp8")
-    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        resolve_dtype("fp8")
+    with pytest.raises(UserError, match="nope.gguf"):
         resolve_target("/nonexistent/nope.gguf")

@@ -55,10 +55,11 @@ def write_recipe(root: Path, target: Path, drafter: dict, data: dict | None = No
     """A tiny recipe file under ``root``: 8 conversations of at most 128 tokens, batch 2, no tracker;
     ``data`` and ``training`` entries override those defaults."""
     recipe = {
-        "target": {"name": str(target)},
+        "target": {"name": str(target), "dtype": "float32"},  # exact comparisons, whatever this CPU's bf16
         "data": {"limit": 8, "max_length": 128, "held_out_fraction": 0.1, "cache_dir": str(root / "data"), **(data or {})},
         "drafter": drafter,
-        "training": {"output_dir": str(root / "unused"), "batch_size": 2, "warmup_steps": 1, **training},
+        "training": {"output_dir": str(root / "unused"), "batch_size": 2, "warmup_steps": 1, "mixed_precision": "no",
+                     **training},
         "tracking": {"report_to": "none"},
     }
     path = root / "recipe.yaml"

@@ -2,27 +2,45 @@
 
 from __future__ import annotations
 
-import argparse
+from draftsmith.config import load_recipe, schema_help
+from draftsmith.errors import ArgumentParser, report_user_errors
+from draftsmith.precision import dtype_name, mixed_precision_for, resolve_dtype
+from draftsmith.recipe import OVERRIDE_ALIASES, Recipe
 
-from draftsmith.config import load_recipe
-from draftsmith.recipe import OVERRIDE_ALIASES
+
+def resolve_precision(recipe: Recipe) -> None:
+    """Replace ``auto`` in ``target.dtype`` and ``training.mixed_precision`` by what this machine
+    runs fastest (so the saved recipe records the concrete choice)."""
+    from draftsmith.target import default_device
+
+    if recipe.target.dtype == "auto":
+        recipe.target.dtype = dtype_name(resolve_dtype("auto", default_device()))
+    if recipe.training.mixed_precision == "auto":
+        recipe.training.mixed_precision = mixed_precision_for(resolve_dtype(recipe.target.dtype, log=False))
 
 
 def parse_training_args(recipe_class, argv: list[str] | None = None, description: str = ""):
     """``(recipe, resume)`` from the command line; overrides are any ``--section.field value``."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=description, epilog="recipe fields (any of them is a flag: --section.field "
+                            "VALUE; --output_dir DIR is short for --training.output_dir):\n" + schema_help(recipe_class))
     parser.add_argument("recipe", nargs="?", help="YAML recipe (defaults apply where it is silent)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output dir")
     args, overrides = parser.parse_known_args(argv)
-    return load_recipe(recipe_class, args.recipe, overrides, aliases=OVERRIDE_ALIASES), args.resume
+    recipe = load_recipe(recipe_class, args.recipe, overrides, aliases=OVERRIDE_ALIASES)
+    resolve_precision(recipe)
+    return recipe, args.resume
 
 
 def run_training(recipe_class, build, argv: list[str] | None = None, description: str = ""):
     """Parse the command line, ``build(recipe) -> (task, train_set, eval_set)`` and train.
 
     Returns the finished :class:`~draftsmith.train.loop.Trainer` (``.history``, ``.task``,
-    ``.last_checkpoint``).
+    ``.last_checkpoint``). Bad input ends the program with one line on stderr and exit code 2.
     """
+    return report_user_errors(_train)(argv, recipe_class, build, description)
+
+
+def _train(argv: list[str] | None, recipe_class, build, description: str):
     from draftsmith.train.loop import Trainer
 
     recipe, resume = parse_training_args(recipe_class, argv, description)
@@ -40,6 +58,7 @@ def target_and_data(recipe):
     from draftsmith.data_prep.regenerate import prepare_data_config
     from draftsmith.target import load_target
 
-    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
+    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template,
+                                    field="target.name")
     data, _ = build_dataset(prepare_data_config(recipe.data, target, recipe.target.name, tokenizer), tokenizer)
     return target, tokenizer, data

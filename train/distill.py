@@ -38,9 +38,9 @@ from draftsmith.train.loop import Trainer
 class MixtureConfig:
     """Weights of the response sources (normalised): the data's replies, target samples, student samples."""
 
-    fixed: float = 0.0
-    target: float = 0.0
-    student: float = 1.0
+    fixed: float = 0.0  # the data's replies (the target's own with data.regenerate)
+    target: float = 0.0  # replies sampled from the target
+    student: float = 1.0  # replies sampled on-policy from the student
 
     def validate(self) -> None:
         weights = [self.fixed, self.target, self.student]
@@ -56,14 +56,14 @@ class DistillDrafterConfig(DrafterConfig):
     student: Optional[str] = None  # hub id or folder of a causal LM with the target's tokenizer; None: derive
     num_layers: int = 4  # derived student: this many of the target's layers, evenly spaced
     layers: Optional[list[int]] = None  # or exactly these layer indices
-    finetune: Literal["full", "lora"] = "full"
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+    finetune: Literal["full", "lora"] = "full"  # train every student weight, or LoRA adapters (merged on export)
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA alpha
+    lora_dropout: float = 0.0  # LoRA dropout
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",  # modules that get adapters
                                                                      "gate_proj", "up_proj", "down_proj"])
-    divergence: Literal["fkl", "rkl", "jsd", "tvd"] = "fkl"
-    jsd_beta: float = 0.5
+    divergence: Literal["fkl", "rkl", "jsd", "tvd"] = "fkl"  # token-level divergence between target and student
+    jsd_beta: float = 0.5  # generalised JSD mixing weight
     temperature: float = 1.0  # both distributions are taken at this temperature
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
     sample_temperature: float = 1.0  # generating target and student responses (0: greedy)

@@ -29,13 +29,13 @@ class EagleDrafterConfig(DrafterConfig):
     """The EAGLE head and its loss."""
 
     kind: str = "eagle"
-    num_layers: int = 1
-    init: Literal["identity", "random"] = "identity"
+    num_layers: int = 1  # decoder layers of the target's architecture in the head
+    init: Literal["identity", "random"] = "identity"  # identity: the head starts as f_{i+1} = f_i; random: the paper's init
     draft_vocab_size: Optional[int] = None  # None: the full vocabulary; N: the N most frequent assistant tokens
     feature_noise: float = 0.2  # uniform noise amplitude added to input features while training
-    regression_weight: float = 1.0
-    ce_weight: float = 0.1
-    features: Literal["online", "offline"] = "online"
+    regression_weight: float = 1.0  # weight of the Smooth-L1 loss on the next feature
+    ce_weight: float = 0.1  # weight of the soft cross-entropy against the target's next-token distribution
+    features: Literal["online", "offline"] = "online"  # target features computed in each step, or cached on disk first
     features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache)
 
     def validate(self) -> None:

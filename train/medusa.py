@@ -35,16 +35,16 @@ from draftsmith.train.loop import Trainer, pad_batch
 class LoraSettings:
     """Medusa-2: LoRA on the target, trained with the heads."""
 
-    enabled: bool = False
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+    enabled: bool = False  # Medusa-2: train LoRA adapters on the target with the heads
+    r: int = 8  # LoRA rank
+    alpha: int = 16  # LoRA alpha
+    dropout: float = 0.05  # LoRA dropout
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",  # modules that get adapters
                                                                 "gate_proj", "up_proj", "down_proj"])
     learning_rate: float = 5e-5  # the heads use training.learning_rate
     start_step: int = 0  # optimiser steps the heads train alone before the adapters join
-    target_loss: Literal["distill", "lm"] = "distill"
-    target_loss_weight: float = 1.0
+    target_loss: Literal["distill", "lm"] = "distill"  # keeps the tuned target faithful: KL from the frozen target, or LM loss
+    target_loss_weight: float = 1.0  # weight of that loss
 
     def validate(self) -> None:
         if self.r < 1 or self.learning_rate <= 0 or self.start_step < 0 or self.target_loss_weight < 0:
@@ -56,12 +56,12 @@ class MedusaDrafterConfig(DrafterConfig):
     """The Medusa heads and their loss."""
 
     kind: str = "medusa"
-    num_heads: int = 4
+    num_heads: int = 4  # heads; head k predicts the token k+2 positions ahead
     num_layers: int = 1  # residual blocks per head
     lm_head: Literal["shared", "copy"] = "shared"  # the target's LM head by reference, or a trainable copy per head
     draft_vocab_size: Optional[int] = None  # None: the full vocabulary; N: the N most frequent assistant tokens
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
-    features: Literal["online", "offline"] = "online"
+    features: Literal["online", "offline"] = "online"  # target hidden states computed in each step, or cached on disk first
     features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache, shared with EAGLE)
     lora: LoraSettings = field(default_factory=LoraSettings)
 

@@ -4,7 +4,7 @@ A spec is ``KIND[:PATH][?key=value&key=value]``, e.g. ``prompt_lookup``,
 ``prompt_lookup?num_tokens=4&branches=3``, ``draft_lm:HuggingFaceTB/SmolLM2-135M-Instruct?depth=5``,
 ``draft_lm?layers=4`` (a draft cut from the target: 4 evenly spaced layers, or ``layers=0,1,2,29``), ``oracle?num_tokens=8``,
 ``eagle:runs/x/checkpoint-final?depth=5&top_k=3&budget=12``. ``name=`` sets the
-label used in tables.
+label used in tables. :data:`KINDS` documents every kind and option (``eval/run.py --help`` prints it).
 """
 
 from __future__ import annotations
@@ -14,13 +14,63 @@ from urllib.parse import parse_qsl
 
 from transformers import PreTrainedModel
 
+from draftsmith.errors import CheckpointError, UsageError
 from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
 from draftsmith.eval.drafters.oracle import OracleDrafter
 from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.heads.common import read_config
 
-KINDS = ("prompt_lookup", "oracle", "draft_lm", "eagle", "medusa")
+
+@dataclass(frozen=True)
+class KindHelp:
+    """What a drafter kind is, what its ``:PATH`` is, and its ``?options`` as ``name: (default, doc)``."""
+
+    summary: str
+    path: str  # "" when the kind takes no path
+    options: dict[str, tuple[object, str]]
+
+
+KINDS: dict[str, KindHelp] = {
+    "prompt_lookup": KindHelp("n-gram lookup in the prompt and the output so far (training-free)", "", {
+        "num_tokens": (10, "tokens drafted per step"),
+        "max_ngram": (3, "longest suffix n-gram looked up"),
+        "min_ngram": (2, "shortest suffix n-gram looked up"),
+        "branches": (1, "distinct continuations drafted as a tree (1: a chain)"),
+    }),
+    "oracle": KindHelp("the target's own greedy continuation: the engine's ceiling (diagnostic)", "", {
+        "num_tokens": (8, "tokens drafted per step"),
+    }),
+    "draft_lm": KindHelp("any causal LM with the target's tokenizer; without PATH, layers cut from the target",
+                         "hub id or folder (e.g. a train/distill.py checkpoint); optional", {
+        "depth": (4, "draft tokens per step (tree depth)"),
+        "top_k": (1, "children per node (1: a chain; more: an EAGLE-2-style dynamic tree)"),
+        "budget": (None, "tree nodes kept (default: depth x top_k)"),
+        "layers": (4, "without PATH: a count of evenly spaced target layers, or indices like 0,1,2,29"),
+        "vocab": (None, "draft over the N most frequent tokens of a distill checkpoint's training replies"),
+    }),
+    "eagle": KindHelp("a trained EAGLE head growing EAGLE-2 dynamic trees", "checkpoint folder (required)", {
+        "depth": (5, "tree depth (draft steps per verification)"),
+        "top_k": (3, "children expanded per node"),
+        "budget": (12, "tree nodes verified per step"),
+    }),
+    "medusa": KindHelp("trained Medusa heads over a static tree", "checkpoint folder (required)", {
+        "choices": (None, "tree file (Medusa-style [[0], [0, 0], [1], ...]); default: the calibrated tree.yaml"),
+        "budget": (None, "use the optimal N-node tree for the heads' recorded accuracies instead"),
+    }),
+}
+
+
+def kinds_help() -> str:
+    """The drafter kinds and their options with defaults, as ``--help`` text."""
+    lines = ["drafter specs: KIND[:PATH][?key=value&...]; every kind also takes name=LABEL (the table row)"]
+    for kind, info in KINDS.items():
+        path = f":PATH ({info.path})" if info.path else ""
+        lines.append(f"  {kind}{path}\n      {info.summary}")
+        for option, (default, doc) in info.options.items():
+            lines.append(f"      {option}={'' if default is None else default}".ljust(26) + f" {doc}")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -57,9 +107,23 @@ def parse_spec(spec: str) -> DrafterSpec:
     body, _, query = spec.partition("?")
     kind, _, path = body.partition(":")
     if kind not in KINDS:
-        raise ValueError(f"unknown drafter kind {kind!r} in {spec!r}; choose from {', '.join(KINDS)}")
-    options = {key: _value(val) for key, val in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))}
+        raise UsageError(f"--drafter {spec!r}: unknown drafter kind {kind!r}; choose from {', '.join(KINDS)}")
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise UsageError(f"--drafter {spec!r}: options must look like ?key=value&key=value") from None
+    options = {key: _value(val) for key, val in pairs}
     name = str(options.pop("name", _default_name(kind, path)))
+    unknown = sorted(set(options) - set(KINDS[kind].options))
+    if unknown:
+        raise UsageError(f"--drafter {spec!r}: unknown option(s) {', '.join(unknown)} for {kind}; "
+                         f"its options: {', '.join([*KINDS[kind].options, 'name'])}")
+    if KINDS[kind].path.endswith("(required)"):
+        if not path:
+            raise UsageError(f"--drafter {spec!r}: the {kind} drafter needs a checkpoint: {kind}:PATH")
+        read_config(path, kind)  # a wrong or missing folder fails here, before any model loads
+    if KINDS[kind].path == "" and path:
+        raise UsageError(f"--drafter {spec!r}: the {kind} drafter takes no path")
     return DrafterSpec(kind, path or None, options, name)
 
 
@@ -78,7 +142,7 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
             layers = options.pop("layers", 4)
             vocab = options.pop("vocab", None)
             if vocab is not None and not parsed.path:
-                raise ValueError("draft_lm option vocab=N needs a trained draft LM (draft_lm:PATH) with token counts")
+                raise UsageError("draft_lm option vocab=N needs a trained draft LM (draft_lm:PATH) with token counts")
             if parsed.path:
                 param = next(target.parameters())
                 model = load_draft_lm(parsed.path, param.dtype, param.device)
@@ -90,7 +154,7 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
                 try:
                     indices = [int(i) for i in str(layers).split(",")]
                 except ValueError:
-                    raise ValueError(f"draft_lm option layers={layers!r}: give a count or comma-separated "
+                    raise UsageError(f"draft_lm option layers={layers!r}: give a count or comma-separated "
                                      "layer indices, e.g. layers=4 or layers=0,1,2,29") from None
                 model = derive_draft_lm(target, layers=indices)
             drafter = DraftLMDrafter(model, **options)
@@ -98,15 +162,11 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
             from draftsmith.eval.drafters.eagle import EagleDrafter
             from draftsmith.heads.eagle import EagleHead
 
-            if not parsed.path:
-                raise ValueError("the eagle drafter needs a checkpoint: eagle:PATH")
             head = EagleHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
             drafter = EagleDrafter(head, **options)
         elif parsed.kind == "medusa":
             from draftsmith.eval.drafters.medusa import MedusaDrafter
 
-            if not parsed.path:
-                raise ValueError("the medusa drafter needs a checkpoint: medusa:PATH")
             heads, choices, verifier = _medusa_parts(parsed.path, target, options.pop("choices", None),
                                                      options.pop("budget", None))
             drafter = MedusaDrafter(heads, choices, verifier=verifier, **options)
@@ -114,8 +174,8 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
                 drafter.verifier_label = f"target + LoRA adapter {parsed.path}/adapter, merged"
         else:
             raise ValueError(f"drafter kind {parsed.kind!r} has no engine adapter")
-    except TypeError as err:
-        raise ValueError(f"bad option for drafter {parsed.kind!r}: {err}") from None
+    except TypeError as err:  # an option value of the wrong type reaching a constructor
+        raise UsageError(f"bad option for drafter {parsed.kind!r}: {err}") from None
     drafter.name = parsed.name
     return drafter
 
@@ -144,11 +204,11 @@ def _medusa_parts(path: str, target: PreTrainedModel, choices, budget):
     if budget is None and calibrated.is_file():
         return heads, load_choices(str(calibrated)), verifier
     if not heads.head_accuracy:
-        raise ValueError(f"{path} records no head accuracies: pass choices=FILE or run eval/calibrate_tree.py")
+        raise CheckpointError(f"{path} records no head accuracies: pass choices=FILE or run eval/calibrate_tree.py")
     return heads, optimal_choices(rank_accuracy(heads.head_accuracy), int(budget or DEFAULT_TREE_SIZE)), verifier
 
 
 __all__ = [
     "Drafter", "DraftContext", "StepResult", "PromptLookupDrafter", "OracleDrafter", "DraftLMDrafter",
-    "DrafterSpec", "parse_spec", "build_drafter",
+    "DrafterSpec", "KINDS", "kinds_help", "parse_spec", "build_drafter",
 ]

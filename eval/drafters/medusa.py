@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from draftsmith.errors import UsageError
 from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
 from draftsmith.eval.sampling import choose
 from draftsmith.eval.tree import TokenTree, choice_slots, static_tree
@@ -30,10 +31,10 @@ class MedusaDrafter(Drafter):
     def __init__(self, heads: MedusaHeads, choices: list[tuple[int, ...]], name: str = "medusa",
                  verifier: PreTrainedModel | None = None):
         if not choices:
-            raise ValueError("a Medusa tree needs at least one choice")
+            raise UsageError("medusa: a Medusa tree needs at least one choice")
         too_deep = max(len(c) for c in choices)
         if too_deep > heads.num_heads:
-            raise ValueError(f"the tree is {too_deep} levels deep but the checkpoint has {heads.num_heads} heads")
+            raise UsageError(f"medusa: the tree is {too_deep} levels deep but the checkpoint has {heads.num_heads} heads")
         self.heads = heads.eval()
         self.choices = list(choices)
         self.depth = too_deep

@@ -13,6 +13,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from draftsmith.eval.drafters.base import DraftContext, Drafter
 from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
+from draftsmith.errors import UsageError
 
 
 class PromptLookupDrafter(Drafter):
@@ -23,7 +24,7 @@ class PromptLookupDrafter(Drafter):
     # to pay for it; bigram-or-longer matches with 10-token drafts do.
     def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 2, branches: int = 1):
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+            raise UsageError(f"prompt_lookup: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.num_tokens, self.max_ngram, self.min_ngram, self.branches = num_tokens, max_ngram, min_ngram, branches
         self.name = "prompt_lookup"
 
