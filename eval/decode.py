@@ -99,6 +99,10 @@ class SpeculativeDecoder:
         Stops after an EOS token (kept) even inside an accepted path, or once the decoded text
         contains one of ``stop_strings``. ``streamer`` receives each step's new tokens.
         """
+        # Drafts never reach past the last new token (their depth is capped by the remaining
+        # budget), and that token is never fed back: prompt + max_new_tokens - 1 positions.
+        self.runner.check_context(len(prompt) + max_new_tokens - 1,
+                                  f"a prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens}")
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
