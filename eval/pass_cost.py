@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from draftsmith.eval.runner import CausalLMRunner, tree_rows
 from draftsmith.target import load_target
+from draftsmith.timing import clock
 
 
 @torch.no_grad()
@@ -32,11 +32,11 @@ def measure_pass_cost(runner: CausalLMRunner, prefix: int = 200, sizes: tuple[in
         parents, depths = tree_rows(list(range(-1, n - 2)), list(range(1, n)))
         times = []
         for _ in range(repeats + 1):
-            start = time.perf_counter()
+            start = clock(runner.device)
             hidden = runner.forward(tokens, parents, depths)
             runner.logits(hidden)
             runner.commit([])
-            times.append(time.perf_counter() - start)
+            times.append(clock(runner.device) - start)
         costs[n] = statistics.median(times[1:])
     return costs
 

@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +32,7 @@ from transformers import get_scheduler
 
 from draftsmith.config import dump_recipe, to_dict
 from draftsmith.recipe import Recipe
+from draftsmith.timing import clock
 
 FINAL = "checkpoint-final"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -298,7 +298,7 @@ class Trainer:
                               init_kwargs={"wandb": {"name": track.run_name, "dir": str(self.output_dir)}})
         stop_at = min(self.max_steps, t.stop_after_steps or self.max_steps)
         window: dict[str, float] = {}
-        window_start = time.perf_counter()
+        window_start = clock(acc.device)
         last_saved: Path | None = None
         self.model.train()
         bar = tqdm(total=stop_at, initial=self.state.step, desc="train", disable=not acc.is_local_main_process)
@@ -325,8 +325,8 @@ class Trainer:
                 self.state.step += 1
                 bar.update()
                 if self.state.step % t.log_every == 0 or self.state.step == stop_at:
-                    self._log(window, time.perf_counter() - window_start)
-                    window, window_start = {}, time.perf_counter()
+                    self._log(window, clock(acc.device) - window_start)
+                    window, window_start = {}, clock(acc.device)
                 if t.eval_every and self.state.step % t.eval_every == 0:
                     self._log_eval()
                 if t.save_every and self.state.step % t.save_every == 0 and self.state.step < self.max_steps:
