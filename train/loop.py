@@ -196,11 +196,14 @@ def _param_checksum(model: torch.nn.Module) -> float:
 class Trainer:
     """Runs a :class:`TrainTask` under a recipe."""
 
-    def __init__(self, recipe: Recipe, task: TrainTask, train_data, eval_data=None):
+    def __init__(self, recipe: Recipe, task: TrainTask, train_data, eval_data=None,
+                 accelerator: Accelerator | None = None):
+        """``accelerator``: one already made by :func:`make_accelerator` (e.g. to prepare data under
+        it first); by default a new one."""
         self.recipe, self.task = recipe, task
         self.train_data, self.eval_data = train_data, eval_data
         self.output_dir = Path(recipe.training.output_dir)
-        self.accelerator = make_accelerator(recipe)
+        self.accelerator = accelerator or make_accelerator(recipe)
         set_seed(recipe.training.seed)
         t = recipe.training
         # Per process (Accelerate evens batches out); it also steps the optimiser at the end of
