@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from bisect import bisect_right
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +35,19 @@ def features_dir(recipe, data) -> Path:
         recipe.target.name, recipe.target.dtype, {s: data[s]._fingerprint for s in data},
     ]).encode()).hexdigest()[:16]
     return cache_root() / "features" / key
+
+
+@contextmanager
+def _atomic(path: Path):
+    """A temporary path beside ``path`` (unique to this writer) renamed onto ``path`` on success."""
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @torch.no_grad()
@@ -63,16 +78,16 @@ def extract_features(target, data, root: Path, shard_size: int = SHARD_SIZE, sho
                 "loss_mask": torch.tensor([m for mask in chunk["loss_mask"] for m in mask], dtype=torch.int8),
                 "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
             }
-            tmp = path.with_suffix(".tmp")
-            save_file(tensors, str(tmp))
-            os.replace(tmp, path)
+            with _atomic(path) as tmp:
+                save_file(tensors, str(tmp))
         files = sorted(out.glob("shard-*.safetensors"))
         size = sum(f.stat().st_size for f in files)
         tokens = sum(len(ids) for ids in rows["input_ids"])
         manifest["splits"][split] = {"conversations": len(rows), "tokens": tokens, "shards": len(files), "bytes": size}
         manifest["bytes"] += size
         manifest["tokens"] += tokens
-    (root / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    with _atomic(root / "manifest.json") as tmp:
+        tmp.write_text(json.dumps(manifest, indent=1))
     if show:
         print(f"features: {manifest['tokens']:,} tokens, {manifest['bytes'] / 2**30:.2f} GiB in {root}")
     return manifest

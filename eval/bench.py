@@ -9,7 +9,6 @@ counted with a forward hook.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -22,6 +21,7 @@ from draftsmith.errors import UsageError
 from draftsmith.eval.decode import Generation, SpeculativeDecoder, eos_token_ids
 from draftsmith.eval.drafters.base import Drafter
 from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.timing import clock
 
 BASELINE = "baseline"
 HF_BASELINES = ("hf_plain", "hf_prompt_lookup", "hf_assisted")
@@ -53,16 +53,17 @@ def _hf_generate(model, tokenizer, prompt, max_new_tokens, sampling, eos, seed, 
         calls += 1
 
     handle = model.register_forward_hook(count)
-    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
     gen = dict(do_sample=False) if sampling.greedy else dict(
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
     if seed is not None:
         torch.manual_seed(seed)
     try:
-        start = time.perf_counter()
+        start = clock(device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id, **gen, **kwargs)
-        seconds = time.perf_counter() - start
+        seconds = clock(device) - start
     finally:
         handle.remove()
     return out[0, len(prompt):].tolist(), calls - 1, seconds

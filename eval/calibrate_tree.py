@@ -16,7 +16,6 @@ drafter then uses by default.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from draftsmith.eval.tree import expected_acceptance, optimal_choices
 from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, rank_accuracy
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
 from draftsmith.target import load_target, merge_adapter
+from draftsmith.timing import clock
 from draftsmith.train.loop import pad_batch
 from draftsmith.train.medusa import MedusaRecipe, MedusaTask
 
@@ -59,9 +59,9 @@ def measure_draft_cost(heads: MedusaHeads, repeats: int = 20) -> float:
     hidden = torch.randn(1, heads.config.hidden_size, dtype=param.dtype, device=param.device)
     times = []
     for _ in range(repeats + 1):
-        start = time.perf_counter()
+        start = clock(param.device)
         heads.logits(hidden).topk(TOP_K_RECORDED, dim=-1)
-        times.append(time.perf_counter() - start)
+        times.append(clock(param.device) - start)
     return statistics.median(times[1:])
 
 

@@ -8,7 +8,6 @@ produced during decoding divided by target passes during decoding; prefill count
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,6 +19,7 @@ from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
 from draftsmith.eval.runner import CausalLMRunner, tree_rows
 from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
 from draftsmith.eval.verify import verify
+from draftsmith.timing import clock
 
 
 @dataclass
@@ -99,6 +99,10 @@ class SpeculativeDecoder:
         Stops after an EOS token (kept) even inside an accepted path, or once the decoded text
         contains one of ``stop_strings``. ``streamer`` receives each step's new tokens.
         """
+        # Drafts never reach past the last new token (their depth is capped by the remaining
+        # budget), and that token is never fed back: prompt + max_new_tokens - 1 positions.
+        self.runner.check_context(len(prompt) + max_new_tokens - 1,
+                                  f"a prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens}")
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -106,15 +110,16 @@ class SpeculativeDecoder:
         if drafter is not None:
             drafter.prepare(prompt, max_new_tokens)
         result = Generation(tokens=[])
-        start = time.perf_counter()
+        device = self.runner.device
+        start = clock(device)
         self.runner.reset()
         hidden = self.runner.forward(prompt)
         first = self._next(self.runner.logits(hidden[-1]), generator)
         new = [first]
         if drafter is not None:
             drafter.begin(list(prompt) + new, hidden if drafter.needs_hidden else None)
-        result.prefill_seconds = time.perf_counter() - start
-        start = time.perf_counter()
+        result.prefill_seconds = clock(device) - start
+        start = clock(device)
         if streamer:
             streamer([first])
         cut, reason = self._finish(new, stop_strings, 0)
@@ -157,7 +162,7 @@ class SpeculativeDecoder:
             if streamer:
                 streamer(new[scanned:end])
             new = new[:end]
-        result.decode_seconds = time.perf_counter() - start
+        result.decode_seconds = clock(device) - start
         result.tokens = new[: cut or max_new_tokens]
         result.stop_reason = reason if cut is not None else "length"
         return result

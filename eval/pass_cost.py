@@ -9,7 +9,6 @@ settings: on a small CPU a 64-token pass costs several single-token passes.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -17,6 +16,7 @@ from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.eval.runner import CausalLMRunner, tree_rows
 from draftsmith.precision import DTYPE_CHOICES
 from draftsmith.target import load_target
+from draftsmith.timing import clock
 
 
 @torch.no_grad()
@@ -33,11 +33,11 @@ def measure_pass_cost(runner: CausalLMRunner, prefix: int = 200, sizes: tuple[in
         parents, depths = tree_rows(list(range(-1, n - 2)), list(range(1, n)))
         times = []
         for _ in range(repeats + 1):
-            start = time.perf_counter()
+            start = clock(runner.device)
             hidden = runner.forward(tokens, parents, depths)
             runner.logits(hidden)
             runner.commit([])
-            times.append(time.perf_counter() - start)
+            times.append(clock(runner.device) - start)
         costs[n] = statistics.median(times[1:])
     return costs
 

@@ -10,6 +10,7 @@ vocabulary (the most frequent tokens) makes every draft step's LM head call that
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from draftsmith.heads.common import check_target, read_config, target_record
 from draftsmith.heads.vocab import DraftVocabMixin
 
 KIND = "eagle"
+FULL = "full_attention"
 
 
 class EagleHead(DraftVocabMixin, nn.Module):
@@ -34,7 +36,10 @@ class EagleHead(DraftVocabMixin, nn.Module):
         super().__init__()
         config = target_config.__class__.from_dict(target_config.to_dict())
         config.num_hidden_layers = num_layers
-        config._attn_implementation = "sdpa"
+        _full_attention(config)
+        # sdpa (the head's mask is a 4D float one), unless the target's layers need eager
+        # attention (Gemma-2 soft-caps attention logits, which sdpa refuses).
+        config._attn_implementation = "eager" if getattr(target_config, "_attn_implementation", None) == "eager" else "sdpa"
         self.config = config
         self.target_info = target_info or {}
         if layer_class is None or rotary_class is None:
@@ -45,6 +50,8 @@ class EagleHead(DraftVocabMixin, nn.Module):
         # The fc output is already a mixed feature: EAGLE drops the first layer's input norm.
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = rotary_class(config)
+        # Rotary classes of mixed-layer models (Gemma-3) take the layer type they serve.
+        self._rotary_kwargs = {"layer_type": FULL} if "layer_type" in inspect.signature(rotary_class.forward).parameters else {}
         vocab = draft_vocab if draft_vocab is not None else torch.arange(config.vocab_size)
         self.register_buffer("draft_vocab", vocab.long(), persistent=True)
         self._target: tuple = ()
@@ -69,7 +76,7 @@ class EagleHead(DraftVocabMixin, nn.Module):
             position_ids = torch.arange(past, past + n, device=hidden.device).expand(batch, n)
         if attention_mask is None or attention_mask.dim() == 2:
             attention_mask = _causal_mask(batch, n, past, attention_mask, hidden.dtype, hidden.device)
-        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids, **self._rotary_kwargs)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=past_key_values, use_cache=use_cache,
@@ -149,6 +156,21 @@ def _architecture(config: PretrainedConfig) -> tuple[type, type]:
     with torch.device("meta"):
         shell = AutoModel.from_config(config)
     return type(shell.layers[0]), type(shell.rotary_emb)
+
+
+def _full_attention(config: PretrainedConfig) -> None:
+    """Make every layer of ``config`` attend to the whole context.
+
+    A target's sliding windows (Mistral's ``sliding_window``, Gemma/Qwen ``layer_types``) are not
+    the head's: it is trained with a full causal mask over the sequence, so it must draft with
+    one, and its single layer is cheap at any length.
+    """
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [FULL] * config.num_hidden_layers
+    if getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = None
+    if getattr(config, "use_sliding_window", False):
+        config.use_sliding_window = False
 
 
 def _causal_mask(batch: int, n: int, past: int, padding: torch.Tensor | None, dtype, device) -> torch.Tensor:

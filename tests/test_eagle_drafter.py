@@ -1,4 +1,4 @@
-"""The EAGLE drafter in the shared decoding engine is lossless.
+"""The EAGLE drafter in the shared decoding engine is lossless, and drafts as the head was trained.
 
 Greedy: on the bundled SmolLM2 (slow) an untrained head, saved and loaded through the drafter
 registry, gives exactly plain greedy decoding's tokens, with the full and with a reduced draft
@@ -152,3 +152,45 @@ def test_greedy_eagle_on_tiny_target_is_lossless(tiny_target):
             assert len(set(want.tokens)) > 2  # a peaked target: varied text, not one repeated token
             produced, steps = produced + sum(got.accepted), steps + got.steps
         assert produced / steps > 1.2, init  # drafts were accepted along the way
+
+
+# ---------------------------------------------------------------------------------------------
+# Training and drafting see the same head
+
+
+class RecordingEagleDrafter(EagleDrafter):
+    """Records, at every proposal, the sequence so far and the draft distribution below its last token."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.records: list[tuple[list[int], torch.Tensor]] = []
+
+    def propose(self, context):
+        tree = super().propose(context)
+        if len(tree):  # none on the last step, with one new token left to produce
+            self.records.append((list(context.tokens), tree.proposals[ROOT].probs))
+        return tree
+
+
+@pytest.mark.parametrize("draft_vocab", [None, [0, 1, 2, 3, 5, 8, 13, 21, 34, 40]], ids=["full_vocab", "reduced_vocab"])
+def test_drafting_distributions_equal_a_training_forward_over_the_same_sequence(make_tiny_llama, draft_vocab):
+    """The engine's incremental head (its own KV cache fed with accepted tokens and the target's
+    features, step by step) must compute what the training forward computes over the whole
+    sequence at once (``EagleTask``: padded batch, target features, ``head(ids[1:], f[:-1])``)."""
+    from draftsmith.train.eagle import EagleRecipe, EagleTask
+    from draftsmith.train.loop import pad_batch
+
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=2, seed=3, scale=10.0)
+    head = _tiny_head(target, "random", draft_vocab)
+    drafter = RecordingEagleDrafter(head, depth=3, top_k=2, budget=5)
+    sampling = SamplingConfig(temperature=1.0)
+    gen = SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set()).generate([3, 9, 4, 17, 6], 30, seed=0)
+    assert gen.steps < 29 and len(drafter.records) >= gen.steps - 1  # some steps accepted several tokens
+    task = EagleTask(EagleRecipe(), target, head)
+    for tokens, drafted in drafter.records:
+        batch = pad_batch([{"input_ids": tokens, "loss_mask": [1] * len(tokens)}])
+        with torch.no_grad():
+            features = task.target_features(batch)
+            pred = head(batch["input_ids"][:, 1:], features[:, :-1], attention_mask=batch["attention_mask"][:, 1:])
+            trained = probabilities(head.logits(pred.last_hidden_state[0, -1]), sampling)
+        torch.testing.assert_close(drafted, trained, atol=1e-5, rtol=1e-4)

@@ -41,11 +41,15 @@ def run_training(recipe_class, build, argv: list[str] | None = None, description
 
 
 def _train(argv: list[str] | None, recipe_class, build, description: str):
-    from draftsmith.train.loop import Trainer
+    from draftsmith.train.loop import Trainer, make_accelerator
 
     recipe, resume = parse_training_args(recipe_class, argv, description)
-    task, train_set, eval_set = build(recipe)
-    trainer = Trainer(recipe, task, train_set, eval_set)
+    accelerator = make_accelerator(recipe)
+    # Under `accelerate launch` the main process prepares the data (regeneration, tokenised
+    # cache, features) while the others wait, then they find it all cached.
+    with accelerator.main_process_first():
+        task, train_set, eval_set = build(recipe)
+    trainer = Trainer(recipe, task, train_set, eval_set, accelerator)
     task.target.to(trainer.accelerator.device)
     trainer.last_checkpoint = trainer.train(resume=resume)
     return trainer

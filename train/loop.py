@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +32,7 @@ from transformers import get_scheduler
 
 from draftsmith.config import dump_recipe, to_dict
 from draftsmith.recipe import Recipe
+from draftsmith.timing import clock
 
 FINAL = "checkpoint-final"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -68,7 +68,7 @@ class TrainState:
     step: int = 0  # optimiser steps done
     epoch: int = 0
     batches_in_epoch: int = 0  # micro-batches of this epoch already consumed
-    tokens: int = 0  # loss tokens seen
+    tokens: int = 0  # loss tokens seen, summed over processes
 
 
 def pad_batch(rows: list[dict]) -> dict:
@@ -196,15 +196,20 @@ def _param_checksum(model: torch.nn.Module) -> float:
 class Trainer:
     """Runs a :class:`TrainTask` under a recipe."""
 
-    def __init__(self, recipe: Recipe, task: TrainTask, train_data, eval_data=None):
+    def __init__(self, recipe: Recipe, task: TrainTask, train_data, eval_data=None,
+                 accelerator: Accelerator | None = None):
+        """``accelerator``: one already made by :func:`make_accelerator` (e.g. to prepare data under
+        it first); by default a new one."""
         self.recipe, self.task = recipe, task
         self.train_data, self.eval_data = train_data, eval_data
         self.output_dir = Path(recipe.training.output_dir)
-        self.accelerator = make_accelerator(recipe)
+        self.accelerator = accelerator or make_accelerator(recipe)
         set_seed(recipe.training.seed)
         t = recipe.training
+        # Per process (Accelerate evens batches out); it also steps the optimiser at the end of
+        # every epoch, after a short last group of micro-batches: ceil, not floor.
         micro_batches = math.ceil(len(train_data) / t.batch_size / self.accelerator.num_processes)
-        self.steps_per_epoch = max(1, micro_batches // t.gradient_accumulation_steps)
+        self.steps_per_epoch = math.ceil(micro_batches / t.gradient_accumulation_steps)
         self.max_steps = t.max_steps or self.steps_per_epoch * t.num_epochs
         if hasattr(task, "param_groups"):
             groups = [dict(g) for g in task.param_groups()]
@@ -225,6 +230,7 @@ class Trainer:
         probe = _epoch_loader(train_data, task, recipe, 0)
         self.model, self.optimizer, self.scheduler, _ = self.accelerator.prepare(task.model, optimizer, scheduler, probe)
         self.state = TrainState()
+        self._pending_tokens = 0.0  # this process's loss tokens not yet summed into state.tokens
         self.history: list[dict] = []  # every logged metrics dict, with its step
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -237,6 +243,7 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
+        self._count_tokens()
         acc.save_state(str(tmp / "state"))
         acc.wait_for_everyone()  # every rank writes its random_states_{i}.pkl last: all in tmp before the rename
         if acc.is_main_process:
@@ -294,34 +301,35 @@ class Trainer:
                               init_kwargs={"wandb": {"name": track.run_name, "dir": str(self.output_dir)}})
         stop_at = min(self.max_steps, t.stop_after_steps or self.max_steps)
         window: dict[str, float] = {}
-        window_start = time.perf_counter()
+        window_start = clock(acc.device)
         last_saved: Path | None = None
         self.model.train()
         bar = tqdm(total=stop_at, initial=self.state.step, desc="train", disable=not acc.is_local_main_process)
         while self.state.step < stop_at:
             loader = acc.prepare(_epoch_loader(self.train_data, self.task, self.recipe, self.state.epoch))
+            micro_batches = len(loader)
             if self.state.batches_in_epoch:
                 loader = acc.skip_first_batches(loader, self.state.batches_in_epoch)
             for batch in loader:
                 with acc.accumulate(self.model):
                     loss, metrics = self.task.loss(self.model, batch, training=True)
-                    acc.backward(loss)
+                    acc.backward(loss * self._group_scale(self.state.batches_in_epoch, micro_batches))
                     if acc.sync_gradients:
                         acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
                     self.optimizer.step()
                     self.scheduler.step()  # a no-op between accumulation boundaries
                     self.optimizer.zero_grad()
                 self.state.batches_in_epoch += 1
+                self._pending_tokens += metrics.get("tokens", 0.0)
                 for key, value in metrics.items():
                     window[key] = window.get(key, 0.0) + value
                 if not acc.sync_gradients:
                     continue
                 self.state.step += 1
                 bar.update()
-                self.state.tokens += int(metrics.get("tokens", 0))
                 if self.state.step % t.log_every == 0 or self.state.step == stop_at:
-                    self._log(window, time.perf_counter() - window_start)
-                    window, window_start = {}, time.perf_counter()
+                    self._log(window, clock(acc.device) - window_start)
+                    window, window_start = {}, clock(acc.device)
                 if t.eval_every and self.state.step % t.eval_every == 0:
                     self._log_eval()
                 if t.save_every and self.state.step % t.save_every == 0 and self.state.step < self.max_steps:
@@ -341,6 +349,19 @@ class Trainer:
             last_saved = self.save(f"checkpoint-{self.state.step}")
         acc.end_training()
         return last_saved
+
+    def _group_scale(self, batch: int, micro_batches: int) -> float:
+        """Loss factor for micro-batch ``batch`` of an epoch of ``micro_batches``: Accelerate and
+        DeepSpeed divide every loss by the accumulation steps k, so a last group of r < k
+        micro-batches needs k / r for its step to average its micro-batches like a full one."""
+        k = self.recipe.training.gradient_accumulation_steps
+        group = min(k, micro_batches - batch // k * k)
+        return k / group if group < k else 1.0
+
+    def _count_tokens(self) -> None:
+        """Add every process's loss tokens since the last call to ``state.tokens``."""
+        self.state.tokens += int(self._sum_over_processes({"tokens": self._pending_tokens})["tokens"])
+        self._pending_tokens = 0.0
 
     def _sum_over_processes(self, values: dict[str, float]) -> dict[str, float]:
         keys = sorted(values)
@@ -369,6 +390,8 @@ class Trainer:
         for group, rate in zip(self.optimizer.param_groups[1:], rates[1:]):
             logs[f"train/lr_{group.get('name', 'group')}"] = rate
         logs["train/epoch"] = self.state.epoch
+        self._count_tokens()
+        logs["train/tokens_seen"] = self.state.tokens
         self.accelerator.log(logs, step=self.state.step)
         self.history.append({"step": self.state.step, **logs})
         if self.accelerator.is_main_process:

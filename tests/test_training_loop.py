@@ -1,0 +1,109 @@
+"""The shared training loop under gradient accumulation: exact epochs, exact last steps, real token counts.
+
+A one-weight linear model whose loss is the batch mean of ``w * x`` has gradient ``mean(x)``, so
+the gradient the optimiser sees at each step tells exactly which micro-batches it averaged.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+
+from draftsmith.recipe import Recipe
+from draftsmith.train.loop import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class MeanTask:
+    """Loss ``mean(w * x)``: its gradient is the batch mean of ``x``; records what it trains on."""
+
+    def __init__(self):
+        self.model = torch.nn.Linear(1, 1, bias=False)
+        self.micro_batches: list[list[float]] = []  # the x values of every training micro-batch
+
+    @staticmethod
+    def collate(rows: list[dict]) -> dict:
+        return {"x": torch.tensor([[r["x"]] for r in rows])}
+
+    def loss(self, model, batch: dict, training: bool):
+        if training:
+            self.micro_batches.append(batch["x"].flatten().tolist())
+        return model(batch["x"]).mean(), {"tokens": float(len(batch["x"]))}
+
+    def save_pretrained(self, model, path) -> None:
+        torch.save(model.state_dict(), path / "weights.pt")
+
+
+def _train(tmp_path, rows: int, batch: int, accumulation: int, epochs: int, **distributed) -> tuple[Trainer, list]:
+    recipe = Recipe()
+    recipe.training.output_dir = str(tmp_path / "out")
+    recipe.training.batch_size, recipe.training.gradient_accumulation_steps = batch, accumulation
+    recipe.training.num_epochs, recipe.training.max_grad_norm = epochs, 1e9  # no clipping: raw gradients
+    recipe.training.learning_rate, recipe.training.lr_schedule = 1e-3, "constant"
+    recipe.tracking.report_to = "none"
+    for key, value in distributed.items():
+        setattr(recipe.distributed, key, value)
+    data = [{"x": float(i + 1)} for i in range(rows)]
+    task = MeanTask()
+    trainer = Trainer(recipe, task, data)
+    optimizer = trainer.optimizer.optimizer  # the torch optimizer under Accelerate's (or DeepSpeed's) wrapper
+    grads: list[float] = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: grads.append(float(opt.param_groups[0]["params"][0].grad.sum())))
+    trainer.train()
+    return trainer, grads
+
+
+def _expected(rows: int, batch: int, accumulation: int, epochs: int, seed: int = 0):
+    """Each epoch's micro-batches (the loop's shuffled order) and the gradient of each step."""
+    grads, micro = [], []
+    for epoch in range(epochs):
+        order = np.random.default_rng(seed + epoch).permutation(rows) + 1.0
+        batches = [order[i:i + batch] for i in range(0, rows, batch)]
+        micro += [b.tolist() for b in batches]
+        for start in range(0, len(batches), accumulation):
+            group = batches[start:start + accumulation]
+            grads.append(float(np.mean([b.mean() for b in group])))
+    return grads, micro
+
+
+@pytest.mark.parametrize("rows,batch,accumulation,epochs", [(7, 1, 4, 3), (10, 3, 2, 2), (5, 2, 1, 2), (3, 1, 4, 2)])
+def test_epochs_and_partial_steps_are_exact_under_accumulation(tmp_path, rows, batch, accumulation, epochs):
+    trainer, grads = _train(tmp_path, rows, batch, accumulation, epochs)
+    want_grads, want_micro = _expected(rows, batch, accumulation, epochs)
+    # 7 rows, batch 1, accumulation 4, 3 epochs: 2 steps per epoch (4 + 3 micro-batches), 6 in all.
+    assert trainer.state.step == len(want_grads) == trainer.max_steps
+    assert trainer.task.micro_batches == want_micro  # every epoch seen in full, none twice
+    assert grads == pytest.approx(want_grads, rel=1e-6)  # a short last step averages its own micro-batches
+    assert trainer.state.tokens == rows * epochs
+    assert trainer.history[-1]["train/tokens_seen"] == rows * epochs
+
+
+@pytest.fixture
+def single_process_deepspeed(monkeypatch):
+    """A one-process DeepSpeed group (as the loop sets it up without a launcher), torn down after."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    AcceleratorState._reset_state(reset_partial_state=True)  # earlier in-process runs set up a plain state
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.slow  # DeepSpeed initialisation takes ~25 s
+def test_epochs_and_partial_steps_are_exact_under_deepspeed(tmp_path, single_process_deepspeed):
+    trainer, grads = _train(tmp_path, 7, 1, 4, 3, backend="deepspeed", zero_stage=0)
+    want_grads, want_micro = _expected(7, 1, 4, 3)
+    assert trainer.state.step == 6 == trainer.max_steps
+    assert trainer.task.micro_batches == want_micro
+    assert grads == pytest.approx(want_grads, rel=1e-6)
+    assert trainer.state.tokens == 21
