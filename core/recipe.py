@@ -88,6 +88,7 @@ class TrainingConfig:
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"  # after warm-up
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # Accelerate autocast; auto: bf16 when target.dtype resolves to bf16
     num_workers: int = 0  # DataLoader workers
+    max_minutes: Optional[float] = None  # wall-clock budget of the training loop: the schedule runs to its end by then (null: none)
     stop_after_steps: Optional[int] = None  # end this invocation early (time-sliced jobs); resume later
     log_every: int = 10  # optimiser steps between logged training metrics
     eval_every: int = 0  # 0: only at the end
@@ -102,6 +103,8 @@ class TrainingConfig:
         for name in ("batch_size", "gradient_accumulation_steps", "num_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"training.max_minutes must be positive, got {self.max_minutes}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"training.max_steps must be >= 1, got {self.max_steps}")
 

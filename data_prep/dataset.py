@@ -90,25 +90,27 @@ def _tokenize(conversations: list[dict], tokenizer, cfg: DataConfig) -> tuple[da
             continue
         split = HELD_OUT if is_held_out(conv["id"], cfg.held_out_fraction) else TRAIN
         rows[split].append({"id": conv["id"], "input_ids": encoded["input_ids"], "loss_mask": encoded["loss_mask"]})
-    features = datasets.Features({
-        "id": datasets.Value("string"),
-        "input_ids": datasets.Sequence(datasets.Value("int32")),
-        "loss_mask": datasets.Sequence(datasets.Value("int8")),
-    })
-    dataset = datasets.DatasetDict({
-        split: datasets.Dataset.from_list(items, features=features) for split, items in rows.items()
-    })
-    for split, items in rows.items():
-        summary.conversations[split] = len(items)
-        summary.tokens[split] = sum(len(r["input_ids"]) for r in items)
-        summary.assistant_tokens[split] = sum(sum(r["loss_mask"]) for r in items)
-    summary.dropped = dict(dropped)
     if not rows[TRAIN]:
         kept = f"{len(rows[HELD_OUT])} held out, " if rows[HELD_OUT] else ""
         raise DataError(f"{cfg.path}: no training conversation left after tokenising {len(conversations)} "
                         f"({kept}{dropped['no_assistant_tokens_within_max_length']} with no assistant token "
                         f"within data.max_length={cfg.max_length}); raise data.max_length or data.limit, "
                         "or lower data.held_out_fraction")
+    features = datasets.Features({
+        "id": datasets.Value("string"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    })
+    for split, items in rows.items():
+        summary.conversations[split] = len(items)
+        summary.tokens[split] = sum(len(r["input_ids"]) for r in items)
+        summary.assistant_tokens[split] = sum(sum(r["loss_mask"]) for r in items)
+    summary.dropped = dict(dropped)
+    # Column-wise, so an empty split (no held-out conversation) keeps its features.
+    dataset = datasets.DatasetDict({
+        split: datasets.Dataset.from_dict({k: [r[k] for r in items] for k in features}, features=features)
+        for split, items in rows.items()
+    })
     return dataset, summary
 
 

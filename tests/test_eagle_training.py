@@ -196,6 +196,19 @@ def test_trained_head_drafts_losslessly_for_its_target(six_steps):
     assert spec.steps <= plain.steps
 
 
+def test_time_budget_runs_the_schedule_to_its_end_and_saves_the_final_head(recipe, tmp_path):
+    # A budget far below one step's time: the loop stops after its first optimiser step with the
+    # learning rate decayed to zero, and writes checkpoint-final as a finished run does.
+    trainer = train(recipe, tmp_path / "run", "--training.max_steps", "50", "--training.max_minutes", "0.0001",
+                    "--training.log_every", "1")
+    assert trainer.state.step == 1 and trainer.max_steps == 50
+    assert trainer.last_checkpoint.name == "checkpoint-final"
+    logged = [h for h in trainer.history if "train/lr" in h]
+    assert logged[-1]["step"] == 1 and logged[-1]["train/lr"] == 0.0
+    state = json.loads((trainer.last_checkpoint / "state" / "trainer_state.json").read_text())
+    assert state["seconds"] > 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # Recipe errors fail before anything loads
 

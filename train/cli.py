@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from draftsmith.config import load_recipe, schema_help
 from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.precision import dtype_name, mixed_precision_for, resolve_dtype
@@ -25,8 +27,25 @@ def parse_training_args(recipe_class, argv: list[str] | None = None, description
                             "VALUE; --output_dir DIR is short for --training.output_dir):\n" + schema_help(recipe_class))
     parser.add_argument("recipe", nargs="?", help="YAML recipe (defaults apply where it is silent)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output dir")
-    args, overrides = parser.parse_known_args(argv)
-    recipe = load_recipe(recipe_class, args.recipe, overrides, aliases=OVERRIDE_ALIASES)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own = ("-h", "--help", "--resume")
+    args = parser.parse_args([w for w in argv if w in own])
+    # argparse would take the value of a leading `--section.field VALUE` for the recipe: the recipe is
+    # the first word that is not such a value.
+    words = [w for w in argv if w not in own]
+    recipe_path, overrides, i = None, [], 0
+    while i < len(words):
+        word = words[i]
+        if word.startswith("--") and "=" not in word and i + 1 < len(words):
+            overrides += words[i:i + 2]
+            i += 2
+            continue
+        if word.startswith("-") or "=" in word or recipe_path is not None:
+            overrides.append(word)
+        else:
+            recipe_path = word
+        i += 1
+    recipe = load_recipe(recipe_class, recipe_path, overrides, aliases=OVERRIDE_ALIASES)
     resolve_precision(recipe)
     return recipe, args.resume
 

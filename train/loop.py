@@ -69,6 +69,7 @@ class TrainState:
     epoch: int = 0
     batches_in_epoch: int = 0  # micro-batches of this epoch already consumed
     tokens: int = 0  # loss tokens seen, summed over processes
+    seconds: float = 0.0  # wall time spent in the training loop, over every resumed run
 
 
 def pad_batch(rows: list[dict]) -> dict:
@@ -222,14 +223,18 @@ class Trainer:
         world = self.accelerator.num_processes
         scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=t.warmup_steps * world,
                                   num_training_steps=self.max_steps * world)
-        if any(starts):  # a new scheduler, so that step 0 already uses the delayed factors
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [
-                _delayed(f, start * world, t.warmup_steps * world) if start else f
-                for f, start in zip(scheduler.lr_lambdas, starts)])
+        self.state = TrainState()
+        self._started = clock(self.accelerator.device)  # start of this invocation's loop (reset in train())
+        factors = [_delayed(f, start * world, t.warmup_steps * world) if start else f
+                   for f, start in zip(scheduler.lr_lambdas, starts)]
+        self.budget = t.max_minutes * 60 if t.max_minutes else None
+        if self.budget:  # the schedule runs to its end by the deadline, if that comes first
+            factors = [self._timed(f) for f in factors]
+        if any(starts) or self.budget:  # a new scheduler, so that step 0 already uses these factors
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
         # DeepSpeed reads the micro-batch size from a prepared dataloader; give it one.
         probe = _epoch_loader(train_data, task, recipe, 0)
         self.model, self.optimizer, self.scheduler, _ = self.accelerator.prepare(task.model, optimizer, scheduler, probe)
-        self.state = TrainState()
         self._pending_tokens = 0.0  # this process's loss tokens not yet summed into state.tokens
         self.history: list[dict] = []  # every logged metrics dict, with its step
 
@@ -305,7 +310,8 @@ class Trainer:
         last_saved: Path | None = None
         self.model.train()
         bar = tqdm(total=stop_at, initial=self.state.step, desc="train", disable=not acc.is_local_main_process)
-        while self.state.step < stop_at:
+        self._started, out_of_time = clock(acc.device), False
+        while self.state.step < stop_at and not out_of_time:
             loader = acc.prepare(_epoch_loader(self.train_data, self.task, self.recipe, self.state.epoch))
             micro_batches = len(loader)
             if self.state.batches_in_epoch:
@@ -327,20 +333,25 @@ class Trainer:
                     continue
                 self.state.step += 1
                 bar.update()
-                if self.state.step % t.log_every == 0 or self.state.step == stop_at:
+                out_of_time = self._out_of_time()
+                if self.state.step % t.log_every == 0 or self.state.step == stop_at or out_of_time:
                     self._log(window, clock(acc.device) - window_start)
                     window, window_start = {}, clock(acc.device)
                 if t.eval_every and self.state.step % t.eval_every == 0:
                     self._log_eval()
                 if t.save_every and self.state.step % t.save_every == 0 and self.state.step < self.max_steps:
                     last_saved = self.save(f"checkpoint-{self.state.step}")
-                if self.state.step >= stop_at:
+                if self.state.step >= stop_at or out_of_time:
                     break
             else:
                 self.state.epoch += 1
                 self.state.batches_in_epoch = 0
         bar.close()
-        if self.state.step >= self.max_steps:
+        self.state.seconds = self._elapsed()
+        if out_of_time:
+            acc.print(f"training.max_minutes={t.max_minutes} reached at step {self.state.step} of {self.max_steps}: "
+                      "the learning-rate schedule ran to its end by then; finishing")
+        if self.state.step >= self.max_steps or out_of_time:
             if not (t.eval_every and self.state.step % t.eval_every == 0):
                 self._log_eval()
             last_saved = self.save(FINAL)
@@ -349,6 +360,26 @@ class Trainer:
             last_saved = self.save(f"checkpoint-{self.state.step}")
         acc.end_training()
         return last_saved
+
+    def _elapsed(self) -> float:
+        """Seconds in the training loop so far, earlier (resumed) runs included."""
+        return self.state.seconds + clock(self.accelerator.device) - self._started
+
+    def _timed(self, factor):
+        """``factor`` of the schedule at the later of the step count and the share of
+        ``training.max_minutes`` used (scheduler steps count once per process)."""
+        total = self.max_steps * self.accelerator.num_processes
+
+        def timed(step: int) -> float:
+            return factor(max(step, min(total, int(total * self._elapsed() / self.budget))))
+        return timed
+
+    def _out_of_time(self) -> bool:
+        """True once ``training.max_minutes`` is used up, decided by the slowest process so all stop together."""
+        if not self.budget:
+            return False
+        elapsed = torch.tensor([self._elapsed()], device=self.accelerator.device)
+        return float(self.accelerator.reduce(elapsed, "max")) >= self.budget
 
     def _group_scale(self, batch: int, micro_batches: int) -> float:
         """Loss factor for micro-batch ``batch`` of an epoch of ``micro_batches``: Accelerate and

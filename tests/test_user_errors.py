@@ -1,0 +1,225 @@
+"""Bad input from a user ends in one line on stderr naming the file, field or record, exit code 2.
+
+The entry points run in-process with real inputs (files written here, the bundled tokenizer, a
+local HTTP server standing in for the hub's answers); one test runs a real subprocess for the
+exit code and the --debug traceback as a shell sees them.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import assert_user_error
+
+from draftsmith.config import load_recipe
+from draftsmith.errors import UserError, report_user_errors
+from draftsmith.eval.run import main as eval_main
+from draftsmith.hub import check_hub_id
+from draftsmith.precision import choose_cpu_dtype, resolve_dtype
+from draftsmith.recipe import Recipe
+from draftsmith.train.cli import parse_training_args, resolve_precision
+from draftsmith.train.eagle import EagleRecipe
+from draftsmith.train.eagle import main as eagle_main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# eval/run.py: flags and drafter specs, all refused before the target loads
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--max-new-tokens", "0"), ("--max-new-tokens", "-5"), ("--limit", "0"), ("--per-category", "0"), ("--turns", "0"),
+])
+def test_counts_below_one_are_refused(capsys, flag, value):
+    assert_user_error(capsys, rf"argument {flag}: must be >= 1, got {value}", eval_main,
+                      ["--drafter", "prompt_lookup", flag, value])
+
+
+@pytest.mark.parametrize("spec,pattern", [
+    ("foo", r"unknown drafter kind 'foo'; choose from prompt_lookup, oracle, draft_lm, eagle, medusa"),
+    ("eagle", r"the eagle drafter needs a checkpoint: eagle:PATH"),
+    ("eagle:/nonexistent/run?depth=3", r"/nonexistent/run is not a drafter checkpoint"),
+    ("prompt_lookup?num_token=3", r"unknown option\(s\) num_token for prompt_lookup; its options: num_tokens"),
+    ("prompt_lookup?min_ngram=4", r"prompt_lookup: need 1 <= min_ngram <= max_ngram"),
+    ("prompt_lookup:some/path", r"the prompt_lookup drafter takes no path"),
+])
+def test_bad_drafter_specs_are_one_line(capsys, spec, pattern):
+    assert_user_error(capsys, pattern, eval_main, ["--drafter", spec])
+
+
+def test_checkpoint_of_another_kind_is_named(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"draftsmith_kind": "eagle"}))
+    assert_user_error(capsys, rf"{tmp_path} holds a 'eagle' drafter, not 'medusa': use the drafter kind",
+                      eval_main, ["--drafter", f"medusa:{tmp_path}"])
+
+
+def test_prompt_files_name_the_bad_line_and_turns_are_checked(capsys, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"prompt": \n')
+    assert_user_error(capsys, rf"{prompts}:2: not valid JSON", eval_main, ["--drafter", "prompt_lookup", "--prompts", str(prompts)])
+    prompts.write_text('{"prompt": "hello"}\n')
+    assert_user_error(capsys, r"--turns 2: 1 prompt\(s\) have fewer turns", eval_main,
+                      ["--drafter", "prompt_lookup", "--prompts", str(prompts), "--turns", "2"])
+    assert_user_error(capsys, r"--top-p must be in \(0, 1\]", eval_main, ["--drafter", "prompt_lookup", "--top-p", "0"])
+
+
+def test_debug_shows_the_traceback_and_bugs_keep_theirs(capsys, monkeypatch):
+    with pytest.raises(UserError, match="unknown drafter kind"):
+        eval_main(["--drafter", "foo", "--debug"])
+    monkeypatch.setenv("DRAFTSMITH_DEBUG", "1")
+    with pytest.raises(UserError):
+        eval_main(["--drafter", "foo"])
+
+    @report_user_errors
+    def buggy(argv=None):
+        raise RuntimeError("a bug")
+    with pytest.raises(RuntimeError, match="a bug"):
+        buggy([])
+
+
+def test_a_shell_sees_exit_code_2_and_one_line(tmp_path):
+    env = {**os.environ, "DRAFTSMITH_DEBUG": ""}
+    done = subprocess.run([sys.executable, "eval/run.py", "--drafter", "eagle:/nonexistent"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "run.py: error: /nonexistent is not a drafter checkpoint: it has no config.json (give a checkpoint-N "
+        "or checkpoint-final folder written by training)"]
+    debug = subprocess.run([sys.executable, "eval/run.py", "--drafter", "eagle:/nonexistent", "--debug"], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "CheckpointError" in debug.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Training scripts: recipes and data
+
+
+def test_missing_recipe_and_yaml_booleans(capsys, tmp_path):
+    assert_user_error(capsys, r"recipe nope\.yaml does not exist", eagle_main, ["nope.yaml"])
+    # YAML 1.1 would read no/off/yes as booleans; string fields keep the word, bool fields take it.
+    recipe, _ = parse_training_args(EagleRecipe, ["--training.mixed_precision", "no", "--tracking.run_name", "off",
+                                                  "--data.regenerate.enabled", "yes", "--target.dtype", "float32"])
+    assert recipe.training.mixed_precision == "no" and recipe.tracking.run_name == "off"
+    assert recipe.data.regenerate.enabled is True
+    path = tmp_path / "r.yaml"
+    path.write_text("training:\n  mixed_precision: no\ndistributed:\n  offload_params: on\n")
+    loaded = load_recipe(Recipe, path)
+    assert loaded.training.mixed_precision == "no" and loaded.distributed.offload_params is True
+
+
+def _write(path: Path, records: list, cut: int = 0) -> Path:
+    text = json.dumps(records, indent=1)
+    path.write_text(text[:-cut] if cut else text)
+    return path
+
+
+def test_zero_conversations_stop_with_the_summary_and_reason(capsys, tmp_path):
+    conversation = {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
+    truncated = _write(tmp_path / "cut.json", [conversation], cut=30)  # the only record is cut off
+    line = assert_user_error(capsys, rf"{truncated}: no usable conversation in 0 complete records \(1 dropped as "
+                             r"truncated_tail\)", eagle_main, ["--data.path", str(truncated), "--target.dtype", "float32",
+                                                               "--data.cache_dir", str(tmp_path / "cache")])
+    assert "ShareGPT-style records" in line
+    bad = _write(tmp_path / "bad.json", [{"id": "b", "conversations": [{"from": "robot", "value": "x"}]}])
+    assert_user_error(capsys, r"1 dropped as unknown_role", eagle_main,
+                      ["--data.path", str(bad), "--target.dtype", "float32", "--data.cache_dir", str(tmp_path / "cache")])
+    printed = capsys.readouterr()
+    assert printed.err == ""
+
+
+def test_nothing_left_after_tokenising_names_max_length(capsys, tmp_path):
+    long_prompt = {"id": "c", "conversations": [{"from": "human", "value": "word " * 200}, {"from": "gpt", "value": "ok"}]}
+    path = _write(tmp_path / "long.json", [long_prompt])
+    assert_user_error(capsys, r"no training conversation left after tokenising 1 \(1 with no assistant token within "
+                      r"data\.max_length=64\); raise data\.max_length", eagle_main,
+                      ["--data.path", str(path), "--data.max_length", "64", "--target.dtype", "float32",
+                       "--data.cache_dir", str(tmp_path / "cache")])
+
+
+# ---------------------------------------------------------------------------------------------
+# The hub: one answer, no retries, the case named
+
+
+def test_offline_hub_id_not_in_cache_is_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    assert_user_error(capsys, r"target\.name: 'someorg/some-model' is not in the local Hugging Face cache and "
+                      r"HF_HUB_OFFLINE is set; download it .*hf download someorg/some-model --local-dir DIR.* set "
+                      r"target\.name to that folder", eagle_main, ["--target.name", "someorg/some-model",
+                                                                  "--target.dtype", "float32"])
+    assert_user_error(capsys, r"--target: 'someorg/some-model' is not in the local Hugging Face cache", eval_main,
+                      ["--drafter", "prompt_lookup", "--target", "someorg/some-model", "--dtype", "float32"])
+
+
+class _HubStandIn(http.server.BaseHTTPRequestHandler):
+    """Answers as the hub does for a gated repo (403, X-Error-Code: GatedRepo) and a missing one."""
+
+    def _answer(self):
+        gated = "/gated-org/" in self.path
+        self.send_response(403 if gated else 404)
+        self.send_header("X-Error-Code", "GatedRepo" if gated else "RepoNotFound")
+        self.send_header("X-Error-Message", "Access restricted" if gated else "Repository not found")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hub_endpoint():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HubStandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _check_in_fresh_process(endpoint: str, cache: Path, *args: str) -> str:
+    """``check_hub_id(*args)`` where huggingface_hub reads HF_ENDPOINT (at import), as a user's process does."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(cache))
+    code = ("import sys\nfrom draftsmith.hub import check_hub_id\ntry:\n    check_hub_id(*sys.argv[1:])\n"
+            "except Exception as err:\n    print(type(err).__name__, err)")
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+                          timeout=60).stdout.strip()
+
+
+def test_gated_and_missing_repos_are_named(hub_endpoint, tmp_path):
+    gated = _check_in_fresh_process(hub_endpoint, tmp_path, "gated-org/model", "target.name")
+    assert gated.startswith("HubError target.name: 'gated-org/model' is a gated model on the Hugging Face hub: "
+                            "accept its licence on its hub page and log in (`hf auth login` or HF_TOKEN)"), gated
+    missing = _check_in_fresh_process(hub_endpoint, tmp_path, "other-org/data", "data.path", "dataset")
+    assert missing.startswith("HubError data.path: no dataset 'other-org/data' on the Hugging Face hub"), missing
+    with pytest.raises(UserError, match=r"target\.name: /no/such/folder does not exist"):
+        check_hub_id("/no/such/folder", "target.name")
+
+
+# ---------------------------------------------------------------------------------------------
+# dtype auto
+
+
+def test_auto_dtype_follows_the_measurement(capsys):
+    assert choose_cpu_dtype(fp32_seconds=1.0, bf16_seconds=40.0)[0] == torch.float32
+    assert "40.0x slower" in choose_cpu_dtype(1.0, 40.0)[1]
+    assert choose_cpu_dtype(fp32_seconds=2.0, bf16_seconds=1.0)[0] == torch.bfloat16
+    chosen = resolve_dtype("auto", "cpu")
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"dtype auto -> {str(chosen).removeprefix('torch.')} on cpu: a bf16 matmul ran")
+    assert chosen in (torch.float32, torch.bfloat16)
+    recipe, _ = parse_training_args(EagleRecipe, ["--target.dtype", "float32"])
+    assert recipe.training.mixed_precision == "no"  # auto follows the target's dtype
+    recipe.target.dtype, recipe.training.mixed_precision = "auto", "auto"
+    resolve_precision(recipe)
+    assert recipe.target.dtype == str(chosen).removeprefix("torch.")
+    assert recipe.training.mixed_precision == {torch.bfloat16: "bf16", torch.float32: "no"}[chosen]
