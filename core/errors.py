@@ -62,6 +62,7 @@ def report_user_errors(main: F) -> F:
             given = [a for a in given if a != DEBUG_FLAG]
             if argv is None:
                 sys.argv[1:] = given
+            os.environ[DEBUG_ENV] = "1"  # entry points this one calls (eval/demo.py runs two) see it too
         try:
             return main(given if argv is not None else None, *args, **kwargs)
         except UserError as err:

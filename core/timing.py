@@ -8,8 +8,12 @@ first waits for the device's queued work.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
+
+# (stage, seconds) of the named stages this process ran, in order (see :func:`stage`).
+STAGES: list[tuple[str, float]] = []
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
@@ -26,3 +30,22 @@ def clock(device: torch.device | str | None = None) -> float:
     ``clock(device) - start`` with ``start = clock(device)``."""
     synchronize(device)
     return time.perf_counter()
+
+
+@contextmanager
+def stage(name: str, device: torch.device | str | None = None):
+    """Time a named stage of a command (loading, features, training, decoding) into :data:`STAGES`,
+    for the per-stage wall times a command prints at its end."""
+    start = clock(device)
+    try:
+        yield
+    finally:
+        STAGES.append((name, clock(device) - start))
+
+
+def stage_table(stages: list[tuple[str, float]] | None = None) -> str:
+    """The stages and their wall times as a Markdown table, with the total."""
+    stages = STAGES if stages is None else stages
+    rows = [f"| {name} | {seconds:.1f} s |" for name, seconds in stages]
+    total = sum(seconds for _, seconds in stages)
+    return "\n".join(["| stage | wall time |", "|---|---|", *rows, f"| total | {total:.1f} s ({total / 60:.1f} min) |"])

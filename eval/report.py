@@ -91,6 +91,23 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def captions(summary: dict) -> list[str]:
+    """One line per method slower than the baseline, saying why from its own measurements: the
+    tokens it gains per target pass against what one of its steps costs in plain decoding steps
+    (tau / speedup, prefill included), which is the acceptance length it needs to break even."""
+    lines = []
+    for method, s in summary["methods"].items():
+        speedup, tau = s.get("speedup"), s["acceptance_length"]
+        if method == BASELINE or speedup is None or speedup >= 1.0 or not tau:
+            continue
+        cost = tau / speedup
+        lines.append(f"{method} is slower than plain decoding here ({speedup:.2f}x): it produced {tau:.2f} tokens per "
+                     f"target pass, but one of its steps (drafting plus verifying the draft) took as long as "
+                     f"{cost:.2f} plain decoding steps on this device, so it needs an acceptance length above "
+                     f"{cost:.2f} to pay off.")
+    return lines
+
+
 def write_results(runs: list[Run], out_dir: str | Path, meta: dict | None = None) -> dict:
     """Write results.json (summary + every run), results.csv, table.md and PNG plots; return the summary."""
     out = Path(out_dir)
@@ -106,7 +123,7 @@ def write_results(runs: list[Run], out_dir: str | Path, meta: dict | None = None
                 writer.writerow([method, category, round(e["acceptance_length"], 4), round(e["tokens_per_second"], 3),
                                  round(e["speedup"], 4) if e["speedup"] is not None else "",
                                  e["new_tokens"], e["target_passes"], round(e["seconds"], 3), e["num_prompts"]])
-    (out / "table.md").write_text(markdown_table(summary) + "\n")
+    (out / "table.md").write_text("\n".join([markdown_table(summary), "", *captions(summary)]).rstrip() + "\n")
     _plots(summary, out)
     return summary
 

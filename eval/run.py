@@ -21,10 +21,11 @@ from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_
 from draftsmith.eval.bench import HF_BASELINES, run_bench
 from draftsmith.eval.drafters import build_drafter, kinds_help, parse_spec
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.report import markdown_table, write_results
+from draftsmith.eval.report import captions, markdown_table, write_results
 from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
 from draftsmith.target import load_target
+from draftsmith.timing import stage
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,14 +82,16 @@ def main(argv: list[str] | None = None) -> dict:
     if short:
         raise UsageError(f"--turns {args.turns}: {len(short)} prompt(s) have fewer turns (e.g. id {short[0]}); "
                          f"lower --turns")
-    target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template, field="--target")
-    drafters = [build_drafter(spec, target) for spec in specs]
+    with stage("eval: load target and drafters"):
+        target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template, field="--target")
+        drafters = [build_drafter(spec, target) for spec in specs]
     sampling = args.sampling
     assistants = {d.name: (d.runner.model, d.depth) for d in drafters if isinstance(d, DraftLMDrafter)}
     if args.hf_assistant:
         assistants = {name: assistants[name] for name in args.hf_assistant}
-    runs = run_bench(target, tokenizer, drafters, prompts, args.max_new_tokens, sampling, args.turns,
-                     tuple(args.hf_baseline), assistants, args.seed)
+    with stage(f"eval: decode {len(prompts)} prompts x {len(drafters) + 1 + len(args.hf_baseline)} methods"):
+        runs = run_bench(target, tokenizer, drafters, prompts, args.max_new_tokens, sampling, args.turns,
+                         tuple(args.hf_baseline), assistants, args.seed)
     meta = {
         "argv": sys.argv if argv is None else ["eval/run.py", *argv],
         "target": args.target, "dtype": dtype_name(next(target.parameters()).dtype),
@@ -103,6 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{len(prompts)} prompts x {args.turns} turn(s), {args.max_new_tokens} new tokens, "
           f"temperature {args.temperature}, target {args.target} ({meta['dtype']})\n")
     print(markdown_table(summary))
+    for line in captions(summary):
+        print(f"\n{line}")
     for drafter in drafters:
         if drafter.verifier_label:
             print(f"{drafter.name} is verified by its own target: {drafter.verifier_label}")

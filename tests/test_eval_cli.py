@@ -3,7 +3,8 @@ import json
 import pytest
 
 from draftsmith.eval.bench import Run, _agreement
-from draftsmith.eval.report import summarise
+from draftsmith.eval.report import captions, summarise
+from draftsmith.timing import STAGES, stage, stage_table
 from draftsmith.eval.run import main
 
 
@@ -24,6 +25,28 @@ def test_summary_pools_runs_and_computes_speedup_against_baseline():
     # 9 steps accepted 1, 1, 1 (x9), then >=2 drafts in 7 steps, >=3 in 5 steps
     assert s["fast"]["per_position_acceptance"] == pytest.approx([1.0, 7 / 9, 5 / 9])
     assert s["fast"]["accepted_per_step_histogram"] == {"2": 2, "3": 2, "4": 5}
+
+
+def test_methods_slower_than_plain_decoding_get_a_caption_with_the_reason():
+    runs = [
+        Run("baseline", "1", "math", 1, new_tokens=11, steps=10, seconds=2.0),
+        Run("slow", "1", "math", 1, new_tokens=11, steps=8, seconds=4.0, accepted=[2, 1, 1, 1, 2, 1, 1, 1]),
+        Run("fast", "1", "math", 1, new_tokens=11, steps=4, seconds=1.0, accepted=[3, 3, 2, 2]),
+    ]
+    summary = summarise(runs)
+    (line,) = captions(summary)
+    # tau 10/8 = 1.25 at 0.5x: one of its steps cost 2.5 plain steps, so it needs tau above 2.5.
+    assert line == ("slow is slower than plain decoding here (0.50x): it produced 1.25 tokens per target pass, but one "
+                    "of its steps (drafting plus verifying the draft) took as long as 2.50 plain decoding steps on this "
+                    "device, so it needs an acceptance length above 2.50 to pay off.")
+
+
+def test_stage_table_totals_the_stages():
+    stages = [("train", 90.0), ("eval", 30.0)]
+    assert stage_table(stages).splitlines()[-1] == "| total | 120.0 s (2.0 min) |"
+    with stage("a named stage"):
+        pass
+    assert STAGES[-1][0] == "a named stage" and STAGES[-1][1] >= 0.0
 
 
 def test_greedy_runs_report_agreement_with_plain_decoding():

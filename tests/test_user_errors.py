@@ -73,6 +73,7 @@ def test_prompt_files_name_the_bad_line_and_turns_are_checked(capsys, tmp_path):
 
 
 def test_debug_shows_the_traceback_and_bugs_keep_theirs(capsys, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_DEBUG", "")  # --debug sets it for nested entry points; undone after the test
     with pytest.raises(UserError, match="unknown drafter kind"):
         eval_main(["--drafter", "foo", "--debug"])
     monkeypatch.setenv("DRAFTSMITH_DEBUG", "1")

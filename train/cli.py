@@ -8,6 +8,7 @@ from draftsmith.config import load_recipe, schema_help
 from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.precision import dtype_name, mixed_precision_for, resolve_dtype
 from draftsmith.recipe import OVERRIDE_ALIASES, Recipe
+from draftsmith.timing import stage
 
 
 def resolve_precision(recipe: Recipe) -> None:
@@ -70,7 +71,8 @@ def _train(argv: list[str] | None, recipe_class, build, description: str):
         task, train_set, eval_set = build(recipe)
     trainer = Trainer(recipe, task, train_set, eval_set, accelerator)
     task.target.to(trainer.accelerator.device)
-    trainer.last_checkpoint = trainer.train(resume=resume)
+    with stage("train: training loop"):
+        trainer.last_checkpoint = trainer.train(resume=resume)
     return trainer
 
 
@@ -81,7 +83,8 @@ def target_and_data(recipe):
     from draftsmith.data_prep.regenerate import prepare_data_config
     from draftsmith.target import load_target
 
-    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template,
-                                    field="target.name")
-    data, _ = build_dataset(prepare_data_config(recipe.data, target, recipe.target.name, tokenizer), tokenizer)
+    with stage("train: load target and tokenise data"):
+        target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template,
+                                        field="target.name")
+        data, _ = build_dataset(prepare_data_config(recipe.data, target, recipe.target.name, tokenizer), tokenizer)
     return target, tokenizer, data

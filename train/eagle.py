@@ -21,6 +21,7 @@ from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.train.cli import run_training, target_and_data
+from draftsmith.timing import stage
 from draftsmith.train.loop import Trainer, pad_batch
 
 
@@ -124,7 +125,8 @@ def build(recipe: EagleRecipe):
     draft_vocab = draft_vocab_for(recipe.drafter.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
     torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
     head = EagleHead.for_target(target, recipe.target.name, recipe.drafter.num_layers, draft_vocab, recipe.drafter.init)
-    train_set, eval_set = training_sets(recipe, target, data)
+    with stage(f"train: {recipe.drafter.features} feature sets"):
+        train_set, eval_set = training_sets(recipe, target, data)
     return EagleTask(recipe, target, head), train_set, eval_set
 
 

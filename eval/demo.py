@@ -1,0 +1,51 @@
+"""The main job: train an EAGLE head for the bundled SmolLM2 target on ShareGPT, then benchmark it
+on MT-bench against plain decoding and prompt lookup, and print the acceptance table and the wall
+time of every stage.
+
+    python eval/demo.py                      # what `make demo` runs
+    python eval/demo.py --train-minutes 10 --per-category 2 --max-new-tokens 256
+
+Training is bounded by wall-clock time (``training.max_minutes``), not by steps, so the job takes
+about as long on a slow CPU as on a fast one and the head gets what the machine can give it in
+that time. The dtype is chosen by measurement (``auto``): bf16 where it is fast, else fp32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.errors import ArgumentParser, report_user_errors
+from draftsmith.eval.run import main as eval_main
+from draftsmith.timing import stage_table
+from draftsmith.train.eagle import main as train_main
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-eagle-demo.yaml"
+
+
+@report_user_errors
+def main(argv: list[str] | None = None) -> dict:
+    """Train, benchmark, print the table and the stage times; returns the benchmark summary."""
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default=str(RECIPE), help="EAGLE recipe to train")
+    parser.add_argument("--out-dir", default="runs/demo", help="training output (the head: OUT_DIR/checkpoint-final)")
+    parser.add_argument("--results", default="results/demo", help="benchmark output folder")
+    parser.add_argument("--train-minutes", type=float, default=None, help="training budget (default: the recipe's)")
+    parser.add_argument("--per-category", type=int, default=1, help="MT-bench questions per category (8 categories)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="auto", help="target dtype for training and decoding")
+    args, train_overrides = parser.parse_known_args(argv)
+    overrides = ["--output_dir", args.out_dir, "--target.dtype", args.dtype, *train_overrides]
+    if args.train_minutes is not None:
+        overrides += ["--training.max_minutes", str(args.train_minutes)]
+    trainer = train_main([args.recipe, *overrides])
+    summary = eval_main(["--target", trainer.recipe.target.name, "--dtype", trainer.recipe.target.dtype,
+                         "--bench", "mt_bench", "--per-category", str(args.per_category),
+                         "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
+                         "--drafter", f"eagle:{trainer.last_checkpoint}", "--drafter", "prompt_lookup",
+                         "--out", args.results])
+    print(f"\nwall time per stage:\n{stage_table()}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
