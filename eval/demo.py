@@ -7,7 +7,9 @@ time of every stage.
 
 Training is bounded by wall-clock time (``training.max_minutes``), not by steps, so the job takes
 about as long on a slow CPU as on a fast one and the head gets what the machine can give it in
-that time. The dtype is chosen by measurement (``auto``): bf16 where it is fast, else fp32.
+that time. The dtype is chosen by measurement (``auto``): bf16 where it is fast, else fp32. So is
+the EAGLE tree: the largest one (up to 12 nodes) whose verification pass costs at most 1.25x a
+one-token pass on this device (see :func:`~draftsmith.eval.pass_cost.affordable_budget`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.errors import ArgumentParser, report_user_errors
+from draftsmith.eval.pass_cost import affordable_budget, measure_pass_cost
 from draftsmith.eval.run import main as eval_main
-from draftsmith.timing import stage_table
+from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.timing import stage, stage_table
 from draftsmith.train.eagle import main as train_main
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-eagle-demo.yaml"
@@ -38,10 +42,17 @@ def main(argv: list[str] | None = None) -> dict:
     if args.train_minutes is not None:
         overrides += ["--training.max_minutes", str(args.train_minutes)]
     trainer = train_main([args.recipe, *overrides])
+    with stage("demo: measure verification cost"):
+        costs = measure_pass_cost(CausalLMRunner(trainer.task.target), prefix=200, sizes=(1, 3, 4, 5, 7, 9, 13), repeats=3)
+    budget = affordable_budget(costs)
+    print("verification pass cost on this device, x a one-token pass: "
+          + ", ".join(f"{n} tokens {seconds / costs[1]:.2f}" for n, seconds in costs.items())
+          + f"; EAGLE tree: {budget} nodes")
+    tree = f"depth={min(5, budget)}&top_k={min(3, budget)}&budget={budget}"
     summary = eval_main(["--target", trainer.recipe.target.name, "--dtype", trainer.recipe.target.dtype,
                          "--bench", "mt_bench", "--per-category", str(args.per_category),
                          "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
-                         "--drafter", f"eagle:{trainer.last_checkpoint}", "--drafter", "prompt_lookup",
+                         "--drafter", f"eagle:{trainer.last_checkpoint}?{tree}", "--drafter", "prompt_lookup",
                          "--out", args.results])
     print(f"\nwall time per stage:\n{stage_table()}")
     return summary

@@ -42,6 +42,15 @@ def measure_pass_cost(runner: CausalLMRunner, prefix: int = 200, sizes: tuple[in
     return costs
 
 
+def affordable_budget(costs: dict[int, float], max_overhead: float = 1.25, largest: int = 12, smallest: int = 2) -> int:
+    """The largest tree (draft nodes, between ``smallest`` and ``largest``) whose verification pass
+    (the nodes plus the last accepted token) costs at most ``max_overhead`` single-token passes on
+    the measured curve ``costs``: on a CPU where passes of 4+ tokens cost 1.5x, a 12-node tree spends
+    more on verification than a young head's drafts give back."""
+    fits = [n - 1 for n, seconds in costs.items() if smallest + 1 <= n <= largest + 1 and seconds <= max_overhead * costs[1]]
+    return max(fits, default=smallest)
+
+
 def ceiling_speedup(costs: dict[int, float], tokens_per_pass: int) -> float:
     """Best possible speedup when every pass of ``tokens_per_pass`` tokens yields that many tokens."""
     return tokens_per_pass * costs[1] / costs[tokens_per_pass]

@@ -347,3 +347,17 @@ def test_load_choices(tmp_path):
         load_choices([[0], [-1]])
     with pytest.raises(ValueError, match="non-empty"):
         load_choices([[]])
+
+
+def test_affordable_budget_follows_the_measured_pass_cost():
+    from draftsmith.eval.pass_cost import affordable_budget
+
+    # Measured on this project's CPUs (ms per pass of n tokens): fp32 with a step at 4 tokens,
+    # bf16 nearly flat, and an fp32 CPU where any pass of 2+ tokens costs ~1.7x.
+    fp32 = {1: 33.7, 2: 35.7, 3: 37.8, 4: 51.1, 6: 53.8, 8: 61.5, 12: 70.6, 16: 65.7}
+    bf16 = {1: 36.7, 3: 38.0, 5: 39.6, 9: 41.0, 13: 42.9}
+    steep = {1: 37.1, 2: 62.7, 4: 59.9, 9: 67.0, 16: 71.4}
+    assert affordable_budget(fp32) == 2
+    assert affordable_budget(bf16) == 12
+    assert affordable_budget(steep) == 2  # nothing fits: the smallest tree
+    assert affordable_budget(bf16, largest=6) == 4
