@@ -23,15 +23,14 @@ def run_training(recipe_class, build, argv: list[str] | None = None, description
     Returns the finished :class:`~draftsmith.train.loop.Trainer` (``.history``, ``.task``,
     ``.last_checkpoint``).
     """
-    from draftsmith.train.loop import Trainer, make_accelerator
+    from draftsmith.train.loop import Trainer, process_state
 
     recipe, resume = parse_training_args(recipe_class, argv, description)
-    accelerator = make_accelerator(recipe)
     # Under `accelerate launch` the main process prepares the data (regeneration, tokenised
-    # cache, features) while the others wait, then they find it all cached.
-    with accelerator.main_process_first():
+    # cache, features, token counts) while the others wait, then they find it all cached.
+    with process_state(recipe).main_process_first():
         task, train_set, eval_set = build(recipe)
-    trainer = Trainer(recipe, task, train_set, eval_set, accelerator)
+    trainer = Trainer(recipe, task, train_set, eval_set)
     task.target.to(trainer.accelerator.device)
     trainer.last_checkpoint = trainer.train(resume=resume)
     return trainer
