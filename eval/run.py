@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import sys
 
@@ -21,6 +22,7 @@ from draftsmith.eval.bench import HF_BASELINES, run_bench
 from draftsmith.eval.drafters import build_drafter, parse_spec
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
 from draftsmith.eval.report import markdown_table, write_results
+from draftsmith.eval.runner import ContextLengthError, UnsupportedTargetError
 from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.target import load_target
 
@@ -57,6 +59,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _user_errors(run):
+    """A target or request the engine cannot serve exits 2 with its one-line reason, no traceback."""
+    @functools.wraps(run)
+    def wrapped(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except (ContextLengthError, UnsupportedTargetError) as err:
+            print(f"eval/run.py: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+    return wrapped
+
+
+@_user_errors
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     specs = [parse_spec(s) for s in args.drafter]
