@@ -84,3 +84,12 @@ def test_two_processes_from_a_cold_cache_prepare_what_one_process_does(recipe, o
     # The main process regenerated; the other one waited and found every conversation done.
     assert proc.stdout.count(f"'written': {len(ids)}, 'skipped': 0") == 1
     assert proc.stdout.count(f"'written': 0, 'skipped': {len(ids)}, 'turns': 0") == 1
+
+
+def test_the_other_processes_outwait_the_default_group_timeout(tmp_path):
+    """Regenerating a dataset takes hours where a barrier of the default group gives up after 10
+    (NCCL) or 30 minutes; scaled down: an 8 s preparation against a 3 s default timeout."""
+    proc = launch("tests/long_preparation.py", tmp_path / "marker", tmp_path / "unused", cpu=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT ")) == \
+        ["RESULT 0 prepared", "RESULT 1 prepared"]

@@ -23,12 +23,12 @@ def run_training(recipe_class, build, argv: list[str] | None = None, description
     Returns the finished :class:`~draftsmith.train.loop.Trainer` (``.history``, ``.task``,
     ``.last_checkpoint``).
     """
-    from draftsmith.train.loop import Trainer, process_state
+    from draftsmith.train.loop import Trainer, main_process_first
 
     recipe, resume = parse_training_args(recipe_class, argv, description)
     # Under `accelerate launch` the main process prepares the data (regeneration, tokenised
     # cache, features, token counts) while the others wait, then they find it all cached.
-    with process_state(recipe).main_process_first():
+    with main_process_first(recipe):
         task, train_set, eval_set = build(recipe)
     trainer = Trainer(recipe, task, train_set, eval_set)
     task.target.to(trainer.accelerator.device)

@@ -18,7 +18,9 @@ import os
 import re
 import shutil
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -128,7 +130,7 @@ def _process_group(recipe: Recipe) -> InitProcessGroupKwargs | None:
 
 def process_state(recipe: Recipe) -> PartialState:
     """This run's processes before any model is wrapped (the state the Accelerator made by
-    :func:`make_accelerator` takes over), e.g. for ``main_process_first()`` around data preparation.
+    :func:`make_accelerator` takes over), e.g. for :func:`main_process_first` around data preparation.
 
     Not an Accelerator yet: under ZeRO-3 one would make ``from_pretrained`` partition the frozen
     target, a collective that deadlocks while the other processes wait.
@@ -137,6 +139,26 @@ def process_state(recipe: Recipe) -> PartialState:
     if recipe.distributed.backend == "deepspeed":
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as the Accelerator sets it: DeepSpeed's own init
     return PartialState(parse_flag_from_env("ACCELERATE_USE_CPU"), **(group.to_kwargs() if group else {}))
+
+
+@contextmanager
+def main_process_first(recipe: Recipe, timeout: timedelta = timedelta(hours=24)):
+    """Run the block on the main process, then on the others (e.g. to read the caches it wrote).
+
+    The others may wait as long as a dataset takes to regenerate: they wait in a gloo group of
+    their own with a long ``timeout``, where a barrier of the default group gives up after 10
+    (NCCL) or 30 minutes. A failing main process still ends the run: the launcher stops the rest.
+    """
+    state = process_state(recipe)
+    if state.num_processes == 1:
+        yield
+        return
+    group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+    if not state.is_main_process:
+        torch.distributed.barrier(group=group)
+    yield
+    if state.is_main_process:
+        torch.distributed.barrier(group=group)
 
 
 def make_accelerator(recipe: Recipe) -> Accelerator:
