@@ -87,6 +87,17 @@ def test_eagle_head_attends_to_everything_whatever_the_target_layers(kind):
     assert runner.window is None
 
 
+def test_eagle_head_for_a_soft_capping_target_reloads_with_eager_attention(tmp_path):
+    target = tiny("gemma2")
+    head = EagleHead.for_target(target, "gemma2", init="random")
+    head.save_pretrained(tmp_path / "head")
+    loaded = EagleHead.from_pretrained(tmp_path / "head", target)
+    assert loaded.config._attn_implementation == "eager"
+    ids, features = torch.tensor([[3, 4, 5]]), torch.randn(1, 3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, features).last_hidden_state, head(ids, features).last_hidden_state)
+
+
 def test_gemma2_verifies_with_soft_capped_logits():
     model = tiny("gemma2")
     ids = torch.tensor([[3, 4, 5, 6]])
