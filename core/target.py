@@ -11,6 +11,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -129,13 +130,31 @@ def load_target(
     return model, _tokenizer_from(source, chat_template)
 
 
-def merge_adapter(target: PreTrainedModel, adapter: str | Path) -> PreTrainedModel:
-    """A copy of ``target`` with the ``peft`` LoRA adapter in folder ``adapter`` merged in (frozen, eval)."""
-    import copy
+def attach_adapter(target: PreTrainedModel, adapter: str | Path, active: bool = False) -> PreTrainedModel:
+    """``target`` with the ``peft`` LoRA adapter in folder ``adapter``, sharing ``target``'s weights.
 
+    The adapter is injected unmerged into ``target``'s own layers (its weights are all the memory
+    it adds; a merged copy doubled the target's) and, unless ``active``, switched off: ``target``
+    keeps computing the base model (e.g. for the plain baseline) and :func:`adapter_active`
+    switches the adapter on where the tuned model should run. Several adapters may be attached.
+    """
     from peft import PeftModel
 
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise UserError(f"{adapter} holds no LoRA adapter (adapter_config.json)")
-    merged = PeftModel.from_pretrained(copy.deepcopy(target), str(adapter)).merge_and_unload()
-    return merged.eval().requires_grad_(False)
+    name = "adapter_" + hashlib.sha256(str(Path(adapter).resolve()).encode()).hexdigest()[:12]
+    tuned = PeftModel.from_pretrained(target, str(adapter), adapter_name=name).eval().requires_grad_(False)
+    if not active:
+        tuned.base_model.disable_adapter_layers()
+    return tuned
+
+
+@contextmanager
+def adapter_active(tuned: PreTrainedModel):
+    """Run ``tuned`` (from :func:`attach_adapter`) with its adapter on; off again afterwards."""
+    tuned.base_model.set_adapter(tuned.active_adapter)
+    tuned.base_model.enable_adapter_layers()
+    try:
+        yield tuned
+    finally:
+        tuned.base_model.disable_adapter_layers()

@@ -93,8 +93,8 @@ def run_bench(
     for drafter in drafters:
         if drafter.name in decoders or drafter.name in HF_BASELINES:
             raise UsageError(f"two methods are named {drafter.name!r}; give one a name= option")
-        # A drafter trained jointly with its own copy of the target (Medusa-2) is verified by that
-        # copy; its cost per pass is the target's, so plain decoding stays the baseline.
+        # A drafter trained jointly with a tuned target (Medusa-2: the target plus a LoRA adapter,
+        # on only while it decodes) is verified by it; plain decoding stays the baseline.
         verifier = drafter.verifier or target
         decoders[drafter.name] = SpeculativeDecoder(verifier, drafter, tokenizer, sampling, eos)
     hf_kwargs = {name: kwargs for name, kwargs in (("hf_plain", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10}))

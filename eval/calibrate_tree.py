@@ -33,7 +33,7 @@ from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.eval.tree import expected_acceptance, optimal_choices
 from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, rank_accuracy
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
-from draftsmith.target import load_target, merge_adapter
+from draftsmith.target import attach_adapter, load_target
 from draftsmith.timing import clock
 from draftsmith.train.loop import pad_batch
 from draftsmith.train.medusa import MedusaRecipe, MedusaTask
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     target_name = args.target or recipe.target.name
     target, tokenizer = load_target(target_name, args.dtype, args.device, recipe.target.chat_template)
     adapter = checkpoint / "adapter"
-    verifier = merge_adapter(target, adapter) if adapter.is_dir() else target
+    verifier = attach_adapter(target, adapter, active=True) if adapter.is_dir() else target
     heads = MedusaHeads.from_pretrained(checkpoint, verifier).to(verifier.dtype)
 
     data_cfg = prepare_data_config(recipe.data, verifier, recipe.target.name, tokenizer)

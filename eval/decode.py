@@ -8,6 +8,7 @@ produced during decoding divided by target passes during decoding; prefill count
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -99,6 +100,10 @@ class SpeculativeDecoder:
         Stops after an EOS token (kept) even inside an accepted path, or once the decoded text
         contains one of ``stop_strings``. ``streamer`` receives each step's new tokens.
         """
+        with self.drafter.verifying() if self.drafter is not None else nullcontext():
+            return self._generate(prompt, max_new_tokens, stop_strings, streamer, seed)
+
+    def _generate(self, prompt, max_new_tokens, stop_strings, streamer, seed) -> Generation:
         # Drafts never reach past the last new token (their depth is capped by the remaining
         # budget), and that token is never fed back: prompt + max_new_tokens - 1 positions.
         self.runner.check_context(len(prompt) + max_new_tokens - 1,

@@ -16,17 +16,18 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from draftsmith.errors import UsageError
 from draftsmith.eval.tree import ROOT, ancestor_mask
 
 MASKED_ATTENTION = ("sdpa", "eager")  # implementations that honour an additive 4D mask
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-class UnsupportedTargetError(ValueError):
+class UnsupportedTargetError(UsageError):
     """A model the tree engine cannot verify with exactly (attention implementation, layer type)."""
 
 
-class ContextLengthError(ValueError):
+class ContextLengthError(UsageError):
     """A generation that would run past a model's maximum positions."""
 
 

@@ -37,9 +37,9 @@ class EagleHead(DraftVocabMixin, nn.Module):
         config = target_config.__class__.from_dict(target_config.to_dict())
         config.num_hidden_layers = num_layers
         _full_attention(config)
-        # sdpa (the head's mask is a 4D float one), unless the target's layers need eager
-        # attention (Gemma-2 soft-caps attention logits, which sdpa refuses).
-        config._attn_implementation = "eager" if getattr(target_config, "_attn_implementation", None) == "eager" else "sdpa"
+        # sdpa (the head's mask is a 4D float one), unless the layers soft-cap attention logits
+        # (Gemma-2), which only eager attention implements.
+        config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
         self.config = config
         self.target_info = target_info or {}
         if layer_class is None or rotary_class is None:

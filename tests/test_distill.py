@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from training_helpers import save_tiny_target, write_recipe
+from training_helpers import launch, save_tiny_target, write_recipe
 
 from draftsmith.heads.draft_lm import derive_draft_lm, save_draft_lm, student_for
 from draftsmith.target import load_tokenizer
@@ -270,3 +270,17 @@ def test_lora_student_exports_merged_weights(recipe, tmp_path):
     ids = torch.tensor([[4, 8, 15, 16]])
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, trainer.task.model.eval()(ids).logits, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_on_policy_sampling_under_zero3_when_one_process_draws_no_student_row(recipe, tmp_path):
+    """ZeRO-3 shards the student: its forwards gather parameters, collectives every process must
+    join, also the one that drew no student row; the sampled responses are the full student's."""
+    proc = launch("tests/zero3_on_policy.py", recipe, tmp_path / "out", "--distributed.backend", "deepspeed",
+                  "--distributed.zero_stage", "3", "--drafter.sample_temperature", "0", cpu=False, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = {r["rank"]: r for r in (json.loads(line.removeprefix("RESULT ")) for line in proc.stdout.splitlines()
+                                      if line.startswith("RESULT "))}
+    assert results[0]["sources"] == ["fixed", "fixed"] and results[0]["responses"] == [[7], [8]]
+    assert results[1]["sources"] == ["student", "student"]
+    assert results[1]["responses"] == results[1]["expected"] and all(results[1]["expected"])

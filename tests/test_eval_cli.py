@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from cli_helpers import user_error
 
 from draftsmith.eval.bench import Run, _agreement
 from draftsmith.eval.report import captions, summarise
@@ -128,3 +129,20 @@ def test_hf_assisted_runs_only_the_chosen_assistant(tmp_path):
     assert methods["whole"]["acceptance_length"] == pytest.approx(11 / 4)
     assert methods["hf_assisted"]["acceptance_length"] == pytest.approx(11 / 4)
     assert methods["small"]["acceptance_length"] < 2
+
+
+def test_a_request_past_the_targets_context_exits_2_with_one_line(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftsmith.target import load_tokenizer
+
+    tokenizer = load_tokenizer("default")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=80, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "long", "prompt": "Summarise: " + "the cat sat on the mat. " * 20}) + "\n")
+    line = user_error(capsys, main, ["--target", str(tmp_path / "target"), "--drafter", "prompt_lookup", "--prompts",
+                                     str(prompts), "--max-new-tokens", "8", "--out", str(tmp_path / "out")])
+    assert "max_position_embeddings=80" in line and "max_new_tokens=8" in line

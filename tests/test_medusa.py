@@ -219,16 +219,29 @@ def test_medusa2_trains_lora_after_the_heads_warm_up(recipe, tmp_path):
     final = trainer.last_checkpoint
     assert (final / "adapter" / "adapter_config.json").is_file()
     base = LlamaForCausalLM.from_pretrained(trainer.recipe.target.name).eval()
-    drafter = build_drafter(f"medusa:{final}?budget=4", base)
-    verifier = drafter.verifier
-    assert verifier is not None and verifier is not base
-    # The merged verifier is the tuned target: same outputs as the trained (unmerged) LoRA model.
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
+        original = base(input_ids=ids).logits
+        weights = {name: param.data_ptr() for name, param in base.named_parameters()}
+        drafter = build_drafter(f"medusa:{final}?budget=4", base)
+        verifier = drafter.verifier
+        # No copy of the target: the adapter is attached to its own layers and is off outside
+        # the drafter's decoding, so the base target still gives the plain baseline.
+        assert verifier.get_base_model() is base
+        attached = {name.replace("base_layer.", ""): param.data_ptr() for name, param in base.named_parameters()}
+        assert all(attached[name] == ptr for name, ptr in weights.items())
+        assert torch.equal(base(input_ids=ids).logits, original)
         tuned = trainer.task.target.eval()(input_ids=ids).logits
-        merged = verifier(input_ids=ids).logits
-        assert torch.allclose(merged, tuned, atol=1e-4)
-        assert not torch.allclose(merged, base(input_ids=ids).logits, atol=1e-4)
+        with drafter.verifying():  # the tuned target: same outputs as the trained LoRA model
+            assert torch.allclose(verifier(input_ids=ids).logits, tuned, atol=1e-4)
+        assert not torch.allclose(tuned, original, atol=1e-4)
+        assert torch.equal(base(input_ids=ids).logits, original)
+        # Decoding with the drafter verifies with the tuned target: its greedy output is the tuned one's.
+        plain_tuned = trainer.task.target.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 4:].tolist()
+        spec = SpeculativeDecoder(verifier, drafter, eos_ids=set()).generate(ids[0].tolist(), 12)
+        assert spec.tokens == plain_tuned
+        assert SpeculativeDecoder(base, None, eos_ids=set()).generate(ids[0].tolist(), 12).tokens == \
+            base.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 4:].tolist()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,13 +51,24 @@ def _outputs(cache: Path, out: Path) -> dict:
             "draft_vocab": load_file(str(out / "checkpoint-final" / "model.safetensors"))["draft_vocab"]}
 
 
-def test_two_processes_from_a_cold_cache_prepare_what_one_process_does(recipe, tmp_path, monkeypatch):
-    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache1"))
-    main([str(recipe), "--output_dir", str(tmp_path / "out1"), "--data.cache_dir", str(tmp_path / "data1")])
-    one = _outputs(tmp_path / "cache1", tmp_path / "out1")
+@pytest.fixture(scope="module")
+def one_process(recipe, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("one")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DRAFTSMITH_CACHE", str(root / "cache"))
+        main([str(recipe), "--output_dir", str(root / "out"), "--data.cache_dir", str(root / "data")])
+    return _outputs(root / "cache", root / "out")
 
+
+# ZeRO-3 also partitions models loaded while an Accelerator exists: data preparation must not
+# run under one, or the waiting processes deadlock the main one's from_pretrained.
+@pytest.mark.parametrize("backend", [[], ["--distributed.backend", "deepspeed", "--distributed.zero_stage", "3"]],
+                         ids=["ddp", "zero3"])
+def test_two_processes_from_a_cold_cache_prepare_what_one_process_does(recipe, one_process, backend, tmp_path, monkeypatch):
+    one = one_process
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache2"))
-    proc = launch("train/eagle.py", recipe, tmp_path / "out2", "--data.cache_dir", str(tmp_path / "data2"), cpu=True)
+    proc = launch("train/eagle.py", recipe, tmp_path / "out2", "--data.cache_dir", str(tmp_path / "data2"), *backend,
+                  cpu=not backend, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = _outputs(tmp_path / "cache2", tmp_path / "out2")
 
@@ -73,3 +84,12 @@ def test_two_processes_from_a_cold_cache_prepare_what_one_process_does(recipe, t
     # The main process regenerated; the other one waited and found every conversation done.
     assert proc.stdout.count(f"'written': {len(ids)}, 'skipped': 0") == 1
     assert proc.stdout.count(f"'written': 0, 'skipped': {len(ids)}, 'turns': 0") == 1
+
+
+def test_the_other_processes_outwait_the_default_group_timeout(tmp_path):
+    """Regenerating a dataset takes hours where a barrier of the default group gives up after 10
+    (NCCL) or 30 minutes; scaled down: an 8 s preparation against a 3 s default timeout."""
+    proc = launch("tests/long_preparation.py", tmp_path / "marker", tmp_path / "unused", cpu=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT ")) == \
+        ["RESULT 0 prepared", "RESULT 1 prepared"]

@@ -90,7 +90,7 @@ def single_process_deepspeed(monkeypatch):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)}.items():
+                       "MASTER_PORT": str(port), "ACCELERATE_USE_DEEPSPEED": "true"}.items():  # restored after
         monkeypatch.setenv(key, value)
     AcceleratorState._reset_state(reset_partial_state=True)  # earlier in-process runs set up a plain state
     yield

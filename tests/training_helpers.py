@@ -6,6 +6,7 @@ thread) and two-process ``accelerate launch`` runs of a training script.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -48,7 +49,16 @@ def launch(script: str, recipe: Path, out: Path, *extra: str, cpu: bool, timeout
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--main_process_port", str(port), script, str(recipe), "--output_dir", str(out), *extra]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    # Its own process group: a run that hangs past ``timeout`` is ended with all its workers.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\n[killed after {timeout} s]"
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def write_recipe(root: Path, target: Path, drafter: dict, data: dict | None = None, **training) -> Path:

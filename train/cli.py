@@ -61,15 +61,14 @@ def run_training(recipe_class, build, argv: list[str] | None = None, description
 
 
 def _train(argv: list[str] | None, recipe_class, build, description: str):
-    from draftsmith.train.loop import Trainer, make_accelerator
+    from draftsmith.train.loop import Trainer, main_process_first
 
     recipe, resume = parse_training_args(recipe_class, argv, description)
-    accelerator = make_accelerator(recipe)
     # Under `accelerate launch` the main process prepares the data (regeneration, tokenised
-    # cache, features) while the others wait, then they find it all cached.
-    with accelerator.main_process_first():
+    # cache, features, token counts) while the others wait, then they find it all cached.
+    with main_process_first(recipe):
         task, train_set, eval_set = build(recipe)
-    trainer = Trainer(recipe, task, train_set, eval_set, accelerator)
+    trainer = Trainer(recipe, task, train_set, eval_set)
     task.target.to(trainer.accelerator.device)
     with stage("train: training loop"):
         trainer.last_checkpoint = trainer.train(resume=resume)

@@ -105,6 +105,14 @@ def prompt_response_pairs(rows, max_prompt_tokens: int) -> tuple[list[dict], int
 SOURCES = ("fixed", "target", "student")  # the mixture's order
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 shards ``model``'s parameters over several processes: its forward
+    passes then gather them (hooks DeepSpeed put on the module itself, so the unwrapped student
+    samples with its current weights), collectives every process must join."""
+    multi = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    return multi and any(hasattr(p, "ds_id") for p in model.parameters())  # ds_id: DeepSpeed's partitioned-parameter mark
+
+
 def _collate(rows: list[dict]) -> dict:
     return {"ids": [r["id"] for r in rows], "prompts": [r["prompt"] for r in rows],
             "responses": [r["response"] for r in rows]}
@@ -147,8 +155,10 @@ class DistillTask:
                     if temperature > 0 else {"do_sample": False})
         was_training = model.training
         model.eval()
+        # Sharded parameters: processes must keep stepping together until all have finished.
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
-                             pad_token_id=self.pad, eos_token_id=sorted(self.eos), **sampling)
+                             pad_token_id=self.pad, eos_token_id=sorted(self.eos), synced_gpus=_sharded(model),
+                             **sampling)
         model.train(was_training)
         responses = []
         for row in out[:, width:].tolist():
@@ -178,6 +188,8 @@ class DistillTask:
             if rows:
                 for i, response in zip(rows, self.generate(model, [prompts[i] for i in rows])):
                     out[i] = response
+            elif _sharded(model):  # every process must join the gathers of a sharded model's forwards
+                self.generate(model, prompts[:1])
         return out, [SOURCES[s] for s in sources]
 
     def loss(self, model, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:

@@ -18,14 +18,16 @@ import os
 import re
 import shutil
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
-from accelerate import Accelerator, DeepSpeedPlugin
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
+from accelerate import Accelerator, DeepSpeedPlugin, PartialState
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, parse_flag_from_env, set_seed
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -113,6 +115,53 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _process_group(recipe: Recipe) -> InitProcessGroupKwargs | None:
+    """Process-group settings for ``recipe`` (None: Accelerate's defaults); sets up the
+    environment DeepSpeed needs when no launcher did."""
+    if recipe.distributed.backend == "deepspeed" and "RANK" not in os.environ:
+        # A single process started without a launcher: DeepSpeed would go looking for MPI.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    launched = "LOCAL_RANK" in os.environ  # started by accelerate launch / torchrun (or just above)
+    if launched and not torch.cuda.is_available():
+        # Multi-process CPU runs (and DeepSpeed on CPU) need gloo instead of NCCL.
+        return InitProcessGroupKwargs(backend="gloo")
+    return None
+
+
+def process_state(recipe: Recipe) -> PartialState:
+    """This run's processes before any model is wrapped (the state the Accelerator made by
+    :func:`make_accelerator` takes over), e.g. for :func:`main_process_first` around data preparation.
+
+    Not an Accelerator yet: under ZeRO-3 one would make ``from_pretrained`` partition the frozen
+    target, a collective that deadlocks while the other processes wait.
+    """
+    group = _process_group(recipe)
+    if recipe.distributed.backend == "deepspeed":
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as the Accelerator sets it: DeepSpeed's own init
+    return PartialState(parse_flag_from_env("ACCELERATE_USE_CPU"), **(group.to_kwargs() if group else {}))
+
+
+@contextmanager
+def main_process_first(recipe: Recipe, timeout: timedelta = timedelta(hours=24)):
+    """Run the block on the main process, then on the others (e.g. to read the caches it wrote).
+
+    The others may wait as long as a dataset takes to regenerate: they wait in a gloo group of
+    their own with a long ``timeout``, where a barrier of the default group gives up after 10
+    (NCCL) or 30 minutes. A failing main process still ends the run: the launcher stops the rest.
+    """
+    state = process_state(recipe)
+    if state.num_processes == 1:
+        yield
+        return
+    group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+    if not state.is_main_process:
+        torch.distributed.barrier(group=group)
+    yield
+    if state.is_main_process:
+        torch.distributed.barrier(group=group)
+
+
 def make_accelerator(recipe: Recipe) -> Accelerator:
     """An Accelerator configured from the recipe's training, distributed and tracking sections."""
     train, dist, track = recipe.training, recipe.distributed, recipe.tracking
@@ -121,14 +170,9 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         "mixed_precision": train.mixed_precision,
         "project_dir": train.output_dir,
     }
-    if dist.backend == "deepspeed" and "RANK" not in os.environ:
-        # A single process started without a launcher: DeepSpeed would go looking for MPI.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
-    launched = "LOCAL_RANK" in os.environ  # started by accelerate launch / torchrun (or just above)
-    if launched and not torch.cuda.is_available():
-        # Multi-process CPU runs (and DeepSpeed on CPU) need gloo instead of NCCL.
-        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    group = _process_group(recipe)
+    if group is not None:
+        kwargs["kwargs_handlers"] = [group]
     if dist.backend == "deepspeed":
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
             zero_stage=dist.zero_stage,
@@ -197,14 +241,11 @@ def _param_checksum(model: torch.nn.Module) -> float:
 class Trainer:
     """Runs a :class:`TrainTask` under a recipe."""
 
-    def __init__(self, recipe: Recipe, task: TrainTask, train_data, eval_data=None,
-                 accelerator: Accelerator | None = None):
-        """``accelerator``: one already made by :func:`make_accelerator` (e.g. to prepare data under
-        it first); by default a new one."""
+    def __init__(self, recipe: Recipe, task: TrainTask, train_data, eval_data=None):
         self.recipe, self.task = recipe, task
         self.train_data, self.eval_data = train_data, eval_data
         self.output_dir = Path(recipe.training.output_dir)
-        self.accelerator = accelerator or make_accelerator(recipe)
+        self.accelerator = make_accelerator(recipe)
         set_seed(recipe.training.seed)
         t = recipe.training
         # Per process (Accelerate evens batches out); it also steps the optimiser at the end of

@@ -10,7 +10,7 @@ with the heads. The target keeps its own behaviour through ``lora.target_loss``:
 (KL from the frozen target, adapters disabled, to the tuned one) or ``lm`` (next-token
 cross-entropy on the data; use self-distilled data, ``data.regenerate``). The heads warm up
 alone until ``lora.start_step``; heads and adapters have separate learning rates. Checkpoints
-hold the heads plus ``adapter/``; the engine verifies with the target with the adapter merged.
+hold the heads plus ``adapter/``; the engine verifies with the target with the adapter attached (unmerged).
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
                                                      options.pop("budget", None))
             drafter = MedusaDrafter(heads, choices, verifier=verifier, **options)
             if verifier is not None:
-                drafter.verifier_label = f"target + LoRA adapter {parsed.path}/adapter, merged"
+                drafter.verifier_label = f"target + LoRA adapter {parsed.path}/adapter (unmerged, on for this drafter only)"
         else:
             raise ValueError(f"drafter kind {parsed.kind!r} has no engine adapter")
     except TypeError as err:  # an option value of the wrong type reaching a constructor
@@ -181,7 +181,7 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
 
 
 def _medusa_parts(path: str, target: PreTrainedModel, choices, budget):
-    """Heads, tree and (for Medusa-2 checkpoints) the LoRA-merged target to verify with.
+    """Heads, tree and (for Medusa-2 checkpoints) the target with its LoRA adapter to verify with.
 
     The tree is ``choices`` (a file or a literal), else the optimal ``budget``-node tree for the
     heads' recorded held-out accuracies, else the checkpoint's calibrated ``tree.yaml``, else the
@@ -191,11 +191,11 @@ def _medusa_parts(path: str, target: PreTrainedModel, choices, budget):
 
     from draftsmith.eval.tree import load_choices, optimal_choices
     from draftsmith.heads.medusa import DEFAULT_TREE_SIZE, MedusaHeads, rank_accuracy
-    from draftsmith.target import merge_adapter
+    from draftsmith.target import attach_adapter
 
     heads = MedusaHeads.from_pretrained(path, target).to(next(target.parameters()).dtype)
     adapter = Path(path) / "adapter"
-    verifier = merge_adapter(target, adapter) if adapter.is_dir() else None
+    verifier = attach_adapter(target, adapter) if adapter.is_dir() else None
     if verifier is not None:
         heads.bind(verifier)
     if choices is not None:

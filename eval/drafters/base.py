@@ -10,6 +10,7 @@ state of every token as it enters the target's cache.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,10 @@ class Drafter(ABC):
     # drafter trained jointly with a tuned copy of the target, e.g. Medusa-2); None: the target.
     verifier = None
     verifier_label = ""  # what ``verifier`` is, for tables
+
+    def verifying(self):
+        """The context ``verifier`` verifies in (e.g. with the drafter's LoRA adapter switched on)."""
+        return nullcontext()
 
     def prepare(self, prompt: list[int], max_new_tokens: int) -> None:
         """Untimed work before a generation (most drafters need none)."""

@@ -17,13 +17,15 @@ from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
 from draftsmith.eval.sampling import choose
 from draftsmith.eval.tree import TokenTree, choice_slots, static_tree
 from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.target import adapter_active
 
 
 class MedusaDrafter(Drafter):
     """Medusa heads over a static tree of ``choices``.
 
     ``verifier``: the target this drafter must be verified by when it is not the engine's own
-    (Medusa-2 heads come with a LoRA-tuned target, merged into a copy of the base target).
+    (Medusa-2 heads come with a LoRA-tuned target: the base target with the adapter attached,
+    switched on only while this drafter decodes).
     """
 
     needs_hidden = True
@@ -42,6 +44,9 @@ class MedusaDrafter(Drafter):
         self.width = [max(n for prefix, n in slots.items() if len(prefix) == d) for d in range(self.depth)]
         self.name, self.verifier = name, verifier
         self._last: torch.Tensor | None = None
+
+    def verifying(self):
+        return adapter_active(self.verifier) if self.verifier is not None else super().verifying()
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         self._last = hidden[-1]

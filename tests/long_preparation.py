@@ -1,0 +1,22 @@
+"""Launched by ``test_multiprocess_data.py`` on two processes: the default process group gives up
+after 3 s, the main process prepares data for 8 s while the other waits; prints what each read."""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from accelerate import PartialState
+
+from draftsmith.recipe import Recipe
+from draftsmith.train.loop import main_process_first
+
+state = PartialState(backend="gloo", timeout=timedelta(seconds=3))  # main_process_first takes it over
+marker = Path(sys.argv[1])
+with main_process_first(Recipe()):
+    if state.is_main_process:
+        time.sleep(8)
+        marker.write_text("prepared")
+    print(f"RESULT {state.process_index} {marker.read_text()}", flush=True)
