@@ -41,6 +41,7 @@ class MeanTask:
 
 def _train(tmp_path, rows: int, batch: int, accumulation: int, epochs: int, **distributed) -> tuple[Trainer, list]:
     recipe = Recipe()
+    recipe.target.dtype = "float32"  # exact gradients: no bf16 autocast, whatever this CPU supports
     recipe.training.output_dir = str(tmp_path / "out")
     recipe.training.batch_size, recipe.training.gradient_accumulation_steps = batch, accumulation
     recipe.training.num_epochs, recipe.training.max_grad_norm = epochs, 1e9  # no clipping: raw gradients

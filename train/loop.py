@@ -164,6 +164,9 @@ def main_process_first(recipe: Recipe, timeout: timedelta = timedelta(hours=24))
 
 def make_accelerator(recipe: Recipe) -> Accelerator:
     """An Accelerator configured from the recipe's training, distributed and tracking sections."""
+    from draftsmith.train.cli import resolve_precision
+
+    resolve_precision(recipe)  # recipes built in code may still say "auto"
     train, dist, track = recipe.training, recipe.distributed, recipe.tracking
     kwargs: dict = {
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
