@@ -42,13 +42,24 @@ def measure_pass_cost(runner: CausalLMRunner, prefix: int = 200, sizes: tuple[in
     return costs
 
 
-def affordable_budget(costs: dict[int, float], max_overhead: float = 1.25, largest: int = 12, smallest: int = 2) -> int:
-    """The largest tree (draft nodes, between ``smallest`` and ``largest``) whose verification pass
-    (the nodes plus the last accepted token) costs at most ``max_overhead`` single-token passes on
-    the measured curve ``costs``: on a CPU where passes of 4+ tokens cost 1.5x, a 12-node tree spends
-    more on verification than a young head's drafts give back."""
-    fits = [n - 1 for n, seconds in costs.items() if smallest + 1 <= n <= largest + 1 and seconds <= max_overhead * costs[1]]
-    return max(fits, default=smallest)
+def chain_speedup(costs: dict[int, float], depth: int, acceptance: float, draft_cost: float) -> float:
+    """Expected speedup of drafting ``depth`` tokens a step (Leviathan et al.): tokens per step
+    ``(1 - a^(d+1)) / (1 - a)`` for per-token acceptance ``a``, over the step's cost in one-token
+    passes: the measured pass over ``depth + 1`` tokens plus ``depth`` draft steps of ``draft_cost``
+    seconds."""
+    tau = (1 - acceptance ** (depth + 1)) / (1 - acceptance) if acceptance < 1 else depth + 1.0
+    return tau * costs[1] / (costs[depth + 1] + depth * draft_cost)
+
+
+def plan_tree(costs: dict[int, float], acceptance: float, draft_cost: float, max_depth: int = 5,
+              max_budget: int = 12, widen: float = 1.1) -> tuple[int, int, float]:
+    """``(depth, budget, expected speedup)`` of a draft tree for this device: the chain depth with
+    the best :func:`chain_speedup`, then widened to the largest ``budget`` whose verification pass
+    costs at most ``widen`` times the chain's (extra branches raise acceptance at no extra draft
+    steps). ``costs`` must hold every pass size from 1 to ``max_budget + 1``."""
+    depth = max(range(1, max_depth + 1), key=lambda d: chain_speedup(costs, d, acceptance, draft_cost))
+    budget = max(b for b in range(depth, max_budget + 1) if costs[b + 1] <= widen * costs[depth + 1])
+    return depth, budget, chain_speedup(costs, depth, acceptance, draft_cost)
 
 
 def ceiling_speedup(costs: dict[int, float], tokens_per_pass: int) -> float:

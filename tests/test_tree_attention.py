@@ -349,15 +349,20 @@ def test_load_choices(tmp_path):
         load_choices([[]])
 
 
-def test_affordable_budget_follows_the_measured_pass_cost():
-    from draftsmith.eval.pass_cost import affordable_budget
+def test_tree_plan_follows_the_measured_costs_and_acceptance():
+    from draftsmith.eval.pass_cost import chain_speedup, plan_tree
 
-    # Measured on this project's CPUs (ms per pass of n tokens): fp32 with a step at 4 tokens,
-    # bf16 nearly flat, and an fp32 CPU where any pass of 2+ tokens costs ~1.7x.
-    fp32 = {1: 33.7, 2: 35.7, 3: 37.8, 4: 51.1, 6: 53.8, 8: 61.5, 12: 70.6, 16: 65.7}
-    bf16 = {1: 36.7, 3: 38.0, 5: 39.6, 9: 41.0, 13: 42.9}
-    steep = {1: 37.1, 2: 62.7, 4: 59.9, 9: 67.0, 16: 71.4}
-    assert affordable_budget(fp32) == 2
-    assert affordable_budget(bf16) == 12
-    assert affordable_budget(steep) == 2  # nothing fits: the smallest tree
-    assert affordable_budget(bf16, largest=6) == 4
+    # Pass costs in one-token passes as measured on this project's CPUs: fp32 with a step at 4
+    # tokens, bf16 nearly flat.
+    fp32 = {1: 1.0, 2: 1.06, 3: 1.20, 4: 1.57, 5: 1.64, 6: 1.8, 7: 1.91, 8: 1.95, 9: 1.98, 10: 2.1, 11: 2.2,
+            12: 2.25, 13: 2.31}
+    bf16 = {n: 1.0 + 0.012 * (n - 1) for n in range(1, 14)}
+    # Leviathan et al.: a = 0.5, two drafts -> 1.75 tokens a step, over 1.20 + 2 x 0.1 passes.
+    assert chain_speedup(fp32, 2, 0.5, 0.1) == pytest.approx(1.75 / 1.4)
+    # A young head (22% top-1) drafts one token in fp32, where every deeper pass costs more than it gains...
+    assert plan_tree(fp32, 0.22, 0.1)[:2] == (1, 1)
+    # ...and the same head on the flat bf16 curve widens that level into 9 candidates.
+    assert plan_tree(bf16, 0.22, 0.07)[:2] == (1, 9)
+    # A better head drafts deeper.
+    depth, budget, expected = plan_tree(bf16, 0.6, 0.07)
+    assert depth >= 3 and budget >= depth and expected == pytest.approx(chain_speedup(bf16, depth, 0.6, 0.07))
