@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not prompts:
         raise UsageError(f"{args.prompts or args.bench}: no prompts to run")
     short = [p.id for p in prompts if len(p.turns) < args.turns]
-    if short:
-        raise UsageError(f"--turns {args.turns}: {len(short)} prompt(s) have fewer turns (e.g. id {short[0]}); "
+    if len(short) == len(prompts):  # prompts with fewer turns run the turns they have
+        raise UsageError(f"--turns {args.turns}: all {len(short)} prompt(s) have fewer turns (e.g. id {short[0]}); "
                          f"lower --turns")
     with stage("eval: load target and drafters"):
         target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template, field="--target")

@@ -67,7 +67,7 @@ def test_prompt_files_name_the_bad_line_and_turns_are_checked(capsys, tmp_path):
     prompts.write_text('{"prompt": "hello"}\n{"prompt": \n')
     assert_user_error(capsys, rf"{prompts}:2: not valid JSON", eval_main, ["--drafter", "prompt_lookup", "--prompts", str(prompts)])
     prompts.write_text('{"prompt": "hello"}\n')
-    assert_user_error(capsys, r"--turns 2: 1 prompt\(s\) have fewer turns", eval_main,
+    assert_user_error(capsys, r"--turns 2: all 1 prompt\(s\) have fewer turns", eval_main,
                       ["--drafter", "prompt_lookup", "--prompts", str(prompts), "--turns", "2"])
     assert_user_error(capsys, r"--top-p must be in \(0, 1\]", eval_main, ["--drafter", "prompt_lookup", "--top-p", "0"])
 
