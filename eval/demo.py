@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
         overrides += ["--training.max_minutes", str(args.train_minutes)]
     trainer = train_main([args.recipe, *overrides])
     with stage("demo: plan the draft tree"):
-        depth, budget, expected, why = _plan_tree(trainer)
+        depth, budget, why = _plan_tree(trainer)
     print(why)
     top_k = min(budget, max(3, -(-budget // depth)))  # wide enough to fill the budget within the depth
     tree = f"depth={depth}&top_k={top_k}&budget={budget}"
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 @torch.no_grad()
-def _plan_tree(trainer) -> tuple[int, int, float, str]:
+def _plan_tree(trainer) -> tuple[int, int, str]:
     """Depth and size of the EAGLE tree for this device and this head: the measured verification
     cost curve, the measured cost of one draft step and the head's held-out top-1 accuracy as its
     per-token acceptance, through :func:`~draftsmith.eval.pass_cost.plan_tree`."""
@@ -82,7 +82,7 @@ def _plan_tree(trainer) -> tuple[int, int, float, str]:
            f"{draft_cost / costs[1]:.2f} and verification passes of "
            + ", ".join(f"{n}: {costs[n] / costs[1]:.2f}" for n in (2, 3, 5, 9, 13))
            + f" one-token passes; expected speedup {expected:.2f}x (Leviathan et al., chain of {depth})")
-    return depth, budget, expected, why
+    return depth, budget, why
 
 
 if __name__ == "__main__":
