@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from cli_helpers import assert_user_error
@@ -233,3 +234,26 @@ def test_aux_layers_out_of_range_is_a_one_line_error(tiny_recipe, tmp_path, caps
     line = assert_user_error(capsys, r"drafter\.aux_layers = \[0, 1, 7\].*\[0, 2\]", main,
                              [str(tiny_recipe), "--output_dir", str(tmp_path / "run"), "--drafter.aux_layers", "[0, 1, 7]"])
     assert "2 decoder layers" in line
+
+
+def test_offline_features_train_exactly_as_online(tiny_recipe, tmp_path):
+    """The offline cache (last hidden states plus the fused aux layers) feeds the same numbers as
+    computing them in the step; an EAGLE-1 run can share the same cache."""
+    from draftsmith.train.eagle import main as main_eagle1
+    from draftsmith.train.eagle3 import main
+
+    steps = ["--training.max_steps", "2", "--training.log_every", "1", "--training.eval_every", "0"]
+    online = main([str(tiny_recipe), "--output_dir", str(tmp_path / "online"), *steps])
+    offline = main([str(tiny_recipe), "--output_dir", str(tmp_path / "offline"), *steps,
+                    "--drafter.features", "offline", "--drafter.features_dir", str(tmp_path / "features")])
+    assert sorted(p.name for p in (tmp_path / "features").iterdir()) == ["held_out", "manifest.json", "train"]
+    logged = [[h for h in run.history if "train/loss" in h] for run in (online, offline)]
+    assert len(logged[0]) == len(logged[1]) == 2
+    for a, b in zip(*logged):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5) and a["train/top1@3"] == b["train/top1@3"]
+    recipe = yaml.safe_load(tiny_recipe.read_text())
+    recipe["drafter"].pop("aux_layers")
+    (tmp_path / "eagle1.yaml").write_text(yaml.safe_dump(recipe))
+    shared = main_eagle1([str(tmp_path / "eagle1.yaml"), "--output_dir", str(tmp_path / "eagle1"), *steps,
+                          "--drafter.features", "offline", "--drafter.features_dir", str(tmp_path / "features")])
+    assert [h["step"] for h in shared.history if "train/loss" in h] == [1, 2]
