@@ -4,14 +4,14 @@
 # offline feature cache, the same wall-clock training budget each, then one acceptance table per
 # temperature with every head against plain decoding (interleaved, same run).
 #
-#   bash bench/eagle3_compare.sh            # MINUTES=12 PER_CATEGORY=2 MAX_NEW=128 CORES=0 OUT=runs/compare
+#   bash bench/eagle3_compare.sh            # MINUTES=10 PER_CATEGORY=2 MAX_NEW=128 CORES=0 OUT=runs/compare
 #
-# Each training run and each benchmark is pinned to the cores in CORES (default: one core, so
-# that a budget buys the same compute whatever else runs on the machine); the shared feature
-# extraction runs first, outside the budgets, on every core.
+# Every step is pinned to the cores in CORES (default: one core, so that a budget buys the same
+# compute whatever else runs on the machine); regeneration and the shared feature extraction run
+# first, outside the budgets.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MINUTES="${MINUTES:-12}"
+MINUTES="${MINUTES:-10}"
 PER_CATEGORY="${PER_CATEGORY:-2}"
 MAX_NEW="${MAX_NEW:-128}"
 CORES="${CORES:-0}"
@@ -30,8 +30,8 @@ COMMON=(--drafter.features offline --drafter.features_dir "$FEATURES" --drafter.
         --training.gradient_accumulation_steps 1 --training.learning_rate 1e-3 --training.warmup_steps 10
         --training.lr_schedule linear --training.eval_every 0 --training.save_every 0 --tracking.report_to none)
 
-# Regeneration and features (cached; a second run of this script skips them): a zero-step run.
-"$PYTHON" train/eagle3.py recipes/smollm2-eagle3.yaml "${DATA[@]}" "${COMMON[@]}" --training.max_steps 1 \
+# Regeneration and features (cached; a second run of this script skips them): a one-step run.
+"${PIN[@]}" "$PYTHON" train/eagle3.py recipes/smollm2-eagle3.yaml "${DATA[@]}" "${COMMON[@]}" --training.max_steps 1 \
     --output_dir "$OUT/prepare"
 
 "${PIN[@]}" "$PYTHON" train/eagle.py recipes/smollm2-eagle.yaml "${DATA[@]}" "${COMMON[@]}" \
