@@ -58,6 +58,8 @@ def write_card(out: Path, source: Source, target: Target, fmt: str, serve: list[
         "- **Measured acceptance length (tau)**: " + ("see below" if tau else "not recorded with the checkpoint "
                                                       "(run `eval/run.py` and pass its results.json with --results)"),
         *tau,
+        *(["- **Medusa-2**: trained with a LoRA adapter on the target (`adapter/`, a peft adapter): serve the target "
+            "with it merged (`merge_and_unload`), or verify with it attached"] if (source.path / "adapter").is_dir() else []),
         "",
         "## Serve",
         "",

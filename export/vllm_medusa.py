@@ -30,7 +30,7 @@ VLLM_BLOCK = re.compile(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)")
 
 
 def why_not(kind: str) -> str:
-    return f"vLLM's Medusa loader holds Medusa heads only; export EAGLE-3 with --format speculators, " \
+    return "vLLM's Medusa loader holds Medusa heads only; export EAGLE-3 with --format speculators, " \
            "EAGLE-1 with --format sglang, draft LMs with --format hf"
 
 

@@ -161,7 +161,7 @@ def _weights(folder) -> dict[str, tuple]:
 
 def test_sglang_eagle3_folder_has_what_llama_eagle3_reads(target, target_dir, tmp_path, capsys):
     vocab = _draft_vocab(target)
-    head = _eagle3(target, target_dir, tmp_path / "ckpt", aux=(0, 1), draft_vocab=vocab)
+    _eagle3(target, target_dir, tmp_path / "ckpt", aux=(0, 1), draft_vocab=vocab)
     export_main([str(tmp_path / "ckpt"), "--format", "sglang", "--out", str(tmp_path / "out")])
     printed = capsys.readouterr().out
     config = json.loads((tmp_path / "out" / "config.json").read_text())
