@@ -63,9 +63,7 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, target:
             if item.exists():
                 (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / name)
         serve = [line.replace(str(tmp), str(out)) for line in serve]
-        write_card(tmp, source, found, fmt, serve, Path(results) if results else None)
-        for file in tmp.rglob("*.json"):  # configs name the export's own folder: the final one
-            file.write_text(file.read_text().replace(str(tmp), str(out)))
+        write_card(tmp, out, source, found, fmt, serve, Path(results) if results else None)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

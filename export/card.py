@@ -38,8 +38,9 @@ def _recipe(source: Source) -> dict:
     return yaml.safe_load(file.read_text()) if file.is_file() else {}
 
 
-def write_card(out: Path, source: Source, target: Target, fmt: str, serve: list[str], results: Path | None) -> None:
-    """Write ``out/README.md``."""
+def write_card(folder: Path, out: Path, source: Source, target: Target, fmt: str, serve: list[str],
+               results: Path | None) -> None:
+    """Write ``folder/README.md`` for the export that will live at ``out``."""
     recipe = _recipe(source)
     state_file = source.path / "state" / "trainer_state.json"
     trained = json.loads(state_file.read_text()) if state_file.is_file() else {}
@@ -73,7 +74,7 @@ def write_card(out: Path, source: Source, target: Target, fmt: str, serve: list[
         lines += ["", "## Recipe", "", "```yaml",
                   yaml.safe_dump({k: recipe[k] for k in ("target", "data", "drafter", "training") if k in recipe},
                                  sort_keys=False).rstrip(), "```"]
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    (folder / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def _data_line(recipe: dict) -> str:

@@ -25,12 +25,14 @@ from transformers import AutoModelForCausalLM
 from cli_helpers import assert_user_error
 from training_helpers import save_tiny_target
 
+from draftsmith.config import dump_recipe
 from draftsmith.export import export_checkpoint
 from draftsmith.export.cli import main as export_main
 from draftsmith.heads.draft_lm import derive_draft_lm, save_draft_lm
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.recipe import Recipe
 from draftsmith.target import load_tokenizer
 from draftsmith.train.unroll import unroll
 
@@ -162,6 +164,12 @@ def _weights(folder) -> dict[str, tuple]:
 def test_sglang_eagle3_folder_has_what_llama_eagle3_reads(target, target_dir, tmp_path, capsys):
     vocab = _draft_vocab(target)
     _eagle3(target, target_dir, tmp_path / "ckpt", aux=(0, 1), draft_vocab=vocab)
+    # What the trainer writes beside the head (train/loop.py): the recipe and the trainer state.
+    recipe = Recipe()
+    recipe.data.limit, recipe.data.max_length = 1500, 1024
+    dump_recipe(recipe, tmp_path / "ckpt" / "recipe.yaml")
+    (tmp_path / "ckpt" / "state").mkdir()
+    (tmp_path / "ckpt" / "state" / "trainer_state.json").write_text(json.dumps({"step": 120, "tokens": 45678}))
     export_main([str(tmp_path / "ckpt"), "--format", "sglang", "--out", str(tmp_path / "out")])
     printed = capsys.readouterr().out
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -197,7 +205,12 @@ def test_sglang_eagle3_folder_has_what_llama_eagle3_reads(target, target_dir, tm
     assert (f"python -m sglang.launch_server --model-path {target_dir.resolve()} --speculative-algorithm EAGLE3 "
             f"--speculative-draft-model-path {tmp_path / 'out'} --speculative-num-steps 6 --speculative-eagle-topk 3 "
             "--speculative-num-draft-tokens 12") in printed
-    assert f"# EAGLE-3 head for {target_dir}" in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"# EAGLE-3 head for {target_dir}" in card
+    assert "- **Training data**: `sharegpt`, first 1500 conversations, up to 1024 tokens per conversation" in card
+    assert "- **Training**: 120 optimiser steps, 45,678 loss tokens" in card
+    assert f"--drafter eagle3:{tmp_path / 'out'}`" in card and "not recorded with the checkpoint" in card
+    assert not (tmp_path / "out" / "state").exists() and not list(tmp_path.glob(".out-*"))
 
 
 def test_sglang_eagle_folder_has_what_llama_eagle_reads(target, target_dir, tmp_path, capsys):
