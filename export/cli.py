@@ -13,7 +13,7 @@ from draftsmith.export import FORMATS, export_checkpoint
 
 @report_user_errors
 def main(argv: list[str] | None = None) -> list[str]:
-    parser = ArgumentParser(prog="draftsmith-export", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="draftsmith-export", description=__doc__)
     parser.add_argument("checkpoint", help="a drafter checkpoint folder (checkpoint-N or checkpoint-final)")
     parser.add_argument("--format", required=True, choices=list(FORMATS))
     parser.add_argument("--out", required=True, help="a new folder for the export")
