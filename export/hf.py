@@ -1,7 +1,8 @@
 """Distilled draft LMs as they are: plain Hugging Face causal LMs with the target's tokenizer.
 
 ``train/distill.py`` already saves ``save_pretrained`` output (config, weights, tokenizer); the
-export copies it without the resumable training state and adds the model card. It loads with
+export copies it without the resumable training state (adding the target's tokenizer if the
+checkpoint has none) and adds the model card. It loads with
 ``AutoModelForCausalLM``, as HF ``generate(assistant_model=...)``, as vLLM's ``draft_model``
 speculative method and as ``draft_lm:DIR`` here.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+
+from transformers import AutoTokenizer
 
 from draftsmith.export.common import DRAFT_LM, Source, Target
 
@@ -33,5 +36,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         if item.name in SKIP:
             continue
         (shutil.copytree if item.is_dir() else shutil.copy2)(item, out / item.name)
+    if not (out / "tokenizer_config.json").is_file():  # saved without one: the target's is the draft's
+        AutoTokenizer.from_pretrained(target.folder).save_pretrained(out)
     spec = f'{{"method": "draft_model", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
     return [f"vllm serve {target.folder} --speculative-config '{spec}'"]

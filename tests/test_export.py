@@ -306,6 +306,10 @@ def test_hf_export_is_the_draft_lm_with_its_tokenizer_and_card(target, target_di
     assert (tmp_path / "out" / "tokenizer.json").is_file() and (tmp_path / "out" / "tokenizer_config.json").is_file()
     assert f"# draft LM for {target_dir}" in (tmp_path / "out" / "README.md").read_text()
     assert '"method": "draft_model"' in serve[0]
+    # A draft LM saved without its tokenizer gets the target's.
+    save_draft_lm(draft, tmp_path / "bare", None, target_record(target, str(target_dir)))
+    export_checkpoint(tmp_path / "bare", "hf", tmp_path / "bare-out")
+    assert load_tokenizer(str(tmp_path / "bare-out"))("hello there")["input_ids"] == load_tokenizer(str(target_dir))("hello there")["input_ids"]
 
 
 # ---------------------------------------------------------------------------------------------
