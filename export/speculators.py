@@ -7,6 +7,7 @@ Every field and weight name below is read by ``speculators`` 0.9.0 (``config.py`
 - ``Eagle3SpeculatorConfig``: ``transformer_layer_config`` (the draft layer's config, 1 layer,
   ``llama`` or ``qwen3`` only: speculators' ``model_classes``), ``draft_vocab_size``,
   ``norm_before_residual`` (written always: vLLM defaults it to True when absent),
+  ``transformer_layer_config.num_aux_hidden_states`` (vLLM sizes ``fc`` from it, default 3),
   ``eagle_aux_hidden_state_layer_ids`` (HF ``hidden_states[L]``, the input of decoder layer L, as
   draftsmith's ``aux_layers``), ``speculators_config.verifier.name_or_path`` (the target's local
   folder: ``load_verifier_weights`` reads its embedding, LM head and norm from there).
@@ -57,6 +58,9 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
                                         f"builds EAGLE-3 layers of {' and '.join(LAYER_TYPES)} only")
     layer["num_hidden_layers"] = config["num_layers"]
     layer["tie_word_embeddings"] = False  # the head's LM head is its own, never the embedding
+    # vLLM builds its EAGLE-3 layer config from this dict and sizes fc from num_aux_hidden_states
+    # (else from an eagle_config, else 3): without it any other number of aux layers fails to load.
+    layer["num_aux_hidden_states"] = len(config["aux_layers"])
     tensors = dict(source.state)
     if config["draft_vocab_size"] == layer["vocab_size"]:
         for name in VOCAB_MAPS:

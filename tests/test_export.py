@@ -119,6 +119,14 @@ def test_speculators_eagle3_draft_logits_equal_ours(target, target_dir, tmp_path
     head.bind(target)
     export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out")
 
+    # What vLLM 0.33.0's bridge reads (transformers_utils/configs/speculators/{base,algos}.py) and
+    # llama_eagle3.py sizes fc from (num_aux_hidden_states, else 3).
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert raw["speculators_model_type"] == "eagle3" and raw["norm_before_residual"] is False
+    assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 6
+    layer = raw["transformer_layer_config"]
+    assert (layer["model_type"], layer["num_hidden_layers"], layer["num_aux_hidden_states"]) == ("llama", 1, 3)
+    assert layer["tie_word_embeddings"] is False and layer["vocab_size"] == target.config.vocab_size
     config = Eagle3SpeculatorConfig.from_pretrained(tmp_path / "out")
     config.transformer_layer_config._attn_implementation = "eager"  # flex attention (its default) is GPU-only
     theirs = Eagle3DraftModel.from_pretrained(tmp_path / "out", config=config).eval()
