@@ -111,8 +111,7 @@ def find_target(source: Source, override: str | None = None) -> Target:
 
 def export_block(source: Source, fmt: str) -> dict:
     """What an exported config.json carries for draftsmith: format, source and the drafter's config."""
-    config = source.config if source.kind != DRAFT_LM else {"draftsmith_kind": DRAFT_LM, "target": source.record}
-    return {EXPORT_KEY: {"format": fmt, "kind": source.kind, "source": str(source.path.resolve()), "config": config}}
+    return {EXPORT_KEY: {"format": fmt, "kind": source.kind, "source": str(source.path.resolve()), "config": source.config}}
 
 
 def write_config(out: Path, config: dict) -> None:

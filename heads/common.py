@@ -88,7 +88,6 @@ def read_config(path: str | Path, kind: str) -> dict:
     return config
 
 
-
 def read_state(path: str | Path) -> dict:
     """The drafter's weights under its own names, from a training checkpoint or an exported folder."""
     if EXPORT_KEY in json.loads((Path(path) / "config.json").read_text()):

@@ -345,8 +345,9 @@ def test_exported_folders_give_the_original_acceptance_table(tmp_path, capsys):
     _eagle(target, target_dir, tmp_path / "e1", draft_vocab=vocab, noise=0.01)
     _medusa(target, target_dir, tmp_path / "m", draft_vocab=vocab, num_layers=2, noise=0.01)
     _medusa(target, target_dir, tmp_path / "mc", lm_head="copy", noise=0.01)
+    _medusa(target, target_dir, tmp_path / "mcv", lm_head="copy", noise=0.02)
     pairs = {"e3": ("eagle3", "speculators"), "e3s": ("eagle3", "sglang"), "e1": ("eagle", "sglang"),
-             "m": ("medusa", "vllm-medusa"), "mc": ("medusa", "medusa")}
+             "m": ("medusa", "vllm-medusa"), "mc": ("medusa", "medusa"), "mcv": ("medusa", "vllm-medusa")}
     specs = []
     for name, (kind, fmt) in pairs.items():
         export_checkpoint(tmp_path / name, fmt, tmp_path / f"{name}-{fmt}")
