@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,11 +110,40 @@ def _features(target, ids: list[int], layers) -> torch.Tensor:
 # speculators: its own model class computes our logits
 
 
+def _load_speculators(folder):
+    """speculators' own loader on an exported folder, with eager attention (its default, flex
+    attention, needs a GPU)."""
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    config = Eagle3SpeculatorConfig.from_pretrained(folder)
+    config.transformer_layer_config._attn_implementation = "eager"
+    return Eagle3DraftModel.from_pretrained(folder, config=config).eval()
+
+
+def _assert_same_logits(head, theirs, target, ids: list[int], steps: int = 2) -> None:
+    """speculators' draft logits equal ours, given the target's features of ``ids``, for ``steps``
+    training-time-test passes (pass j feeds back pass j-1's outputs: drafting j tokens ahead)."""
+    with torch.no_grad():
+        features = _features(target, ids, head.aux_layers)
+        ours = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long), steps,
+                      head.feedback_input)
+        logits: list[torch.Tensor] = []
+        hook = theirs.lm_head.register_forward_hook(lambda module, args, out: logits.append(out))
+        n = len(ids) - 1
+        theirs(hidden_states=features[:, :-1], input_ids=torch.tensor([ids[1:]]),
+               document_ids=torch.zeros(1, n, dtype=torch.long), position_ids=torch.arange(n)[None], ttt_steps=steps)
+        hook.remove()
+    assert len(logits) == steps
+    for step in range(steps):
+        valid = n - step  # pass j's last j positions read padding tokens
+        expected = head.draft_logits(ours[step])[0, :valid]
+        torch.testing.assert_close(logits[step][0, :valid], expected, atol=2e-5, rtol=1e-5)
+    assert (logits[1][0, :n - 1] - logits[0][0, :n - 1]).abs().max() > 1e-2  # pass 1 is not pass 0 again
+
+
 @pytest.mark.parametrize("reduced", [True, False], ids=["draft-vocab", "full-vocab"])
 def test_speculators_eagle3_draft_logits_equal_ours(target, target_dir, tmp_path, reduced):
     pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-
     assert version("speculators") == SPECULATORS_VERSION
     head = _eagle3(target, target_dir, tmp_path / "ckpt", draft_vocab=_draft_vocab(target) if reduced else None)
     head.bind(target)
@@ -127,11 +157,9 @@ def test_speculators_eagle3_draft_logits_equal_ours(target, target_dir, tmp_path
     layer = raw["transformer_layer_config"]
     assert (layer["model_type"], layer["num_hidden_layers"], layer["num_aux_hidden_states"]) == ("llama", 1, 3)
     assert layer["tie_word_embeddings"] is False and layer["vocab_size"] == target.config.vocab_size
-    config = Eagle3SpeculatorConfig.from_pretrained(tmp_path / "out")
-    config.transformer_layer_config._attn_implementation = "eager"  # flex attention (its default) is GPU-only
-    theirs = Eagle3DraftModel.from_pretrained(tmp_path / "out", config=config).eval()
+    theirs = _load_speculators(tmp_path / "out")
     # Resolved offline to the target folder (no hub): its layer ids, embedding and vocabulary maps.
-    assert config.speculators_config.verifier.name_or_path == str(target_dir.resolve())
+    assert theirs.config.speculators_config.verifier.name_or_path == str(target_dir.resolve())
     assert theirs.config.eagle_aux_hidden_state_layer_ids == [0, 1, 2]
     assert torch.equal(theirs.embed_tokens.weight, target.get_input_embeddings().weight)
     if reduced:
@@ -141,24 +169,25 @@ def test_speculators_eagle3_draft_logits_equal_ours(target, target_dir, tmp_path
     else:
         assert theirs.d2t is None and theirs.t2d is None
 
-    ids = [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22]
-    steps = 2
-    with torch.no_grad():
-        features = _features(target, ids, head.aux_layers)
-        ours = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long), steps,
-                      head.feedback_input)
-        logits: list[torch.Tensor] = []
-        hook = theirs.lm_head.register_forward_hook(lambda module, args, out: logits.append(out))
-        n = len(ids) - 1
-        theirs(hidden_states=features[:, :-1], input_ids=torch.tensor([ids[1:]]), document_ids=torch.zeros(1, n, dtype=torch.long),
-               position_ids=torch.arange(n)[None], ttt_steps=steps)
-        hook.remove()
-    assert len(logits) == steps
-    for step in range(steps):
-        valid = n - step  # pass j's last j positions read padding tokens
-        expected = head.draft_logits(ours[step])[0, :valid]
-        torch.testing.assert_close(logits[step][0, :valid], expected, atol=2e-5, rtol=1e-5)
-    assert (logits[1][0, :n - 1] - logits[0][0, :n - 1]).abs().max() > 1e-2  # pass 1 is not pass 0 again
+    _assert_same_logits(head, theirs, target, [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22])
+
+
+@pytest.mark.slow
+def test_speculators_on_the_bundled_smollm2(smollm2, tmp_path):
+    """The real target: ``default`` resolves to its cached local folder, and the logits agree."""
+    pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
+    from draftsmith.target import resolve_target
+
+    model, tokenizer = smollm2
+    torch.manual_seed(0)
+    head = Eagle3Head.for_target(model, "default", draft_vocab=torch.arange(8192), init="random").eval()
+    head.save_pretrained(tmp_path / "ckpt")
+    export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out")
+    theirs = _load_speculators(tmp_path / "out")
+    assert theirs.config.speculators_config.verifier.name_or_path == str(Path(resolve_target("default")).resolve())
+    assert theirs.config.eagle_aux_hidden_state_layer_ids == [2, 15, 27]
+    ids = tokenizer("The quick brown fox jumps over the lazy dog and keeps running")["input_ids"]
+    _assert_same_logits(head, theirs, model, ids)
 
 
 # ---------------------------------------------------------------------------------------------
