@@ -12,7 +12,7 @@ from draftsmith.export import FORMATS, export_checkpoint
 
 
 @report_user_errors
-def main(argv: list[str] | None = None) -> list[str]:
+def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="draftsmith-export", description=__doc__)
     parser.add_argument("checkpoint", help="a drafter checkpoint folder (checkpoint-N or checkpoint-final)")
     parser.add_argument("--format", required=True, choices=list(FORMATS))
@@ -29,7 +29,6 @@ def main(argv: list[str] | None = None) -> list[str]:
     print(f"exported {args.checkpoint} as {args.format} to {args.out} (model card: {args.out}/README.md); serve it with:")
     for line in serve:
         print(f"  {line}")
-    return serve
 
 
 if __name__ == "__main__":

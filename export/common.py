@@ -126,4 +126,4 @@ def write_weights(out: Path, tensors: dict[str, torch.Tensor], fmt: str) -> None
 
 def refuse(fmt: str, kind: str, why: str) -> UsageError:
     """The one-line error for a drafter that ``fmt`` cannot hold."""
-    return UsageError(f"--format {fmt} cannot hold a {kind} drafter: {why}")
+    return UsageError(f"--format {fmt} cannot hold {kind} drafters: {why}")

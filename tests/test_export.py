@@ -427,10 +427,10 @@ def test_heads_a_format_cannot_hold_are_one_line_errors(target, target_dir, tmp_
     _eagle3(target, target_dir, tmp_path / "e3")  # reads aux layer 2: the 2-layer target's last output
     _medusa(target, target_dir, tmp_path / "mc", lm_head="copy", draft_vocab=_draft_vocab(target))
     cases = [
-        ("m", "speculators", r"cannot hold a medusa drafter: speculators 0\.9\.0 has models for eagle3"),
-        ("e1", "speculators", r"cannot hold a eagle drafter: speculators 0\.9\.0 has no EAGLE-1 model.*--format sglang"),
-        ("e1", "vllm-medusa", r"cannot hold a eagle drafter"),
-        ("m", "hf", r"cannot hold a medusa drafter: it is not a standalone language model"),
+        ("m", "speculators", r"cannot hold medusa drafters: speculators 0\.9\.0 has models for eagle3"),
+        ("e1", "speculators", r"cannot hold eagle drafters: speculators 0\.9\.0 has no EAGLE-1 model.*--format sglang"),
+        ("e1", "vllm-medusa", r"cannot hold eagle drafters"),
+        ("m", "hf", r"cannot hold medusa drafters: it is not a standalone language model"),
         ("e3", "sglang", r"last layer output \(aux layer 2\).*--format speculators"),
         ("mc", "vllm-medusa", r"per-head LM heads cover a reduced draft vocabulary"),
         ("mc", "medusa", r"reduced vocabulary and the official layout has none"),
@@ -459,3 +459,20 @@ def test_checkpoint_without_target_name_and_other_bad_input(target, target_dir, 
     assert json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == str(target_dir.resolve())
     assert_user_error(capsys, r"already an export \(speculators\)", export_main,
                       [out, "--format", "sglang", "--out", str(tmp_path / "again")])
+
+
+def test_console_script_exits_0_on_success_and_2_on_bad_input(target, target_dir, tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).with_name("draftsmith-export")  # installed by pyproject's [project.scripts]
+    _eagle(target, target_dir, tmp_path / "e1")
+    ok = subprocess.run([script, tmp_path / "e1", "--format", "sglang", "--out", tmp_path / "out"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert f"--speculative-draft-model-path {tmp_path / 'out'}" in ok.stdout
+    bad = subprocess.run([script, tmp_path / "e1", "--format", "speculators", "--out", tmp_path / "bad"],
+                         capture_output=True, text=True, timeout=300)
+    errors = [line for line in bad.stderr.splitlines() if "error" in line]
+    assert bad.returncode == 2 and len(errors) == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert errors[0].startswith("draftsmith-export: error: --format speculators cannot hold eagle drafters")
