@@ -28,6 +28,8 @@ from training_helpers import save_tiny_target
 
 from draftsmith.config import dump_recipe
 from draftsmith.export import export_checkpoint
+from draftsmith.export import sglang as sglang_format
+from draftsmith.export import vllm_medusa as vllm_medusa_format
 from draftsmith.export.cli import main as export_main
 from draftsmith.heads.draft_lm import derive_draft_lm, save_draft_lm
 from draftsmith.heads.eagle import EagleHead
@@ -210,6 +212,7 @@ def test_sglang_eagle3_folder_has_what_llama_eagle3_reads(target, target_dir, tm
     export_main([str(tmp_path / "ckpt"), "--format", "sglang", "--out", str(tmp_path / "out")])
     printed = capsys.readouterr().out
     config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert sglang_format.VERSION == SGLANG_VERSION  # the source the expectations below were read from
     h, n, cfg = 64, vocab.numel(), target.config
     # LlamaForCausalLMEagle3 (SGLang 0.5.23): architecture, own LM head of draft_vocab_size rows,
     # fc over num_aux x hidden (num_aux from eagle_config), aux ids captured at layer id + 1.
@@ -291,6 +294,7 @@ def test_vllm_medusa_layout_with_a_token_map(target, target_dir, tmp_path):
     heads = _medusa(target, target_dir, tmp_path / "ckpt", draft_vocab=vocab, num_layers=2).bind(target)
     export_checkpoint(tmp_path / "ckpt", "vllm-medusa", tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert vllm_medusa_format.VERSION == VLLM_MEDUSA_VERSION
     # MedusaConfig (vLLM 0.32.0): model_type medusa; Medusa(): blocks, one original lm_head, token_map.
     assert {k: config[k] for k in ("model_type", "architectures", "hidden_size", "vocab_size", "num_heads",
                                    "num_hidden_layers", "truncated_vocab_size", "medusa_fc_bias", "original_lm_head")} == {
