@@ -9,9 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
 from draftsmith.errors import CheckpointError
+
+# The key under which ``draftsmith-export`` keeps a drafter's own config inside an exported
+# folder's config.json, so the engine can load the export back (see :mod:`draftsmith.export`).
+EXPORT_KEY = "draftsmith_export"
 
 
 class TargetMismatchError(CheckpointError):
@@ -75,8 +80,18 @@ def read_config(path: str | Path, kind: str) -> dict:
         raise CheckpointError(f"{path} is not a drafter checkpoint: it has no config.json (give a checkpoint-N "
                               "or checkpoint-final folder written by training)")
     config = json.loads(file.read_text())
+    if EXPORT_KEY in config:  # a draftsmith-export folder: its drafter config rides along
+        config = config[EXPORT_KEY]["config"]
     if config.get("draftsmith_kind") != kind:
         raise CheckpointError(f"{path} holds a {config.get('draftsmith_kind')!r} drafter, not {kind!r}: "
                               f"use the drafter kind that trained it ({config.get('draftsmith_kind')}:PATH)")
     return config
 
+
+def read_state(path: str | Path) -> dict:
+    """The drafter's weights under its own names, from a training checkpoint or an exported folder."""
+    if EXPORT_KEY in json.loads((Path(path) / "config.json").read_text()):
+        from draftsmith.export.reimport import native_state
+
+        return native_state(path)
+    return load_file(str(Path(path) / "model.safetensors"))

@@ -15,12 +15,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from draftsmith.heads.common import check_target, read_config, target_record
+from draftsmith.heads.common import check_target, read_config, read_state, target_record
 from draftsmith.heads.vocab import DraftVocabMixin
 
 KIND = "eagle"
@@ -137,7 +137,7 @@ class EagleHead(DraftVocabMixin, nn.Module):
         if target is not None:
             check_target(config["target"], target, path)
         target_config = AutoConfig.for_model(**config["target_config"])
-        state = load_file(str(Path(path) / "model.safetensors"))
+        state = read_state(path)
         layer_class = rotary_class = None
         if target is not None:
             decoder = target.get_decoder()

@@ -20,13 +20,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.config import RecipeError
-from draftsmith.heads.common import check_target, read_config, target_record
+from draftsmith.heads.common import check_target, read_config, read_state, target_record
 from draftsmith.heads.eagle import _architecture, _full_attention, _rotary_kwargs, attention_4d
 from draftsmith.heads.vocab import DraftVocabMixin
 
@@ -208,7 +208,7 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
         if target is not None:
             check_target(config["target"], target, path)
         target_config = AutoConfig.for_model(**config["target_config"])
-        state = load_file(str(Path(path) / "model.safetensors"))
+        state = read_state(path)
         layer_class = rotary_class = None
         if target is not None:
             decoder = target.get_decoder()

@@ -16,11 +16,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from draftsmith.heads.common import check_target, read_config, target_record
+from draftsmith.heads.common import check_target, read_config, read_state, target_record
 from draftsmith.heads.vocab import DraftVocabMixin
 
 KIND = "medusa"
@@ -154,7 +154,7 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
         config = read_config(path, KIND)
         if target is not None:
             check_target(config["target"], target, path)
-        state = load_file(str(Path(path) / "model.safetensors"))
+        state = read_state(path)
         heads = cls(config["hidden_size"], config["vocab_size"], config["num_heads"], config["num_layers"],
                     config["lm_head"], state["draft_vocab"], config["target"], config.get("head_accuracy"))
         heads.load_state_dict(state)

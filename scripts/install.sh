@@ -13,3 +13,9 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     fi
 fi
 "$PYTHON" -m pip install --quiet -e ".[dev]"
+# The export parity tests load exports with vLLM's own `speculators` library. Its metadata pins
+# transformers<=5.19 and datasets<=5.1 and asks for torchvision/torchaudio, none of which its EAGLE-3
+# model code needs: resolved normally it would downgrade transformers and pull a second torch stack.
+# So it goes in without dependencies, with the one it imports unconditionally (hs-connectors, which
+# needs only torch and safetensors); loguru and openai come with the dev extras above.
+"$PYTHON" -m pip install --quiet --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"

@@ -50,18 +50,18 @@ KINDS: dict[str, KindHelp] = {
         "layers": (4, "without PATH: a count of evenly spaced target layers, or indices like 0,1,2,29"),
         "vocab": (None, "draft over the N most frequent tokens of a distill checkpoint's training replies"),
     }),
-    "eagle": KindHelp("a trained EAGLE head growing EAGLE-2 dynamic trees", "checkpoint folder (required)", {
+    "eagle": KindHelp("a trained EAGLE head growing EAGLE-2 dynamic trees", "checkpoint or sglang export folder (required)", {
         "depth": (5, "tree depth (draft steps per verification)"),
         "top_k": (3, "children expanded per node"),
         "budget": (12, "tree nodes verified per step"),
     }),
     "eagle3": KindHelp("a trained EAGLE-3 head (fused target layers, training-time test) growing EAGLE-2 dynamic trees",
-                       "checkpoint folder (required)", {
+                       "checkpoint, speculators or sglang export folder (required)", {
         "depth": (6, "tree depth (draft steps per verification)"),
         "top_k": (3, "children expanded per node"),
         "budget": (12, "tree nodes verified per step"),
     }),
-    "medusa": KindHelp("trained Medusa heads over a static tree", "checkpoint folder (required)", {
+    "medusa": KindHelp("trained Medusa heads over a static tree", "checkpoint, vllm-medusa or medusa export folder (required)", {
         "choices": (None, "tree file (Medusa-style [[0], [0, 0], [1], ...]); default: the calibrated tree.yaml"),
         "budget": (None, "use the optimal N-node tree for the heads' recorded accuracies instead"),
     }),

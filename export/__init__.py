@@ -1,0 +1,76 @@
+"""Export trained drafters to the formats serving engines load: ``speculators`` (vLLM), SGLang's
+EAGLE folders, vLLM's and the official Medusa layouts, and plain Hugging Face draft LMs.
+
+One module per format; each has ``NAME``, ``KINDS`` (the drafter kinds it can hold),
+``why_not(kind)``, ``matches(config)`` (is an exported config.json of this format),
+``export(source, target, out, ...)`` (writes the folder, returns the command lines that serve it)
+and, for formats the engine loads back, ``native_state(folder, config)``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from draftsmith.errors import UsageError
+from draftsmith.export import hf, medusa, sglang, speculators, vllm_medusa
+from draftsmith.export.card import write_card
+from draftsmith.export.common import find_target, read_source, refuse
+
+FORMATS = {module.NAME: module for module in (speculators, sglang, vllm_medusa, medusa, hf)}
+COPIED = ("tree.yaml", "adapter")  # Medusa: the calibrated tree and a Medusa-2 LoRA adapter travel along
+
+
+def _tree(kind: str, config: dict, draft_tokens: int | None) -> dict:
+    """The draft tree the serve command asks for: the engine's defaults for ``kind`` (``depth``,
+    ``top_k``, ``budget``), Medusa's depth its number of heads; ``draft_tokens`` overrides the depth."""
+    from draftsmith.eval.drafters import KINDS
+
+    tree = {key: default for key, (default, _) in KINDS[kind].options.items()}
+    tree["depth"] = draft_tokens or tree.get("depth") or config["num_heads"]
+    return tree
+
+
+def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, target: str | None = None,
+                      results: str | Path | None = None, draft_tokens: int | None = None) -> list[str]:
+    """Export the drafter checkpoint folder ``checkpoint`` to ``fmt`` in folder ``out``.
+
+    ``target``: the target's local folder when the recorded name does not resolve offline;
+    ``results``: an ``eval/run.py`` results.json whose acceptance lengths go into the model card;
+    ``draft_tokens``: tokens drafted per step in the serve command (default: the engine's default depth).
+    Returns the command lines that serve the export. Bad input raises a :class:`UserError`.
+    """
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt}: choose from {', '.join(FORMATS)}")
+    module = FORMATS[fmt]
+    source = read_source(checkpoint)
+    if source.kind not in module.KINDS:
+        raise refuse(fmt, source.kind, module.why_not(source.kind))
+    out = Path(out).expanduser().resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out}: exists and is not an empty folder; choose a new folder")
+    found = find_target(source, target)
+    tree = _tree(source.kind, source.config, draft_tokens)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside ``out`` and renamed into place: a refused or interrupted export leaves nothing.
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        serve = module.export(source, found, tmp, tree)
+        for name in COPIED if source.kind == "medusa" else ():
+            item = source.path / name
+            if item.exists():
+                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / name)
+        serve = [line.replace(str(tmp), str(out)) for line in serve]
+        write_card(tmp, out, source, found, fmt, serve, Path(results) if results else None)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return serve
+
+
+__all__ = ["FORMATS", "export_checkpoint"]

@@ -1,0 +1,129 @@
+"""What every export shares: the drafter checkpoint being exported, its target, the folder written.
+
+An exported folder is what the serving engine reads (its own config fields and weight names) plus,
+under :data:`~draftsmith.heads.common.EXPORT_KEY` in ``config.json``, the drafter's own draftsmith
+config, so the engine here can load the export back (``eagle3:EXPORTED_DIR``) and check it
+against its target.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from draftsmith.errors import CheckpointError, UsageError
+from draftsmith.heads.common import EXPORT_KEY, check_target
+
+DRAFT_LM = "draft_lm"
+TARGET_RECORD = "draftsmith_target.json"  # where a distilled draft LM names its target
+WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class Source:
+    """A drafter checkpoint to export: its kind, its own config and weights (draftsmith names)."""
+
+    path: Path
+    kind: str  # eagle, eagle3, medusa or draft_lm
+    config: dict  # the checkpoint's config.json (a draft LM's is a plain Hugging Face config)
+    record: dict  # the target record written at training time (heads/common.target_record)
+
+    @cached_property
+    def state(self) -> dict[str, torch.Tensor]:
+        return load_file(str(self.path / WEIGHTS))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the drafter's floating-point weights (what target weights are cast to)."""
+        return next(v.dtype for v in self.state.values() if v.is_floating_point())
+
+
+def read_source(path: str | Path) -> Source:
+    """The drafter checkpoint in folder ``path``; a one-line error when it is not one."""
+    path = Path(path)
+    file = path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a drafter checkpoint: it has no config.json (give a checkpoint-N "
+                              "or checkpoint-final folder written by training)")
+    config = json.loads(file.read_text())
+    if EXPORT_KEY in config:
+        raise CheckpointError(f"{path} is already an export ({config[EXPORT_KEY].get('format')}); export the "
+                              f"training checkpoint it came from ({config[EXPORT_KEY].get('source')})")
+    if "draftsmith_kind" in config:
+        return Source(path, config["draftsmith_kind"], config, config.get("target") or {})
+    if (path / TARGET_RECORD).is_file():
+        return Source(path, DRAFT_LM, config, json.loads((path / TARGET_RECORD).read_text()))
+    raise CheckpointError(f"{path} is not a draftsmith drafter checkpoint: its config.json names no "
+                          f"draftsmith_kind and it has no {TARGET_RECORD}")
+
+
+@dataclass
+class Target:
+    """The target a drafter was trained for, as a local folder (the exports name it; no hub needed)."""
+
+    name: str  # as recorded in the checkpoint
+    folder: Path
+    source: Source = field(repr=False)
+
+    @cached_property
+    def model(self) -> PreTrainedModel:
+        """The target in fp32 on the CPU, checked against the checkpoint's record."""
+        model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32).eval()
+        check_target(self.source.record, model, self.source.path)
+        return model
+
+    @cached_property
+    def architectures(self) -> list[str]:
+        return json.loads((self.folder / "config.json").read_text()).get("architectures") or []
+
+
+def find_target(source: Source, override: str | None = None) -> Target:
+    """The local folder of ``source``'s target: ``override`` (``--target``), else the recorded name
+    (``default``, a folder, a ``.gguf`` file or a hub id present in the local hub cache)."""
+    from draftsmith.target import resolve_target
+
+    name = source.record.get("name")
+    if override:
+        folder = Path(override).expanduser()
+        if not (folder / "config.json").is_file():
+            raise UsageError(f"--target {override}: not a model folder (no config.json)")
+        return Target(name or str(folder), folder.resolve(), source)
+    if not name:
+        raise CheckpointError(f"{source.path} does not record its target's name (config.json 'target.name'); "
+                              "give the target's local folder with --target DIR")
+    resolved = resolve_target(name, field=f"{source.path}: target")
+    if Path(resolved).is_dir():
+        return Target(name, Path(resolved).resolve(), source)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Target(name, Path(snapshot_download(resolved, local_files_only=True)), source)
+    except Exception:  # not in the local cache: the export must name a folder that loads offline
+        raise UsageError(f"target {name!r} has no local copy: download it (`hf download {name} --local-dir DIR`) "
+                         "and give --target DIR") from None
+
+
+def export_block(source: Source, fmt: str) -> dict:
+    """What an exported config.json carries for draftsmith: format, source and the drafter's config."""
+    return {EXPORT_KEY: {"format": fmt, "kind": source.kind, "source": str(source.path.resolve()), "config": source.config}}
+
+
+def write_config(out: Path, config: dict) -> None:
+    (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
+
+
+def write_weights(out: Path, tensors: dict[str, torch.Tensor], fmt: str) -> None:
+    """``model.safetensors`` with ``tensors`` (contiguous CPU copies)."""
+    state = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt", "draftsmith_export": fmt})
+
+
+def refuse(fmt: str, kind: str, why: str) -> UsageError:
+    """The one-line error for a drafter that ``fmt`` cannot hold."""
+    return UsageError(f"--format {fmt} cannot hold {kind} drafters: {why}")

@@ -1,0 +1,75 @@
+"""Medusa heads in the official layout (FasterDecoding/Medusa ``medusa/model/medusa_model.py``).
+
+``MedusaModel.from_pretrained(DIR)`` reads ``config.json`` (``medusa_num_heads``,
+``medusa_num_layers``, ``base_model_name_or_path``) and ``torch.load``s ``medusa_lm_head.pt`` into
+``medusa_head``: a ModuleList of ``Sequential(ResBlock * medusa_num_layers, Linear(h, vocab,
+bias=False))``, so the keys are ``K.J.linear.{weight,bias}`` and ``K.{num_layers}.weight``, every
+head with its own full-vocabulary LM head. Two limits of that layout: no draft vocabulary
+(every head scores the whole vocabulary), and ``[ResBlock(h)] * medusa_num_layers`` repeats one
+block object, so heads with more than one residual block cannot be represented.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from draftsmith.export.common import Source, Target, export_block, refuse, write_config
+from draftsmith.heads.common import EXPORT_KEY
+
+NAME = "medusa"
+KINDS = ("medusa",)
+HEADS_FILE = "medusa_lm_head.pt"
+BLOCK = re.compile(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)")
+OFFICIAL_BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")
+
+
+def why_not(kind: str) -> str:
+    return "the official Medusa layout holds Medusa heads only; export EAGLE-3 with --format speculators, " \
+           "EAGLE-1 with --format sglang, draft LMs with --format hf"
+
+
+def matches(config: dict) -> bool:
+    return "medusa_num_heads" in config
+
+
+def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
+    """Write the official Medusa folder (loaded with ``MedusaModel.from_pretrained``)."""
+    config, state = source.config, source.state
+    if state["draft_vocab"].numel() < config["vocab_size"]:
+        raise refuse(NAME, source.kind, "it drafts over a reduced vocabulary and the official layout has none; "
+                                        "use --format vllm-medusa (token_map)")
+    if config["num_layers"] > 1:
+        raise refuse(NAME, source.kind, f"its heads have {config['num_layers']} residual blocks and the official "
+                                        "MedusaModel repeats one block object per head; use --format vllm-medusa")
+    layers = config["num_layers"]
+    tensors = {}
+    for name, value in state.items():
+        block = BLOCK.fullmatch(name)
+        if block:
+            tensors[f"{block[1]}.{block[2]}.linear.{block[3]}"] = value.contiguous()
+    shared = target.model.get_output_embeddings().weight.detach().to(source.dtype) if config["lm_head"] == "shared" else None
+    for k in range(config["num_heads"]):
+        tensors[f"{k}.{layers}.weight"] = (shared if shared is not None else state["lm_weight"][k]).contiguous()
+    torch.save(tensors, out / HEADS_FILE)
+    write_config(out, {"medusa_num_heads": config["num_heads"], "medusa_num_layers": layers,
+                       "base_model_name_or_path": str(target.folder), **export_block(source, NAME)})
+    return [f"python -c \"from medusa.model.medusa_model import MedusaModel; MedusaModel.from_pretrained('{out}')\""]
+
+
+def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
+    """The heads' weights under draftsmith names from an exported folder."""
+    tensors = torch.load(folder / HEADS_FILE, weights_only=True)
+    own = config[EXPORT_KEY]["config"]
+    layers = config["medusa_num_layers"]
+    state = {}
+    for name, value in tensors.items():
+        block = OFFICIAL_BLOCK.fullmatch(name)
+        if block:
+            state[f"blocks.{block[1]}.{block[2]}.linear.{block[3]}"] = value
+    if own["lm_head"] == "copy":
+        state["lm_weight"] = torch.stack([tensors[f"{k}.{layers}.weight"] for k in range(config["medusa_num_heads"])])
+    state["draft_vocab"] = torch.arange(own["vocab_size"])
+    return state

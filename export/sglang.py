@@ -1,0 +1,111 @@
+"""EAGLE and EAGLE-3 heads as the draft folder SGLang's ``--speculative-draft-model-path`` takes.
+
+Names and fields come from SGLang 0.5.23: ``srt/models/llama_eagle.py`` (``LlamaForCausalLMEagle``),
+``srt/models/llama_eagle3.py`` (``LlamaForCausalLMEagle3``), ``srt/speculative/eagle_worker_v2.py``
+and ``spec_utils.load_token_map`` (hot-token map), ``srt/models/llama.py``
+(``set_eagle3_layers_to_capture``) and ``model_runner_components/spec_aux_hidden_state.py``:
+
+- The config is the target layer's Llama config with ``architectures`` set, ``num_hidden_layers``
+  the head's layers and ``tie_word_embeddings: false`` (a tied draft would make its LM head its
+  embedding). SGLang shares the target's embedding (and, for EAGLE-1, its LM head) at load time,
+  so neither is written.
+- EAGLE-1: ``fc.weight``/``fc.bias`` over ``[embedding ; feature]``, ``layers.N.*`` with no input
+  norm on layer 0 (as draftsmith's head). A reduced draft vocabulary becomes
+  ``hot_token_map.pt`` (the token ids, for ``--speculative-token-map``).
+- EAGLE-3: draftsmith's (speculators') names; ``d2t`` gives SGLang the hot-token ids (draft id +
+  d2t). ``eagle_config.eagle_aux_hidden_state_layer_ids`` are in SGLang's convention, one less
+  than draftsmith's (SGLang captures the input of layer id + 1): a head reading the target's
+  last layer output (id N) cannot be expressed. SGLang's layer has no ``norm_before_residual`` and
+  no q/k/v bias. vLLM reads the same ``eagle_config`` field with draftsmith's convention, so serve
+  vLLM from ``--format speculators``, not from this folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.export.common import Source, Target, export_block, refuse, write_config, write_weights
+
+NAME = "sglang"
+KINDS = ("eagle", "eagle3")
+VERSION = "0.5.23"
+ARCHITECTURES = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
+ALGORITHMS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
+HOT_TOKEN_MAP = "hot_token_map.pt"
+
+
+def why_not(kind: str) -> str:
+    return "SGLang's EAGLE folders hold EAGLE and EAGLE-3 heads only; export Medusa heads with " \
+           "--format vllm-medusa or --format medusa, draft LMs with --format hf"
+
+
+def matches(config: dict) -> bool:
+    return bool(set(config.get("architectures") or []) & set(ARCHITECTURES.values()))
+
+
+def _check_layer(source: Source, layer: dict) -> None:
+    """SGLang's EAGLE layers are Llama layers without biases."""
+    if layer.get("model_type") != "llama":
+        raise refuse(NAME, source.kind, f"its layer is a {layer.get('model_type')!r} layer; SGLang {VERSION}'s "
+                                        f"{ARCHITECTURES[source.kind]} builds Llama layers")
+    if source.kind == "eagle3" and (layer.get("attention_bias") or layer.get("mlp_bias")):
+        raise refuse(NAME, source.kind, f"its layer has biases and SGLang {VERSION}'s EAGLE-3 layer has none")
+
+
+def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
+    """Write the SGLang draft folder; returns the SGLang command that serves it.
+
+    ``tree``: ``depth``, ``top_k`` and ``budget`` of the draft tree (SGLang's num-steps, eagle-topk
+    and num-draft-tokens).
+    """
+    config = source.config
+    layer = dict(config["target_config"])
+    _check_layer(source, layer)
+    vocab = layer["vocab_size"]
+    tensors = dict(source.state)
+    draft_config = {**layer, "architectures": [ARCHITECTURES[source.kind]], "num_hidden_layers": config["num_layers"],
+                    "tie_word_embeddings": False}
+    extra = []
+    if source.kind == "eagle3":
+        if config.get("norm_before_residual"):
+            raise refuse(NAME, source.kind, f"it was trained with norm_before_residual, which SGLang {VERSION}'s "
+                                            "EAGLE-3 layer does not implement; use --format speculators")
+        num_layers = source.record.get("num_hidden_layers")
+        if num_layers in config["aux_layers"]:
+            raise refuse(NAME, source.kind, f"it reads the target's last layer output (aux layer {num_layers}), which "
+                                            f"SGLang {VERSION} cannot capture; use --format speculators")
+        draft_config["draft_vocab_size"] = config["draft_vocab_size"]
+        draft_config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [layer_id - 1 for layer_id in config["aux_layers"]],
+                                        "use_aux_hidden_state": True}
+        if config["draft_vocab_size"] == vocab:
+            del tensors["d2t"], tensors["t2d"]
+    else:
+        draft_vocab = tensors.pop("draft_vocab")
+        if draft_vocab.numel() < vocab:
+            torch.save(draft_vocab.tolist(), out / HOT_TOKEN_MAP)
+            extra = ["--speculative-token-map", str(out / HOT_TOKEN_MAP)]
+    write_config(out, {**draft_config, **export_block(source, NAME)})
+    write_weights(out, tensors, NAME)
+    command = ["python", "-m", "sglang.launch_server", "--model-path", str(target.folder),
+               "--speculative-algorithm", ALGORITHMS[source.kind], "--speculative-draft-model-path", str(out),
+               "--speculative-num-steps", str(tree["depth"]), "--speculative-eagle-topk", str(tree["top_k"]),
+               "--speculative-num-draft-tokens", str(tree["budget"]), *extra]
+    return [" ".join(command)]
+
+
+def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
+    """The head's weights under draftsmith names from an exported folder."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    vocab = config["vocab_size"]
+    if ARCHITECTURES["eagle3"] in config["architectures"]:
+        if "d2t" not in tensors:
+            tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)
+            tensors["t2d"] = torch.ones(vocab, dtype=torch.bool)
+    else:
+        hot = folder / HOT_TOKEN_MAP
+        tensors["draft_vocab"] = (torch.tensor(torch.load(hot, weights_only=True), dtype=torch.long)
+                                  if hot.is_file() else torch.arange(vocab))
+    return tensors

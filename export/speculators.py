@@ -1,0 +1,104 @@
+"""EAGLE-3 heads in the format of vLLM's ``speculators`` library (0.9.0), which vLLM loads directly.
+
+Every field and weight name below is read by ``speculators`` 0.9.0 (``config.py``,
+``models/eagle3/{config,core}.py``, ``model.py``) or by vLLM 0.33.0's bridge
+(``transformers_utils/configs/speculators/{base,algos}.py``, ``models/llama_eagle3.py``):
+
+- ``Eagle3SpeculatorConfig``: ``transformer_layer_config`` (the draft layer's config, 1 layer,
+  ``llama`` or ``qwen3`` only: speculators' ``model_classes``), ``draft_vocab_size``,
+  ``norm_before_residual`` (written always: vLLM defaults it to True when absent),
+  ``transformer_layer_config.num_aux_hidden_states`` (vLLM sizes ``fc`` from it, default 3),
+  ``eagle_aux_hidden_state_layer_ids`` (HF ``hidden_states[L]``, the input of decoder layer L, as
+  draftsmith's ``aux_layers``), ``speculators_config.verifier.name_or_path`` (the target's local
+  folder: ``load_verifier_weights`` reads its embedding, LM head and norm from there).
+- Weights are draftsmith's names unchanged (the head was written with speculators' names) plus
+  ``embed_tokens.weight`` from the target (speculators' own checkpoints carry it). ``d2t`` (int64,
+  target id = draft id + d2t[draft id]) and ``t2d`` (bool over the target vocabulary) are written
+  only for a reduced draft vocabulary: with a full one neither library registers them.
+
+speculators 0.9.0 has no EAGLE-1 or Medusa model (its EAGLE family is ``eagle3`` and ``peagle``), so
+only EAGLE-3 heads export here; EAGLE-1 heads serve through ``--format sglang``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.export.common import Source, Target, export_block, refuse, write_config, write_weights
+
+NAME = "speculators"
+KINDS = ("eagle3",)
+VERSION = "0.9.0"
+LAYER_TYPES = ("llama", "qwen3")  # speculators 0.9.0 models/eagle3/model_definitions.model_classes
+EMBED = "embed_tokens.weight"
+VOCAB_MAPS = ("d2t", "t2d")
+
+
+def why_not(kind: str) -> str:
+    if kind == "eagle":
+        return (f"speculators {VERSION} has no EAGLE-1 model (its EAGLE family is eagle3 and peagle); export "
+                "EAGLE-1 heads with --format sglang")
+    return f"speculators {VERSION} has models for eagle3, mtp, dflash, dspark, peagle and xpress only; " \
+           "export Medusa heads with --format vllm-medusa or --format medusa, draft LMs with --format hf"
+
+
+def matches(config: dict) -> bool:
+    return "speculators_model_type" in config
+
+
+def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
+    """Write the speculators folder; returns the vLLM command that serves it."""
+    config = source.config
+    layer = dict(config["target_config"])
+    if layer.get("model_type") not in LAYER_TYPES:
+        raise refuse(NAME, source.kind, f"its layer is a {layer.get('model_type')!r} layer and speculators {VERSION} "
+                                        f"builds EAGLE-3 layers of {' and '.join(LAYER_TYPES)} only")
+    layer["num_hidden_layers"] = config["num_layers"]
+    layer["tie_word_embeddings"] = False  # the head's LM head is its own, never the embedding
+    # vLLM builds its EAGLE-3 layer config from this dict and sizes fc from num_aux_hidden_states
+    # (else from an eagle_config, else 3): without it any other number of aux layers fails to load.
+    layer["num_aux_hidden_states"] = len(config["aux_layers"])
+    tensors = dict(source.state)
+    if config["draft_vocab_size"] == layer["vocab_size"]:
+        for name in VOCAB_MAPS:
+            tensors.pop(name)
+    tensors[EMBED] = target.model.get_input_embeddings().weight.detach().to(source.dtype)
+    write_config(out, {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config["draft_vocab_size"],
+        "norm_before_residual": bool(config.get("norm_before_residual", False)),
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(config["aux_layers"]),
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tree["depth"],
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(target.folder), "architectures": target.architectures},
+        },
+        **export_block(source, NAME),
+    })
+    write_weights(out, tensors, NAME)
+    spec = f'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
+    return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
+
+
+def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
+    """The head's weights under draftsmith names from an exported folder."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors.pop(EMBED)  # the target's, used by reference
+    if "d2t" not in tensors:  # full draft vocabulary: the identity maps
+        vocab = config["transformer_layer_config"]["vocab_size"]
+        tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)
+        tensors["t2d"] = torch.ones(vocab, dtype=torch.bool)
+    return tensors

@@ -1,0 +1,91 @@
+"""Medusa heads in the layout of vLLM's Medusa loader (vLLM 0.32.0; 0.33.0 no longer has Medusa).
+
+Names and fields come from vLLM 0.32.0 ``model_executor/models/medusa.py`` (``Medusa``,
+registered as ``MedusaModel``) and ``transformers_utils/configs/medusa.py`` (``MedusaConfig``,
+``model_type: medusa``): ``hidden_size``, ``vocab_size``, ``num_heads``, ``num_hidden_layers``
+(residual blocks per head), ``truncated_vocab_size``, ``medusa_fc_bias`` (draftsmith's blocks have
+biases), ``original_lm_head``. Weights: ``blocks.K.layers.J.{weight,bias}``; then either one
+``lm_head.weight`` shared by all heads (``original_lm_head: true``: draftsmith's ``lm_head: shared``,
+the target's LM head written in) or ``lm_heads.K.weight`` per head (``lm_head: copy``).
+A reduced draft vocabulary is vLLM's ``token_map`` (the token ids) with ``truncated_vocab_size``;
+vLLM cuts a full-vocabulary LM head down to those rows, so it works with a shared LM head only
+(per-head LM heads are built at the full vocabulary size).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.export.common import Source, Target, export_block, refuse, write_config, write_weights
+
+NAME = "vllm-medusa"
+KINDS = ("medusa",)
+VERSION = "0.32.0"
+BLOCK = re.compile(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)")
+VLLM_BLOCK = re.compile(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)")
+
+
+def why_not(kind: str) -> str:
+    return "vLLM's Medusa loader holds Medusa heads only; export EAGLE-3 with --format speculators, " \
+           "EAGLE-1 with --format sglang, draft LMs with --format hf"
+
+
+def matches(config: dict) -> bool:
+    return config.get("model_type") == "medusa"
+
+
+def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
+    """Write the vLLM Medusa folder; returns the vLLM command that serves it."""
+    config, state = source.config, source.state
+    shared = config["lm_head"] == "shared"
+    draft_vocab = state["draft_vocab"]
+    reduced = draft_vocab.numel() < config["vocab_size"]
+    if reduced and not shared:
+        raise refuse(NAME, source.kind, "its per-head LM heads cover a reduced draft vocabulary, and vLLM builds "
+                                        "per-head LM heads at the full vocabulary size (its token_map works with a "
+                                        "shared LM head only); train with lm_head: shared or a full vocabulary")
+    tensors = {}
+    for name, value in state.items():
+        block = BLOCK.fullmatch(name)
+        if block:
+            tensors[f"blocks.{block[1]}.layers.{block[2]}.{block[3]}"] = value
+    if shared:
+        tensors["lm_head.weight"] = target.model.get_output_embeddings().weight.detach().to(source.dtype)
+    else:
+        for k, weight in enumerate(state["lm_weight"]):
+            tensors[f"lm_heads.{k}.weight"] = weight
+    if reduced:
+        tensors["token_map"] = draft_vocab
+    write_config(out, {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": config["hidden_size"],
+        "vocab_size": config["vocab_size"],
+        "num_heads": config["num_heads"],
+        "num_hidden_layers": config["num_layers"],
+        "truncated_vocab_size": int(draft_vocab.numel()),
+        "medusa_fc_bias": True,
+        "original_lm_head": shared,
+        **export_block(source, NAME),
+    })
+    write_weights(out, tensors, NAME)
+    spec = f'{{"method": "medusa", "model": "{out}", "num_speculative_tokens": {min(tree["depth"], config["num_heads"])}}}'
+    return [f"vllm serve {target.folder} --speculative-config '{spec}'  # vLLM <= {VERSION}"]
+
+
+def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
+    """The heads' weights under draftsmith names from an exported folder."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    state = {}
+    for name, value in tensors.items():
+        block = VLLM_BLOCK.fullmatch(name)
+        if block:
+            state[f"blocks.{block[1]}.{block[2]}.linear.{block[3]}"] = value
+    if not config["original_lm_head"]:
+        state["lm_weight"] = torch.stack([tensors[f"lm_heads.{k}.weight"] for k in range(config["num_heads"])])
+    state["draft_vocab"] = tensors.get("token_map", torch.arange(config["vocab_size"]))
+    return state
