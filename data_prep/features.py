@@ -1,7 +1,8 @@
-"""Offline target features for EAGLE training: the frozen target's last hidden states, on disk.
+"""Offline target features for EAGLE training: the frozen target's hidden states, on disk.
 
 Each split is written as shards (``shard-00000.safetensors``: the conversations' token ids,
-loss masks, offsets and hidden states in the target's dtype). Shards are written atomically and
+loss masks, offsets and last hidden states in the target's dtype, plus for EAGLE-3 the fused
+hidden states of its ``aux_layers``). Shards are written atomically and
 skipped when present, so an interrupted extraction resumes where it stopped; ``manifest.json``
 records the size. ShareGPT features of an 8B model fill hundreds of GB: use ``online`` there.
 """
@@ -27,13 +28,14 @@ from draftsmith.assets import cache_root
 SHARD_SIZE = 64  # conversations per shard
 
 
-def features_dir(recipe, data) -> Path:
-    """Where the features of ``recipe``'s target over ``data`` live (keyed by both)."""
+def features_dir(recipe, data, layers: list[int] | None = None) -> Path:
+    """Where the features of ``recipe``'s target over ``data`` live (keyed by both and the layers)."""
     if recipe.drafter.features_dir:
         return Path(recipe.drafter.features_dir)
-    key = hashlib.sha256(json.dumps([
-        recipe.target.name, recipe.target.dtype, {s: data[s]._fingerprint for s in data},
-    ]).encode()).hexdigest()[:16]
+    identity = [recipe.target.name, recipe.target.dtype, {s: data[s]._fingerprint for s in data}]
+    if layers:
+        identity.append(list(layers))
+    key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
     return cache_root() / "features" / key
 
 
@@ -51,8 +53,10 @@ def _atomic(path: Path):
 
 
 @torch.no_grad()
-def extract_features(target, data, root: Path, shard_size: int = SHARD_SIZE, show: bool = True) -> dict:
-    """Write the target's last hidden states for every split of ``data`` under ``root``; resumable."""
+def extract_features(target, data, root: Path, shard_size: int = SHARD_SIZE, show: bool = True,
+                     layers: list[int] | None = None) -> dict:
+    """Write the target's last hidden states (and with ``layers`` those layers' states, fused, as
+    ``aux``) for every split of ``data`` under ``root``; resumable."""
     root = Path(root)
     decoder = target.get_decoder()
     device = next(target.parameters()).device
@@ -67,10 +71,12 @@ def extract_features(target, data, root: Path, shard_size: int = SHARD_SIZE, sho
             if path.is_file():
                 continue
             chunk = rows[start:start + shard_size]
-            hidden = [
-                decoder(input_ids=torch.tensor([ids], device=device)).last_hidden_state[0].cpu()
-                for ids in chunk["input_ids"]
-            ]
+            hidden, aux = [], []
+            for ids in chunk["input_ids"]:
+                out = decoder(input_ids=torch.tensor([ids], device=device), output_hidden_states=bool(layers))
+                hidden.append(out.last_hidden_state[0].cpu())
+                if layers:
+                    aux.append(torch.cat([out.hidden_states[layer][0] for layer in layers], dim=-1).cpu())
             lengths = torch.tensor([len(ids) for ids in chunk["input_ids"]])
             tensors = {
                 "hidden": torch.cat(hidden).contiguous(),
@@ -78,6 +84,8 @@ def extract_features(target, data, root: Path, shard_size: int = SHARD_SIZE, sho
                 "loss_mask": torch.tensor([m for mask in chunk["loss_mask"] for m in mask], dtype=torch.int8),
                 "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
             }
+            if layers:
+                tensors["aux"] = torch.cat(aux).contiguous()
             with _atomic(path) as tmp:
                 save_file(tensors, str(tmp))
         files = sorted(out.glob("shard-*.safetensors"))
@@ -94,7 +102,7 @@ def extract_features(target, data, root: Path, shard_size: int = SHARD_SIZE, sho
 
 
 class FeatureDataset(Dataset):
-    """Rows ``{input_ids, loss_mask, hidden}`` read lazily from one split's feature shards."""
+    """Rows ``{input_ids, loss_mask, hidden[, aux]}`` read lazily from one split's feature shards."""
 
     def __init__(self, folder: str | Path):
         self.files = sorted(Path(folder).glob("shard-*.safetensors"))
@@ -118,18 +126,21 @@ class FeatureDataset(Dataset):
         local = index - self.starts[shard]
         lo, hi = self.offsets[shard][local].item(), self.offsets[shard][local + 1].item()
         with safe_open(str(self.files[shard]), "pt") as handle:
-            return {
+            row = {
                 "input_ids": handle.get_slice("input_ids")[lo:hi].long(),
                 "loss_mask": handle.get_slice("loss_mask")[lo:hi].bool(),
                 "hidden": handle.get_slice("hidden")[lo:hi],
             }
+            if "aux" in handle.keys():
+                row["aux"] = handle.get_slice("aux")[lo:hi]
+            return row
 
 
-def training_sets(recipe, target, data):
+def training_sets(recipe, target, data, layers: list[int] | None = None):
     """``(train, held_out)``: the tokenised splits (``drafter.features: online``) or their offline
-    feature caches, extracted first where missing (``offline``)."""
+    feature caches (with ``layers``: EAGLE-3's fused states too), extracted first where missing."""
     if recipe.drafter.features != "offline":
         return data["train"], data["held_out"]
-    root = features_dir(recipe, data)
-    extract_features(target, data, root)
+    root = features_dir(recipe, data, layers)
+    extract_features(target, data, root, layers=layers)
     return FeatureDataset(root / "train"), FeatureDataset(root / "held_out")

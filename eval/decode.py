@@ -62,7 +62,7 @@ class SpeculativeDecoder:
     def __init__(self, target: PreTrainedModel, drafter: Drafter | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, sampling: SamplingConfig = SamplingConfig(),
                  eos_ids: set[int] | None = None):
-        self.runner = CausalLMRunner(target)
+        self.runner = CausalLMRunner(target, capture_layers=getattr(drafter, "feature_layers", None))
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -72,6 +72,10 @@ class SpeculativeDecoder:
         if self.sampling.greedy:
             return int(logits.argmax())
         return sample(probabilities(logits, self.sampling), generator)
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a feature-reading drafter gets for the rows of the last forward."""
+        return self.runner.captured if self.runner.capture_layers else hidden
 
     def _finish(self, new: list[int], stop_strings: tuple[str, ...], scanned: int) -> tuple[int | None, str]:
         """Length to cut ``new`` to if generation must stop, and why (the earliest stop wins)."""
@@ -122,7 +126,7 @@ class SpeculativeDecoder:
         first = self._next(self.runner.logits(hidden[-1]), generator)
         new = [first]
         if drafter is not None:
-            drafter.begin(list(prompt) + new, hidden if drafter.needs_hidden else None)
+            drafter.begin(list(prompt) + new, self._features(hidden) if drafter.needs_hidden else None)
         result.prefill_seconds = clock(device) - start
         start = clock(device)
         if streamer:
@@ -140,7 +144,7 @@ class SpeculativeDecoder:
                     hidden = self.runner.forward([tokens[-1]])
                     logits = self.runner.logits(hidden[-1])
                 accepted_tokens = [self._next(logits, generator)]
-                kept = hidden
+                kept = self._features(hidden)
             else:
                 parents, depths = tree_rows(tree.parents, tree.depths)
                 with record_function("target_forward"):
@@ -152,7 +156,7 @@ class SpeculativeDecoder:
                 with record_function("commit"):
                     self.runner.commit(rows)
                 accepted_tokens = [tree.tokens[node] for node in path] + [last]
-                kept = hidden[rows]
+                kept = self._features(hidden)[rows]
             scanned = len(new)
             new += accepted_tokens
             result.steps += 1

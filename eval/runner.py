@@ -59,9 +59,16 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class CausalLMRunner:
     """Incremental forward passes (chains or trees) over one sequence with a ``DynamicCache``."""
 
-    def __init__(self, model: PreTrainedModel | None = None, *, decoder=None, lm_head=None, config=None):
-        """Wrap an HF causal LM, or any ``decoder`` (HF-decoder-like forward) with an ``lm_head`` callable."""
+    def __init__(self, model: PreTrainedModel | None = None, *, decoder=None, lm_head=None, config=None,
+                 capture_layers: list[int] | None = None):
+        """Wrap an HF causal LM, or any ``decoder`` (HF-decoder-like forward) with an ``lm_head`` callable.
+
+        With ``capture_layers`` every forward also keeps those layers' hidden states (HF
+        ``hidden_states[L]``, the input of decoder layer L), concatenated, in :attr:`captured`.
+        """
         self.model = model
+        self.capture_layers = list(capture_layers) if capture_layers else None
+        self.captured: torch.Tensor | None = None  # [n, len(capture_layers) * H] of the last forward
         self.decoder = decoder if decoder is not None else model.get_decoder()
         self.lm_head = lm_head if lm_head is not None else model.get_output_embeddings()
         self.config = config if config is not None else model.config
@@ -133,10 +140,14 @@ class CausalLMRunner:
             self.check_context(self.length + max(depths) + 1)
             positions = torch.as_tensor(depths, device=self.device) + self.length
             mask = self._mask(parents, depths)
+        if self.capture_layers:
+            inputs["output_hidden_states"] = True
         out = self.decoder(
             input_ids=ids, position_ids=positions.view(1, -1), attention_mask=mask,
             past_key_values=self.cache, use_cache=True, **inputs,
         )
+        if self.capture_layers:
+            self.captured = torch.cat([out.hidden_states[layer][0] for layer in self.capture_layers], dim=-1)
         if parents is None:
             self.length += n
         else:

@@ -30,6 +30,9 @@ FULL = "full_attention"
 class EagleHead(DraftVocabMixin, nn.Module):
     """``fc`` over ``[embedding ; feature]`` then decoder layers of the target's architecture."""
 
+    # The input that carries the head's own output into its next draft step: a predicted feature.
+    feedback_input = "features"
+
     def __init__(self, target_config: PretrainedConfig, num_layers: int = 1,
                  draft_vocab: torch.Tensor | None = None, target_info: dict | None = None,
                  layer_class: type | None = None, rotary_class: type | None = None):
@@ -50,8 +53,7 @@ class EagleHead(DraftVocabMixin, nn.Module):
         # The fc output is already a mixed feature: EAGLE drops the first layer's input norm.
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = rotary_class(config)
-        # Rotary classes of mixed-layer models (Gemma-3) take the layer type they serve.
-        self._rotary_kwargs = {"layer_type": FULL} if "layer_type" in inspect.signature(rotary_class.forward).parameters else {}
+        self._rotary_kwargs = _rotary_kwargs(rotary_class)
         vocab = draft_vocab if draft_vocab is not None else torch.arange(config.vocab_size)
         self.register_buffer("draft_vocab", vocab.long(), persistent=True)
         self._target: tuple = ()
@@ -65,8 +67,8 @@ class EagleHead(DraftVocabMixin, nn.Module):
                 attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False):
         """Predicted next features ``[b, n, h]`` (as ``.last_hidden_state``, like an HF decoder).
 
-        ``attention_mask`` is an additive 4D mask, a ``[b, n]`` padding mask (1 = token), or None
-        for plain causal attention after whatever ``past_key_values`` holds.
+        ``attention_mask`` is a 4D mask (additive, or boolean: True = attend), a ``[b, n]`` padding
+        mask (1 = token), or None for plain causal attention after whatever ``past_key_values`` holds.
         """
         embeds = self.target.get_input_embeddings()(input_ids).to(features.dtype)
         hidden = self.fc(torch.cat([embeds, features], dim=-1))
@@ -74,8 +76,7 @@ class EagleHead(DraftVocabMixin, nn.Module):
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=hidden.device).expand(batch, n)
-        if attention_mask is None or attention_mask.dim() == 2:
-            attention_mask = _causal_mask(batch, n, past, attention_mask, hidden.dtype, hidden.device)
+        attention_mask = attention_4d(attention_mask, batch, n, past, hidden)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids, **self._rotary_kwargs)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
@@ -158,6 +159,11 @@ def _architecture(config: PretrainedConfig) -> tuple[type, type]:
     return type(shell.layers[0]), type(shell.rotary_emb)
 
 
+def _rotary_kwargs(rotary_class: type) -> dict:
+    """Rotary classes of mixed-layer models (Gemma-3) take the layer type they serve."""
+    return {"layer_type": FULL} if "layer_type" in inspect.signature(rotary_class.forward).parameters else {}
+
+
 def _full_attention(config: PretrainedConfig) -> None:
     """Make every layer of ``config`` attend to the whole context.
 
@@ -173,11 +179,21 @@ def _full_attention(config: PretrainedConfig) -> None:
         config.use_sliding_window = False
 
 
-def _causal_mask(batch: int, n: int, past: int, padding: torch.Tensor | None, dtype, device) -> torch.Tensor:
-    allowed = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(diagonal=past)
-    allowed = allowed.expand(batch, 1, n, past + n)
-    if padding is not None:
-        keys = torch.cat([padding.new_ones(batch, past), padding], dim=1).bool()
-        allowed = allowed & keys[:, None, None, :]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+def attention_4d(mask: torch.Tensor | None, batch: int, n: int, past: int, hidden: torch.Tensor) -> torch.Tensor:
+    """An additive 4D mask in ``hidden``'s dtype from a head's ``attention_mask`` argument.
+
+    Boolean 4D masks are converted here, where the dtype the layers compute in (autocast
+    included) is known: boolean masks are silently wrong with eager attention.
+    """
+    if mask is not None and mask.dim() == 4:
+        if mask.dtype != torch.bool:
+            return mask
+        allowed = mask
+    else:
+        allowed = torch.ones(n, past + n, dtype=torch.bool, device=hidden.device).tril(diagonal=past)
+        allowed = allowed.expand(batch, 1, n, past + n)
+        if mask is not None:
+            keys = torch.cat([mask.new_ones(batch, past), mask], dim=1).bool()
+            allowed = allowed & keys[:, None, None, :]
+    additive = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
+    return additive.masked_fill(~allowed, torch.finfo(hidden.dtype).min)

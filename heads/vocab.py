@@ -81,9 +81,13 @@ class DraftVocabMixin:
             self._draft_weight_key = key
         return self._draft_weight
 
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary ``[..., N]``."""
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head over the draft vocabulary ``[..., N]`` (training targets from its features)."""
         return hidden @ self.draft_lm_weight().to(hidden.dtype).T
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary ``[..., N]`` (heads with an LM head of their own override it)."""
+        return self.target_logits(hidden)
 
     def to_full_vocab(self, small: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the full vocabulary from draft-vocabulary logits (``-inf`` elsewhere)."""

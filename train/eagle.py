@@ -3,7 +3,9 @@
 Loss at position i (head input ``[emb(t_{i+1}) ; f_i + noise]``, output the predicted
 ``f_{i+1}``): Smooth-L1 against the target's ``f_{i+1}`` plus ``ce_weight`` x the cross-entropy
 between the target's distribution of token i+2 and the LM head applied to the prediction, on
-assistant tokens only. Features come from the frozen target inside the step (``online``) or from
+assistant tokens only. HASS (Zhang et al., 2025) is two options: ``ttt_steps > 1`` adds passes
+in which the head reads its own predicted features (context alignment, see
+:mod:`draftsmith.train.unroll`) and ``top_k_loss`` distils only the target's top-K tokens. Features come from the frozen target inside the step (``online``) or from
 an on-disk cache written by ``draftsmith.data_prep.features`` (``offline``).
 """
 
@@ -14,7 +16,6 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import torch
-import torch.nn.functional as F
 
 from draftsmith.data_prep.features import training_sets
 from draftsmith.heads.eagle import EagleHead
@@ -23,6 +24,7 @@ from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.timing import stage
 from draftsmith.train.loop import Trainer, pad_batch
+from draftsmith.train.unroll import UnrollLoss, unroll, unrolled_loss
 
 
 @dataclass
@@ -38,10 +40,17 @@ class EagleDrafterConfig(DrafterConfig):
     ce_weight: float = 0.1  # weight of the soft cross-entropy against the target's next-token distribution
     features: Literal["online", "offline"] = "online"  # target features computed in each step, or cached on disk first
     features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache)
+    ttt_steps: int = 1  # HASS context alignment: passes over the head's own predicted features (1: off; HASS uses 3)
+    ttt_step_loss_decay: float = 0.8  # the loss of pass j is weighted decay ** j
+    top_k_loss: Optional[int] = None  # HASS distillation: only the target's K most likely tokens (null: its full distribution)
 
     def validate(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
+        if self.ttt_steps < 1:
+            raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.top_k_loss is not None and self.top_k_loss < 1:
+            raise ValueError(f"drafter.top_k_loss must be >= 1 or null, got {self.top_k_loss}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
             raise ValueError(f"drafter.draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
 
@@ -58,6 +67,9 @@ class EagleTask:
         self.cfg = recipe.drafter
         self.target = target
         self.model = head
+        self.loss_config = UnrollLoss(steps=self.cfg.ttt_steps, decay=self.cfg.ttt_step_loss_decay,
+                                      top_k=self.cfg.top_k_loss, ce_weight=self.cfg.ce_weight,
+                                      regression_weight=self.cfg.regression_weight)
 
     collate = staticmethod(pad_batch)
 
@@ -70,50 +82,15 @@ class EagleTask:
         return decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
 
     def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
-        unwrapped = self.model
         features = self.target_features(batch)
-        dtype = next(unwrapped.parameters()).dtype
+        dtype = next(self.model.parameters()).dtype
         feats_in = features[:, :-1].to(dtype)
         if training and self.cfg.feature_noise > 0:
             feats_in = feats_in + (torch.rand_like(feats_in) * 2 - 1) * self.cfg.feature_noise
-        pred = head(batch["input_ids"][:, 1:], feats_in, attention_mask=batch["attention_mask"][:, 1:]).last_hidden_state
-        target_next = features[:, 1:].to(pred.dtype)
-        # Position i predicts the feature of i+1, which scores token i+2: weigh by that token's mask.
-        mask = torch.zeros_like(batch["loss_mask"][:, 1:])
-        mask[:, :-1] = batch["loss_mask"][:, 2:]
-        mask = mask & batch["attention_mask"][:, 1:].bool()
-        pred, target_next = pred[mask], target_next[mask]
-        tokens = int(mask.sum())
-        if tokens == 0:
-            zero = pred.sum() * 0.0
-            return zero, {"tokens": 0.0}
-        regression = F.smooth_l1_loss(pred.float(), target_next.float(), reduction="none").mean(-1)
-        with torch.no_grad():
-            target_logits = unwrapped.draft_logits(target_next).float()
-            target_probs = target_logits.softmax(-1)
-            if training or unwrapped.full_vocab:
-                # The target's argmax within the draft vocabulary: exact with the full vocabulary,
-                # and it spares a full-vocabulary LM-head pass per step (the costliest matmul left).
-                full_best = unwrapped.draft_vocab[target_logits.argmax(-1)]
-            else:
-                lm_head = self.target.get_output_embeddings().weight
-                full_best = (target_next @ lm_head.to(target_next.dtype).T).argmax(-1)
-        draft_logits = unwrapped.draft_logits(pred).float()
-        ce = -(target_probs * draft_logits.log_softmax(-1)).sum(-1)
-        loss = (self.cfg.regression_weight * regression + self.cfg.ce_weight * ce).mean()
-        with torch.no_grad():
-            top3 = unwrapped.draft_vocab[draft_logits.topk(3, dim=-1).indices]
-            top1_hits = (top3[:, 0] == full_best).sum()
-            top3_hits = (top3 == full_best[:, None]).any(-1).sum()
-        metrics = {
-            "tokens": float(tokens),
-            "loss": float(loss.detach()) * tokens,
-            "regression_loss": float(regression.detach().sum()),
-            "ce_loss": float(ce.detach().sum()),
-            "top1": float(top1_hits),
-            "top3": float(top3_hits),
-        }
-        return loss, metrics
+        outputs = unroll(head, batch["input_ids"], feats_in, batch["attention_mask"], self.cfg.ttt_steps,
+                         self.model.feedback_input)
+        return unrolled_loss(self.model, outputs, features, batch["loss_mask"], batch["attention_mask"],
+                             self.loss_config, training)
 
     def save_pretrained(self, model, path: Path) -> None:
         model.save_pretrained(path)

@@ -75,23 +75,24 @@ class TrainState:
 
 
 def pad_batch(rows: list[dict]) -> dict:
-    """Right-pad tokenised rows (``input_ids``, ``loss_mask`` and, when present, cached ``hidden``)
-    into a batch with an ``attention_mask``."""
+    """Right-pad tokenised rows (``input_ids``, ``loss_mask`` and, when present, cached features
+    ``hidden`` and ``aux``) into a batch with an ``attention_mask``."""
     longest = max(len(r["input_ids"]) for r in rows)
     batch = {
         "input_ids": torch.zeros(len(rows), longest, dtype=torch.long),
         "loss_mask": torch.zeros(len(rows), longest, dtype=torch.bool),
         "attention_mask": torch.zeros(len(rows), longest, dtype=torch.long),
     }
-    if "hidden" in rows[0]:
-        batch["hidden"] = torch.zeros(len(rows), longest, rows[0]["hidden"].shape[-1], dtype=rows[0]["hidden"].dtype)
+    features = [key for key in ("hidden", "aux") if key in rows[0]]
+    for key in features:
+        batch[key] = torch.zeros(len(rows), longest, rows[0][key].shape[-1], dtype=rows[0][key].dtype)
     for i, row in enumerate(rows):
         n = len(row["input_ids"])
         batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
         batch["loss_mask"][i, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
         batch["attention_mask"][i, :n] = 1
-        if "hidden" in row:
-            batch["hidden"][i, :n] = row["hidden"]
+        for key in features:
+            batch[key][i, :n] = row[key]
     return batch
 
 

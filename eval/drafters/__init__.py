@@ -3,7 +3,7 @@
 A spec is ``KIND[:PATH][?key=value&key=value]``, e.g. ``prompt_lookup``,
 ``prompt_lookup?num_tokens=4&branches=3``, ``draft_lm:HuggingFaceTB/SmolLM2-135M-Instruct?depth=5``,
 ``draft_lm?layers=4`` (a draft cut from the target: 4 evenly spaced layers, or ``layers=0,1,2,29``), ``oracle?num_tokens=8``,
-``eagle:runs/x/checkpoint-final?depth=5&top_k=3&budget=12``. ``name=`` sets the
+``eagle:runs/x/checkpoint-final?depth=5&top_k=3&budget=12``, ``eagle3:runs/y/checkpoint-final``. ``name=`` sets the
 label used in tables. :data:`KINDS` documents every kind and option (``eval/run.py --help`` prints it).
 """
 
@@ -52,6 +52,12 @@ KINDS: dict[str, KindHelp] = {
     }),
     "eagle": KindHelp("a trained EAGLE head growing EAGLE-2 dynamic trees", "checkpoint folder (required)", {
         "depth": (5, "tree depth (draft steps per verification)"),
+        "top_k": (3, "children expanded per node"),
+        "budget": (12, "tree nodes verified per step"),
+    }),
+    "eagle3": KindHelp("a trained EAGLE-3 head (fused target layers, training-time test) growing EAGLE-2 dynamic trees",
+                       "checkpoint folder (required)", {
+        "depth": (6, "tree depth (draft steps per verification)"),
         "top_k": (3, "children expanded per node"),
         "budget": (12, "tree nodes verified per step"),
     }),
@@ -163,6 +169,12 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
             from draftsmith.heads.eagle import EagleHead
 
             head = EagleHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
+            drafter = EagleDrafter(head, **options)
+        elif parsed.kind == "eagle3":
+            from draftsmith.eval.drafters.eagle import EagleDrafter
+            from draftsmith.heads.eagle3 import Eagle3Head
+
+            head = Eagle3Head.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
             drafter = EagleDrafter(head, **options)
         elif parsed.kind == "medusa":
             from draftsmith.eval.drafters.medusa import MedusaDrafter

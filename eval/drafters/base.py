@@ -4,7 +4,8 @@ Per generation the engine calls ``prepare`` (untimed set-up, e.g. the oracle's r
 decode), ``begin`` after the target's prefill, then alternately ``propose`` (a token tree hung
 below the last committed token) and ``accept`` (what the target kept). Drafters that need the
 target's features (EAGLE, Medusa) set ``needs_hidden`` and receive the target's last hidden
-state of every token as it enters the target's cache.
+state of every token as it enters the target's cache, or, where ``feature_layers`` names target
+layers (EAGLE-3), those layers' hidden states concatenated.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class StepResult:
     """What the target kept in one verification step."""
 
     accepted: list[int]  # accepted draft tokens followed by the target's own next token
-    hidden: torch.Tensor | None  # target hidden states of [root] + accepted draft rows
+    hidden: torch.Tensor | None  # target features (see Drafter.feature_layers) of [root] + accepted draft rows
     tokens: list[int]  # the full sequence after this step
 
 
@@ -43,6 +44,7 @@ class Drafter(ABC):
 
     name: str = "drafter"
     needs_hidden: bool = False
+    feature_layers: list[int] | None = None  # target layers whose states ``hidden`` carries (None: the last)
     # The model that must verify this drafter's trees when it is not the engine's target (a
     # drafter trained jointly with a tuned copy of the target, e.g. Medusa-2); None: the target.
     verifier = None

@@ -1,9 +1,11 @@
-"""EAGLE drafting: the head extends the target's features autoregressively into an EAGLE-2 tree.
+"""EAGLE drafting (EAGLE-1 and EAGLE-3 heads): the head extends the target's features
+autoregressively into an EAGLE-2 dynamic tree.
 
 The head keeps its own KV cache over (token, target feature) pairs: after the prefill it reads
 the prompt's pairs, after every step the accepted tokens paired with the target's features of
-the tokens before them. Tree rows (fed with the head's own predicted features) are discarded
-after each proposal, so the cache only ever holds real target features.
+the tokens before them (its last hidden state for EAGLE-1, the fused ``aux_layers`` for EAGLE-3).
+Tree rows (fed with the head's own outputs through ``head.feedback_input``) are discarded after
+each proposal, so the cache only ever holds rows computed from real target features.
 """
 
 from __future__ import annotations
@@ -13,16 +15,17 @@ import torch
 from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder, grow_tree
-from draftsmith.heads.eagle import EagleHead
 
 
 class EagleDrafter(Drafter):
-    """An EAGLE head growing dynamic trees of ``depth`` levels, ``top_k`` wide, ``budget`` nodes."""
+    """An EAGLE head (``EagleHead`` or ``Eagle3Head``) growing dynamic trees of ``depth`` levels,
+    ``top_k`` wide, ``budget`` nodes."""
 
     needs_hidden = True
 
-    def __init__(self, head: EagleHead, depth: int = 5, top_k: int = 3, budget: int = 12, name: str = "eagle"):
+    def __init__(self, head, depth: int = 5, top_k: int = 3, budget: int = 12, name: str = "eagle"):
         self.head = head.eval()
+        self.feature_layers = getattr(head, "aux_layers", None)
         self.runner = CausalLMRunner(decoder=head, lm_head=head.logits, config=head.config)
         self.depth, self.top_k, self.budget, self.name = depth, top_k, budget, name
         self._tokens: list[int] = []
@@ -41,7 +44,7 @@ class EagleDrafter(Drafter):
         parents = [builder.parents[n] for n in frontier]
         features = torch.stack([self._predicted[p] for p in parents])
         out = self.runner.forward([builder.tokens[n] for n in frontier], [self._row[p] for p in parents],
-                                  [builder.depths[n] - 1 for n in frontier], features=features[None])
+                                  [builder.depths[n] - 1 for n in frontier], **{self.head.feedback_input: features[None]})
         for i, node in enumerate(frontier):
             self._row[node], self._predicted[node] = base + i, out[i]
         return self.head.logits(out)

@@ -1,0 +1,222 @@
+"""The EAGLE-3 head (Li et al., 2025): drafts from fused low/mid/high target features and from itself.
+
+At position i the head reads the embedding of token i+1 and a hidden state: for tokens the target
+has processed, ``fc`` over the concatenated hidden states of several target layers
+(``aux_layers``, by default 2, N/2 and N-3: HF ``hidden_states[L]``, the input of decoder layer
+L); for tokens it drafted itself, its own previous output. One decoder layer of the target's
+architecture, whose q/k/v projections take ``[input_layernorm(embedding) ; hidden_norm(hidden)]``,
+turns that into the next hidden state, and the head's own norm and LM head (over a reduced draft
+vocabulary) score the next token. There is no feature regression: training unrolls the head on
+its own outputs (training-time test, see :mod:`draftsmith.train.unroll`).
+
+Parameter and buffer names are those of ``speculators``' ``Eagle3DraftModel`` (``fc``,
+``layers.0.hidden_norm``, ``norm``, ``lm_head``, ``d2t``, ``t2d``), so export is a copy. The token
+embedding is the target's, used by reference and never saved.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from draftsmith.config import RecipeError
+from draftsmith.heads.common import check_target, read_config, target_record
+from draftsmith.heads.eagle import _architecture, _full_attention, _rotary_kwargs, attention_4d
+from draftsmith.heads.vocab import DraftVocabMixin
+
+KIND = "eagle3"
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers: ``[2, N // 2, N - 3]`` (as vLLM and speculators)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layers(layers: list[int], num_layers: int, where: str = "drafter.aux_layers") -> list[int]:
+    """``layers`` if they are distinct target layer ids in ``[0, num_layers]``; else a one-line error."""
+    layers = [int(layer) for layer in layers]
+    if not layers or len(set(layers)) != len(layers) or min(layers) < 0 or max(layers) > num_layers:
+        raise RecipeError(f"{where} = {layers}: give distinct target layer ids in [0, {num_layers}] "
+                              f"(the target has {num_layers} decoder layers; default {default_aux_layers(num_layers)})")
+    return layers
+
+
+class Eagle3Layer(nn.Module):
+    """A decoder layer of the target's architecture whose attention reads ``[embedding ; hidden]``."""
+
+    def __init__(self, config: PretrainedConfig, layer_class: type, norm_before_residual: bool = False):
+        super().__init__()
+        base = layer_class(config, layer_idx=0)
+        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        bias = getattr(config, "attention_bias", False)
+        self.self_attn = base.self_attn
+        self.self_attn.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=bias)
+        self.self_attn.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=bias)
+        self.self_attn.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=bias)
+        self.mlp = base.mlp
+        self.input_layernorm = base.input_layernorm
+        self.post_attention_layernorm = base.post_attention_layernorm
+        self.hidden_norm = type(base.input_layernorm)(hidden, eps=config.rms_norm_eps)
+        self.norm_before_residual = norm_before_residual
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, **attention) -> torch.Tensor:
+        residual = hidden
+        hidden = self.hidden_norm(hidden)
+        if self.norm_before_residual:
+            residual = hidden
+        attended = self.self_attn(torch.cat([self.input_layernorm(embeds), hidden], dim=-1), **attention)[0]
+        hidden = residual + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Head(DraftVocabMixin, nn.Module):
+    """``fc`` over fused target layers, one EAGLE-3 decoder layer, its own norm and draft LM head."""
+
+    # The input that carries the head's own output into its next draft step (the drafter uses it).
+    feedback_input = "hidden_states"
+
+    def __init__(self, target_config: PretrainedConfig, aux_layers: list[int], d2t: torch.Tensor,
+                 target_info: dict | None = None, layer_class: type | None = None, rotary_class: type | None = None,
+                 norm_before_residual: bool = False):
+        super().__init__()
+        config = target_config.__class__.from_dict(target_config.to_dict())
+        config.num_hidden_layers = 1
+        _full_attention(config)
+        config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+        self.config = config
+        self.aux_layers = list(aux_layers)
+        self.target_info = target_info or {}
+        if layer_class is None or rotary_class is None:
+            layer_class, rotary_class = _architecture(config)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(len(self.aux_layers) * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(config, layer_class, norm_before_residual)])
+        self.norm = type(self.layers[0].hidden_norm)(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, d2t.numel(), bias=False)
+        self.rotary_emb = rotary_class(config)
+        self._rotary_kwargs = _rotary_kwargs(rotary_class)
+        # speculators' vocabulary maps: target id = draft id + d2t[draft id]; t2d marks drafted ids.
+        d2t = d2t.long()
+        draft_vocab = torch.arange(d2t.numel()) + d2t
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[draft_vocab] = True
+        self.register_buffer("d2t", d2t, persistent=True)
+        self.register_buffer("t2d", t2d, persistent=True)
+        self.register_buffer("draft_vocab", draft_vocab, persistent=False)
+        self._target: tuple = ()
+
+    # -- scoring -------------------------------------------------------------------------------
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary ``[..., N]`` (the head's own norm and LM head)."""
+        return self.lm_head(self.norm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the full vocabulary (``-inf`` outside the draft vocabulary)."""
+        return self.to_full_vocab(self.draft_logits(hidden))
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None,
+                hidden_states: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False):
+        """The head's next hidden states ``[b, n, h]`` (as ``.last_hidden_state``).
+
+        Give ``features`` (the target's ``aux_layers`` states concatenated, ``[b, n, k*h]``) for
+        tokens the target processed, or ``hidden_states`` (the head's own outputs) for drafted
+        ones. ``attention_mask``: 4D (additive or boolean), ``[b, n]`` padding (1 = token), or None (causal).
+        """
+        if (features is None) == (hidden_states is None):
+            raise ValueError("give exactly one of features (target layers) or hidden_states (the head's own)")
+        embeds = self.target.get_input_embeddings()(input_ids)
+        hidden = self.fc(features.to(self.fc.weight.dtype)) if features is not None else hidden_states
+        embeds = embeds.to(hidden.dtype)
+        batch, n = input_ids.shape
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=hidden.device).expand(batch, n)
+        attention_mask = attention_4d(attention_mask, batch, n, past, hidden)
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids, **self._rotary_kwargs)
+        for layer in self.layers:
+            hidden = layer(embeds, hidden, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=past_key_values, use_cache=use_cache,
+                           position_embeddings=position_embeddings)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+
+    # -- construction and checkpoints ------------------------------------------------------------
+    @classmethod
+    def for_target(cls, target: PreTrainedModel, target_name: str, aux_layers: list[int] | None = None,
+                   draft_vocab: torch.Tensor | None = None, init: str = "identity",
+                   norm_before_residual: bool = False) -> "Eagle3Head":
+        """A fresh head for ``target``; ``draft_vocab`` (sorted target ids) or None for the full vocabulary.
+
+        The LM head starts as the target's rows for the draft vocabulary and the norm as the
+        target's final norm. ``identity`` also makes ``fc`` pass the highest aux layer through and
+        zeroes the layer's residual branches, so the head starts as an early exit of the target at
+        that layer; ``random`` leaves ``fc`` and the layer as initialised.
+        """
+        num_layers = target.config.num_hidden_layers
+        aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(num_layers), num_layers)
+        vocab = draft_vocab if draft_vocab is not None else torch.arange(target.config.vocab_size)
+        decoder = target.get_decoder()
+        head = cls(target.config, aux, vocab.long() - torch.arange(vocab.numel()), target_record(target, target_name),
+                   type(decoder.layers[0]), type(decoder.rotary_emb), norm_before_residual)
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab].float())
+            final_norm = getattr(decoder, "norm", None)
+            if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+                head.norm.weight.copy_(final_norm.weight.float())
+            if init == "identity":
+                hidden = target.config.hidden_size
+                head.fc.weight.zero_()
+                head.fc.weight[:, -hidden:] = torch.eye(hidden)
+                for name, param in head.layers.named_parameters():
+                    if name.endswith(("o_proj.weight", "down_proj.weight")):
+                        param.zero_()
+            elif init != "random":
+                raise ValueError(f"unknown EAGLE-3 head init {init!r}; use 'identity' or 'random'")
+        param = next(target.parameters())
+        return head.to(device=param.device).bind(target)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        config = {
+            "draftsmith_kind": KIND,
+            "architectures": ["Eagle3Head"],
+            "num_layers": len(self.layers),
+            "aux_layers": self.aux_layers,
+            "draft_vocab_size": int(self.d2t.numel()),
+            "norm_before_residual": self.layers[0].norm_before_residual,
+            "target": self.target_info,
+            "target_config": self.config.to_dict(),
+        }
+        (path / "config.json").write_text(json.dumps(config, indent=1, default=str))
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt", "draftsmith_kind": KIND})
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> "Eagle3Head":
+        """Load a head; with ``target`` it is checked against the recorded target and bound to it."""
+        config = read_config(path, KIND)
+        if target is not None:
+            check_target(config["target"], target, path)
+        target_config = AutoConfig.for_model(**config["target_config"])
+        state = load_file(str(Path(path) / "model.safetensors"))
+        layer_class = rotary_class = None
+        if target is not None:
+            decoder = target.get_decoder()
+            layer_class, rotary_class = type(decoder.layers[0]), type(decoder.rotary_emb)
+        head = cls(target_config, config["aux_layers"], state["d2t"], config["target"], layer_class, rotary_class,
+                   config.get("norm_before_residual", False))
+        head.load_state_dict(state)
+        if target is not None:
+            param = next(target.parameters())
+            head.to(device=param.device).bind(target)
+        return head

@@ -1,0 +1,235 @@
+"""EAGLE-3 heads and training-time test (TTT / HASS alignment).
+
+- Unrolled training computes what drafting computes: pass j at position t of the training-time
+  test equals the engine's draft at depth j+1 below token t+1 (its own KV cache, tree rows fed
+  with the head's outputs), for EAGLE-3 and for EAGLE-1 with HASS alignment.
+- The engine plugs EAGLE-3 in losslessly: greedy token-identical (tiny target; bundled SmolLM2,
+  slow) and sampling matching the exact distribution (chi-square, tiny vocabulary).
+- Checkpoints use speculators' names, reload identically and refuse another target; training
+  runs end to end from a recipe, logs accuracy per depth and lowers the loss; bad aux layers
+  are one-line errors.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cli_helpers import assert_user_error
+from stats_helpers import chi_square, exact_joint
+from training_helpers import save_tiny_target, write_recipe
+
+from draftsmith.eval.decode import SpeculativeDecoder
+from draftsmith.eval.drafters import build_drafter
+from draftsmith.eval.drafters.eagle import EagleDrafter
+from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.eval.tree import ROOT
+from draftsmith.heads.eagle import EagleHead
+from draftsmith.heads.eagle3 import Eagle3Head, default_aux_layers
+from draftsmith.target import load_tokenizer
+from draftsmith.train.unroll import unroll
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V = 8
+PROMPT = [3, 5, 2, 7, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(make_tiny_llama):
+    return make_tiny_llama(vocab_size=V, hidden_size=32, layers=3, seed=0, scale=15.0)
+
+
+def _head3(target, init: str = "random", draft_vocab=None, seed: int = 1) -> Eagle3Head:
+    torch.manual_seed(seed)
+    vocab = torch.tensor(draft_vocab) if draft_vocab is not None else None
+    head = Eagle3Head.for_target(target, "tiny", aux_layers=[0, 1, 2], draft_vocab=vocab, init=init)
+    if init == "random":  # the LM head starts as the target's: perturb it so the test sees the head's own
+        with torch.no_grad():
+            head.lm_head.weight.add_(torch.randn_like(head.lm_head.weight))
+    return head.eval()
+
+
+def _features(target, ids: list[int], layers):
+    out = target.get_decoder()(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    if layers is None:
+        return out.last_hidden_state
+    return torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training-time test == drafting
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle_hass"])
+def test_unrolled_passes_equal_the_engine_drafting_chains(make_tiny_llama, kind):
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    torch.manual_seed(2)
+    if kind == "eagle3":
+        head = _head3(target, draft_vocab=[0, 1, 2, 3, 5, 8, 13, 21, 34, 40])
+    else:
+        head = EagleHead.for_target(target, "tiny", init="random").eval()
+    layers = getattr(head, "aux_layers", None)
+    ids = [3, 9, 4, 17, 6, 11, 2, 30, 8, 5, 14, 22]
+    steps = 4
+    with torch.no_grad():
+        features = _features(target, ids, layers)
+        outputs = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long),
+                         steps, head.feedback_input)
+        # Pass j at position t is the draft at depth j + 1 below token t + 1, with tokens t+2..t+j+1 drafted.
+        for t in (2, 5, 7):
+            runner = CausalLMRunner(decoder=head, lm_head=head.logits, config=head.config)
+            runner.reset()
+            hidden = runner.forward(ids[1:t + 2], features=features[:, :t + 1])[-1]
+            torch.testing.assert_close(head.logits(hidden), head.logits(outputs[0][0, t]), atol=1e-5, rtol=1e-4)
+            for j in range(1, steps):
+                row = runner.forward([ids[t + 1 + j]], [j - 2 if j > 1 else ROOT], [j - 1],
+                                     **{head.feedback_input: hidden[None, None]})
+                hidden = row[-1]
+                torch.testing.assert_close(head.logits(hidden), head.logits(outputs[j][0, t]), atol=1e-5, rtol=1e-4)
+
+
+def test_later_passes_differ_from_teacher_forced_features(make_tiny_llama):
+    """Negative control: pass 1 must not equal a pass over the target's own next features."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = EagleHead.for_target(target, "tiny", init="random").eval()
+    ids = [3, 9, 4, 17, 6, 11, 2, 30]
+    with torch.no_grad():
+        features = _features(target, ids, None)
+        outputs = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long), 2)
+        teacher = head(torch.tensor([ids[2:]]), features[:, 1:-1]).last_hidden_state
+    assert (outputs[1][0, :-1] - teacher[0]).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Lossless in the engine
+
+
+def test_greedy_eagle3_on_tiny_target_is_lossless(tiny_target, tmp_path):
+    plain = SpeculativeDecoder(tiny_target, None, None, eos_ids=set())
+    for init in ("random", "identity"):
+        head = _head3(tiny_target, init)
+        head.save_pretrained(tmp_path / init)
+        drafter = build_drafter(f"eagle3:{tmp_path / init}?depth=4&top_k=2&budget=6", tiny_target)
+        assert isinstance(drafter, EagleDrafter) and drafter.feature_layers == [0, 1, 2]
+        spec = SpeculativeDecoder(tiny_target, drafter, None, eos_ids=set())
+        produced = steps = 0
+        for prompt in (PROMPT, [1, 1, 6], list(range(V)) * 3):
+            want = plain.generate(prompt, 40)
+            got = spec.generate(prompt, 40)
+            assert got.tokens == want.tokens
+            produced, steps = produced + sum(got.accepted), steps + got.steps
+        assert produced / steps > 1.2, init  # drafts were accepted along the way
+
+
+@pytest.mark.parametrize("draft_vocab", [None, [0, 2, 3, 5, 6]], ids=["full_vocab", "reduced_vocab"])
+def test_sampling_with_eagle3_matches_exact_distribution(tiny_target, draft_vocab):
+    length, samples = 4, 3000
+    drafter = EagleDrafter(_head3(tiny_target, "identity", draft_vocab), depth=2, top_k=2, budget=4)
+    sampling = SamplingConfig(temperature=1.0)
+    decoder = SpeculativeDecoder(tiny_target, drafter, None, sampling, eos_ids=set())
+    counts, accepted = collections.Counter(), collections.Counter()
+    for i in range(samples):
+        gen = decoder.generate(PROMPT, length, seed=i)
+        counts[tuple(gen.tokens)] += 1
+        accepted[tuple(gen.accepted)] += 1
+    statistic, threshold, _ = chi_square(counts, exact_joint(tiny_target, PROMPT, length, sampling), samples)
+    print(f"chi2 {statistic:.1f} (threshold {threshold:.1f}); accepted {accepted.most_common(4)}")
+    assert statistic < threshold
+    assert accepted[(3,)] > 100 and accepted[(1, 1, 1)] > 100, accepted  # drafts accepted and rejected, often
+
+
+@pytest.mark.slow
+def test_greedy_eagle3_on_smollm2_is_lossless(smollm2, tmp_path):
+    from draftsmith.data_prep.chat import render_prompt
+
+    model, tokenizer = smollm2
+    vocab = model.config.vocab_size
+    draft_vocab = torch.unique(torch.cat([torch.arange(0, vocab, 5), torch.tensor([tokenizer.eos_token_id])]))
+    head = Eagle3Head.for_target(model, "default", draft_vocab=draft_vocab)  # untrained (identity init)
+    assert head.aux_layers == default_aux_layers(30) == [2, 15, 27]
+    head.save_pretrained(tmp_path / "head")
+    drafter = build_drafter(f"eagle3:{tmp_path / 'head'}?depth=4&top_k=3&budget=10", model)
+    plain = SpeculativeDecoder(model, None, tokenizer)
+    spec = SpeculativeDecoder(model, drafter, tokenizer)
+    produced = steps = 0
+    # An untrained head with the identity init drafts its input token again: repetitive text gets
+    # drafts accepted, so the path that feeds accepted rows' target features back runs too.
+    for text in ("What is the capital of France? Answer in one sentence.",
+                 "Write the word 'yes' twenty times, separated by spaces."):
+        prompt = render_prompt(tokenizer, [{"role": "user", "content": text}])
+        want, got = plain.generate(prompt, 48), spec.generate(prompt, 48)
+        assert got.tokens == want.tokens, text
+        produced, steps = produced + sum(got.accepted), steps + got.steps
+    assert produced / steps > 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def test_checkpoint_uses_speculators_names_and_reloads_identically(tiny_target, make_tiny_llama, tmp_path):
+    head = _head3(tiny_target, draft_vocab=[0, 2, 3, 5, 6])
+    head.save_pretrained(tmp_path / "head")
+    state = load_file(str(tmp_path / "head" / "model.safetensors"))
+    assert {"fc.weight", "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight",
+            "layers.0.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(state)
+    assert not any(k.startswith(("embed_tokens", "draft_vocab")) for k in state)  # the target's, by reference
+    assert state["fc.weight"].shape == (32, 3 * 32) and state["layers.0.self_attn.q_proj.weight"].shape[1] == 64
+    # speculators' meanings: target id = draft id + d2t[draft id]; t2d marks the drafted target ids.
+    assert (torch.arange(5) + state["d2t"]).tolist() == [0, 2, 3, 5, 6]
+    assert state["t2d"].dtype == torch.bool and state["t2d"].nonzero().flatten().tolist() == [0, 2, 3, 5, 6]
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["draftsmith_kind"] == "eagle3" and config["aux_layers"] == [0, 1, 2]
+    loaded = Eagle3Head.from_pretrained(tmp_path / "head", tiny_target).eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        feats = _features(tiny_target, PROMPT, [0, 1, 2])
+        a = head.logits(head(ids, feats).last_hidden_state)
+        b = loaded.logits(loaded(ids, feats).last_hidden_state)
+    assert torch.equal(a, b)
+    assert torch.isinf(a[..., [1, 4, 7]]).all() and torch.isfinite(a[..., [0, 2, 3, 5, 6]]).all()
+    other = make_tiny_llama(vocab_size=V, hidden_size=32, layers=3, seed=5, scale=15.0)
+    with pytest.raises(Exception, match="does not match the target"):
+        Eagle3Head.from_pretrained(tmp_path / "head", other)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training from a recipe
+
+
+@pytest.fixture(scope="module")
+def tiny_recipe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
+    drafter = {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 512}
+    return write_recipe(root, target, drafter, data={"regenerate": {"enabled": False}},
+                        learning_rate=3e-3, lr_schedule="constant", max_steps=16, log_every=4, eval_every=8)
+
+
+def test_training_lowers_the_loss_and_logs_accuracy_per_depth(tiny_recipe, tmp_path):
+    from draftsmith.train.eagle3 import main
+
+    trainer = main([str(tiny_recipe), "--output_dir", str(tmp_path / "run")])
+    train_logs = [h for h in trainer.history if "train/loss" in h]
+    losses = [h["train/loss"] for h in train_logs]
+    assert losses[-1] < losses[0] - 0.05, losses
+    for h in train_logs:
+        depths = [h[f"train/top1@{d}"] for d in (1, 2, 3)]
+        assert all(0.0 <= a <= 1.0 for a in depths) and h["train/top1"] == depths[0]
+        assert "train/top1@4" not in h and "train/regression_loss" not in h
+    head = Eagle3Head.from_pretrained(trainer.last_checkpoint)
+    assert head.d2t.numel() == 512 and head.aux_layers == [0, 1, 2]
+
+
+def test_aux_layers_out_of_range_is_a_one_line_error(tiny_recipe, tmp_path, capsys):
+    from draftsmith.train.eagle3 import main
+
+    line = assert_user_error(capsys, r"drafter\.aux_layers = \[0, 1, 7\].*\[0, 2\]", main,
+                             [str(tiny_recipe), "--output_dir", str(tmp_path / "run"), "--drafter.aux_layers", "[0, 1, 7]"])
+    assert "2 decoder layers" in line

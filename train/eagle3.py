@@ -1,0 +1,123 @@
+"""Train an EAGLE-3 head: ``accelerate launch train/eagle3.py recipes/smollm2-eagle3.yaml [--resume] [--key value]``.
+
+The head (:mod:`draftsmith.heads.eagle3`) reads the target's ``aux_layers`` hidden states fused by
+``fc`` and is unrolled ``ttt_steps`` times on its own outputs (training-time test,
+:mod:`draftsmith.train.unroll`); the loss of pass j, weighted ``ttt_step_loss_decay ** j``, is the
+cross-entropy between the target's distribution over the draft vocabulary and the head's. There
+is no feature regression. Accuracy is logged per draft depth (``top1@d``). Target features are
+computed inside each step (``online``, the default: nothing to store for big targets) or cached on
+disk first (``offline``). By default the training replies are the target's own (``data.regenerate``)
+and the draft vocabulary is their most frequent tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+from draftsmith.data_prep.features import training_sets
+from draftsmith.heads.eagle3 import Eagle3Head, check_aux_layers
+from draftsmith.heads.vocab import draft_vocab_for
+from draftsmith.recipe import DataConfig, DrafterConfig, Recipe, RegenerateConfig
+from draftsmith.timing import stage
+from draftsmith.train.cli import run_training, target_and_data
+from draftsmith.train.loop import Trainer, pad_batch
+from draftsmith.train.unroll import UnrollLoss, unroll, unrolled_loss
+
+
+@dataclass
+class Eagle3DrafterConfig(DrafterConfig):
+    """The EAGLE-3 head and its training-time test."""
+
+    kind: str = "eagle3"
+    aux_layers: Optional[list[int]] = None  # target layers fused as the head's input (HF hidden_states ids); null: [2, N/2, N-3]
+    init: Literal["identity", "random"] = "identity"  # identity: fc passes the highest aux layer through and the layer starts as a no-op
+    draft_vocab_size: Optional[int] = 8192  # the N most frequent tokens of the training replies (d2t/t2d); null: the full vocabulary
+    norm_before_residual: bool = False  # residual from the normed hidden state (speculators' option of the same name)
+    ttt_steps: int = 7  # passes of the training-time test (draft depths trained)
+    ttt_step_loss_decay: float = 0.8  # the loss of pass j is weighted decay ** j
+    top_k_loss: Optional[int] = None  # distil only the target's K most likely tokens (HASS); null: its full distribution
+    features: Literal["online", "offline"] = "online"  # target features computed in each step, or cached on disk first
+    features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache)
+
+    def validate(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if not 0 < self.ttt_step_loss_decay <= 1:
+            raise ValueError(f"drafter.ttt_step_loss_decay must be in (0, 1], got {self.ttt_step_loss_decay}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
+            raise ValueError(f"drafter.draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
+        if self.top_k_loss is not None and self.top_k_loss < 1:
+            raise ValueError(f"drafter.top_k_loss must be >= 1 or null, got {self.top_k_loss}")
+
+
+def _regenerated_data() -> DataConfig:
+    return DataConfig(regenerate=RegenerateConfig(enabled=True))
+
+
+@dataclass
+class Eagle3Recipe(Recipe):
+    # EAGLE-3 learns the target's own replies by default: data.regenerate.enabled is true.
+    data: DataConfig = field(default_factory=_regenerated_data)
+    drafter: Eagle3DrafterConfig = field(default_factory=Eagle3DrafterConfig)
+
+
+class Eagle3Task:
+    """The training-time-test loss of an EAGLE-3 head over a frozen target."""
+
+    def __init__(self, recipe: Eagle3Recipe, target, head: Eagle3Head):
+        self.cfg = recipe.drafter
+        self.target = target
+        self.model = head
+        self.loss_config = UnrollLoss(steps=self.cfg.ttt_steps, decay=self.cfg.ttt_step_loss_decay,
+                                      top_k=self.cfg.top_k_loss)
+
+    collate = staticmethod(pad_batch)
+
+    @torch.no_grad()
+    def target_features(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(aux, last)``: the fused ``aux_layers`` states and the last hidden states (what the
+        target's LM head reads), from the batch or computed."""
+        if "aux" in batch:
+            return batch["aux"], batch["hidden"]
+        out = self.target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                        output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[layer] for layer in self.model.aux_layers], dim=-1)
+        return aux, out.last_hidden_state
+
+    def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        aux, last = self.target_features(batch)
+        dtype = next(self.model.parameters()).dtype
+        outputs = unroll(head, batch["input_ids"], aux[:, :-1].to(dtype), batch["attention_mask"],
+                         self.cfg.ttt_steps, self.model.feedback_input)
+        return unrolled_loss(self.model, outputs, last, batch["loss_mask"], batch["attention_mask"],
+                             self.loss_config, training)
+
+    def save_pretrained(self, model, path) -> None:
+        model.save_pretrained(path)
+
+
+def build(recipe: Eagle3Recipe):
+    """Target, tokenised data (or features), head and task for ``recipe``."""
+    target, tokenizer, data = target_and_data(recipe)
+    num_layers = target.config.num_hidden_layers
+    if recipe.drafter.aux_layers is not None:
+        recipe.drafter.aux_layers = check_aux_layers(recipe.drafter.aux_layers, num_layers)
+    draft_vocab = draft_vocab_for(recipe.drafter.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
+    torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
+    head = Eagle3Head.for_target(target, recipe.target.name, recipe.drafter.aux_layers, draft_vocab,
+                                 recipe.drafter.init, recipe.drafter.norm_before_residual)
+    with stage(f"train: {recipe.drafter.features} feature sets"):
+        train_set, eval_set = training_sets(recipe, target, data, head.aux_layers)
+    return Eagle3Task(recipe, target, head), train_set, eval_set
+
+
+def main(argv: list[str] | None = None) -> Trainer:
+    """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
+    return run_training(Eagle3Recipe, build, argv, __doc__)
+
+
+if __name__ == "__main__":
+    main()

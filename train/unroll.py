@@ -1,0 +1,128 @@
+"""Training-time test: run a feature-level head on its own outputs, as it drafts, while training.
+
+A head trained only on the target's true features drafts its second and later tokens from its
+own imperfect ones, and acceptance collapses with depth. EAGLE-3's training-time test and HASS's
+context alignment fix that the same way: pass 0 reads the target's features at every position;
+pass j reads the head's outputs of pass j-1 (and the next ground-truth token), so position t of
+pass j is the draft at depth j+1 below token t+1. Its queries attend to pass 0's keys causally
+(the real context) and to their own position in passes 1..j (the draft's ancestors): exactly the
+keys an EAGLE-2 tree node sees at inference. All passes share one KV cache.
+
+Shapes: a batch of ``L`` tokens gives ``n = L - 1`` positions; position t of pass j predicts
+token ``t + j + 2`` from the target's distribution at position ``t + j + 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+
+@dataclass
+class UnrollLoss:
+    """How the passes are weighed and scored."""
+
+    steps: int = 1  # passes (1: the head sees only the target's features)
+    decay: float = 0.8  # the loss of pass j is weighted decay ** j
+    top_k: int | None = None  # distil only the target's K most likely tokens (HASS); None: its full distribution
+    ce_weight: float = 1.0  # weight of the distillation term
+    regression_weight: float = 0.0  # weight of Smooth-L1 on the target's next feature (EAGLE-1)
+
+
+def pass_mask(padding: torch.Tensor, step: int) -> torch.Tensor:
+    """Boolean ``[b, 1, n, (step + 1) n]`` mask of pass ``step`` over the keys of passes 0..step
+    (the head turns it into an additive mask in its own dtype)."""
+    batch, n = padding.shape
+    eye = torch.eye(n, dtype=torch.bool, device=padding.device)
+    causal = torch.ones(n, n, dtype=torch.bool, device=padding.device).tril()
+    first = causal[None] & padding.bool()[:, None, :]
+    return torch.cat([first] + [eye.expand(batch, n, n)] * step, dim=-1)[:, None]
+
+
+def unroll(head, input_ids: torch.Tensor, features: torch.Tensor, padding: torch.Tensor, steps: int,
+           feedback: str = "features") -> list[torch.Tensor]:
+    """The head's outputs ``[b, n, h]`` for passes ``0..steps-1``.
+
+    ``input_ids`` ``[b, L]`` and ``features`` ``[b, L - 1, d]`` (the target's, paired with the
+    next token); ``padding`` ``[b, L]`` is 1 on real tokens. Pass j>0 feeds the previous outputs
+    back as the head's ``feedback`` input (its ``feedback_input``: ``head`` may be wrapped for
+    DDP) with the tokens shifted j places left.
+    """
+    tokens, padding = input_ids[:, 1:], padding[:, 1:]
+    batch, n = tokens.shape
+    cache = DynamicCache()
+    positions = torch.arange(n, device=tokens.device).expand(batch, n)
+    outputs: list[torch.Tensor] = []
+    inputs = {"features": features}
+    for step in range(steps):
+        shifted = torch.cat([tokens[:, step:], tokens.new_zeros(batch, step)], dim=1) if step else tokens
+        out = head(shifted, position_ids=positions + step, past_key_values=cache, use_cache=True,
+                   attention_mask=pass_mask(padding, step), **inputs).last_hidden_state
+        outputs.append(out)
+        inputs = {feedback: out}
+    return outputs
+
+
+def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor, loss_mask: torch.Tensor,
+                  padding: torch.Tensor, cfg: UnrollLoss, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted loss over the passes and metrics: ``top1``/``top3`` (pass 0, as without unrolling)
+    and ``top1@d`` for every draft depth d, all summed over the positions of pass 0.
+
+    ``target_hidden`` ``[b, L, h]``: the target's last hidden states (what its LM head reads).
+    """
+    valid = (loss_mask & padding.bool())
+    total = outputs[0].new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    for step, pred in enumerate(outputs):
+        n = pred.shape[1] - step
+        # Position t scores token t + step + 2 with the target's distribution at t + step + 1.
+        mask = torch.zeros_like(valid[:, 1:])
+        mask[:, : n - 1] = valid[:, step + 2:]
+        mask = mask[:, :n]
+        pred_t = pred[:, :n][mask]
+        target_t = target_hidden[:, step + 1: step + 1 + n][mask].to(pred_t.dtype)
+        tokens = pred_t.shape[0]
+        if step == 0:
+            metrics["tokens"] = float(tokens)
+        if tokens == 0:
+            total = total + pred.sum() * 0.0
+            continue
+        with torch.no_grad():
+            target_logits = head.target_logits(target_t).float()
+            target_probs = target_logits.softmax(-1)
+            best = _target_choice(head, target_t, target_logits, exact=not training)
+        log_q = head.draft_logits(pred_t).float().log_softmax(-1)
+        if cfg.top_k:
+            top = target_probs.topk(min(cfg.top_k, target_probs.shape[-1]), dim=-1).indices
+            ce = -(target_probs.gather(-1, top) * log_q.gather(-1, top)).sum(-1)
+        else:
+            ce = -(target_probs * log_q).sum(-1)
+        per_token = cfg.ce_weight * ce
+        if cfg.regression_weight:
+            regression = F.smooth_l1_loss(pred_t.float(), target_t.float(), reduction="none").mean(-1)
+            per_token = per_token + cfg.regression_weight * regression
+        total = total + cfg.decay ** step * per_token.mean()
+        with torch.no_grad():
+            top3 = head.draft_vocab[log_q.topk(min(3, log_q.shape[-1]), dim=-1).indices]
+            hits = top3[:, 0] == best
+            metrics[f"top1@{step + 1}"] = float(hits.sum())
+            if step == 0:
+                metrics["top1"] = float(hits.sum())
+                metrics["top3"] = float((top3 == best[:, None]).any(-1).sum())
+                metrics["ce_loss"] = float(ce.detach().sum())
+                if cfg.regression_weight:
+                    metrics["regression_loss"] = float(regression.detach().sum())
+    metrics["loss"] = float(total.detach()) * metrics.get("tokens", 0.0)
+    return total, metrics
+
+
+def _target_choice(head, target_hidden: torch.Tensor, draft_logits: torch.Tensor, exact: bool) -> torch.Tensor:
+    """The target's next token ids: its argmax within the draft vocabulary, or (``exact``, with a
+    reduced vocabulary) over the full vocabulary, which costs a full LM-head pass."""
+    if head.full_vocab or not exact:
+        return head.draft_vocab[draft_logits.argmax(-1)]
+    weight = head.target.get_output_embeddings().weight
+    return (target_hidden @ weight.to(target_hidden.dtype).T).argmax(-1)
