@@ -10,7 +10,9 @@ two streamer calls with the device-synchronising clock; medians over steps:
 - Hugging Face ``generate`` on the same model: plain greedy, plain sampling and assisted by
   prompt lookup (``prompt_lookup_num_tokens``);
 - host syncs (device-to-host transfers) per step of ours, counted with
-  :func:`draftsmith.eval.host_syncs.count_host_syncs`.
+  :func:`draftsmith.eval.host_syncs.count_host_syncs`;
+- the model alone on our runner (forward, LM head, argmax) for one token and for the tree, so
+  step minus model is the engine's own overhead.
 
     OMP_NUM_THREADS=1 taskset -c 1 python bench/overhead.py --out results/overhead
 """
@@ -29,6 +31,7 @@ from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters.base import DraftContext, Drafter
 from draftsmith.eval.host_syncs import count_host_syncs
 from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.eval.runner import CausalLMRunner, tree_rows
 from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
 from draftsmith.target import load_tokenizer
 from draftsmith.timing import clock
@@ -36,13 +39,22 @@ from draftsmith.timing import clock
 TOP_P = SamplingConfig(temperature=1.0, top_p=0.9)
 
 
-def tiny_target(vocab_size: int, device: torch.device) -> LlamaForCausalLM:
-    """The overhead probe: 2 layers, hidden 64, random weights, no EOS (every run is full length)."""
+def tiny_target(vocab_size: int, device: torch.device, scale: float = 4.0) -> LlamaForCausalLM:
+    """The overhead probe: 2 layers, hidden 64, random weights, no EOS (every run is full length).
+
+    ``scale`` multiplies the weights (norms excepted): at the default initialisation the next-token
+    distribution is nearly uniform over the vocabulary, nothing like an LM's (top-p 0.9 would keep
+    ~90% of it); scaled, it is peaked and context-dependent like a real model's.
+    """
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=None, pad_token_id=0)
-    model = LlamaForCausalLM(config).eval().requires_grad_(False).to(device)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    for name, param in model.named_parameters():
+        if "norm" not in name:
+            param.mul_(scale)
+    model.to(device)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -97,6 +109,26 @@ class StepTimer:
         return [b - a for a, b in zip(self.syncs, self.syncs[1:])]
 
 
+def model_us(model, tree: TokenTree, prompt, device, repeats: int = 200) -> float:
+    """Median seconds of the model alone on our runner: a forward over ``[root] + tree`` (or one
+    token when ``tree`` is empty), the LM head and the argmax, then discarded."""
+    runner = CausalLMRunner(model)
+    runner.reset()
+    runner.forward(prompt)
+    parents, depths = tree_rows(tree.parents, tree.depths)
+    times = []
+    for _ in range(repeats):
+        start = clock(device)
+        if len(tree):
+            runner.logits(runner.forward([prompt[-1]] + tree.tokens, parents, depths)).argmax(-1)
+            runner.commit([])
+        else:
+            runner.logits(runner.forward([prompt[-1]])).argmax(-1)
+            runner.rollback(len(prompt))
+        times.append(clock(device) - start)
+    return statistics.median(times)
+
+
 def ours(model, drafter, sampling, prompt, new_tokens, device, seed=0) -> list[float]:
     """Per-step seconds of one generation with our engine."""
     timer = StepTimer(device)
@@ -129,11 +161,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="generations per method (interleaved)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--scale", type=float, default=4.0, help="weight scale of the random target (1: flat distributions)")
     parser.add_argument("--out", default="results/overhead")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     vocab = len(load_tokenizer())
-    model = tiny_target(vocab, device)
+    model = tiny_target(vocab, device, args.scale)
     prompt = torch.randint(vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     n = args.new_tokens
     tree = FixedTreeDrafter()
@@ -156,7 +189,13 @@ def main(argv: list[str] | None = None) -> dict:
         syncs_greedy = ours_syncs(model, tree, SamplingConfig(), prompt, n, device)
         syncs_sampling = ours_syncs(model, tree, TOP_P, prompt, n, device)
         syncs_plain = ours_syncs(model, None, SamplingConfig(), prompt, n, device)
+        model_plain = model_us(model, TokenTree(), prompt, device)
+        model_tree = model_us(model, tree.tree, prompt, device)
     report = {name: round(statistics.median(values) * 1e6, 1) for name, values in steps.items()}
+    report["model_plain_us"] = round(model_plain * 1e6, 1)
+    report["model_tree12_us"] = round(model_tree * 1e6, 1)
+    report["ours_plain_overhead_us"] = round(report["ours_plain_us"] - report["model_plain_us"], 1)
+    report["ours_tree12_overhead_us"] = round(report["ours_tree12_us"] - report["model_tree12_us"], 1)
     report.update({
         "syncs_per_step_greedy": statistics.median(syncs_greedy),
         "syncs_per_step_sampling": statistics.median(syncs_sampling),
@@ -167,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
         "plain_vs_hf_plain": round(report["ours_plain_us"] / report["hf_plain_us"], 2),
         "steps_per_method": {name: len(values) for name, values in steps.items()},
         "setup": {"prompt_tokens": args.prompt_tokens, "new_tokens": n, "repeats": args.repeats,
-                  "device": str(device), "threads": torch.get_num_threads(), "vocab": vocab, "torch": torch.__version__},
+                  "scale": args.scale, "device": str(device), "threads": torch.get_num_threads(), "vocab": vocab, "torch": torch.__version__},
     })
     print(json.dumps(report, indent=1))
     out = Path(args.out)

@@ -32,19 +32,40 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+# Top-p looks for its cut among this many best tokens (a top-k, O(V)) and sorts the whole
+# vocabulary only for rows whose best tokens hold less than top_p of the mass (flat rows).
+TOP_P_CANDIDATES = 256
+
+
+def _top_p_drop(logits: torch.Tensor, top_p: float, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Among each row's ``k`` best logits (descending): which to drop, their indices, and whether
+    the kept ones already reach ``top_p`` (else the cut lies further down)."""
+    best, order = torch.topk(logits, k, dim=-1)
+    mass = (best - logits.logsumexp(-1, keepdim=True)).exp()
+    cumulative = mass.cumsum(-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    return (cumulative - mass) >= top_p, order, cumulative[..., -1] >= top_p
+
+
 def probabilities(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Warped probabilities over the last dimension (fp32), for sampling mode."""
+    """Warped probabilities over the last dimension (fp32), for sampling mode.
+
+    Top-p without a full sort: the cut is found among the ``TOP_P_CANDIDATES`` best tokens;
+    only when some row's best tokens hold less than ``top_p`` (one host sync decides) is the
+    whole vocabulary sorted. Both give the same distribution.
+    """
     logits = logits.float() / sampling.temperature
-    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+    vocab = logits.shape[-1]
+    if sampling.top_k and sampling.top_k < vocab:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= sampling.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        k = min(vocab, sampling.top_k or vocab, TOP_P_CANDIDATES)
+        drop, order, reached = _top_p_drop(logits, sampling.top_p, k)
+        if k < vocab and not bool(reached.all()):
+            drop, order, _ = _top_p_drop(logits, sampling.top_p, vocab)
+        kept = logits.gather(-1, order).masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, kept)
     return logits.softmax(-1)
 
 
@@ -66,6 +87,12 @@ def choose(
     return torch.topk(probs.log() + gumbel, k, dim=-1).indices, probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One token drawn from a probability vector."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` (``[..., V]``), left on the device (no host sync).
+
+    Inverse CDF in float64: a float32 uniform draw (at most 1 - 2**-24) times the total mass
+    stays strictly below the last cumulative value, so a zero-probability token is never picked.
+    """
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(probs.shape[:-1] + (1,), generator=generator, device=probs.device).double()
+    return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1)
