@@ -39,7 +39,7 @@ from draftsmith.timing import clock
 TOP_P = SamplingConfig(temperature=1.0, top_p=0.9)
 
 
-def tiny_target(vocab_size: int, device: torch.device, scale: float = 4.0) -> LlamaForCausalLM:
+def tiny_target(vocab_size: int, device: torch.device, scale: float = 32.0) -> LlamaForCausalLM:
     """The overhead probe: 2 layers, hidden 64, random weights, no EOS (every run is full length).
 
     ``scale`` multiplies the weights (norms excepted): at the default initialisation the next-token
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="generations per method (interleaved)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--scale", type=float, default=4.0, help="weight scale of the random target (1: flat distributions)")
+    parser.add_argument("--scale", type=float, default=32.0, help="weight scale of the random target (1: flat distributions)")
     parser.add_argument("--out", default="results/overhead")
     args = parser.parse_args(argv)
     device = torch.device(args.device)

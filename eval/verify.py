@@ -48,6 +48,38 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 1e-12, r / total.clamp_min(1e-30), p)
 
 
+def _deterministic_round(p, accepted, token, k, generator):
+    """Candidate ``k`` of every parent, each a one-hot proposal: accepted with probability
+    p(token); rejected, p loses the token (the residual of p and the one-hot)."""
+    live = (token >= 0) & (accepted < 0)
+    token = token.clamp_min(0)[:, None]
+    p_token = p.gather(1, token)
+    u = torch.rand(p_token.shape, generator=generator, device=p.device)
+    accept = live & (u < p_token)[:, 0]
+    rest = 1.0 - p_token
+    residual = torch.where(rest > 1e-12, p.scatter(1, token, 0.0) / rest.clamp_min(1e-30), p)
+    return torch.where((live & ~accept)[:, None], residual, p), torch.where(accept, k, accepted)
+
+
+def _round(p, q, accepted, token, deterministic, k, generator):
+    """Candidate ``k`` of every parent, drawn from q (without replacement) or deterministic."""
+    live = (token >= 0) & (accepted < 0)
+    token = token.clamp_min(0)[:, None]
+    p_token = p.gather(1, token)[:, 0]
+    q_token = torch.where(deterministic, 1.0, q.gather(1, token)[:, 0])
+    u = torch.rand(p_token.shape, generator=generator, device=p.device)
+    accept = live & (q_token > 0) & (u * q_token < p_token)  # u < p / q, ratio >= 1 always accepts
+    rejected = (live & ~accept)[:, None]
+    one_hot = torch.zeros_like(p).scatter_(1, token, 1.0)
+    p = torch.where(rejected, _residual(p, torch.where(deterministic[:, None], one_hot, q)), p)
+    # Without replacement: the next candidate was drawn from q with this one removed.
+    removed = q.scatter(1, token, 0.0)
+    mass = removed.sum(-1, keepdim=True)
+    renormalised = torch.where(mass > 0, removed / mass.clamp_min(1e-30), removed)
+    q = torch.where(rejected & ~deterministic[:, None], renormalised, q)
+    return p, q, torch.where(accept, k, accepted)
+
+
 def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,
                     generator: torch.Generator | None = None) -> torch.Tensor:
     """Verdict of lossless sampling verification (recursive rejection sampling at every parent)."""
@@ -55,24 +87,14 @@ def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingCon
     p_rows = probabilities(logits, sampling)
     rows = len(tree) + 1
     p = p_rows[dev.prop_rows]
-    q = dev.q if dev.q is not None else torch.zeros_like(p)
     accepted = torch.full(dev.prop_rows.shape, -1, dtype=torch.long, device=p.device)
-    for k in range(dev.cand_tokens.shape[1]):  # the candidates' draw order, for all parents at once
-        token = dev.cand_tokens[:, k]
-        live = (token >= 0) & (accepted < 0)
-        token = token.clamp_min(0)[:, None]
-        p_token = p.gather(1, token)[:, 0]
-        q_token = torch.where(dev.deterministic, 1.0, q.gather(1, token)[:, 0])
-        u = torch.rand(p_token.shape, generator=generator, device=p.device)
-        accept = live & (q_token > 0) & (u * q_token < p_token)  # u < p / q, ratio >= 1 always accepts
-        accepted = torch.where(accept, k, accepted)
-        rejected = (live & ~accept)[:, None]
-        one_hot = torch.zeros_like(p).scatter_(1, token, 1.0)
-        p = torch.where(rejected, _residual(p, torch.where(dev.deterministic[:, None], one_hot, q)), p)
-        # Without replacement: the next candidate was drawn from q with this one removed.
-        removed = q.scatter(1, token, 0.0)
-        mass = removed.sum(-1, keepdim=True)
-        q = torch.where(rejected & ~dev.deterministic[:, None], torch.where(mass > 0, removed / mass.clamp_min(1e-30), removed), q)
+    if dev.q is None:  # deterministic candidates only (one-hot proposals): the cheap update
+        for k in range(dev.cand_tokens.shape[1]):
+            p, accepted = _deterministic_round(p, accepted, dev.cand_tokens[:, k], k, generator)
+    else:
+        q = dev.q
+        for k in range(dev.cand_tokens.shape[1]):  # the candidates' draw order, for all parents at once
+            p, q, accepted = _round(p, q, accepted, dev.cand_tokens[:, k], dev.deterministic, k, generator)
     # Per row: the accepted candidate's row (0 when it was pruned from the tree, -1 none) and token.
     rank = accepted.clamp_min(0)[:, None]
     child = torch.full((rows,), -1, dtype=torch.long, device=p.device)
