@@ -37,22 +37,24 @@ class SamplingConfig:
 TOP_P_CANDIDATES = 256
 
 
-def _top_p_drop(logits: torch.Tensor, top_p: float, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Among each row's ``k`` best logits (descending): which to drop, their indices, and whether
-    the kept ones already reach ``top_p`` (else the cut lies further down)."""
+def _nucleus(logits: torch.Tensor, top_p: float, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-p among each row's ``k`` best logits: the kept tokens' probabilities (0 for dropped
+    ones), their indices, and whether those ``k`` hold ``top_p`` of the mass (else the cut lies
+    further down and this is not the nucleus)."""
     best, order = torch.topk(logits, k, dim=-1)
     mass = (best - logits.logsumexp(-1, keepdim=True)).exp()
     cumulative = mass.cumsum(-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    return (cumulative - mass) >= top_p, order, cumulative[..., -1] >= top_p
+    drop = (cumulative - mass) >= top_p
+    return best.masked_fill(drop, float("-inf")).softmax(-1), order, cumulative[..., -1] >= top_p
 
 
 def probabilities(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """Warped probabilities over the last dimension (fp32), for sampling mode.
 
-    Top-p without a full sort: the cut is found among the ``TOP_P_CANDIDATES`` best tokens;
-    only when some row's best tokens hold less than ``top_p`` (one host sync decides) is the
-    whole vocabulary sorted. Both give the same distribution.
+    Top-p without a full sort: the nucleus is looked for among the ``TOP_P_CANDIDATES`` best
+    tokens (a top-k); only when some row's best tokens hold less than ``top_p`` (one host sync
+    decides) is the whole vocabulary sorted. Both give the same distribution.
     """
     logits = logits.float() / sampling.temperature
     vocab = logits.shape[-1]
@@ -61,11 +63,10 @@ def probabilities(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tenso
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:
         k = min(vocab, sampling.top_k or vocab, TOP_P_CANDIDATES)
-        drop, order, reached = _top_p_drop(logits, sampling.top_p, k)
+        probs, order, reached = _nucleus(logits, sampling.top_p, k)
         if k < vocab and not bool(reached.all()):
-            drop, order, _ = _top_p_drop(logits, sampling.top_p, vocab)
-        kept = logits.gather(-1, order).masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, kept)
+            probs, order, _ = _nucleus(logits, sampling.top_p, vocab)
+        return torch.zeros_like(logits).scatter_(-1, order, probs)
     return logits.softmax(-1)
 
 
