@@ -71,10 +71,10 @@ class SpeculativeDecoder:
         self.eos_ids = eos_ids if eos_ids is not None else eos_token_ids(target, tokenizer)
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """The target's next token after the last row of ``logits``, as a device tensor ``[1]``."""
+        """The target's next token after ``logits`` (one row), as a device tensor ``[1]``."""
         if self.sampling.greedy:
-            return logits[-1:].argmax(-1)
-        return sample(probabilities(logits[-1:], self.sampling), generator)
+            return logits.argmax(-1).view(1)
+        return sample(probabilities(logits, self.sampling), generator).view(1)
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
         """What a feature-reading drafter gets for the rows of the last forward."""
@@ -103,7 +103,7 @@ class SpeculativeDecoder:
         if tree is None or not len(tree):
             with record_function("target_forward"):
                 hidden = self.runner.forward(root)
-                token = self._pick(self.runner.logits(hidden[-1:]), generator)
+                token = self._pick(self.runner.logits(hidden[-1]), generator)
             return hidden, token, None
         dev = device_tree(tree, self.runner.device)
         with record_function("target_forward"):
@@ -134,7 +134,7 @@ class SpeculativeDecoder:
         start = clock(device)
         self.runner.reset(capacity=len(prompt) + max_new_tokens + 64)
         hidden = self.runner.forward(prompt)
-        root = self._pick(self.runner.logits(hidden[-1:]), generator)
+        root = self._pick(self.runner.logits(hidden[-1]), generator)
         # The whole sequence, grown in place: drafters see it without a copy per step.
         tokens = list(prompt) + root.tolist()
         base = len(prompt)

@@ -211,6 +211,13 @@ class CausalLMRunner:
             self.length = length
 
 
+def compile_decoder(model: PreTrainedModel) -> None:
+    """``torch.compile`` ``model``'s decoder forward in place, with dynamic shapes (the context and
+    the tree size change every step); the LM head and the engine stay eager."""
+    decoder = model.get_decoder()
+    decoder.forward = torch.compile(decoder.forward, dynamic=True)
+
+
 def tree_rows(parents: list[int], depths: list[int]) -> tuple[list[int], list[int]]:
     """Row parents and depths for ``[root token] + tree``: the root is row 0 at depth 0."""
     return [ROOT] + [p + 1 for p in parents], [0] + list(depths)
