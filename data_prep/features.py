@@ -73,10 +73,10 @@ def extract_features(target, data, root: Path, shard_size: int = SHARD_SIZE, sho
             chunk = rows[start:start + shard_size]
             hidden, aux = [], []
             for ids in chunk["input_ids"]:
-                out = decoder(input_ids=torch.tensor([ids], device=device), output_hidden_states=bool(layers))
-                hidden.append(out.last_hidden_state[0].cpu())
+                states = decoder(input_ids=torch.tensor([ids], device=device), output_hidden_states=bool(layers))
+                hidden.append(states.last_hidden_state[0].cpu())
                 if layers:
-                    aux.append(torch.cat([out.hidden_states[layer][0] for layer in layers], dim=-1).cpu())
+                    aux.append(torch.cat([states.hidden_states[layer][0] for layer in layers], dim=-1).cpu())
             lengths = torch.tensor([len(ids) for ids in chunk["input_ids"]])
             tensors = {
                 "hidden": torch.cat(hidden).contiguous(),

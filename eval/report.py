@@ -91,6 +91,20 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def depth_table(summary: dict, depths: int = 6) -> str:
+    """Share of steps that accepted at least d draft tokens, d = 1..``depths``, per drafting method
+    (the table EAGLE papers report; empty when no method drafted)."""
+    rows = [(m, s["per_position_acceptance"]) for m, s in summary["methods"].items() if m != BASELINE]
+    if not rows:
+        return ""
+    head = ["method"] + [f"P(>={d})" for d in range(1, depths + 1)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for method, shares in rows:
+        cells = [f"{shares[d]:.2f}" if d < len(shares) else "0.00" for d in range(depths)]
+        lines.append("| " + " | ".join([method] + cells) + " |")
+    return "\n".join(lines)
+
+
 def captions(summary: dict) -> list[str]:
     """One line per method slower than the baseline, saying why from its own measurements: the
     tokens it gains per target pass against what one of its steps costs in plain decoding steps
@@ -123,7 +137,8 @@ def write_results(runs: list[Run], out_dir: str | Path, meta: dict | None = None
                 writer.writerow([method, category, round(e["acceptance_length"], 4), round(e["tokens_per_second"], 3),
                                  round(e["speedup"], 4) if e["speedup"] is not None else "",
                                  e["new_tokens"], e["target_passes"], round(e["seconds"], 3), e["num_prompts"]])
-    (out / "table.md").write_text("\n".join([markdown_table(summary), "", *captions(summary)]).rstrip() + "\n")
+    (out / "table.md").write_text("\n".join([markdown_table(summary), "", depth_table(summary), "",
+                                             *captions(summary)]).rstrip() + "\n")
     _plots(summary, out)
     return summary
 

@@ -21,7 +21,7 @@ from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_
 from draftsmith.eval.bench import HF_BASELINES, run_bench
 from draftsmith.eval.drafters import build_drafter, kinds_help, parse_spec
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.report import captions, markdown_table, write_results
+from draftsmith.eval.report import captions, depth_table, markdown_table, write_results
 from draftsmith.eval.runner import compile_decoder
 from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{len(prompts)} prompts x {args.turns} turn(s), {args.max_new_tokens} new tokens, "
           f"temperature {args.temperature}, target {args.target} ({meta['dtype']})\n")
     print(markdown_table(summary))
+    if depth_table(summary):
+        print(f"\nsteps accepting at least d draft tokens:\n\n{depth_table(summary)}")
     for line in captions(summary):
         print(f"\n{line}")
     for drafter in drafters:

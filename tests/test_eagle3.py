@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from cli_helpers import assert_user_error
@@ -233,3 +234,56 @@ def test_aux_layers_out_of_range_is_a_one_line_error(tiny_recipe, tmp_path, caps
     line = assert_user_error(capsys, r"drafter\.aux_layers = \[0, 1, 7\].*\[0, 2\]", main,
                              [str(tiny_recipe), "--output_dir", str(tmp_path / "run"), "--drafter.aux_layers", "[0, 1, 7]"])
     assert "2 decoder layers" in line
+
+
+def test_offline_features_train_exactly_as_online(tiny_recipe, tmp_path):
+    """The offline cache (last hidden states plus the fused aux layers) feeds the same numbers as
+    computing them in the step; an EAGLE-1 run can share the same cache."""
+    from draftsmith.train.eagle import main as main_eagle1
+    from draftsmith.train.eagle3 import main
+
+    steps = ["--training.max_steps", "2", "--training.log_every", "1", "--training.eval_every", "0"]
+    online = main([str(tiny_recipe), "--output_dir", str(tmp_path / "online"), *steps])
+    offline = main([str(tiny_recipe), "--output_dir", str(tmp_path / "offline"), *steps,
+                    "--drafter.features", "offline", "--drafter.features_dir", str(tmp_path / "features")])
+    assert sorted(p.name for p in (tmp_path / "features").iterdir()) == ["held_out", "manifest.json", "train"]
+    logged = [[h for h in run.history if "train/loss" in h] for run in (online, offline)]
+    assert len(logged[0]) == len(logged[1]) == 2
+    for a, b in zip(*logged):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5) and a["train/top1@3"] == b["train/top1@3"]
+    recipe = yaml.safe_load(tiny_recipe.read_text())
+    recipe["drafter"].pop("aux_layers")
+    (tmp_path / "eagle1.yaml").write_text(yaml.safe_dump(recipe))
+    shared = main_eagle1([str(tmp_path / "eagle1.yaml"), "--output_dir", str(tmp_path / "eagle1"), *steps,
+                          "--drafter.features", "offline", "--drafter.features_dir", str(tmp_path / "features")])
+    assert [h["step"] for h in shared.history if "train/loss" in h] == [1, 2]
+
+
+def test_top_k_distillation_keeps_only_the_targets_top_tokens(make_tiny_llama):
+    """HASS's loss: -sum over the target's K likeliest tokens of p log q; K = vocabulary is the full
+    soft cross-entropy, and the pass weights follow decay ** j."""
+    from draftsmith.train.unroll import UnrollLoss, unrolled_loss
+
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = EagleHead.for_target(target, "tiny", init="random").eval()
+    ids = [3, 9, 4, 17, 6, 11, 2, 30]
+    mask, pad = torch.ones(1, len(ids), dtype=torch.bool), torch.ones(1, len(ids), dtype=torch.long)
+    with torch.no_grad():
+        features = _features(target, ids, None)
+        outputs = unroll(head, torch.tensor([ids]), features[:, :-1], pad, 2)
+        full, _ = unrolled_loss(head, outputs[:1], features, mask, pad, UnrollLoss(), training=True)
+        all_k, _ = unrolled_loss(head, outputs[:1], features, mask, pad, UnrollLoss(top_k=48), training=True)
+        top1, _ = unrolled_loss(head, outputs[:1], features, mask, pad, UnrollLoss(top_k=1), training=True)
+        two, _ = unrolled_loss(head, outputs, features, mask, pad, UnrollLoss(decay=0.5), training=True)
+        second, _ = unrolled_loss(head, [outputs[0], outputs[1]], features, mask, pad, UnrollLoss(decay=0.0), training=True)
+        p = head.target_logits(features[0, 1:-1]).float().softmax(-1)
+        log_q = head.draft_logits(outputs[0][0, :-1]).float().log_softmax(-1)
+        best = p.argmax(-1, keepdim=True)
+        manual_top1 = -(p.gather(-1, best) * log_q.gather(-1, best)).mean()
+        p1 = head.target_logits(features[0, 2:-1]).float().softmax(-1)
+        pass1 = -(p1 * head.draft_logits(outputs[1][0, :-2]).float().log_softmax(-1)).sum(-1).mean()
+    torch.testing.assert_close(all_k, full)
+    torch.testing.assert_close(top1, manual_top1)
+    assert top1 < full
+    torch.testing.assert_close(second, full)  # decay 0: later passes weigh nothing
+    torch.testing.assert_close(two, full + 0.5 * pass1)

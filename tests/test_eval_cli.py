@@ -4,7 +4,7 @@ import pytest
 from cli_helpers import user_error
 
 from draftsmith.eval.bench import Run, _agreement
-from draftsmith.eval.report import captions, summarise
+from draftsmith.eval.report import captions, depth_table, summarise
 from draftsmith.timing import STAGES, stage, stage_table
 from draftsmith.eval.run import main
 
@@ -64,6 +64,10 @@ def test_greedy_runs_report_agreement_with_plain_decoding():
     s = summarise(runs)["methods"]
     assert s["tuned"]["same_output"] == 0.5 and s["tuned"]["matched_fraction"] == pytest.approx(8 / 10)
     assert "same_output" not in s["sampled"]
+    runs.append(Run("tuned", "3", "math", 1, new_tokens=4, steps=2, seconds=1.0, accepted=[1, 3]))
+    table = depth_table(summarise(runs), depths=3).splitlines()
+    assert table[0] == "| method | P(>=1) | P(>=2) | P(>=3) |"
+    assert table[2] == "| tuned | 0.50 | 0.50 | 0.00 |" and len(table) == 4  # no baseline row
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+import yaml
 
 from draftsmith.config import RecipeError, load_recipe, parse_overrides
 from draftsmith.recipe import OVERRIDE_ALIASES, Recipe
@@ -82,3 +84,20 @@ def test_drafter_section_is_typed_per_kind():
     assert recipe.drafter.num_layers == 2
     with pytest.raises(RecipeError, match="drafter.num_layers: expected int"):
         load_recipe(ToyRecipe, None, {"drafter": {"num_layers": "two"}})
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_recipe_loads_into_its_training_script(path):
+    """A recipe we ship must parse and validate (no unknown keys) with the script its kind names."""
+    from draftsmith.train.distill import DistillRecipe
+    from draftsmith.train.eagle import EagleRecipe
+    from draftsmith.train.eagle3 import Eagle3Recipe
+    from draftsmith.train.medusa import MedusaRecipe
+
+    classes = {"eagle": EagleRecipe, "eagle3": Eagle3Recipe, "medusa": MedusaRecipe, "distill": DistillRecipe}
+    kind = yaml.safe_load(path.read_text())["drafter"]["kind"]
+    recipe = load_recipe(classes[kind], path)
+    assert recipe.drafter.kind == kind
+    if kind == "eagle3":  # the EAGLE-3 recipes learn the target's own replies
+        assert recipe.data.regenerate.enabled and recipe.drafter.ttt_steps == 7
