@@ -69,7 +69,7 @@ def sorted_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf")).softmax(-1)
 
 
-def test_top_p_without_a_full_sort_matches_the_sort():
+def test_top_p_without_a_sort_matches_the_sort():
     generator = torch.Generator().manual_seed(0)
     vocab = 2000
     peaked = torch.randn(3, vocab, generator=generator) * 8  # cut among the best 256
@@ -82,6 +82,12 @@ def test_top_p_without_a_full_sort_matches_the_sort():
             assert torch.allclose(ours, reference, atol=1e-6)
     kept = (probabilities(flat, SamplingConfig(1.0, top_p=0.9)) > 0).sum(-1)
     assert (kept > 256).all()  # the flat rows really needed more than the candidates
+    # Top-k first, then top-p over what it left (1000 > the 256 candidates: the radix select).
+    kth = torch.topk(flat, 1000, dim=-1).values[..., -1:]
+    reference = sorted_top_p(flat.masked_fill(flat < kth, float("-inf")), 0.9)
+    ours = probabilities(flat, SamplingConfig(temperature=1.0, top_k=1000, top_p=0.9))
+    assert torch.equal(ours > 0, reference > 0) and torch.allclose(ours, reference, atol=1e-6)
+    assert 256 < (ours > 0).sum(-1).min() and (ours > 0).sum(-1).max() < 1000
 
 
 def test_inverse_cdf_sampler_follows_the_distribution_and_skips_zeros():
