@@ -4,6 +4,11 @@ One step: the drafter proposes a tree below the last token, the target scores ``
 tree`` in one forward pass, verification keeps the longest correct path plus the target's own
 next token, and the cache keeps only the accepted rows. Acceptance length (tau) is tokens
 produced during decoding divided by target passes during decoding; prefill counts for neither.
+
+Host overhead: the last token stays on the device, the tree goes there in one copy, and
+verification and the cache's compaction order are computed there, so a step reads back one
+tensor (the verdict: accepted nodes and last token); sampling with top-p may add one more (see
+``sampling.probabilities``). Stops are checked on the step's new tokens only.
 """
 
 from __future__ import annotations
