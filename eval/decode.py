@@ -160,21 +160,21 @@ class SpeculativeDecoder:
             root = outcome[-1:]
             with record_function("read_back"):
                 values = outcome.tolist()  # the step's one host sync
+            kept = self._features(hidden) if drafter is not None and drafter.needs_hidden else None
             if order is None:
                 accepted_tokens = values
-                kept = self._features(hidden)
             else:
                 path, last = read_verdict(values)
                 with record_function("commit"):
                     self.runner.keep(order, len(path) + 1)
                 accepted_tokens = [tree.tokens[node] for node in path] + [last]
-                kept = self._features(hidden)[order[:len(path) + 1]]
+                kept = kept[order[:len(path) + 1]] if kept is not None else None
             scanned = len(tokens) - base
             tokens += accepted_tokens
             result.steps += 1
             if drafter is not None:
                 with record_function("draft_accept"):
-                    drafter.accept(StepResult(accepted_tokens, kept if drafter.needs_hidden else None, tokens))
+                    drafter.accept(StepResult(accepted_tokens, kept, tokens))
             cut, reason = stops.check(tokens, base, scanned)
             if cut is not None and cut > max_new_tokens:  # a drafter overshot: the stop is never reached
                 cut = None
