@@ -30,8 +30,8 @@ from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters.base import DraftContext, Drafter
 from draftsmith.eval.host_syncs import count_host_syncs
-from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.eval.runner import CausalLMRunner, tree_rows
+from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
 from draftsmith.target import load_tokenizer
 from draftsmith.timing import clock
