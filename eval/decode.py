@@ -4,6 +4,11 @@ One step: the drafter proposes a tree below the last token, the target scores ``
 tree`` in one forward pass, verification keeps the longest correct path plus the target's own
 next token, and the cache keeps only the accepted rows. Acceptance length (tau) is tokens
 produced during decoding divided by target passes during decoding; prefill counts for neither.
+
+Host overhead: the last token stays on the device, the tree goes there in one copy, and
+verification and the cache's compaction order are computed there, so a step reads back one
+tensor (the verdict: accepted nodes and last token); sampling with top-p may add one more (see
+``sampling.probabilities``). Stops are checked on the step's new tokens only.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from torch.profiler import record_function
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
-from draftsmith.eval.runner import CausalLMRunner, tree_rows
+from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
-from draftsmith.eval.verify import verify
+from draftsmith.eval.stopping import StopChecker
+from draftsmith.eval.tree import device_tree
+from draftsmith.eval.verify import read_verdict, verify
 from draftsmith.timing import clock
 
 
@@ -68,27 +75,15 @@ class SpeculativeDecoder:
         self.sampling = sampling
         self.eos_ids = eos_ids if eos_ids is not None else eos_token_ids(target, tokenizer)
 
-    def _next(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+    def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """The target's next token after ``logits`` (one row), as a device tensor ``[1]``."""
         if self.sampling.greedy:
-            return int(logits.argmax())
-        return sample(probabilities(logits, self.sampling), generator)
+            return logits.argmax(-1).view(1)
+        return sample(probabilities(logits, self.sampling), generator).view(1)
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
         """What a feature-reading drafter gets for the rows of the last forward."""
         return self.runner.captured if self.runner.capture_layers else hidden
-
-    def _finish(self, new: list[int], stop_strings: tuple[str, ...], scanned: int) -> tuple[int | None, str]:
-        """Length to cut ``new`` to if generation must stop, and why (the earliest stop wins)."""
-        eos = next((i + 1 for i in range(scanned, len(new)) if new[i] in self.eos_ids), None)
-        if stop_strings and self.tokenizer is not None:
-            # Only before the EOS: a stop string completed earlier in the step ends it there.
-            for end in range(max(scanned, 1), eos if eos is not None else len(new) + 1):
-                text = self.tokenizer.decode(new[:end])
-                if any(s in text for s in stop_strings):
-                    return end, "stop_string"
-        if eos is not None:
-            return eos, "eos"
-        return None, "length"
 
     @torch.no_grad()
     def generate(
@@ -107,6 +102,26 @@ class SpeculativeDecoder:
         with self.drafter.verifying() if self.drafter is not None else nullcontext():
             return self._generate(prompt, max_new_tokens, stop_strings, streamer, seed)
 
+    def _step(self, root: torch.Tensor, tree, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One target pass over ``[root] + tree`` and its verification, all on the device:
+        (hidden states, the verdict (the token alone without a tree), kept rows first or None)."""
+        if tree is None or not len(tree):
+            with record_function("target_forward"):
+                hidden = self.runner.forward(root)
+                token = self._pick(self.runner.logits(hidden[-1]), generator)
+            return hidden, token, None
+        dev = device_tree(tree, self.runner.device)
+        with record_function("target_forward"):
+            hidden = self.runner.forward(torch.cat([root, dev.tokens]), dev.parents, dev.depths, levels=dev.levels)
+            logits = self.runner.logits(hidden)
+        with record_function("verify"):
+            outcome = verify(tree, logits, self.sampling, generator)
+            # Kept rows first (the root, then the path in order), computed before the read-back.
+            rows = torch.arange(len(tree) + 1, device=outcome.device)
+            kept = torch.cat([outcome.new_ones(1), outcome[:-1]]).bool()
+            order = torch.argsort(torch.where(kept, rows, rows + len(rows)))
+        return hidden, outcome, order
+
     def _generate(self, prompt, max_new_tokens, stop_strings, streamer, seed) -> Generation:
         # Drafts never reach past the last new token (their depth is capped by the remaining
         # budget), and that token is never fed back: prompt + max_new_tokens - 1 positions.
@@ -118,61 +133,58 @@ class SpeculativeDecoder:
         drafter = self.drafter
         if drafter is not None:
             drafter.prepare(prompt, max_new_tokens)
+        stops = StopChecker(self.eos_ids, stop_strings, self.tokenizer)
         result = Generation(tokens=[])
         device = self.runner.device
         start = clock(device)
-        self.runner.reset()
+        self.runner.reset(capacity=len(prompt) + max_new_tokens + 64)
         hidden = self.runner.forward(prompt)
-        first = self._next(self.runner.logits(hidden[-1]), generator)
-        new = [first]
+        root = self._pick(self.runner.logits(hidden[-1]), generator)
+        # The whole sequence, grown in place: drafters see it without a copy per step.
+        tokens = list(prompt) + root.tolist()
+        base = len(prompt)
         if drafter is not None:
-            drafter.begin(list(prompt) + new, self._features(hidden) if drafter.needs_hidden else None)
+            drafter.begin(tokens, self._features(hidden) if drafter.needs_hidden else None)
         result.prefill_seconds = clock(device) - start
         start = clock(device)
         if streamer:
-            streamer([first])
-        cut, reason = self._finish(new, stop_strings, 0)
-        while cut is None and len(new) < max_new_tokens:
-            tokens = list(prompt) + new
-            remaining = max_new_tokens - len(new)
+            streamer(tokens[base:])
+        cut, reason = stops.check(tokens, base, 0)
+        while cut is None and len(tokens) - base < max_new_tokens:
+            remaining = max_new_tokens - (len(tokens) - base)
             tree = None
             if drafter is not None:
                 with record_function("draft"):
                     tree = drafter.propose(DraftContext(tokens, self.sampling, generator, remaining - 1))
-            if tree is None or not len(tree):
-                with record_function("target_forward"):
-                    hidden = self.runner.forward([tokens[-1]])
-                    logits = self.runner.logits(hidden[-1])
-                accepted_tokens = [self._next(logits, generator)]
-                kept = self._features(hidden)
+            hidden, outcome, order = self._step(root, tree, generator)
+            root = outcome[-1:]
+            with record_function("read_back"):
+                values = outcome.tolist()  # the step's one host sync
+            kept = self._features(hidden) if drafter is not None and drafter.needs_hidden else None
+            if order is None:
+                accepted_tokens = values
             else:
-                parents, depths = tree_rows(tree.parents, tree.depths)
-                with record_function("target_forward"):
-                    hidden = self.runner.forward([tokens[-1]] + tree.tokens, parents, depths)
-                    logits = self.runner.logits(hidden)
-                with record_function("verify"):
-                    path, last = verify(tree, logits, self.sampling, generator)
-                rows = [0] + [node + 1 for node in path]
+                path, last = read_verdict(values)
                 with record_function("commit"):
-                    self.runner.commit(rows)
+                    self.runner.keep(order, len(path) + 1)
                 accepted_tokens = [tree.tokens[node] for node in path] + [last]
-                kept = self._features(hidden)[rows]
-            scanned = len(new)
-            new += accepted_tokens
+                kept = kept[order[:len(path) + 1]] if kept is not None else None
+            scanned = len(tokens) - base
+            tokens += accepted_tokens
             result.steps += 1
             if drafter is not None:
                 with record_function("draft_accept"):
-                        drafter.accept(StepResult(accepted_tokens, kept if drafter.needs_hidden else None, list(prompt) + new))
-            cut, reason = self._finish(new, stop_strings, scanned)
+                    drafter.accept(StepResult(accepted_tokens, kept, tokens))
+            cut, reason = stops.check(tokens, base, scanned)
             if cut is not None and cut > max_new_tokens:  # a drafter overshot: the stop is never reached
                 cut = None
-            end = min(cut or len(new), max_new_tokens)
+            end = min(cut or len(tokens) - base, max_new_tokens)
             result.accepted.append(end - scanned)
             if streamer:
-                streamer(new[scanned:end])
-            new = new[:end]
+                streamer(tokens[base + scanned:base + end])
+            del tokens[base + end:]
         result.decode_seconds = clock(device) - start
-        result.tokens = new[: cut or max_new_tokens]
+        result.tokens = tokens[base:base + (cut or max_new_tokens)]
         result.stop_reason = reason if cut is not None else "length"
         return result
 

@@ -22,6 +22,7 @@ from draftsmith.eval.bench import HF_BASELINES, run_bench
 from draftsmith.eval.drafters import build_drafter, kinds_help, parse_spec
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
 from draftsmith.eval.report import captions, depth_table, markdown_table, write_results
+from draftsmith.eval.runner import compile_decoder
 from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
 from draftsmith.target import load_target
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-assistant", action="append", default=[], metavar="NAME",
                         help="with --hf-baseline hf_assisted: only these draft_lm drafters (by name) as "
                              "assistants; repeatable (default: every draft_lm drafter)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the target's decoder (dynamic shapes); off by default: on a CPU it "
+                             "costs ~1.5 min of compilation and slowed tree passes 2x (BENCHMARKS.md)")
     parser.add_argument("--out", default="results", help="output folder")
     args = parser.parse_args(argv)
     if not args.drafter:
@@ -85,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     with stage("eval: load target and drafters"):
         target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template, field="--target")
         drafters = [build_drafter(spec, target) for spec in specs]
+        if args.compile:
+            compile_decoder(target)
     sampling = args.sampling
     assistants = {d.name: (d.runner.model, d.depth) for d in drafters if isinstance(d, DraftLMDrafter)}
     if args.hf_assistant:
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bench": args.prompts or args.bench, "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "turns": args.turns,
         "drafters": args.drafter, "torch": torch.__version__, "machine": platform.machine(),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "compile": args.compile,
         "verified_by": {d.name: d.verifier_label or f"target {args.target}" for d in drafters},
     }
     summary = write_results(runs, args.out, meta)

@@ -14,9 +14,10 @@ that apply a 4D float mask (sdpa, eager) can verify trees; others are refused.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from draftsmith.errors import UsageError
+from draftsmith.eval.kv_cache import SlotCache
 from draftsmith.eval.tree import ROOT, ancestor_mask
 
 MASKED_ATTENTION = ("sdpa", "eager")  # implementations that honour an additive 4D mask
@@ -52,12 +53,18 @@ def _attention_layout(config) -> tuple[list[str], int | None]:
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+def _on(values, device: torch.device) -> torch.Tensor:
+    """Token ids, parents or depths as a long tensor on ``device`` (a no-op for device tensors)."""
+    return torch.as_tensor(values, dtype=torch.long, device=device)
+
+
 class CausalLMRunner:
-    """Incremental forward passes (chains or trees) over one sequence with a ``DynamicCache``."""
+    """Incremental forward passes (chains or trees) over one sequence with a preallocated
+    :class:`~draftsmith.eval.kv_cache.SlotCache`; masks and positions are built on the device."""
 
     def __init__(self, model: PreTrainedModel | None = None, *, decoder=None, lm_head=None, config=None,
                  capture_layers: list[int] | None = None):
@@ -78,18 +85,29 @@ class CausalLMRunner:
         self.max_positions = getattr(self.config, "max_position_embeddings", None)
         # Gemma-2-style models squash logits in their causal-LM forward, after the LM head.
         self.softcap = getattr(self.config, "final_logit_softcapping", None) if model is not None else None
-        self.cache: DynamicCache | None = None
+        self.cache: SlotCache | None = None
         self.length = 0  # committed tokens in the cache
-        self.pending_parents: list[int] = []  # tree rows run but not yet committed or discarded
-        self.pending_depths: list[int] = []
+        self.pending = 0  # tree rows run but not yet committed or discarded
+        self._parents = self._depths = None  # of the pending rows, on the device
+        self._levels = 0  # longest parent chain among the pending rows
 
-    def reset(self) -> None:
-        """Forget the sequence."""
-        # No config: every layer keeps its full history, sliding ones included (see the module doc).
-        self.cache = DynamicCache()
+    def reset(self, capacity: int | None = None) -> None:
+        """Forget the sequence (the cache's buffer stays allocated); ``capacity``: rows to make room for."""
+        if self.cache is None:
+            self.cache = SlotCache(self.config.num_hidden_layers)
+        self.cache.crop(0)
+        if capacity is not None:
+            self.cache.reserve(capacity)
         self.length = 0
-        self.pending_parents = []
-        self.pending_depths = []
+        self._discard()
+
+    def _discard(self) -> None:
+        self.pending, self._parents, self._depths, self._levels = 0, None, None, 0
+
+    @property
+    def pending_parents(self) -> list[int]:
+        """Parents of the pending rows (for inspection: reads them back from the device)."""
+        return [] if self._parents is None else self._parents.tolist()
 
     def check_context(self, positions: int, what: str = "the request") -> None:
         """Raise :class:`ContextLengthError` when ``positions`` tokens exceed the model's maximum."""
@@ -98,48 +116,56 @@ class CausalLMRunner:
                 f"{what} needs {positions} positions but {self.config.model_type} has "
                 f"max_position_embeddings={self.max_positions}; shorten the prompt or lower max_new_tokens")
 
-    def _mask(self, parents: list[int], depths: list[int]) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Additive 4D mask of tree rows over cache + pending rows: one tensor, or one per layer
-        type when sliding and full layers mix (transformers' decoders take such a mapping)."""
-        n = len(parents)
-        rows = self.pending_parents + parents
-        allowed = torch.ones(n, self.length + len(rows), dtype=torch.bool)
-        allowed[:, self.length:] = ancestor_mask(rows)[-n:]
+    def _mask(self, n: int, depths: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive 4D mask of the last ``n`` pending rows over cache + pending rows: one tensor, or
+        one per layer type when sliding and full layers mix (transformers' decoders take such a mapping)."""
+        ancestors = ancestor_mask(self._parents, self._levels)[-n:]
+        allowed = torch.ones(n, self.length + self.pending, dtype=torch.bool, device=self.device)
+        allowed[:, self.length:] = ancestors
         masks = {FULL: allowed, SLIDING: allowed}
         if self.window is not None:
             # Keys at most window - 1 positions behind the query, as transformers' sliding masks.
-            keys = torch.cat([torch.arange(self.length), torch.as_tensor(self.pending_depths + depths) + self.length])
-            queries = torch.as_tensor(depths) + self.length
-            masks[SLIDING] = allowed & (queries[:, None] - keys[None, :] < self.window)
-        out = {kind: _additive(masks[kind], self.dtype).to(self.device) for kind in self.layer_types}
+            keys = torch.cat([torch.arange(self.length, device=self.device), self._depths + self.length])
+            masks[SLIDING] = allowed & (depths[:, None] + self.length - keys[None, :] < self.window)
+        out = {kind: _additive(masks[kind], self.dtype) for kind in self.layer_types}
         return out if len(out) > 1 else out[self.layer_types[0]]
 
     @torch.no_grad()
-    def forward(self, tokens: list[int] | torch.Tensor, parents: list[int] | None = None,
-                depths: list[int] | None = None, **inputs) -> torch.Tensor:
+    def forward(self, tokens: list[int] | torch.Tensor, parents: list[int] | torch.Tensor | None = None,
+                depths: list[int] | torch.Tensor | None = None, levels: int | None = None, **inputs) -> torch.Tensor:
         """Run ``tokens`` after the committed prefix and return their last hidden states ``[n, H]``.
 
         Without ``parents`` the tokens form a chain and are committed at once. With ``parents``
         they are tree rows at positions ``length + depths``: ``parents`` index all pending rows
         (earlier tree forwards first, then these), ``-1`` for rows that hang directly off the
         committed prefix. Tree rows stay pending, so a tree can grow over several forwards, until
-        :meth:`commit` keeps the accepted ones. Extra ``inputs`` (e.g. EAGLE's ``features``) go
-        to the decoder as they are.
+        :meth:`commit` keeps the accepted ones. Device tensors are used as they are (nothing is
+        copied to the device); ``levels`` bounds the depth these rows add (host int; taken from
+        ``depths`` when it is a list). Extra ``inputs`` (e.g. EAGLE's ``features``) go to the
+        decoder as they are.
         """
         if self.cache is None:
             self.reset()
-        if parents is None and self.pending_parents:
+        if parents is None and self.pending:
             raise RuntimeError("commit() the pending tree rows before extending the chain")
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(1, -1)
+        ids = _on(tokens, self.device).view(1, -1)
         n = ids.shape[1]
         if parents is None:
             self.check_context(self.length + n)
             positions = torch.arange(self.length, self.length + n, device=self.device)
             mask = None
         else:
-            self.check_context(self.length + max(depths) + 1)
-            positions = torch.as_tensor(depths, device=self.device) + self.length
-            mask = self._mask(parents, depths)
+            deepest = max(depths) if isinstance(depths, list) else levels if levels is not None else self.pending + n
+            if levels is None:
+                levels = max(depths) - min(depths) + 1 if isinstance(depths, list) else n
+            self.check_context(self.length + deepest + 1)
+            parents, depths = _on(parents, self.device), _on(depths, self.device)
+            self._parents = parents if self._parents is None else torch.cat([self._parents, parents])
+            self._depths = depths if self._depths is None else torch.cat([self._depths, depths])
+            self._levels += levels
+            self.pending += n
+            positions = depths + self.length
+            mask = self._mask(n, depths)
         if self.capture_layers:
             inputs["output_hidden_states"] = True
         out = self.decoder(
@@ -150,9 +176,6 @@ class CausalLMRunner:
             self.captured = torch.cat([out.hidden_states[layer][0] for layer in self.capture_layers], dim=-1)
         if parents is None:
             self.length += n
-        else:
-            self.pending_parents = self.pending_parents + list(parents)
-            self.pending_depths = self.pending_depths + list(depths)
         return out.last_hidden_state[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -164,26 +187,35 @@ class CausalLMRunner:
 
     def commit(self, rows: list[int]) -> None:
         """Keep the pending rows ``rows`` (ascending, each row's ancestors included) in the cache."""
-        start = self.length
-        if rows != list(range(len(rows))):
-            index = torch.as_tensor(rows, device=self.device) + start
-            for layer in self.cache.layers:
-                layer.keys[:, :, start:start + len(rows)] = layer.keys[:, :, index]
-                layer.values[:, :, start:start + len(rows)] = layer.values[:, :, index]
-        drop = len(self.pending_parents) - len(rows)
-        if drop:
-            self.cache.crop(-drop)
-        self.length += len(rows)
-        self.pending_parents = []
-        self.pending_depths = []
+        if rows == list(range(len(rows))):
+            self.keep(None, len(rows))
+        else:
+            self.keep(_on(rows, self.device), len(rows))
+
+    def keep(self, order: torch.Tensor | None, count: int) -> None:
+        """Keep pending rows ``order[:count]`` (a device tensor; None: the first ``count`` rows as
+        they are), with one gather for all layers and nothing read back from the device."""
+        if order is not None:
+            self.cache.compact(self.length, order, count)
+        else:
+            self.cache.crop(self.length + count)
+        self.length += count
+        self._discard()
 
     def rollback(self, length: int) -> None:
         """Drop committed tokens past ``length`` (a draft model rejecting its own guesses)."""
-        if self.pending_parents:
+        if self.pending:
             self.commit([])
         if length < self.length:
-            self.cache.crop(length - self.length)
+            self.cache.crop(length)
             self.length = length
+
+
+def compile_decoder(model: PreTrainedModel) -> None:
+    """``torch.compile`` ``model``'s decoder forward in place, with dynamic shapes (the context and
+    the tree size change every step); the LM head and the engine stay eager."""
+    decoder = model.get_decoder()
+    decoder.forward = torch.compile(decoder.forward, dynamic=True)
 
 
 def tree_rows(parents: list[int], depths: list[int]) -> tuple[list[int], list[int]]:

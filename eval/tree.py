@@ -222,15 +222,91 @@ def expected_acceptance(choices: list[tuple[int, ...]], rank_accuracy: list[list
     return total
 
 
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """``[n, n]`` boolean matrix, True where column j is row i or one of its ancestors."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i, parent in enumerate(parents):
-        if parent != ROOT:
-            mask[i] = mask[parent]
-        mask[i, i] = True
+def ancestor_mask(parents: list[int] | torch.Tensor, levels: int | None = None) -> torch.Tensor:
+    """``[n, n]`` boolean matrix, True where column j is row i or one of its ancestors.
+
+    Built where ``parents`` lives, vectorised over rows: ``levels`` pointer jumps (the longest
+    parent chain among the rows; ``n`` when unknown), each one gather for every row at once.
+    """
+    parents = torch.as_tensor(parents, dtype=torch.long)
+    n = parents.shape[0]
+    rows = torch.arange(n, device=parents.device)
+    up = torch.where(parents >= 0, parents, rows)  # a row without a parent here stays put
+    mask = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
+    mask[rows, rows] = True
+    node = rows
+    for _ in range(n if levels is None else levels):
+        node = up[node]
+        mask[rows, node] = True
     return mask
+
+
+@dataclass
+class DeviceTree:
+    """A tree's rows ``[root] + nodes`` on the device, for one target pass and its verification.
+
+    Rows: root is row 0 (its token is the last committed one, already on the device), node i is
+    row i + 1. Proposals are packed per proposing row: ``cand_tokens`` / ``cand_rows`` are
+    ``[P, K]`` (row 0 for a pruned candidate, -1 for padding), ``q`` the draft distributions
+    ``[P, V]`` (None when every proposal is deterministic) and ``deterministic`` ``[P]``.
+    """
+
+    tokens: torch.Tensor  # [n] node tokens
+    parents: torch.Tensor  # [n + 1] parent row of each row (-1 for the root)
+    depths: torch.Tensor  # [n + 1] depth below the root
+    levels: int  # the tree's depth (host int: pointer jumps, never a sync)
+    ancestors: torch.Tensor  # [n + 1, n + 1] ancestor-or-self of each row
+    first_of_token: torch.Tensor  # [n] False for a node repeating an earlier sibling's token
+    prop_rows: torch.Tensor  # [P]
+    cand_tokens: torch.Tensor  # [P, K]
+    cand_rows: torch.Tensor  # [P, K]
+    deterministic: torch.Tensor  # [P]
+    q: torch.Tensor | None
+
+
+def upload(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Host integer rows as one device tensor: one (pinned, asynchronous where possible) copy."""
+    host = torch.tensor(rows, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def device_tree(tree: TokenTree, device: torch.device) -> DeviceTree:
+    """``tree`` on ``device`` in one host-to-device copy, built once per tree object (a drafter
+    returning the same tree pays nothing); masks and verification then never leave the device."""
+    cached = getattr(tree, "_device_tree", None)
+    if cached is not None and cached.tokens.device == device:
+        return cached
+    n = len(tree)
+    proposing = sorted(tree.proposals)
+    width = max((len(tree.proposals[p].tokens) for p in proposing), default=0)
+
+    def padded(values: list[int]) -> list[int]:
+        return values + [-1] * (width - len(values))
+
+    rows = [[0] + tree.tokens, [ROOT] + [p + 1 for p in tree.parents], [0] + tree.depths]
+    for p in proposing:
+        proposal = tree.proposals[p]
+        rows.append(padded(proposal.tokens) + padded([0 if c is None else c + 1 for c in proposal.nodes])
+                    + [p + 1, proposal.probs is None])
+    columns = max(len(row) for row in rows)
+    packed = upload([row + [0] * (columns - len(row)) for row in rows], device)
+    tokens, parents, depths, props = packed[0, 1:n + 1], packed[1, :n + 1], packed[2, :n + 1], packed[3:]
+    levels = max(tree.depths, default=0)
+    # Greedy verification follows the first candidate of a parent carrying a token (as child_by_token).
+    same = (parents[1:, None] == parents[None, 1:]) & (tokens[:, None] == tokens[None, :])
+    first_of_token = ~torch.tril(same, diagonal=-1).any(-1)
+    probs = [tree.proposals[p].probs for p in proposing]
+    q = None
+    if any(pr is not None for pr in probs):
+        zeros = torch.zeros(next(pr for pr in probs if pr is not None).shape[-1], device=device)
+        q = torch.stack([zeros if pr is None else pr.to(device).float() for pr in probs])
+    result = DeviceTree(tokens, parents, depths, levels, ancestor_mask(parents, levels), first_of_token,
+                        props[:, 2 * width], props[:, :width], props[:, width:2 * width],
+                        props[:, 2 * width + 1].bool(), q)
+    tree._device_tree = result
+    return result
 
 
 def grow_tree(

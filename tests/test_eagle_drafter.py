@@ -118,6 +118,7 @@ def test_sampling_with_eagle_matches_exact_distribution(tiny_target, init, draft
 def test_chi_square_catches_a_lossy_verifier(tiny_target, monkeypatch):
     """Negative control: accepting every EAGLE draft (then sampling the bonus) must fail the test."""
     import draftsmith.eval.decode as decode_module
+    from draftsmith.eval.verify import verdict
 
     def accept_all(tree, logits, sampling, generator=None):
         path, node = [], ROOT
@@ -125,7 +126,7 @@ def test_chi_square_catches_a_lossy_verifier(tiny_target, monkeypatch):
             node = tree.proposals[node].nodes[0]
             path.append(node)
         row = path[-1] + 1 if path else 0
-        return path, sample(probabilities(logits[row], sampling), generator)
+        return verdict(tree, path, sample(probabilities(logits[row], sampling), generator))
 
     monkeypatch.setattr(decode_module, "verify", accept_all)
     drafter = EagleDrafter(_tiny_head(tiny_target, "random"), depth=2, top_k=2, budget=4)

@@ -200,3 +200,22 @@ def test_stop_string_mid_step_and_before_eos(story):
             assert streamer.tokens == expected and sum(gen.accepted) == len(expected) - 1
         if name == "oracle":
             assert gen.accepted[-1] < STEP  # the stop really fell inside a multi-token step
+
+
+def test_windowed_stop_check_matches_decoding_everything():
+    """The stop-string check decodes a short window per candidate end; it must find the same end
+    as decoding the whole text, also for multi-byte characters split across byte-level tokens."""
+    from draftsmith.eval.stopping import StopChecker
+    from draftsmith.target import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    ids = tokenizer.encode("Voilà: naïve café — 漢字 and emoji 🤖🚀 then\n\nDone. STOP here; ünïcödé 🤖 end")
+    for stop in ("🤖", "\n\n", "STOP", "é —", "字 and", "🚀 th"):
+        expected = next(end for end in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:end]))
+        for step in (1, 3):  # tokens added per decoding step
+            checker, cut, scanned = StopChecker(set(), (stop,), tokenizer), None, 0
+            while cut is None and scanned < len(ids):
+                upto = min(len(ids), scanned + step)
+                cut, reason = checker.check(ids[:upto], 0, scanned)
+                scanned = upto
+            assert (cut, reason) == (expected, "stop_string"), (stop, step)

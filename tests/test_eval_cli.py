@@ -79,7 +79,8 @@ def test_cli_writes_table_json_csv_and_plots(tmp_path, capsys):
     )
     out = tmp_path / "out"
     main(["--drafter", "prompt_lookup", "--drafter", "oracle?num_tokens=4", "--drafter", "draft_lm?layers=2&depth=2",
-          "--prompts", str(prompts), "--turns", "2", "--max-new-tokens", "12", "--out", str(out)])
+          "--prompts", str(prompts), "--turns", "2", "--max-new-tokens", "12", "--out", str(out),
+          "--dtype", "float32"])  # exact only in fp32: bf16 tree passes drift from one-token decoding
     printed = capsys.readouterr().out
     assert "| method | accept len | tok/s | speedup | same output | chat (tau / x) | rep (tau / x) |" in printed
     result = json.loads((out / "results.json").read_text())

@@ -30,7 +30,7 @@ from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
 from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.eval.sampling import SamplingConfig, choose, probabilities, sample
 from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
-from draftsmith.eval.verify import verify_sampling
+from draftsmith.eval.verify import read_verdict, verdict, verify_sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,7 +93,8 @@ class Recorder:
         self.pruned_trees = 0
 
     def __call__(self, tree, logits, sampling, generator=None):
-        path, last = self.verify(tree, logits, sampling, generator)
+        outcome = self.verify(tree, logits, sampling, generator)
+        path, last = read_verdict(outcome.tolist())
         self.trees += 1
         pruned = {t for p in tree.proposals.values() for t, n in zip(p.tokens, p.nodes) if n is None}
         self.pruned_trees += bool(pruned)
@@ -101,7 +102,7 @@ class Recorder:
         proposal = tree.proposals.get(end)
         if proposal is not None and any(t == last and n is None for t, n in zip(proposal.tokens, proposal.nodes)):
             self.pruned_tokens_out += 1  # the step ended on a (probably accepted) pruned candidate
-        return path, last
+        return outcome
 
 
 def run_case(monkeypatch, target, drafter, sampling, length, n=SAMPLES, prompt=PROMPT):
@@ -203,7 +204,7 @@ def accept_everything(tree, logits, sampling, generator=None):
             break
         path.append(child)
         node = child
-    return path, sample(probabilities(logits[node + 1], sampling), generator)
+    return verdict(tree, path, sample(probabilities(logits[node + 1], sampling), generator))
 
 
 def test_negative_control_accept_everything(monkeypatch, target, draft):
@@ -276,7 +277,7 @@ def test_verify_sampling_emits_p(kind):
             k = 1 if kind == "single" else 3
             drawn, probs = choose(q.log().view(1, -1), k, sampling, generator)
             tree = one_level_tree(drawn[0].tolist(), probs[0], budget=1 if kind == "pruned" else None)
-        path, last = verify_sampling(tree, logits, sampling, generator)
+        path, last = read_verdict(verify_sampling(tree, logits, sampling, generator).tolist())
         counts[(tree.tokens[path[0]] if path else last,)] += 1
     statistic, threshold, _ = chi_square(counts, {(x,): float(p[x]) for x in range(V)}, n)
     assert statistic < threshold

@@ -24,7 +24,7 @@ from draftsmith.eval.tree import TokenTree
 class DraftContext:
     """What a drafter may look at when it proposes."""
 
-    tokens: list[int]  # prompt + generated so far; the last one is the root of the next tree
+    tokens: list[int]  # prompt + generated so far (the engine's list, grown in place: read it, copy to keep); the last one is the root of the next tree
     sampling: SamplingConfig
     generator: torch.Generator | None
     max_tokens: int  # no use drafting deeper than the remaining new-token budget
@@ -36,7 +36,7 @@ class StepResult:
 
     accepted: list[int]  # accepted draft tokens followed by the target's own next token
     hidden: torch.Tensor | None  # target features (see Drafter.feature_layers) of [root] + accepted draft rows
-    tokens: list[int]  # the full sequence after this step
+    tokens: list[int]  # the full sequence after this step (the engine's list: copy to keep)
 
 
 class Drafter(ABC):

@@ -63,7 +63,7 @@ class DraftLMDrafter(Drafter):
         return self.runner.logits(hidden[-1])
 
     def _expand(self, frontier: list[int], builder: TreeBuilder) -> torch.Tensor:
-        base = len(self.runner.pending_parents)
+        base = self.runner.pending
         parents = [self._row[builder.parents[n]] for n in frontier]
         depths = [builder.depths[n] - 1 for n in frontier]  # the root is already in the cache
         hidden = self.runner.forward([builder.tokens[n] for n in frontier], parents, depths)

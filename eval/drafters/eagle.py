@@ -40,7 +40,7 @@ class EagleDrafter(Drafter):
         self._tokens, self._features = list(result.accepted), result.hidden
 
     def _expand(self, frontier: list[int], builder: TreeBuilder) -> torch.Tensor:
-        base = len(self.runner.pending_parents)
+        base = self.runner.pending
         parents = [builder.parents[n] for n in frontier]
         features = torch.stack([self._predicted[p] for p in parents])
         out = self.runner.forward([builder.tokens[n] for n in frontier], [self._row[p] for p in parents],
