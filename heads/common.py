@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.torch import load_file
+import torch
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from draftsmith.errors import CheckpointError
@@ -95,3 +96,33 @@ def read_state(path: str | Path) -> dict:
 
         return native_state(path)
     return load_file(str(Path(path) / "model.safetensors"))
+
+
+def save_head(module: torch.nn.Module, path: str | Path, kind: str, config: dict) -> None:
+    """Write a head's ``config.json`` (``draftsmith_kind`` first, then ``config``) and its own
+    weights as ``model.safetensors`` (never the target's)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"draftsmith_kind": kind, **config}, indent=1, default=str))
+    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt", "draftsmith_kind": kind})
+
+
+def load_head_parts(path: str | Path, kind: str, target: PreTrainedModel | None) -> tuple[dict, dict, tuple]:
+    """``(config, state, (layer_class, rotary_class))`` of a head checkpoint (or export) of ``kind``;
+    with ``target`` it is first checked against the recorded target, whose classes build the layers
+    (None, None without one: the head derives them from its recorded target config)."""
+    config = read_config(path, kind)
+    classes = (None, None)
+    if target is not None:
+        check_target(config["target"], target, path)
+        decoder = target.get_decoder()
+        classes = (type(decoder.layers[0]), type(decoder.rotary_emb))
+    return config, read_state(path), classes
+
+
+def bind_loaded(head, target: PreTrainedModel | None):
+    """``head`` moved to ``target``'s device and bound to it (as it is without a target)."""
+    if target is None:
+        return head
+    return head.to(device=next(target.parameters()).device).bind(target)

@@ -16,17 +16,15 @@ embedding is the target's, used by reference and never saved.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.config import RecipeError
-from draftsmith.heads.common import check_target, read_config, read_state, target_record
+from draftsmith.heads.common import bind_loaded, load_head_parts, save_head, target_record
 from draftsmith.heads.eagle import _architecture, _full_attention, _rotary_kwargs, attention_4d
 from draftsmith.heads.vocab import DraftVocabMixin
 
@@ -185,10 +183,7 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         config = {
-            "draftsmith_kind": KIND,
             "architectures": ["Eagle3Head"],
             "num_layers": len(self.layers),
             "aux_layers": self.aux_layers,
@@ -197,26 +192,13 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
             "target": self.target_info,
             "target_config": self.config.to_dict(),
         }
-        (path / "config.json").write_text(json.dumps(config, indent=1, default=str))
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt", "draftsmith_kind": KIND})
+        save_head(self, path, KIND, config)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> "Eagle3Head":
         """Load a head; with ``target`` it is checked against the recorded target and bound to it."""
-        config = read_config(path, KIND)
-        if target is not None:
-            check_target(config["target"], target, path)
-        target_config = AutoConfig.for_model(**config["target_config"])
-        state = read_state(path)
-        layer_class = rotary_class = None
-        if target is not None:
-            decoder = target.get_decoder()
-            layer_class, rotary_class = type(decoder.layers[0]), type(decoder.rotary_emb)
-        head = cls(target_config, config["aux_layers"], state["d2t"], config["target"], layer_class, rotary_class,
+        config, state, classes = load_head_parts(path, KIND, target)
+        head = cls(AutoConfig.for_model(**config["target_config"]), config["aux_layers"], state["d2t"], config["target"], *classes,
                    config.get("norm_before_residual", False))
         head.load_state_dict(state)
-        if target is not None:
-            param = next(target.parameters())
-            head.to(device=param.device).bind(target)
-        return head
+        return bind_loaded(head, target)

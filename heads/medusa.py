@@ -12,15 +12,13 @@ scoring to the N most frequent tokens (see :mod:`draftsmith.heads.vocab`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from draftsmith.heads.common import check_target, read_config, read_state, target_record
+from draftsmith.heads.common import bind_loaded, load_head_parts, save_head, target_record
 from draftsmith.heads.vocab import DraftVocabMixin
 
 KIND = "medusa"
@@ -130,10 +128,7 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (never the target's own weights)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         config = {
-            "draftsmith_kind": KIND,
             "architectures": ["MedusaHeads"],
             "num_heads": self.num_heads,
             "num_layers": self.num_layers,
@@ -144,20 +139,13 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
             "head_accuracy": self.head_accuracy,
             "target": self.target_info,
         }
-        (path / "config.json").write_text(json.dumps(config, indent=1))
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt", "draftsmith_kind": KIND})
+        save_head(self, path, KIND, config)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> "MedusaHeads":
         """Load heads; with ``target`` they are checked against the recorded target and bound to it."""
-        config = read_config(path, KIND)
-        if target is not None:
-            check_target(config["target"], target, path)
-        state = read_state(path)
+        config, state, _ = load_head_parts(path, KIND, target)
         heads = cls(config["hidden_size"], config["vocab_size"], config["num_heads"], config["num_layers"],
                     config["lm_head"], state["draft_vocab"], config["target"], config.get("head_accuracy"))
         heads.load_state_dict(state)
-        if target is not None:
-            heads.to(device=next(target.parameters()).device).bind(target)
-        return heads
+        return bind_loaded(heads, target)
