@@ -98,15 +98,9 @@ class EagleHead(DraftVocabMixin, nn.Module):
         head = cls(target.config, num_layers, draft_vocab, target_record(target, target_name),
                    type(decoder.layers[0]), type(decoder.rotary_emb))
         if init == "identity":
-            hidden = target.config.hidden_size
             with torch.no_grad():
-                head.fc.weight.zero_()
-                head.fc.weight[:, hidden:] = torch.eye(hidden)
                 head.fc.bias.zero_()
-                for layer in head.layers:  # residual branches start at zero: f_{i+1} = f_i
-                    for name, param in layer.named_parameters():
-                        if name.endswith(("o_proj.weight", "down_proj.weight")):
-                            param.zero_()
+            pass_last_feature_through(head)
         elif init != "random":
             raise ValueError(f"unknown EAGLE head init {init!r}; use 'identity' or 'random'")
         param = next(target.parameters())
@@ -139,6 +133,19 @@ def _architecture(config: PretrainedConfig) -> tuple[type, type]:
     with torch.device("meta"):
         shell = AutoModel.from_config(config)
     return type(shell.layers[0]), type(shell.rotary_emb)
+
+
+@torch.no_grad()
+def pass_last_feature_through(head: nn.Module) -> None:
+    """Identity init: ``fc`` copies the last ``hidden_size`` columns of its input (the target
+    feature) and every layer's residual branches start at zero, so the head outputs its input
+    feature until training moves it."""
+    hidden = head.fc.weight.shape[0]
+    head.fc.weight.zero_()
+    head.fc.weight[:, -hidden:] = torch.eye(hidden)
+    for name, param in head.layers.named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            param.zero_()
 
 
 def _rotary_kwargs(rotary_class: type) -> dict:

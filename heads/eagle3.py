@@ -25,7 +25,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.config import RecipeError
 from draftsmith.heads.common import bind_loaded, load_head_parts, save_head, target_record
-from draftsmith.heads.eagle import _architecture, _full_attention, _rotary_kwargs, attention_4d
+from draftsmith.heads.eagle import _architecture, _full_attention, _rotary_kwargs, attention_4d, pass_last_feature_through
 from draftsmith.heads.vocab import DraftVocabMixin
 
 KIND = "eagle3"
@@ -170,12 +170,7 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
             if final_norm is not None and getattr(final_norm, "weight", None) is not None:
                 head.norm.weight.copy_(final_norm.weight.float())
             if init == "identity":
-                hidden = target.config.hidden_size
-                head.fc.weight.zero_()
-                head.fc.weight[:, -hidden:] = torch.eye(hidden)
-                for name, param in head.layers.named_parameters():
-                    if name.endswith(("o_proj.weight", "down_proj.weight")):
-                        param.zero_()
+                pass_last_feature_through(head)
             elif init != "random":
                 raise ValueError(f"unknown EAGLE-3 head init {init!r}; use 'identity' or 'random'")
         param = next(target.parameters())
