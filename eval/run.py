@@ -123,5 +123,11 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``draftsmith-eval`` console script: :func:`main` without its return value (which the
+    console-script wrapper would print and turn into exit code 1)."""
     main()
+
+
+if __name__ == "__main__":
+    cli()
