@@ -9,6 +9,7 @@ against its target.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -23,6 +24,19 @@ from draftsmith.heads.common import EXPORT_KEY, check_target
 DRAFT_LM = "draft_lm"
 TARGET_RECORD = "draftsmith_target.json"  # where a distilled draft LM names its target
 WEIGHTS = "model.safetensors"
+# draftsmith's Medusa residual blocks: blocks.<head>.<block>.linear.<weight|bias>
+MEDUSA_BLOCK = re.compile(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)")
+
+
+def rename_blocks(tensors: dict[str, torch.Tensor], pattern: re.Pattern, template: str) -> dict[str, torch.Tensor]:
+    """The tensors whose names match ``pattern``, renamed to ``template`` filled with its groups
+    (``{0}`` head, ``{1}`` block, ``{2}`` weight or bias); the others are left out."""
+    renamed = {}
+    for name, value in tensors.items():
+        match = pattern.fullmatch(name)
+        if match:
+            renamed[template.format(*match.groups())] = value
+    return renamed
 
 
 @dataclass

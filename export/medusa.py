@@ -16,13 +16,12 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.export.common import Source, Target, export_block, refuse, write_config
+from draftsmith.export.common import MEDUSA_BLOCK, Source, Target, export_block, refuse, rename_blocks, write_config
 from draftsmith.heads.common import EXPORT_KEY
 
 NAME = "medusa"
 KINDS = ("medusa",)
 HEADS_FILE = "medusa_lm_head.pt"
-BLOCK = re.compile(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)")
 OFFICIAL_BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")
 
 
@@ -45,11 +44,8 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         raise refuse(NAME, source.kind, f"its heads have {config['num_layers']} residual blocks and the official "
                                         "MedusaModel repeats one block object per head; use --format vllm-medusa")
     layers = config["num_layers"]
-    tensors = {}
-    for name, value in state.items():
-        block = BLOCK.fullmatch(name)
-        if block:
-            tensors[f"{block[1]}.{block[2]}.linear.{block[3]}"] = value.contiguous()
+    tensors = {name: value.contiguous() for name, value in
+               rename_blocks(state, MEDUSA_BLOCK, "{0}.{1}.linear.{2}").items()}
     shared = target.model.get_output_embeddings().weight.detach().to(source.dtype) if config["lm_head"] == "shared" else None
     for k in range(config["num_heads"]):
         tensors[f"{k}.{layers}.weight"] = (shared if shared is not None else state["lm_weight"][k]).contiguous()
@@ -64,11 +60,7 @@ def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
     tensors = torch.load(folder / HEADS_FILE, weights_only=True)
     own = config[EXPORT_KEY]["config"]
     layers = config["medusa_num_layers"]
-    state = {}
-    for name, value in tensors.items():
-        block = OFFICIAL_BLOCK.fullmatch(name)
-        if block:
-            state[f"blocks.{block[1]}.{block[2]}.linear.{block[3]}"] = value
+    state = rename_blocks(tensors, OFFICIAL_BLOCK, "blocks.{0}.{1}.linear.{2}")
     if own["lm_head"] == "copy":
         state["lm_weight"] = torch.stack([tensors[f"{k}.{layers}.weight"] for k in range(config["medusa_num_heads"])])
     state["draft_vocab"] = torch.arange(own["vocab_size"])

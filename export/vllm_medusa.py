@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.export.common import Source, Target, export_block, refuse, write_config, write_weights
+from draftsmith.export.common import (MEDUSA_BLOCK, Source, Target, export_block, refuse, rename_blocks, write_config,
+                                      write_weights)
 
 NAME = "vllm-medusa"
 KINDS = ("medusa",)
 VERSION = "0.32.0"
-BLOCK = re.compile(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)")
 VLLM_BLOCK = re.compile(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)")
 
 
@@ -48,11 +48,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         raise refuse(NAME, source.kind, "its per-head LM heads cover a reduced draft vocabulary, and vLLM builds "
                                         "per-head LM heads at the full vocabulary size (its token_map works with a "
                                         "shared LM head only); train with lm_head: shared or a full vocabulary")
-    tensors = {}
-    for name, value in state.items():
-        block = BLOCK.fullmatch(name)
-        if block:
-            tensors[f"blocks.{block[1]}.layers.{block[2]}.{block[3]}"] = value
+    tensors = rename_blocks(state, MEDUSA_BLOCK, "blocks.{0}.layers.{1}.{2}")
     if shared:
         tensors["lm_head.weight"] = target.model.get_output_embeddings().weight.detach().to(source.dtype)
     else:
@@ -80,11 +76,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
 def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
     """The heads' weights under draftsmith names from an exported folder."""
     tensors = load_file(str(folder / "model.safetensors"))
-    state = {}
-    for name, value in tensors.items():
-        block = VLLM_BLOCK.fullmatch(name)
-        if block:
-            state[f"blocks.{block[1]}.{block[2]}.linear.{block[3]}"] = value
+    state = rename_blocks(tensors, VLLM_BLOCK, "blocks.{0}.{1}.linear.{2}")
     if not config["original_lm_head"]:
         state["lm_weight"] = torch.stack([tensors[f"lm_heads.{k}.weight"] for k in range(config["num_heads"])])
     state["draft_vocab"] = tensors.get("token_map", torch.arange(config["vocab_size"]))

@@ -116,13 +116,19 @@ def load_head_parts(path: str | Path, kind: str, target: PreTrainedModel | None)
     classes = (None, None)
     if target is not None:
         check_target(config["target"], target, path)
-        decoder = target.get_decoder()
-        classes = (type(decoder.layers[0]), type(decoder.rotary_emb))
+        classes = decoder_classes(target)
     return config, read_state(path), classes
 
 
+def decoder_classes(target: PreTrainedModel) -> tuple[type, type]:
+    """The decoder-layer and rotary-embedding classes of ``target``'s decoder (what a head's layers are built from)."""
+    decoder = target.get_decoder()
+    return type(decoder.layers[0]), type(decoder.rotary_emb)
+
+
 def bind_loaded(head, target: PreTrainedModel | None):
-    """``head`` moved to ``target``'s device and bound to it (as it is without a target)."""
+    """``head`` moved to ``target``'s device and bound to it (as it is without a target); for new and
+    loaded heads alike."""
     if target is None:
         return head
     return head.to(device=next(target.parameters()).device).bind(target)

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from draftsmith.heads.common import bind_loaded, load_head_parts, save_head, target_record
+from draftsmith.heads.common import bind_loaded, decoder_classes, load_head_parts, save_head, target_record
 from draftsmith.heads.vocab import DraftVocabMixin
 
 KIND = "eagle"
@@ -35,13 +35,7 @@ class EagleHead(DraftVocabMixin, nn.Module):
                  draft_vocab: torch.Tensor | None = None, target_info: dict | None = None,
                  layer_class: type | None = None, rotary_class: type | None = None):
         super().__init__()
-        config = target_config.__class__.from_dict(target_config.to_dict())
-        config.num_hidden_layers = num_layers
-        _full_attention(config)
-        # sdpa (the head's mask is a 4D float one), unless the layers soft-cap attention logits
-        # (Gemma-2), which only eager attention implements.
-        config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
-        self.config = config
+        self.config = config = head_config(target_config, num_layers)
         self.target_info = target_info or {}
         if layer_class is None or rotary_class is None:
             layer_class, rotary_class = _architecture(config)
@@ -94,17 +88,14 @@ class EagleHead(DraftVocabMixin, nn.Module):
         copy of the target's last layer instead starts ~40x worse in loss); ``random`` is the
         paper's initialisation.
         """
-        decoder = target.get_decoder()
-        head = cls(target.config, num_layers, draft_vocab, target_record(target, target_name),
-                   type(decoder.layers[0]), type(decoder.rotary_emb))
+        head = cls(target.config, num_layers, draft_vocab, target_record(target, target_name), *decoder_classes(target))
         if init == "identity":
             with torch.no_grad():
                 head.fc.bias.zero_()
             pass_last_feature_through(head)
         elif init != "random":
             raise ValueError(f"unknown EAGLE head init {init!r}; use 'identity' or 'random'")
-        param = next(target.parameters())
-        return head.to(device=param.device).bind(target)
+        return bind_loaded(head, target)
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""
@@ -124,6 +115,17 @@ class EagleHead(DraftVocabMixin, nn.Module):
         head = cls(AutoConfig.for_model(**config["target_config"]), config["num_layers"], state["draft_vocab"], config["target"], *classes)
         head.load_state_dict(state)
         return bind_loaded(head, target)
+
+
+def head_config(target_config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
+    """A copy of the target's config for a head of ``num_layers`` layers attending to the whole
+    context: sdpa (the head's mask is a 4D float one), unless the layers soft-cap attention logits
+    (Gemma-2), which only eager attention implements."""
+    config = target_config.__class__.from_dict(target_config.to_dict())
+    config.num_hidden_layers = num_layers
+    _full_attention(config)
+    config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    return config
 
 
 def _architecture(config: PretrainedConfig) -> tuple[type, type]:

@@ -24,8 +24,8 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.config import RecipeError
-from draftsmith.heads.common import bind_loaded, load_head_parts, save_head, target_record
-from draftsmith.heads.eagle import _architecture, _full_attention, _rotary_kwargs, attention_4d, pass_last_feature_through
+from draftsmith.heads.common import bind_loaded, decoder_classes, load_head_parts, save_head, target_record
+from draftsmith.heads.eagle import _architecture, _rotary_kwargs, attention_4d, head_config, pass_last_feature_through
 from draftsmith.heads.vocab import DraftVocabMixin
 
 KIND = "eagle3"
@@ -84,11 +84,7 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
                  target_info: dict | None = None, layer_class: type | None = None, rotary_class: type | None = None,
                  norm_before_residual: bool = False):
         super().__init__()
-        config = target_config.__class__.from_dict(target_config.to_dict())
-        config.num_hidden_layers = 1
-        _full_attention(config)
-        config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
-        self.config = config
+        self.config = config = head_config(target_config, 1)
         self.aux_layers = list(aux_layers)
         self.target_info = target_info or {}
         if layer_class is None or rotary_class is None:
@@ -161,20 +157,18 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
         num_layers = target.config.num_hidden_layers
         aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(num_layers), num_layers)
         vocab = draft_vocab if draft_vocab is not None else torch.arange(target.config.vocab_size)
-        decoder = target.get_decoder()
         head = cls(target.config, aux, vocab.long() - torch.arange(vocab.numel()), target_record(target, target_name),
-                   type(decoder.layers[0]), type(decoder.rotary_emb), norm_before_residual)
+                   *decoder_classes(target), norm_before_residual)
         with torch.no_grad():
             head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab].float())
-            final_norm = getattr(decoder, "norm", None)
+            final_norm = getattr(target.get_decoder(), "norm", None)
             if final_norm is not None and getattr(final_norm, "weight", None) is not None:
                 head.norm.weight.copy_(final_norm.weight.float())
             if init == "identity":
                 pass_last_feature_through(head)
             elif init != "random":
                 raise ValueError(f"unknown EAGLE-3 head init {init!r}; use 'identity' or 'random'")
-        param = next(target.parameters())
-        return head.to(device=param.device).bind(target)
+        return bind_loaded(head, target)
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""

@@ -118,8 +118,7 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
         vocab_size = target.get_output_embeddings().weight.shape[0]
         heads = cls(config.hidden_size, vocab_size, num_heads, num_layers, lm_head, draft_vocab,
                     target_record(target, target_name))
-        param = next(target.parameters())
-        heads.to(device=param.device).bind(target)
+        bind_loaded(heads, target)
         if heads.lm_weight is not None:
             with torch.no_grad():
                 rows = target.get_output_embeddings().weight.detach()[heads.draft_vocab].float()

@@ -75,7 +75,13 @@ def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor
     """
     valid = (loss_mask & padding.bool())
     total = outputs[0].new_zeros((), dtype=torch.float32)
-    metrics: dict[str, float] = {}
+    # The target's distributions are the same for every pass, shifted: computed once for all positions.
+    with torch.no_grad():
+        target_next = target_hidden[:, 1:].to(outputs[0].dtype)
+        target_logits = head.target_logits(target_next).float()
+        target_probs = target_logits.softmax(-1)
+        best = _target_choice(head, target_next, target_logits, exact=not training)
+    sums: dict[str, torch.Tensor] = {}  # read back together at the end: one host sync for all metrics
     for step, pred in enumerate(outputs):
         n = pred.shape[1] - step
         # Position t scores token t + step + 2 with the target's distribution at t + step + 1.
@@ -83,39 +89,36 @@ def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor
         mask[:, : n - 1] = valid[:, step + 2:]
         mask = mask[:, :n]
         pred_t = pred[:, :n][mask]
-        target_t = target_hidden[:, step + 1: step + 1 + n][mask].to(pred_t.dtype)
-        tokens = pred_t.shape[0]
         if step == 0:
-            metrics["tokens"] = float(tokens)
-        if tokens == 0:
+            sums["tokens"] = mask.sum()
+        if pred_t.shape[0] == 0:
             total = total + pred.sum() * 0.0
             continue
-        with torch.no_grad():
-            target_logits = head.target_logits(target_t).float()
-            target_probs = target_logits.softmax(-1)
-            best = _target_choice(head, target_t, target_logits, exact=not training)
+        probs_t, best_t = target_probs[:, step: step + n][mask], best[:, step: step + n][mask]
         log_q = head.draft_logits(pred_t).float().log_softmax(-1)
         if cfg.top_k:
-            top = target_probs.topk(min(cfg.top_k, target_probs.shape[-1]), dim=-1).indices
-            ce = -(target_probs.gather(-1, top) * log_q.gather(-1, top)).sum(-1)
+            top = probs_t.topk(min(cfg.top_k, probs_t.shape[-1]), dim=-1).indices
+            ce = -(probs_t.gather(-1, top) * log_q.gather(-1, top)).sum(-1)
         else:
-            ce = -(target_probs * log_q).sum(-1)
+            ce = -(probs_t * log_q).sum(-1)
         per_token = cfg.ce_weight * ce
         if cfg.regression_weight:
+            target_t = target_next[:, step: step + n][mask]
             regression = F.smooth_l1_loss(pred_t.float(), target_t.float(), reduction="none").mean(-1)
             per_token = per_token + cfg.regression_weight * regression
         total = total + cfg.decay ** step * per_token.mean()
         with torch.no_grad():
             top3 = head.draft_vocab[log_q.topk(min(3, log_q.shape[-1]), dim=-1).indices]
-            hits = top3[:, 0] == best
-            metrics[f"top1@{step + 1}"] = float(hits.sum())
+            hits = (top3[:, 0] == best_t).sum()
+            sums[f"top1@{step + 1}"] = hits
             if step == 0:
-                metrics["top1"] = float(hits.sum())
-                metrics["top3"] = float((top3 == best[:, None]).any(-1).sum())
-                metrics["ce_loss"] = float(ce.detach().sum())
+                sums["top1"] = hits
+                sums["top3"] = (top3 == best_t[:, None]).any(-1).sum()
+                sums["ce_loss"] = ce.detach().sum()
                 if cfg.regression_weight:
-                    metrics["regression_loss"] = float(regression.detach().sum())
-    metrics["loss"] = float(total.detach()) * metrics.get("tokens", 0.0)
+                    sums["regression_loss"] = regression.detach().sum()
+    sums["loss"] = total.detach() * sums["tokens"]
+    metrics = dict(zip(sums, torch.stack([v.float() for v in sums.values()]).tolist()))
     return total, metrics
 
 
