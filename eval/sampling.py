@@ -104,16 +104,21 @@ def choose(
     """Pick ``k`` distinct candidate tokens from each row of ``logits``.
 
     Greedy: the top-k tokens, and no distribution. Sampling: ``k`` draws without replacement
-    from the warped distribution (Gumbel-top-k), returned with that distribution so verification
-    can correct for it. Returns ``(tokens [..., k], probs [..., V] or None)``.
+    from the warped distribution, returned with that distribution so verification can correct
+    for it. Returns ``(tokens [..., k], probs [..., V] or None)``.
+
+    The draws are an exponential race: the ``k`` smallest ``E / p`` with ``E = -log U ~ Exp(1)``
+    (taken as the ``k`` largest ``log U / p``), the same order as Gumbel-top-k's ``log p - log E``
+    with one logarithm per token instead of three (on a CPU, 0.8 ms instead of 1.2 ms for three
+    rows of a 49k vocabulary; ``exponential_`` was slower still). A zero-probability token gets
+    ``-inf`` and is never drawn (``U < 1``, so ``log U < 0``).
     """
     if sampling.greedy:
         return torch.topk(logits, k, dim=-1).indices, None
     probs = probabilities(logits, sampling)
     k = min(k, int((probs > 0).sum(-1).min()))
-    uniform = torch.rand(probs.shape, generator=generator, device=probs.device)
-    gumbel = -torch.log((-torch.log(uniform.clamp_min(1e-20))).clamp_min(1e-20))
-    return torch.topk(probs.log() + gumbel, k, dim=-1).indices, probs
+    race = torch.rand(probs.shape, generator=generator, device=probs.device).log_().div_(probs)
+    return torch.topk(race, k, dim=-1).indices, probs
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -246,9 +246,10 @@ class DeviceTree:
     """A tree's rows ``[root] + nodes`` on the device, for one target pass and its verification.
 
     Rows: root is row 0 (its token is the last committed one, already on the device), node i is
-    row i + 1. Proposals are packed per proposing row: ``cand_tokens`` / ``cand_rows`` are
-    ``[P, K]`` (row 0 for a pruned candidate, -1 for padding), ``q`` the draft distributions
-    ``[P, V]`` (None when every proposal is deterministic) and ``deterministic`` ``[P]``.
+    row i + 1. Proposals are packed per proposing row (one that keeps a candidate in the tree):
+    ``cand_tokens`` / ``cand_rows`` are ``[P, K]`` (row 0 for a pruned candidate, -1 for padding),
+    ``q`` the draft distributions ``[P, V]`` (None when every proposal is deterministic) and
+    ``deterministic`` ``[P]``.
     """
 
     tokens: torch.Tensor  # [n] node tokens
@@ -279,7 +280,9 @@ def device_tree(tree: TokenTree, device: torch.device) -> DeviceTree:
     if cached is not None and cached.tokens.device == device:
         return cached
     n = len(tree)
-    proposing = sorted(tree.proposals)
+    # Only rows with a candidate in the tree: at a row whose candidates were all pruned, rejection
+    # sampling emits a token that follows p exactly, so verification draws it from p directly.
+    proposing = sorted(p for p, proposal in tree.proposals.items() if any(n is not None for n in proposal.nodes))
     width = max((len(tree.proposals[p].tokens) for p in proposing), default=0)
 
     def padded(values: list[int]) -> list[int]:

@@ -40,77 +40,101 @@ def verify_greedy(tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
     return _verdict(dev, end, best[end])
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Row-wise normalised ``max(p - q, 0)``."""
-    r = (p - q).clamp_min(0)
-    total = r.sum(-1, keepdim=True)
+def _round(r, z, q, c, accepted, token, deterministic, k, generator):
+    """Candidate ``k`` of every parent, drawn from q (without replacement) or deterministic
+    (a one-hot q): accepted with probability min(1, p(token) / q(token)), where p = r / z and the
+    remaining draft distribution is q / c. Returns the new ``accepted`` and the rows that rejected."""
+    live = (token >= 0) & (accepted < 0)
+    token = token.clamp_min(0)[:, None]
+    r_token = r.gather(1, token)[:, 0]
+    q_token = torch.where(deterministic, 1.0, q.gather(1, token)[:, 0] if q is not None else 1.0)
+    c = torch.where(deterministic, 1.0, c)
+    u = torch.rand(r_token.shape, generator=generator, device=r.device)
+    # u < p / q with both sides multiplied by z * c (no division); a ratio >= 1 always accepts.
+    accept = live & (q_token > 0) & (u * q_token * z < r_token * c)
+    return torch.where(accept, k, accepted), live & ~accept
+
+
+def _reject(r, z, q, c, token, rejected, deterministic):
+    """The rows ``rejected`` move on to their residual: p becomes max(p - q, 0) renormalised (for a
+    deterministic candidate, p loses the token) and q loses the token (drawn without replacement).
+
+    Kept unnormalised, p = r / z and q / c, so a rejection costs one pass over the vocabulary for
+    the residual and one for its mass, and a row that did not reject subtracts 0 instead of being
+    selected out. Returns the new ``(r, z, c)``; ``q`` (and ``r`` when ``q`` is None) change in place.
+    """
+    token = token.clamp_min(0)[:, None]
+    r_token = r.gather(1, token)[:, 0]
+    cut = rejected & deterministic
+    if q is None:  # deterministic candidates only: p loses the token, no pass over the vocabulary
+        total = z - torch.where(cut, r_token, 0.0)
+        fine = total > 1e-12 * z  # else p was the one-hot up to rounding: keep p, as below
+        r.scatter_(1, token, torch.where(cut & fine, 0.0, r_token)[:, None])
+        return r, torch.where(fine, total, z), c
+    from_q = rejected & ~deterministic
+    q_token = q.gather(1, token)[:, 0]
+    new = torch.addcmul(r, q, torch.where(from_q, z / c, 0.0)[:, None], value=-1).clamp_min_(0)
+    # A deterministic row's q is all zeros, so only its token changes.
+    new.scatter_(1, token, torch.where(cut, 0.0, new.gather(1, token)[:, 0])[:, None])
+    total = new.sum(-1)
+    q.scatter_(1, token, torch.where(from_q, 0.0, q_token)[:, None])
+    c = torch.where(from_q, (c - q_token).clamp_min(1e-30), c)
     # p == q up to rounding: rejection had probability ~0, any token of p is then correct.
-    return torch.where(total > 1e-12, r / total.clamp_min(1e-30), p)
-
-
-def _deterministic_round(p, accepted, token, k, generator):
-    """Candidate ``k`` of every parent, each a one-hot proposal: accepted with probability
-    p(token); rejected, p loses the token (the residual of p and the one-hot)."""
-    live = (token >= 0) & (accepted < 0)
-    token = token.clamp_min(0)[:, None]
-    p_token = p.gather(1, token)
-    u = torch.rand(p_token.shape, generator=generator, device=p.device)
-    accept = live & (u < p_token)[:, 0]
-    rest = 1.0 - p_token
-    residual = torch.where(rest > 1e-12, p.scatter(1, token, 0.0) / rest.clamp_min(1e-30), p)
-    return torch.where((live & ~accept)[:, None], residual, p), torch.where(accept, k, accepted)
-
-
-def _round(p, q, accepted, token, deterministic, k, generator):
-    """Candidate ``k`` of every parent, drawn from q (without replacement) or deterministic."""
-    live = (token >= 0) & (accepted < 0)
-    token = token.clamp_min(0)[:, None]
-    p_token = p.gather(1, token)[:, 0]
-    q_token = torch.where(deterministic, 1.0, q.gather(1, token)[:, 0])
-    u = torch.rand(p_token.shape, generator=generator, device=p.device)
-    accept = live & (q_token > 0) & (u * q_token < p_token)  # u < p / q, ratio >= 1 always accepts
-    rejected = (live & ~accept)[:, None]
-    one_hot = torch.zeros_like(p).scatter_(1, token, 1.0)
-    p = torch.where(rejected, _residual(p, torch.where(deterministic[:, None], one_hot, q)), p)
-    # Without replacement: the next candidate was drawn from q with this one removed.
-    removed = q.scatter(1, token, 0.0)
-    mass = removed.sum(-1, keepdim=True)
-    renormalised = torch.where(mass > 0, removed / mass.clamp_min(1e-30), removed)
-    q = torch.where(rejected & ~deterministic[:, None], renormalised, q)
-    return p, q, torch.where(accept, k, accepted)
+    fine = total > 1e-12 * z
+    return torch.where(fine[:, None], new, r), torch.where(fine, total, z), c
 
 
 def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,
                     generator: torch.Generator | None = None) -> torch.Tensor:
-    """Verdict of lossless sampling verification (recursive rejection sampling at every parent)."""
+    """Verdict of lossless sampling verification (recursive rejection sampling at every parent).
+
+    Only rows whose proposal keeps a candidate in the tree run the rounds (at a row whose
+    candidates were all pruned, rejection sampling emits a token distributed exactly as p, so
+    that token is drawn from p directly), and the last round's residual is computed for the row
+    the path ends at only.
+    """
     dev = device_tree(tree, logits.device)
-    p_rows = probabilities(logits, sampling)
     rows = len(tree) + 1
-    p = p_rows[dev.prop_rows]
-    accepted = torch.full(dev.prop_rows.shape, -1, dtype=torch.long, device=p.device)
-    if dev.q is None:  # deterministic candidates only (one-hot proposals): the cheap update
-        for k in range(dev.cand_tokens.shape[1]):
-            p, accepted = _deterministic_round(p, accepted, dev.cand_tokens[:, k], k, generator)
-    else:
-        q = dev.q
-        for k in range(dev.cand_tokens.shape[1]):  # the candidates' draw order, for all parents at once
-            p, q, accepted = _round(p, q, accepted, dev.cand_tokens[:, k], dev.deterministic, k, generator)
+    device = logits.device
+    warped = probabilities(logits, sampling) if sampling.top_p < 1.0 else None
+
+    def warp(index: torch.Tensor) -> torch.Tensor:
+        # Top-p may read back whether its cut lies among the best tokens (a sync): all rows at once.
+        # Otherwise only the rows needed: the proposing ones, then the end row.
+        return warped[index] if warped is not None else probabilities(logits[index], sampling)
+
+    props, width = dev.prop_rows.shape[0], dev.cand_tokens.shape[1]
+    accepted = torch.full((props,), -1, dtype=torch.long, device=device)
+    if props:
+        r = warp(dev.prop_rows)
+        z = torch.ones(props, device=device)
+        q = dev.q.clone() if dev.q is not None else None  # the rounds remove drawn tokens from it
+        c = torch.ones(props, device=device)
+        for k in range(width):  # the candidates' draw order, for all parents at once
+            accepted, rejected = _round(r, z, q, c, accepted, dev.cand_tokens[:, k], dev.deterministic, k, generator)
+            if k + 1 < width:
+                r, z, c = _reject(r, z, q, c, dev.cand_tokens[:, k], rejected, dev.deterministic)
     # Per row: the accepted candidate's row (0 when it was pruned from the tree, -1 none) and token.
     rank = accepted.clamp_min(0)[:, None]
-    child = torch.full((rows,), -1, dtype=torch.long, device=p.device)
+    child = torch.full((rows,), -1, dtype=torch.long, device=device)
     child[dev.prop_rows] = torch.where(accepted >= 0, dev.cand_rows.gather(1, rank)[:, 0], -1)
-    chosen = torch.zeros(rows, dtype=torch.long, device=p.device)
+    chosen = torch.zeros(rows, dtype=torch.long, device=device)
     chosen[dev.prop_rows] = dev.cand_tokens.gather(1, rank)[:, 0]
-    row_ids = torch.arange(rows, device=p.device)
+    row_ids = torch.arange(rows, device=device)
     ok = torch.cat([row_ids.new_ones(1, dtype=torch.bool), child[dev.parents[1:]] == row_ids[1:]])
     end = _end_row(dev, ok)
     # Ending on a rejection draws from the residual, at a leaf from p, on a pruned acceptance it is that token.
-    final = p_rows[end]
-    if len(dev.prop_rows):
-        index = torch.full((rows,), -1, dtype=torch.long, device=p.device)
-        index[dev.prop_rows] = torch.arange(len(dev.prop_rows), device=p.device)
-        final = torch.where(index[end] >= 0, p[index[end].clamp_min(0)], final)
-    last = torch.where(child[end] == 0, chosen[end], sample(final, generator))
+    final = warp(end.view(1))
+    if props:
+        index = torch.full((rows,), -1, dtype=torch.long, device=device)
+        index[dev.prop_rows] = torch.arange(props, device=device)
+        at = index[end].clamp_min(0).view(1)
+        last_round = (accepted.index_select(0, at) < 0) & (dev.cand_tokens[at, -1] >= 0)
+        residual, *_ = _reject(r.index_select(0, at), z.index_select(0, at),
+                               q.index_select(0, at) if q is not None else None, c.index_select(0, at),
+                               dev.cand_tokens[at, -1], last_round, dev.deterministic.index_select(0, at))
+        final = torch.where(index[end] >= 0, residual, final)
+    last = torch.where(child[end] == 0, chosen[end], sample(final, generator)[0])
     return _verdict(dev, end, last)
 
 

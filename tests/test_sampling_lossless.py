@@ -216,7 +216,12 @@ def test_negative_control_accept_everything(monkeypatch, target, draft):
 
 def test_negative_control_resample_from_target_after_rejection(monkeypatch, target, draft):
     """A subtle bug: only a bias of the rejected mass, so it needs the full sample size."""
-    monkeypatch.setattr(verify_module, "_residual", lambda p, q: p)
+    reject = verify_module._reject
+
+    def keep_p(r, z, q, c, *args):  # q still loses the rejected token; p stays as it was
+        return r, z, reject(r.clone(), z, q, c, *args)[2]
+
+    monkeypatch.setattr(verify_module, "_reject", keep_p)
     statistic, threshold, _, _ = run_case(monkeypatch, target, DraftLMDrafter(draft, depth=2), SamplingConfig(1.0), 4)
     assert statistic > 1.5 * threshold
 
