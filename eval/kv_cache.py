@@ -116,11 +116,16 @@ class SlotCache(Cache):
 
     def compact(self, start: int, order: torch.Tensor, keep: int) -> None:
         """Rows ``start + order`` move to ``start, start + 1, ...`` in every layer, then the first
-        ``keep`` of them stay: one gather and one copy for all layers, ``order`` never leaves the device."""
-        n = order.shape[0]
+        ``keep`` of them stay: one gather and one copy for all layers, ``order`` never leaves the device.
+        ``order`` is ``[n]`` (the same for every batch row) or ``[batch, n]`` (one order per row)."""
+        n = order.shape[-1]
         if self.buffer is not None and n:
-            moved = self.buffer.index_select(-2, order + start)
-            self.buffer[..., start:start + n, :].copy_(moved)
+            window = self.buffer[..., start:start + n, :]
+            if order.dim() == 1:
+                moved = self.buffer.index_select(-2, order + start)
+            else:  # [layers, 2, batch, heads, n, dim] index from [batch, n], expanded without a copy
+                moved = window.gather(-2, order[:, None, :, None].expand(window.shape))
+            window.copy_(moved)
         for layer in self.layers:
             layer.length = start + keep
 

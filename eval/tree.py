@@ -223,21 +223,21 @@ def expected_acceptance(choices: list[tuple[int, ...]], rank_accuracy: list[list
 
 
 def ancestor_mask(parents: list[int] | torch.Tensor, levels: int | None = None) -> torch.Tensor:
-    """``[n, n]`` boolean matrix, True where column j is row i or one of its ancestors.
+    """``[..., n, n]`` boolean matrix, True where column j is row i or one of its ancestors.
 
-    Built where ``parents`` lives, vectorised over rows: ``levels`` pointer jumps (the longest
-    parent chain among the rows; ``n`` when unknown), each one gather for every row at once.
+    ``parents`` is ``[..., n]`` (leading dimensions: several trees at once, e.g. a batch). Built
+    where ``parents`` lives, vectorised over rows: ``levels`` pointer jumps (the longest parent
+    chain among the rows; ``n`` when unknown), each one gather for every row at once.
     """
     parents = torch.as_tensor(parents, dtype=torch.long)
-    n = parents.shape[0]
-    rows = torch.arange(n, device=parents.device)
+    n = parents.shape[-1]
+    rows = torch.arange(n, device=parents.device).expand_as(parents)
     up = torch.where(parents >= 0, parents, rows)  # a row without a parent here stays put
-    mask = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
-    mask[rows, rows] = True
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device).expand(*parents.shape, n).clone()
     node = rows
     for _ in range(n if levels is None else levels):
-        node = up[node]
-        mask[rows, node] = True
+        node = up.gather(-1, node)
+        mask.scatter_(-1, node[..., None], True)
     return mask
 
 
