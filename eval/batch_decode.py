@@ -218,9 +218,10 @@ class BatchDecoder:
         hidden = self.runner.forward_trees(packed[:, 0], packed[:, 1], packed[:, 2], levels)
         logits = self.runner.logits(hidden)
         outcomes, kept = [], []
+        best = logits[:, 0].argmax(-1) if self.sampling.greedy else None  # every row's plain pick at once
         for i, tree in enumerate(trees):
             if tree is None:
-                outcomes.append(_pick(logits[i, 0], self.sampling, generators[i]))
+                outcomes.append(best[i:i + 1] if best is not None else _pick(logits[i, 0], self.sampling, generators[i]))
                 kept.append(torch.ones(1, dtype=torch.bool, device=logits.device))
             else:
                 outcomes.append(verify(tree, logits[i, :len(tree) + 1], self.sampling, generators[i]))

@@ -21,6 +21,9 @@ from draftsmith.eval.kv_cache import SlotCache
 from draftsmith.eval.tree import ROOT, ancestor_mask
 
 MASKED_ATTENTION = ("sdpa", "eager")  # implementations that honour an additive 4D mask
+# Tree forwards padded up to one of these sizes (then to multiples of the last) when the decoder
+# is compiled with bucketing, so a compiled forward sees a few row counts instead of every one.
+TREE_BUCKETS = (1, 4, 8, 16, 32, 64)
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -85,6 +88,8 @@ class CausalLMRunner:
         self.max_positions = getattr(self.config, "max_position_embeddings", None)
         # Gemma-2-style models squash logits in their causal-LM forward, after the LM head.
         self.softcap = getattr(self.config, "final_logit_softcapping", None) if model is not None else None
+        # Row counts tree forwards are padded to (see compile_decoder); None: as they come.
+        self.buckets: tuple[int, ...] | None = getattr(self.decoder, "tree_buckets", None)
         self.cache: SlotCache | None = None
         self.length = 0  # committed tokens in the cache
         self.pending = 0  # tree rows run but not yet committed or discarded
@@ -142,14 +147,15 @@ class CausalLMRunner:
         :meth:`commit` keeps the accepted ones. Device tensors are used as they are (nothing is
         copied to the device); ``levels`` bounds the depth these rows add (host int; taken from
         ``depths`` when it is a list). Extra ``inputs`` (e.g. EAGLE's ``features``) go to the
-        decoder as they are.
+        decoder as they are. With :attr:`buckets`, tree rows are padded to a bucket size: the
+        padding rows stay pending (they count in :attr:`pending`) and are not returned.
         """
         if self.cache is None:
             self.reset()
         if parents is None and self.pending:
             raise RuntimeError("commit() the pending tree rows before extending the chain")
         ids = _on(tokens, self.device).view(1, -1)
-        n = ids.shape[1]
+        n = real = ids.shape[1]
         if parents is None:
             self.check_context(self.length + n)
             positions = torch.arange(self.length, self.length + n, device=self.device)
@@ -160,6 +166,9 @@ class CausalLMRunner:
                 levels = max(depths) - min(depths) + 1 if isinstance(depths, list) else n
             self.check_context(self.length + deepest + 1)
             parents, depths = _on(parents, self.device), _on(depths, self.device)
+            if self.buckets:
+                ids, parents, depths = self._pad(ids, parents, depths)
+                n = ids.shape[1]
             self._parents = parents if self._parents is None else torch.cat([self._parents, parents])
             self._depths = depths if self._depths is None else torch.cat([self._depths, depths])
             self._levels += levels
@@ -173,10 +182,21 @@ class CausalLMRunner:
             past_key_values=self.cache, use_cache=True, **inputs,
         )
         if self.capture_layers:
-            self.captured = torch.cat([out.hidden_states[layer][0] for layer in self.capture_layers], dim=-1)
+            self.captured = torch.cat([out.hidden_states[layer][0, :real] for layer in self.capture_layers], dim=-1)
         if parents is None:
             self.length += n
-        return out.last_hidden_state[0]
+        return out.last_hidden_state[0, :real]
+
+    def _pad(self, ids: torch.Tensor, parents, depths):
+        """Tree rows padded up to the next bucket size: extra rows hang off the committed prefix
+        (parent -1, depth 0), no real row attends to them and no commit keeps them."""
+        n = ids.shape[1]
+        size = next((b for b in self.buckets if b >= n), -(-n // self.buckets[-1]) * self.buckets[-1])
+        if size == n:
+            return ids, parents, depths
+        pad = size - n
+        return (torch.cat([ids, ids.new_zeros(1, pad)], 1), torch.cat([parents, parents.new_full((pad,), ROOT)]),
+                torch.cat([depths, depths.new_zeros(pad)]))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on selected hidden states, in fp32."""
@@ -211,11 +231,13 @@ class CausalLMRunner:
             self.length = length
 
 
-def compile_decoder(model: PreTrainedModel) -> None:
-    """``torch.compile`` ``model``'s decoder forward in place, with dynamic shapes (the context and
-    the tree size change every step); the LM head and the engine stay eager."""
+def compile_decoder(model: PreTrainedModel, buckets: tuple[int, ...] | None = None) -> None:
+    """``torch.compile`` ``model``'s decoder forward in place, with dynamic shapes (the context
+    changes every step); the LM head and the engine stay eager. With ``buckets`` (e.g.
+    :data:`TREE_BUCKETS`) runners made afterwards pad tree forwards to those row counts."""
     decoder = model.get_decoder()
     decoder.forward = torch.compile(decoder.forward, dynamic=True)
+    decoder.tree_buckets = buckets
 
 
 def tree_rows(parents: list[int], depths: list[int]) -> tuple[list[int], list[int]]:
