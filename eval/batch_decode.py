@@ -102,9 +102,14 @@ class BatchRunner:
         root and the padding) scored in one pass and left pending until :meth:`keep`."""
         return self._forward(ids, positions, ancestor_mask(parents, levels))
 
-    def keep(self, order: torch.Tensor, counts: torch.Tensor, most: int) -> None:
+    def keep(self, order: torch.Tensor | None, counts: torch.Tensor | None, most: int) -> None:
         """Keep pending rows ``order[b, :counts[b]]`` of each row ``b`` (device tensors; ``most``:
-        the largest count, a host int): one gather for all layers and rows; the rest become holes."""
+        the largest count, a host int): one gather for all layers and rows; the rest become holes.
+        ``order`` None: every row ran its last token alone, and keeps it where it is."""
+        if order is None:
+            self.valid[:, self.width] = True
+            self.width += 1
+            return
         n = order.shape[1]
         self.cache.compact(self.width, order, most)
         self.valid[:, self.width:self.width + n] = torch.arange(n, device=self.device) < counts[:, None]
@@ -182,7 +187,8 @@ class BatchDecoder:
             values = torch.cat(outcomes).tolist()  # the step's one host sync
             most = 0
             for i in range(batch):
-                row, values = values[:len(outcomes[i])], values[len(outcomes[i]):]
+                size = len(trees[i]) + 1 if trees[i] is not None else 1
+                row, values = values[:size], values[size:]
                 path, last = read_verdict(row) if trees[i] is not None else ([], row[0])
                 most = max(most, len(path) + 1)
                 lengths[i] += len(path) + 1
@@ -201,8 +207,8 @@ class BatchDecoder:
 
     def _step(self, sequences, lengths, trees, generators):
         """One target pass over every row's ``[last token] + tree`` and per-row verification, on the
-        device: (each row's verdict, or its token without a tree; kept rows first ``[batch, n]``;
-        kept counts ``[batch]``)."""
+        device: (the rows' verdicts, or tokens where a row has no tree, to concatenate; kept rows
+        first ``[batch, n]`` and kept counts ``[batch]``, None when no row has a tree)."""
         batch, n = len(trees), 1 + max(len(t) if t is not None else 0 for t in trees)
         rows = []
         for sequence, length, tree in zip(sequences, lengths, trees):
@@ -219,6 +225,9 @@ class BatchDecoder:
         logits = self.runner.logits(hidden)
         outcomes, kept = [], []
         best = logits[:, 0].argmax(-1) if self.sampling.greedy else None  # every row's plain pick at once
+        if n == 1:  # no trees: nothing to verify or compact
+            picks = [_pick(logits[i, 0], self.sampling, generators[i]) for i in range(batch)] if best is None else [best]
+            return picks, None, None
         for i, tree in enumerate(trees):
             if tree is None:
                 outcomes.append(best[i:i + 1] if best is not None else _pick(logits[i, 0], self.sampling, generators[i]))

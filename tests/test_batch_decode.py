@@ -78,7 +78,7 @@ def test_rows_stop_on_their_own(model):
     assert len(lengths) > 1 and "eos" in {g.stop_reason for g in batch}
 
 
-@pytest.mark.parametrize("drafter", ["random_tree", "draft_lm"])
+@pytest.mark.parametrize("drafter", ["plain", "random_tree", "draft_lm"])
 def test_sampling_rows_equal_single_prompt_runs_with_their_seeds(model, make_tiny_llama, drafter):
     """Each row draws from its own generator in the single decoder's order: equal outputs, hence
     the exactness that tests/test_sampling_lossless.py shows for the single decoder. Random trees
@@ -89,6 +89,8 @@ def test_sampling_rows_equal_single_prompt_runs_with_their_seeds(model, make_tin
     draft = make_tiny_llama(vocab_size=V, hidden_size=32, layers=2, seed=4, scale=8.0)
 
     def make(i):
+        if drafter == "plain":
+            return None
         return RandomTreeDrafter(V, seed=i) if drafter == "random_tree" else DraftLMDrafter(draft, depth=3)
 
     batch = BatchDecoder(model, sampling=sampling, eos_ids=set()).generate(
