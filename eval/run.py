@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     # Everything the user typed is checked before the target loads: a typo should not cost a model load.
     specs = [parse_spec(s) for s in args.drafter]
+    lossy = [s.name for s in specs if s.policy.lossy]
+    if lossy and args.sampling.greedy:
+        raise UsageError(f"--drafter {lossy[0]}: lenience relaxes sampling verification; use --temperature > 0 "
+                         f"or drop lenience=")
     draft_lms = [s.name for s in specs if s.kind == "draft_lm"]
     unknown = sorted(set(args.hf_assistant) - set(draft_lms))
     if unknown:

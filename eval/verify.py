@@ -10,6 +10,11 @@ Both run for every row of the tree at once (each parent's rejection sampling is 
 the others', so deciding all of them and then following the path from the root gives the
 sequential walk's distribution), and return a *verdict*: one int64 device tensor ``[n + 1]``,
 the accepted-node mask followed by the last token, which the engine reads back in one transfer.
+
+``lenience`` l < 1 is Leviathan et al.'s lossy relaxation of sampling verification: a candidate
+drawn from q is accepted with probability min(1, p / (l q)) instead of min(1, p / q), and a
+rejection resamples from norm(max(0, p - l q)). Output then no longer follows p exactly
+(:func:`lenient_distribution` gives the one-token output distribution, to measure the shift).
 """
 
 from __future__ import annotations
@@ -48,30 +53,32 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 1e-12, r / total.clamp_min(1e-30), p)
 
 
-def _deterministic_round(p, accepted, token, k, generator):
+def _deterministic_round(p, accepted, token, k, generator, lenience=1.0):
     """Candidate ``k`` of every parent, each a one-hot proposal: accepted with probability
-    p(token); rejected, p loses the token (the residual of p and the one-hot)."""
+    min(1, p(token) / lenience); rejected, p loses ``lenience`` of the token's mass (the residual
+    of p and the scaled one-hot: all of it when lossless)."""
     live = (token >= 0) & (accepted < 0)
     token = token.clamp_min(0)[:, None]
     p_token = p.gather(1, token)
     u = torch.rand(p_token.shape, generator=generator, device=p.device)
-    accept = live & (u < p_token)[:, 0]
-    rest = 1.0 - p_token
-    residual = torch.where(rest > 1e-12, p.scatter(1, token, 0.0) / rest.clamp_min(1e-30), p)
+    accept = live & (u * lenience < p_token)[:, 0]
+    left = (p_token - lenience).clamp_min(0)
+    rest = 1.0 - p_token + left
+    residual = torch.where(rest > 1e-12, p.scatter(1, token, left) / rest.clamp_min(1e-30), p)
     return torch.where((live & ~accept)[:, None], residual, p), torch.where(accept, k, accepted)
 
 
-def _round(p, q, accepted, token, deterministic, k, generator):
+def _round(p, q, accepted, token, deterministic, k, generator, lenience=1.0):
     """Candidate ``k`` of every parent, drawn from q (without replacement) or deterministic."""
     live = (token >= 0) & (accepted < 0)
     token = token.clamp_min(0)[:, None]
     p_token = p.gather(1, token)[:, 0]
     q_token = torch.where(deterministic, 1.0, q.gather(1, token)[:, 0])
     u = torch.rand(p_token.shape, generator=generator, device=p.device)
-    accept = live & (q_token > 0) & (u * q_token < p_token)  # u < p / q, ratio >= 1 always accepts
+    accept = live & (q_token > 0) & (u * lenience * q_token < p_token)  # u < p / (l q); >= 1 always accepts
     rejected = (live & ~accept)[:, None]
     one_hot = torch.zeros_like(p).scatter_(1, token, 1.0)
-    p = torch.where(rejected, _residual(p, torch.where(deterministic[:, None], one_hot, q)), p)
+    p = torch.where(rejected, _residual(p, lenience * torch.where(deterministic[:, None], one_hot, q)), p)
     # Without replacement: the next candidate was drawn from q with this one removed.
     removed = q.scatter(1, token, 0.0)
     mass = removed.sum(-1, keepdim=True)
@@ -81,8 +88,9 @@ def _round(p, q, accepted, token, deterministic, k, generator):
 
 
 def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
-    """Verdict of lossless sampling verification (recursive rejection sampling at every parent)."""
+                    generator: torch.Generator | None = None, lenience: float = 1.0) -> torch.Tensor:
+    """Verdict of sampling verification (recursive rejection sampling at every parent): lossless
+    at ``lenience`` 1, Leviathan's lossy relaxation below (see the module docstring)."""
     dev = device_tree(tree, logits.device)
     p_rows = probabilities(logits, sampling)
     rows = len(tree) + 1
@@ -90,11 +98,11 @@ def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingCon
     accepted = torch.full(dev.prop_rows.shape, -1, dtype=torch.long, device=p.device)
     if dev.q is None:  # deterministic candidates only (one-hot proposals): the cheap update
         for k in range(dev.cand_tokens.shape[1]):
-            p, accepted = _deterministic_round(p, accepted, dev.cand_tokens[:, k], k, generator)
+            p, accepted = _deterministic_round(p, accepted, dev.cand_tokens[:, k], k, generator, lenience)
     else:
         q = dev.q
         for k in range(dev.cand_tokens.shape[1]):  # the candidates' draw order, for all parents at once
-            p, q, accepted = _round(p, q, accepted, dev.cand_tokens[:, k], dev.deterministic, k, generator)
+            p, q, accepted = _round(p, q, accepted, dev.cand_tokens[:, k], dev.deterministic, k, generator, lenience)
     # Per row: the accepted candidate's row (0 when it was pruned from the tree, -1 none) and token.
     rank = accepted.clamp_min(0)[:, None]
     child = torch.full((rows,), -1, dtype=torch.long, device=p.device)
@@ -115,11 +123,19 @@ def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingCon
 
 
 def verify(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, lenience: float = 1.0) -> torch.Tensor:
     """Greedy or sampling verification, as ``sampling`` says: the verdict, on the device."""
     if sampling.greedy:
         return verify_greedy(tree, logits)
-    return verify_sampling(tree, logits, sampling, generator)
+    return verify_sampling(tree, logits, sampling, generator, lenience)
+
+
+def lenient_distribution(p: torch.Tensor, q: torch.Tensor, lenience: float) -> torch.Tensor:
+    """The exact distribution of the token emitted at a node with one candidate drawn from ``q``
+    and verified against ``p`` with ``lenience`` (``p`` itself at lenience 1): the candidate's
+    accepted mass ``q min(1, p / (l q))`` plus the rejected mass times the residual."""
+    accepted = torch.minimum(q, p / lenience)
+    return accepted + (1 - accepted.sum()) * _residual(p, lenience * q)
 
 
 def verdict(tree: TokenTree, path: list[int], last: int, device: torch.device | str = "cpu") -> torch.Tensor:
