@@ -42,6 +42,7 @@ class Generation:
     decode_seconds: float = 0.0
     stop_reason: str = "length"  # "eos", "stop_string" or "length"
     drafted: list[int] = field(default_factory=list)  # tree nodes verified per step (0: the target decoded alone)
+    draft_seconds: float | None = None  # time spent drafting (only when the decoder times drafting)
 
     @property
     def acceptance_length(self) -> float:
@@ -70,7 +71,9 @@ class SpeculativeDecoder:
 
     def __init__(self, target: PreTrainedModel, drafter: Drafter | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, sampling: SamplingConfig = SamplingConfig(),
-                 eos_ids: set[int] | None = None):
+                 eos_ids: set[int] | None = None, time_drafting: bool = False):
+        """``time_drafting``: also measure the drafter's share of each step for the cost model
+        (a device synchronisation around every proposal: for diagnosis, not for speed runs)."""
         self.runner = CausalLMRunner(target, capture_layers=getattr(drafter, "feature_layers", None))
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -80,6 +83,7 @@ class SpeculativeDecoder:
         if config.lossy and sampling.greedy:
             raise ValueError("lenience relaxes sampling verification: it needs temperature > 0")
         self.policy = DraftPolicy(config)
+        self.time_drafting = time_drafting
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """The target's next token after ``logits`` (one row), as a device tensor ``[1]``."""
@@ -173,13 +177,19 @@ class SpeculativeDecoder:
         cut, reason = stops.check(tokens, base, 0)
         policy = self.policy
         policy.begin()
+        if self.time_drafting:
+            result.draft_seconds = 0.0
         while cut is None and len(tokens) - base < max_new_tokens:
             remaining = max_new_tokens - (len(tokens) - base)
             tree = None
             if drafter is not None and policy.drafting:
+                if self.time_drafting:
+                    drafting = clock(device)
                 with record_function("draft"):
                     tree = drafter.propose(DraftContext(tokens, self.sampling, generator, remaining - 1,
                                                         policy.max_entropy))
+                if self.time_drafting:
+                    result.draft_seconds += clock(device) - drafting
             hidden, outcome, order = self._step(root, tree, generator)
             with record_function("read_back"):
                 values = outcome.tolist()  # the step's one host sync

@@ -70,6 +70,7 @@ KINDS: dict[str, KindHelp] = {
         "pre-verifies its tokens, the target verifies what M2 kept", "", {
             "m1": (None, "M1: hub id or folder of a draft LM (e.g. a train/distill.py checkpoint); default: cut from the target"),
             "m2": (None, "M2: as m1, the stronger one"),
+            "vocab": (None, "with m1=/m2= distill checkpoints: each drafts over its N most frequent training tokens"),
             "m1_layers": (2, "without m1: M1 is this many evenly spaced target layers"),
             "m2_layers": (6, "without m2: M2 is this many evenly spaced target layers"),
             "depth": (8, "most tokens sent to the target per step"),
@@ -202,12 +203,17 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
             from draftsmith.eval.drafters.hierarchical import HierarchicalDrafter
 
             param = next(target.parameters())
+            vocab = options.pop("vocab", None)
             models = []
             for m in ("m1", "m2"):  # a trained draft LM, or layers cut from the target
                 path = options.pop(m, None)
                 layers = int(options.pop(f"{m}_layers", KINDS["hierarchical"].options[f"{m}_layers"][0]))
+                if path is None and vocab is not None:
+                    raise UsageError(f"hierarchical option vocab=N needs trained draft LMs (m1=PATH&m2=PATH); {m} has none")
                 models.append(load_draft_lm(str(path), param.dtype, param.device) if path is not None
                               else derive_draft_lm(target, num_layers=layers))
+                if vocab is not None:
+                    options[f"{m}_vocab"] = draft_vocab_from_counts(str(path), int(vocab), models[-1])
             drafter = HierarchicalDrafter(*models, **options)
         elif parsed.kind == "eagle":
             from draftsmith.eval.drafters.eagle import EagleDrafter

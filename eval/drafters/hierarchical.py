@@ -35,9 +35,11 @@ class HierarchicalDrafter(Drafter):
     at most ``depth`` pending tokens go to the target per step."""
 
     def __init__(self, m1: PreTrainedModel, m2: PreTrainedModel, depth: int = 8, m1_depth: int = 4,
-                 m1_tau: float = DEFAULT_ENTROPY_TAU, m2_tau: float = DEFAULT_ENTROPY_TAU, name: str = "hierarchical"):
-        self.m1 = DraftLMDrafter(m1, depth=m1_depth)
-        self.m2 = DraftLMDrafter(m2)
+                 m1_tau: float = DEFAULT_ENTROPY_TAU, m2_tau: float = DEFAULT_ENTROPY_TAU, name: str = "hierarchical",
+                 m1_vocab: torch.Tensor | None = None, m2_vocab: torch.Tensor | None = None):
+        """``m1_vocab`` / ``m2_vocab``: token ids each model drafts from (see ``DraftLMDrafter``)."""
+        self.m1 = DraftLMDrafter(m1, depth=m1_depth, draft_vocab=m1_vocab)
+        self.m2 = DraftLMDrafter(m2, draft_vocab=m2_vocab)
         self.depth, self.name = depth, name
         self.rule1, self.rule2 = EntropyRule(m1_tau), EntropyRule(m2_tau)
         self._pending: list[int] = []
