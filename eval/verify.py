@@ -133,9 +133,10 @@ def verify(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,
 def lenient_distribution(p: torch.Tensor, q: torch.Tensor, lenience: float) -> torch.Tensor:
     """The exact distribution of the token emitted at a node with one candidate drawn from ``q``
     and verified against ``p`` with ``lenience`` (``p`` itself at lenience 1): the candidate's
-    accepted mass ``q min(1, p / (l q))`` plus the rejected mass times the residual."""
+    accepted mass ``q min(1, p / (l q))`` plus the rejected mass times the residual. Rows of
+    ``[..., V]`` inputs are independent cases."""
     accepted = torch.minimum(q, p / lenience)
-    return accepted + (1 - accepted.sum()) * _residual(p, lenience * q)
+    return accepted + (1 - accepted.sum(-1, keepdim=True)) * _residual(p, lenience * q)
 
 
 def verdict(tree: TokenTree, path: list[int], last: int, device: torch.device | str = "cpu") -> torch.Tensor:
