@@ -24,7 +24,18 @@ from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.timing import clock
 
 BASELINE = "baseline"
-HF_BASELINES = ("hf_plain", "hf_prompt_lookup", "hf_assisted")
+HF_BASELINES = ("hf_plain", "hf_prompt_lookup", "hf_assisted", "hf_assisted_dynamic")
+# What the assistant's generation config says for each assisted baseline. Constant: exactly the
+# drafter's depth every step (a confidence threshold of 0 switches off HF's early stop). Dynamic:
+# transformers' own defaults (up to 20 tokens, stopping when the assistant's confidence drops below
+# a threshold that it re-fits after every step from the assistant's probabilities and the target's
+# matches; the re-fit needs scikit-learn).
+ASSISTED = {
+    "hf_assisted": lambda length: {"num_assistant_tokens": length, "num_assistant_tokens_schedule": "constant",
+                                   "assistant_confidence_threshold": 0.0},
+    "hf_assisted_dynamic": lambda length: {"num_assistant_tokens": None, "num_assistant_tokens_schedule": None,
+                                           "assistant_confidence_threshold": None},
+}
 
 
 @dataclass
@@ -43,6 +54,8 @@ class Run:
     # lossless method matches up to floating-point near-ties; a tuned verifier, Medusa-2's, may drift).
     same_output: bool | None = None
     common_prefix: int | None = None
+    drafted: list[int] = field(default_factory=list)  # tree nodes verified per step (0: no draft)
+    draft_seconds: float | None = None  # drafting time, when timed for the cost model
 
 
 def _hf_generate(model, tokenizer, prompt, max_new_tokens, sampling, eos, seed, **kwargs) -> tuple[list[int], int, float]:
@@ -66,7 +79,10 @@ def _hf_generate(model, tokenizer, prompt, max_new_tokens, sampling, eos, seed, 
         seconds = clock(device) - start
     finally:
         handle.remove()
-    return out[0, len(prompt):].tolist(), calls - 1, seconds
+    # Plain generate prefills in a call of its own; assisted generation and prompt lookup draft
+    # from the prompt first, so their first target call is prefill and verification at once.
+    speculative = "assistant_model" in kwargs or "prompt_lookup_num_tokens" in kwargs
+    return out[0, len(prompt):].tolist(), calls if speculative else calls - 1, seconds
 
 
 def run_bench(
@@ -81,12 +97,14 @@ def run_bench(
     assistants: dict[str, tuple[PreTrainedModel, int]] | None = None,
     seed: int = 0,
     warmup: bool = True,
+    time_drafting: bool = False,
 ) -> list[Run]:
     """Run the baseline, every drafter and the requested HF baselines on every prompt turn.
 
-    ``assistants``: draft LMs for ``hf_assisted`` as ``{name: (model, draft length)}``; HF drafts a
-    constant number of tokens per step with each (its adaptive schedule would compare a different
-    policy), one row per assistant (``hf_assisted`` alone, ``hf_assisted:NAME`` for several).
+    ``assistants``: draft LMs for ``hf_assisted`` (a constant draft length, the drafter's depth)
+    and ``hf_assisted_dynamic`` (HF's dynamic draft length) as ``{name: (model, draft length)}``,
+    one row per assistant (``hf_assisted`` alone, ``hf_assisted:NAME`` for several).
+    ``time_drafting``: record each generation's drafting time (for the cost model).
     """
     eos = eos_token_ids(target, tokenizer)
     decoders = {BASELINE: SpeculativeDecoder(target, None, tokenizer, sampling, eos)}
@@ -96,16 +114,17 @@ def run_bench(
         # A drafter trained jointly with a tuned target (Medusa-2: the target plus a LoRA adapter,
         # on only while it decodes) is verified by it; plain decoding stays the baseline.
         verifier = drafter.verifier or target
-        decoders[drafter.name] = SpeculativeDecoder(verifier, drafter, tokenizer, sampling, eos)
+        decoders[drafter.name] = SpeculativeDecoder(verifier, drafter, tokenizer, sampling, eos, time_drafting)
     hf_kwargs = {name: kwargs for name, kwargs in (("hf_plain", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10}))
                  if name in hf_baselines}
-    if "hf_assisted" in hf_baselines:
+    assistant_config = {}  # method -> (assistant model, its generation config for that method)
+    for baseline in (b for b in ASSISTED if b in hf_baselines):
         if not assistants:
-            raise UsageError("--hf-baseline hf_assisted needs an assistant (a draft_lm drafter)")
+            raise UsageError(f"--hf-baseline {baseline} needs an assistant (a draft_lm drafter)")
         for name, (model, length) in assistants.items():
-            model.generation_config.num_assistant_tokens = length
-            model.generation_config.num_assistant_tokens_schedule = "constant"
-            hf_kwargs["hf_assisted" if len(assistants) == 1 else f"hf_assisted:{name}"] = {"assistant_model": model}
+            method = baseline if len(assistants) == 1 else f"{baseline}:{name}"
+            hf_kwargs[method] = {"assistant_model": model}
+            assistant_config[method] = (model, ASSISTED[baseline](length))
     if warmup:  # first calls pay one-off allocation and kernel selection costs
         warm = render_prompt(tokenizer, [{"role": "user", "content": "Hello!"}])
         for decoder in decoders.values():
@@ -124,10 +143,15 @@ def run_bench(
                     gen = decoder.generate(ids, max_new_tokens, seed=seed + index)
                     reference = reference or gen
                     runs.append(Run(name, prompt.id, prompt.category, turn, len(gen.tokens), gen.steps,
-                                    gen.seconds, gen.accepted, *_agreement(gen.tokens, reference.tokens, sampling.greedy)))
+                                    gen.seconds, gen.accepted, *_agreement(gen.tokens, reference.tokens, sampling.greedy),
+                                    gen.drafted, gen.draft_seconds))
                     bar.update()
                 for name, kwargs in hf_kwargs.items():
                     bar.set_postfix_str(f"{prompt.id}/{turn} {name}")
+                    if name in assistant_config:  # one assistant model may serve several baselines
+                        model, settings = assistant_config[name]
+                        for key, value in settings.items():
+                            setattr(model.generation_config, key, value)
                     tokens, steps, seconds = _hf_generate(target, tokenizer, ids, max_new_tokens, sampling,
                                                           eos, seed + index, **kwargs)
                     runs.append(Run(name, prompt.id, prompt.category, turn, len(tokens), steps, seconds,

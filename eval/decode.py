@@ -22,6 +22,7 @@ from torch.profiler import record_function
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.policies import DraftPolicy, PolicyConfig
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
 from draftsmith.eval.stopping import StopChecker
@@ -40,6 +41,8 @@ class Generation:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     stop_reason: str = "length"  # "eos", "stop_string" or "length"
+    drafted: list[int] = field(default_factory=list)  # tree nodes verified per step (0: the target decoded alone)
+    draft_seconds: float | None = None  # time spent drafting (only when the decoder times drafting)
 
     @property
     def acceptance_length(self) -> float:
@@ -68,12 +71,19 @@ class SpeculativeDecoder:
 
     def __init__(self, target: PreTrainedModel, drafter: Drafter | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, sampling: SamplingConfig = SamplingConfig(),
-                 eos_ids: set[int] | None = None):
+                 eos_ids: set[int] | None = None, time_drafting: bool = False):
+        """``time_drafting``: also measure the drafter's share of each step for the cost model
+        (a device synchronisation around every proposal: for diagnosis, not for speed runs)."""
         self.runner = CausalLMRunner(target, capture_layers=getattr(drafter, "feature_layers", None))
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.eos_ids = eos_ids if eos_ids is not None else eos_token_ids(target, tokenizer)
+        config = getattr(drafter, "policy", None) or PolicyConfig()
+        if config.lossy and sampling.greedy:
+            raise ValueError("lenience relaxes sampling verification: it needs temperature > 0")
+        self.policy = DraftPolicy(config)
+        self.time_drafting = time_drafting
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """The target's next token after ``logits`` (one row), as a device tensor ``[1]``."""
@@ -104,23 +114,38 @@ class SpeculativeDecoder:
 
     def _step(self, root: torch.Tensor, tree, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One target pass over ``[root] + tree`` and its verification, all on the device:
-        (hidden states, the verdict (the token alone without a tree), kept rows first or None)."""
+        (hidden states, what to read back, kept rows first or None). What to read back is the
+        verdict (the token alone without a tree), followed by the confidence flag when the policy
+        gates on it."""
+        gate = self.policy.config.confidence
         if tree is None or not len(tree):
             with record_function("target_forward"):
                 hidden = self.runner.forward(root)
-                token = self._pick(self.runner.logits(hidden[-1]), generator)
-            return hidden, token, None
+                logits = self.runner.logits(hidden[-1:])
+                outcome = self._pick(logits[0], generator)
+            if gate is not None:
+                outcome = torch.cat([outcome, self._confident(logits[0], outcome, gate)])
+            return hidden, outcome, None
         dev = device_tree(tree, self.runner.device)
         with record_function("target_forward"):
             hidden = self.runner.forward(torch.cat([root, dev.tokens]), dev.parents, dev.depths, levels=dev.levels)
             logits = self.runner.logits(hidden)
         with record_function("verify"):
-            outcome = verify(tree, logits, self.sampling, generator)
+            outcome = verify(tree, logits, self.sampling, generator, self.policy.config.lenience)
             # Kept rows first (the root, then the path in order), computed before the read-back.
             rows = torch.arange(len(tree) + 1, device=outcome.device)
             kept = torch.cat([outcome.new_ones(1), outcome[:-1]]).bool()
             order = torch.argsort(torch.where(kept, rows, rows + len(rows)))
+            if gate is not None:
+                end = torch.where(kept, rows, 0).max()  # the last accepted row produced the last token
+                outcome = torch.cat([outcome, self._confident(logits[end], outcome[-1:], gate)])
         return hidden, outcome, order
+
+    def _confident(self, logits: torch.Tensor, token: torch.Tensor, threshold: float) -> torch.Tensor:
+        """``[1]`` device flag: the target's probability of ``token`` (its own next token) is at
+        least ``threshold``, under the distribution it decodes from (the softmax when greedy)."""
+        probs = logits.softmax(-1) if self.sampling.greedy else probabilities(logits, self.sampling)
+        return (probs[token] >= threshold).long()
 
     def _generate(self, prompt, max_new_tokens, stop_strings, streamer, seed) -> Generation:
         # Drafts never reach past the last new token (their depth is capped by the remaining
@@ -150,17 +175,30 @@ class SpeculativeDecoder:
         if streamer:
             streamer(tokens[base:])
         cut, reason = stops.check(tokens, base, 0)
+        policy = self.policy
+        policy.begin()
+        if self.time_drafting:
+            result.draft_seconds = 0.0
         while cut is None and len(tokens) - base < max_new_tokens:
             remaining = max_new_tokens - (len(tokens) - base)
             tree = None
-            if drafter is not None:
+            if drafter is not None and policy.drafting:
+                if self.time_drafting:
+                    drafting = clock(device)
                 with record_function("draft"):
-                    tree = drafter.propose(DraftContext(tokens, self.sampling, generator, remaining - 1))
+                    tree = drafter.propose(DraftContext(tokens, self.sampling, generator, remaining - 1,
+                                                        policy.max_entropy))
+                if self.time_drafting:
+                    result.draft_seconds += clock(device) - drafting
             hidden, outcome, order = self._step(root, tree, generator)
-            root = outcome[-1:]
             with record_function("read_back"):
                 values = outcome.tolist()  # the step's one host sync
+            confident = None
+            if policy.config.confidence is not None:
+                confident, values = bool(values[-1]), values[:-1]
+            root = outcome[len(values) - 1:len(values)]
             kept = self._features(hidden) if drafter is not None and drafter.needs_hidden else None
+            path: list[int] = []
             if order is None:
                 accepted_tokens = values
             else:
@@ -169,9 +207,11 @@ class SpeculativeDecoder:
                     self.runner.keep(order, len(path) + 1)
                 accepted_tokens = [tree.tokens[node] for node in path] + [last]
                 kept = kept[order[:len(path) + 1]] if kept is not None else None
+            policy.observe(tree, path, confident)
             scanned = len(tokens) - base
             tokens += accepted_tokens
             result.steps += 1
+            result.drafted.append(len(tree) if tree is not None else 0)
             if drafter is not None:
                 with record_function("draft_accept"):
                     drafter.accept(StepResult(accepted_tokens, kept, tokens))

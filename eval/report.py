@@ -57,6 +57,10 @@ def summarise(runs: list[Run], meta: dict | None = None) -> dict:
             sum(a - 1 >= d for a in steps) / len(steps) for d in range(1, depth + 1)
         ] if steps else []
         stats["accepted_per_step_histogram"] = {str(k): steps.count(k) for k in sorted(set(steps))}
+        drafted = [n for r in items for n in r.drafted]
+        if drafted:  # what a draft-length policy chose: nodes verified per step, steps drafted at all
+            stats["mean_tree_nodes"] = sum(drafted) / len(drafted)
+            stats["drafted_steps"] = sum(n > 0 for n in drafted) / len(drafted)
         stats["per_category"] = {}
         for category in categories:
             cat = [r for r in items if r.category == category]
@@ -76,12 +80,17 @@ def markdown_table(summary: dict) -> str:
     """Rows: methods; columns: acceptance length, tokens/s, speedup, then tau/speedup per category."""
     categories = summary["categories"] if len(summary["categories"]) > 1 else []
     greedy = any("same_output" in s for s in summary["methods"].values())
-    head = (["method", "accept len", "tok/s", "speedup"] + (["same output"] if greedy else [])
+    predicted = any("predicted_speedup" in s for s in summary["methods"].values())
+    head = (["method", "accept len", "tok/s", "speedup"] + (["predicted"] if predicted else [])
+            + ["nodes / step", "drafted steps"] + (["same output"] if greedy else [])
             + [f"{c} (tau / x)" for c in categories])
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for method, s in summary["methods"].items():
         speed = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
         cells = [method, f"{s['acceptance_length']:.2f}", f"{s['tokens_per_second']:.1f}", speed]
+        if predicted:
+            cells.append(f"{s['predicted_speedup']:.2f}x" if "predicted_speedup" in s else "-")
+        cells += [f"{s['mean_tree_nodes']:.1f}", f"{s['drafted_steps']:.0%}"] if "mean_tree_nodes" in s else ["-", "-"]
         if greedy:
             cells.append(f"{s['same_output']:.0%}" if "same_output" in s else "-")
         for c in categories:
@@ -122,11 +131,12 @@ def captions(summary: dict) -> list[str]:
     return lines
 
 
-def write_results(runs: list[Run], out_dir: str | Path, meta: dict | None = None) -> dict:
-    """Write results.json (summary + every run), results.csv, table.md and PNG plots; return the summary."""
+def write_results(runs: list[Run], out_dir: str | Path, meta: dict | None = None, summary: dict | None = None) -> dict:
+    """Write results.json (summary + every run), results.csv, table.md and PNG plots; return the
+    summary (``summary``: one already made from ``runs``, e.g. with cost-model predictions added)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarise(runs, meta)
+    summary = summary if summary is not None else summarise(runs, meta)
     (out / "results.json").write_text(json.dumps({**summary, "runs": runs_to_dicts(runs)}, indent=1))
     with (out / "results.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)

@@ -21,8 +21,10 @@ from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_
 from draftsmith.eval.bench import HF_BASELINES, run_bench
 from draftsmith.eval.drafters import build_drafter, kinds_help, parse_spec
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.report import captions, depth_table, markdown_table, write_results
-from draftsmith.eval.runner import compile_decoder
+from draftsmith.eval.cost_model import cost_model_lines
+from draftsmith.eval.pass_cost import measure_pass_cost
+from draftsmith.eval.report import captions, depth_table, markdown_table, summarise, write_results
+from draftsmith.eval.runner import CausalLMRunner, compile_decoder
 from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
 from draftsmith.target import load_target
@@ -51,13 +53,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-baseline", action="append", default=[], choices=HF_BASELINES,
                         help="also time Hugging Face generate: plain, prompt lookup (10 tokens), assisted "
-                             "(with each draft_lm drafter's model, at its depth)")
+                             "(with each draft_lm drafter's model, at its depth), assisted_dynamic (the same "
+                             "models with HF's dynamic draft length)")
     parser.add_argument("--hf-assistant", action="append", default=[], metavar="NAME",
-                        help="with --hf-baseline hf_assisted: only these draft_lm drafters (by name) as "
+                        help="with --hf-baseline hf_assisted(_dynamic): only these draft_lm drafters (by name) as "
                              "assistants; repeatable (default: every draft_lm drafter)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the target's decoder (dynamic shapes); off by default: on a CPU it "
                              "costs ~1.5 min of compilation and slowed tree passes 2x (BENCHMARKS.md)")
+    parser.add_argument("--cost-model", action="store_true",
+                        help="also time each step's drafting, measure the target's pass-cost curve, and print each "
+                             "method's speedup predicted from those costs next to the measured one, with the best "
+                             "fixed depth and break-even acceptance they imply (eval/cost_model.py)")
     parser.add_argument("--out", default="results", help="output folder")
     args = parser.parse_args(argv)
     if not args.drafter:
@@ -74,6 +81,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     # Everything the user typed is checked before the target loads: a typo should not cost a model load.
     specs = [parse_spec(s) for s in args.drafter]
+    lossy = [s.name for s in specs if s.policy.lossy]
+    if lossy and args.sampling.greedy:
+        raise UsageError(f"--drafter {lossy[0]}: lenience relaxes sampling verification; use --temperature > 0 "
+                         f"or drop lenience=")
     draft_lms = [s.name for s in specs if s.kind == "draft_lm"]
     unknown = sorted(set(args.hf_assistant) - set(draft_lms))
     if unknown:
@@ -97,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
         assistants = {name: assistants[name] for name in args.hf_assistant}
     with stage(f"eval: decode {len(prompts)} prompts x {len(drafters) + 1 + len(args.hf_baseline)} methods"):
         runs = run_bench(target, tokenizer, drafters, prompts, args.max_new_tokens, sampling, args.turns,
-                         tuple(args.hf_baseline), assistants, args.seed)
+                         tuple(args.hf_baseline), assistants, args.seed, time_drafting=args.cost_model)
     meta = {
         "argv": sys.argv if argv is None else ["eval/run.py", *argv],
         "target": args.target, "dtype": dtype_name(next(target.parameters()).dtype),
@@ -108,13 +119,22 @@ def main(argv: list[str] | None = None) -> dict:
         "threads": torch.get_num_threads(), "compile": args.compile,
         "verified_by": {d.name: d.verifier_label or f"target {args.target}" for d in drafters},
     }
-    summary = write_results(runs, args.out, meta)
+    model_lines = []
+    if args.cost_model:
+        with stage("eval: pass-cost curve for the cost model"):
+            largest = max((n for r in runs for n in r.drafted), default=0) + 1
+            costs = measure_pass_cost(CausalLMRunner(target), sizes=tuple(range(1, max(largest, 9) + 1)))
+        meta["pass_cost_seconds"] = {str(n): c for n, c in costs.items()}
+    summary = summarise(runs, meta)
+    if args.cost_model:
+        model_lines = cost_model_lines(summary, runs, costs)
+    write_results(runs, args.out, summary=summary)
     print(f"\n{len(prompts)} prompts x {args.turns} turn(s), {args.max_new_tokens} new tokens, "
           f"temperature {args.temperature}, target {args.target} ({meta['dtype']})\n")
     print(markdown_table(summary))
     if depth_table(summary):
         print(f"\nsteps accepting at least d draft tokens:\n\n{depth_table(summary)}")
-    for line in captions(summary):
+    for line in captions(summary) + model_lines:
         print(f"\n{line}")
     for drafter in drafters:
         if drafter.verifier_label:

@@ -38,6 +38,8 @@ class TokenTree:
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)  # root's children have depth 1
     proposals: dict[int, Proposal] = field(default_factory=dict)  # parent -> candidates
+    # Entropy (nats) of the draft distribution each proposing node drew from, where the drafter has one.
+    entropy: dict[int, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -73,15 +75,19 @@ class TreeBuilder:
         self.depths: list[int] = []
         self.scores: list[float] = []
         self.proposals: dict[int, tuple[list[int], list[int | None], torch.Tensor | None]] = {}
+        self.entropy: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def add(self, parent: int, tokens: list[int], scores: list[float] | None = None,
-            probs: torch.Tensor | None = None) -> list[int]:
-        """Add ``tokens`` as the candidates below ``parent`` (in draw order); returns their node ids."""
+            probs: torch.Tensor | None = None, entropy: float | None = None) -> list[int]:
+        """Add ``tokens`` as the candidates below ``parent`` (in draw order), drawn from ``probs``
+        of entropy ``entropy`` where known; returns their node ids."""
         if parent in self.proposals:
             raise ValueError(f"node {parent} already has candidates")
+        if entropy is not None:
+            self.entropy[parent] = entropy
         depth = 1 if parent == ROOT else self.depths[parent] + 1
         base = 0.0 if parent == ROOT else self.scores[parent]
         ids = []
@@ -115,6 +121,7 @@ class TreeBuilder:
         for parent, (tokens, nodes, probs) in self.proposals.items():
             if parent in new_id:
                 tree.proposals[new_id[parent]] = Proposal(tokens, [new_id.get(n) for n in nodes], probs)
+        tree.entropy = {new_id[parent]: value for parent, value in self.entropy.items() if parent in new_id}
         return tree
 
 
@@ -320,15 +327,20 @@ def grow_tree(
     budget: int,
     sampling,
     generator: torch.Generator | None = None,
+    max_entropy: float | None = None,
 ) -> TokenTree:
     """An EAGLE-2 dynamic tree: expand the ``top_k`` best nodes per depth, keep the best ``budget``.
 
     ``expand(frontier, builder)`` runs the drafter on the ``frontier`` nodes of ``builder`` and
     returns their next-token logits ``[len(frontier), V]``. Each expanded node gets ``top_k``
     candidates (top-k when greedy, drawn without replacement when sampling); nodes are scored
-    by cumulative draft log-probability and the best ``budget`` form the tree.
+    by cumulative draft log-probability and the best ``budget`` form the tree. A node whose draft
+    distribution has entropy above ``max_entropy`` gets no candidates (the entropy policy, see
+    :mod:`draftsmith.eval.policies`); drafting stops early once no node is left to expand.
     """
-    from draftsmith.eval.sampling import choose  # sampling is a leaf module; keeps this file standalone
+    # sampling and policies are leaf modules; importing here keeps this file standalone
+    from draftsmith.eval.policies import entropy
+    from draftsmith.eval.sampling import choose
 
     builder = TreeBuilder()
     frontier, logits = [ROOT], root_logits.view(1, -1)
@@ -337,10 +349,17 @@ def grow_tree(
             logits = expand(frontier, builder)
         tokens, probs = choose(logits, top_k, sampling, generator)
         log_q = probs.clamp_min(1e-30).log() if probs is not None else logits.float().log_softmax(-1)
-        scores = log_q.gather(-1, tokens).tolist()
-        tokens = tokens.tolist()
+        spread = entropy(log_q)
+        # One read-back per level: scores, tokens and entropies together (ids are exact in float64).
+        rows = torch.cat([log_q.gather(-1, tokens).double(), tokens.double(), spread.double()[:, None]], 1).tolist()
+        k = tokens.shape[-1]  # sampling may draw fewer than top_k (a distribution with a smaller support)
         added: list[int] = []
         for i, parent in enumerate(frontier):
-            added += builder.add(parent, tokens[i], scores[i], probs[i] if probs is not None else None)
+            if max_entropy is not None and rows[i][-1] > max_entropy:
+                continue
+            added += builder.add(parent, [int(t) for t in rows[i][k:2 * k]], rows[i][:k],
+                                 probs[i] if probs is not None else None, rows[i][-1])
         frontier = sorted(added, key=lambda n: -builder.scores[n])[:top_k]
+        if not frontier:
+            break
     return builder.build(budget)

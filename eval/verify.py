@@ -10,6 +10,11 @@ Both run for every row of the tree at once (each parent's rejection sampling is 
 the others', so deciding all of them and then following the path from the root gives the
 sequential walk's distribution), and return a *verdict*: one int64 device tensor ``[n + 1]``,
 the accepted-node mask followed by the last token, which the engine reads back in one transfer.
+
+``lenience`` l < 1 is Leviathan et al.'s lossy relaxation of sampling verification: a candidate
+drawn from q is accepted with probability min(1, p / (l q)) instead of min(1, p / q), and a
+rejection resamples from norm(max(0, p - l q)). Output then no longer follows p exactly
+(:func:`lenient_distribution` gives the one-token output distribution, to measure the shift).
 """
 
 from __future__ import annotations
@@ -40,24 +45,26 @@ def verify_greedy(tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
     return _verdict(dev, end, best[end])
 
 
-def _round(r, z, q, c, accepted, token, deterministic, k, generator):
+def _round(r, z, q, c, accepted, token, deterministic, k, generator, lenience=1.0):
     """Candidate ``k`` of every parent, drawn from q (without replacement) or deterministic
-    (a one-hot q): accepted with probability min(1, p(token) / q(token)), where p = r / z and the
-    remaining draft distribution is q / c. Returns the new ``accepted`` and the rows that rejected."""
+    (a one-hot q): accepted with probability min(1, p(token) / (l q(token))), where p = r / z, the
+    remaining draft distribution is q / c and l the lenience. Returns the new ``accepted`` and the
+    rows that rejected."""
     live = (token >= 0) & (accepted < 0)
     token = token.clamp_min(0)[:, None]
     r_token = r.gather(1, token)[:, 0]
     q_token = torch.where(deterministic, 1.0, q.gather(1, token)[:, 0] if q is not None else 1.0)
     c = torch.where(deterministic, 1.0, c)
     u = torch.rand(r_token.shape, generator=generator, device=r.device)
-    # u < p / q with both sides multiplied by z * c (no division); a ratio >= 1 always accepts.
-    accept = live & (q_token > 0) & (u * q_token * z < r_token * c)
+    # u < p / (l q) with both sides multiplied by l z c (no division); a ratio >= 1 always accepts.
+    accept = live & (q_token > 0) & (u * lenience * q_token * z < r_token * c)
     return torch.where(accept, k, accepted), live & ~accept
 
 
-def _reject(r, z, q, c, token, rejected, deterministic):
-    """The rows ``rejected`` move on to their residual: p becomes max(p - q, 0) renormalised (for a
-    deterministic candidate, p loses the token) and q loses the token (drawn without replacement).
+def _reject(r, z, q, c, token, rejected, deterministic, lenience=1.0):
+    """The rows ``rejected`` move on to their residual: p becomes max(p - l q, 0) renormalised (for
+    a deterministic candidate, p loses l of the token's mass: all of it when lossless) and q loses
+    the token (drawn without replacement).
 
     Kept unnormalised, p = r / z and q / c, so a rejection costs one pass over the vocabulary for
     the residual and one for its mass, and a row that did not reject subtracts 0 instead of being
@@ -67,15 +74,17 @@ def _reject(r, z, q, c, token, rejected, deterministic):
     r_token = r.gather(1, token)[:, 0]
     cut = rejected & deterministic
     if q is None:  # deterministic candidates only: p loses the token, no pass over the vocabulary
-        total = z - torch.where(cut, r_token, 0.0)
+        left = (r_token - lenience * z).clamp_min(0)
+        total = z - torch.where(cut, r_token - left, 0.0)
         fine = total > 1e-12 * z  # else p was the one-hot up to rounding: keep p, as below
-        r.scatter_(1, token, torch.where(cut & fine, 0.0, r_token)[:, None])
+        r.scatter_(1, token, torch.where(cut & fine, left, r_token)[:, None])
         return r, torch.where(fine, total, z), c
     from_q = rejected & ~deterministic
     q_token = q.gather(1, token)[:, 0]
-    new = torch.addcmul(r, q, torch.where(from_q, z / c, 0.0)[:, None], value=-1).clamp_min_(0)
+    new = torch.addcmul(r, q, torch.where(from_q, lenience * z / c, 0.0)[:, None], value=-1).clamp_min_(0)
     # A deterministic row's q is all zeros, so only its token changes.
-    new.scatter_(1, token, torch.where(cut, 0.0, new.gather(1, token)[:, 0])[:, None])
+    new_token = new.gather(1, token)[:, 0]
+    new.scatter_(1, token, torch.where(cut, (new_token - lenience * z).clamp_min(0), new_token)[:, None])
     total = new.sum(-1)
     q.scatter_(1, token, torch.where(from_q, 0.0, q_token)[:, None])
     c = torch.where(from_q, (c - q_token).clamp_min(1e-30), c)
@@ -85,8 +94,9 @@ def _reject(r, z, q, c, token, rejected, deterministic):
 
 
 def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
-    """Verdict of lossless sampling verification (recursive rejection sampling at every parent).
+                    generator: torch.Generator | None = None, lenience: float = 1.0) -> torch.Tensor:
+    """Verdict of sampling verification (recursive rejection sampling at every parent): lossless
+    at ``lenience`` 1, Leviathan's lossy relaxation below (see the module docstring).
 
     Only rows whose proposal keeps a candidate in the tree run the rounds (at a row whose
     candidates were all pruned, rejection sampling emits a token distributed exactly as p, so
@@ -111,9 +121,10 @@ def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingCon
         q = dev.q.clone() if dev.q is not None else None  # the rounds remove drawn tokens from it
         c = torch.ones(props, device=device)
         for k in range(width):  # the candidates' draw order, for all parents at once
-            accepted, rejected = _round(r, z, q, c, accepted, dev.cand_tokens[:, k], dev.deterministic, k, generator)
+            accepted, rejected = _round(r, z, q, c, accepted, dev.cand_tokens[:, k], dev.deterministic, k,
+                                        generator, lenience)
             if k + 1 < width:
-                r, z, c = _reject(r, z, q, c, dev.cand_tokens[:, k], rejected, dev.deterministic)
+                r, z, c = _reject(r, z, q, c, dev.cand_tokens[:, k], rejected, dev.deterministic, lenience)
     # Per row: the accepted candidate's row (0 when it was pruned from the tree, -1 none) and token.
     rank = accepted.clamp_min(0)[:, None]
     child = torch.full((rows,), -1, dtype=torch.long, device=device)
@@ -132,18 +143,34 @@ def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingCon
         last_round = (accepted.index_select(0, at) < 0) & (dev.cand_tokens[at, -1] >= 0)
         residual, *_ = _reject(r.index_select(0, at), z.index_select(0, at),
                                q.index_select(0, at) if q is not None else None, c.index_select(0, at),
-                               dev.cand_tokens[at, -1], last_round, dev.deterministic.index_select(0, at))
+                               dev.cand_tokens[at, -1], last_round, dev.deterministic.index_select(0, at), lenience)
         final = torch.where(index[end] >= 0, residual, final)
     last = torch.where(child[end] == 0, chosen[end], sample(final, generator)[0])
     return _verdict(dev, end, last)
 
 
 def verify(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, lenience: float = 1.0) -> torch.Tensor:
     """Greedy or sampling verification, as ``sampling`` says: the verdict, on the device."""
     if sampling.greedy:
         return verify_greedy(tree, logits)
-    return verify_sampling(tree, logits, sampling, generator)
+    return verify_sampling(tree, logits, sampling, generator, lenience)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Row-wise normalised ``max(p - q, 0)`` (``p`` where that is all but zero)."""
+    r = (p - q).clamp_min(0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 1e-12, r / total.clamp_min(1e-30), p)
+
+
+def lenient_distribution(p: torch.Tensor, q: torch.Tensor, lenience: float) -> torch.Tensor:
+    """The exact distribution of the token emitted at a node with one candidate drawn from ``q``
+    and verified against ``p`` with ``lenience`` (``p`` itself at lenience 1): the candidate's
+    accepted mass ``q min(1, p / (l q))`` plus the rejected mass times the residual. Rows of
+    ``[..., V]`` inputs are independent cases."""
+    accepted = torch.minimum(q, p / lenience)
+    return accepted + (1 - accepted.sum(-1, keepdim=True)) * _residual(p, lenience * q)
 
 
 def verdict(tree: TokenTree, path: list[int], last: int, device: torch.device | str = "cpu") -> torch.Tensor:

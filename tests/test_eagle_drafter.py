@@ -120,7 +120,7 @@ def test_chi_square_catches_a_lossy_verifier(tiny_target, monkeypatch):
     import draftsmith.eval.decode as decode_module
     from draftsmith.eval.verify import verdict
 
-    def accept_all(tree, logits, sampling, generator=None):
+    def accept_all(tree, logits, sampling, generator=None, lenience=1.0):
         path, node = [], ROOT
         while node in tree.proposals and tree.proposals[node].nodes[0] is not None:
             node = tree.proposals[node].nodes[0]

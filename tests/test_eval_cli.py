@@ -82,7 +82,8 @@ def test_cli_writes_table_json_csv_and_plots(tmp_path, capsys):
           "--prompts", str(prompts), "--turns", "2", "--max-new-tokens", "12", "--out", str(out),
           "--dtype", "float32"])  # exact only in fp32: bf16 tree passes drift from one-token decoding
     printed = capsys.readouterr().out
-    assert "| method | accept len | tok/s | speedup | same output | chat (tau / x) | rep (tau / x) |" in printed
+    assert ("| method | accept len | tok/s | speedup | nodes / step | drafted steps | same output | chat (tau / x) "
+            "| rep (tau / x) |") in printed
     result = json.loads((out / "results.json").read_text())
     methods = result["methods"]
     assert set(methods) == {"baseline", "prompt_lookup", "oracle", "draft_lm"}
@@ -95,6 +96,9 @@ def test_cli_writes_table_json_csv_and_plots(tmp_path, capsys):
         assert stats["same_output"] == 1.0 and stats["matched_fraction"] == 1.0, name
     assert methods["oracle"]["acceptance_length"] > 2.5
     assert methods["baseline"]["acceptance_length"] == pytest.approx(1.0)
+    assert methods["baseline"]["mean_tree_nodes"] == 0 and methods["baseline"]["drafted_steps"] == 0
+    # Drafts are capped by the tokens left to generate, so the last steps draft fewer.
+    assert 2 < methods["oracle"]["mean_tree_nodes"] <= 4 and 1.5 < methods["draft_lm"]["mean_tree_nodes"] <= 2
     assert (out / "results.csv").read_text().startswith("method,category,acceptance_length")
     for png in ("acceptance_by_category.png", "accepted_per_step.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"

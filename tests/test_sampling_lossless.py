@@ -92,8 +92,8 @@ class Recorder:
         self.verify, self.trees, self.pruned_tokens_out = verify, 0, 0
         self.pruned_trees = 0
 
-    def __call__(self, tree, logits, sampling, generator=None):
-        outcome = self.verify(tree, logits, sampling, generator)
+    def __call__(self, tree, logits, sampling, generator=None, lenience=1.0):
+        outcome = self.verify(tree, logits, sampling, generator, lenience)
         path, last = read_verdict(outcome.tolist())
         self.trees += 1
         pruned = {t for p in tree.proposals.values() for t, n in zip(p.tokens, p.nodes) if n is None}
@@ -195,7 +195,7 @@ def test_warped_sampling(monkeypatch, target, draft):
 # Negative controls: the same test must reject broken verification or drafting
 
 
-def accept_everything(tree, logits, sampling, generator=None):
+def accept_everything(tree, logits, sampling, generator=None, lenience=1.0):
     """Broken: follows the first candidate that is in the tree, never rejects."""
     path, node = [], ROOT
     while tree.proposals.get(node) is not None:

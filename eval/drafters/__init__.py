@@ -4,7 +4,9 @@ A spec is ``KIND[:PATH][?key=value&key=value]``, e.g. ``prompt_lookup``,
 ``prompt_lookup?num_tokens=4&branches=3``, ``draft_lm:HuggingFaceTB/SmolLM2-135M-Instruct?depth=5``,
 ``draft_lm?layers=4`` (a draft cut from the target: 4 evenly spaced layers, or ``layers=0,1,2,29``), ``oracle?num_tokens=8``,
 ``eagle:runs/x/checkpoint-final?depth=5&top_k=3&budget=12``, ``eagle3:runs/y/checkpoint-final``. ``name=`` sets the
-label used in tables. :data:`KINDS` documents every kind and option (``eval/run.py --help`` prints it).
+label used in tables. Every kind also takes the engine's draft-length policy options (:data:`POLICY_OPTIONS`,
+e.g. ``draft_lm:PATH?depth=8&policy=entropy``). :data:`KINDS` documents every kind and option
+(``eval/run.py --help`` prints it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
 from draftsmith.eval.drafters.oracle import OracleDrafter
 from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.policies import DEFAULT_CONFIDENCE, DEFAULT_ENTROPY_TAU, POLICIES, PolicyConfig
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.heads.common import read_config
 
@@ -30,6 +33,7 @@ class KindHelp:
     summary: str
     path: str  # "" when the kind takes no path
     options: dict[str, tuple[object, str]]
+    has_distribution: bool = False  # drafts from a distribution (policy=entropy applies)
 
 
 KINDS: dict[str, KindHelp] = {
@@ -49,18 +53,31 @@ KINDS: dict[str, KindHelp] = {
         "budget": (None, "tree nodes kept (default: depth x top_k)"),
         "layers": (4, "without PATH: a count of evenly spaced target layers, or indices like 0,1,2,29"),
         "vocab": (None, "draft over the N most frequent tokens of a distill checkpoint's training replies"),
-    }),
+    }, has_distribution=True),
     "eagle": KindHelp("a trained EAGLE head growing EAGLE-2 dynamic trees", "checkpoint or sglang export folder (required)", {
         "depth": (5, "tree depth (draft steps per verification)"),
         "top_k": (3, "children expanded per node"),
         "budget": (12, "tree nodes verified per step"),
-    }),
+    }, has_distribution=True),
     "eagle3": KindHelp("a trained EAGLE-3 head (fused target layers, training-time test) growing EAGLE-2 dynamic trees",
                        "checkpoint, speculators or sglang export folder (required)", {
         "depth": (6, "tree depth (draft steps per verification)"),
         "top_k": (3, "children expanded per node"),
         "budget": (12, "tree nodes verified per step"),
-    }),
+    }, has_distribution=True),
+    "hierarchical": KindHelp(
+        "HSDDW hierarchical drafting: draft LM M1 drafts under its entropy rule, a stronger draft LM M2 "
+        "pre-verifies its tokens, the target verifies what M2 kept", "", {
+            "m1": (None, "M1: hub id or folder of a draft LM (e.g. a train/distill.py checkpoint); default: cut from the target"),
+            "m2": (None, "M2: as m1, the stronger one"),
+            "vocab": (None, "with m1=/m2= distill checkpoints: each drafts over its N most frequent training tokens"),
+            "m1_layers": (2, "without m1: M1 is this many evenly spaced target layers"),
+            "m2_layers": (6, "without m2: M2 is this many evenly spaced target layers"),
+            "depth": (8, "most tokens sent to the target per step"),
+            "m1_depth": (4, "most tokens M1 drafts before M2 pre-verifies them"),
+            "m1_tau": (DEFAULT_ENTROPY_TAU, "M1's initial entropy threshold (nats; then adapts to M2's rejections)"),
+            "m2_tau": (DEFAULT_ENTROPY_TAU, "M2's initial entropy threshold (nats; then adapts to the target's rejections)"),
+        }),
     "medusa": KindHelp("trained Medusa heads over a static tree", "checkpoint, vllm-medusa or medusa export folder (required)", {
         "choices": (None, "tree file (Medusa-style [[0], [0, 0], [1], ...]); default: the calibrated tree.yaml"),
         "budget": (None, "use the optimal N-node tree for the heads' recorded accuracies instead"),
@@ -68,9 +85,20 @@ KINDS: dict[str, KindHelp] = {
 }
 
 
+# Options every kind takes: how the engine drafts and verifies with it (draftsmith.eval.policies).
+POLICY_OPTIONS: dict[str, tuple[object, str]] = {
+    "policy": ("fixed", f"draft-length policy: {', '.join(POLICIES)}, or entropy,confidence (both)"),
+    "entropy_tau": (DEFAULT_ENTROPY_TAU, "entropy policy: initial threshold in nats (then the mean entropy of rejected drafts)"),
+    "confidence": (DEFAULT_CONFIDENCE, "confidence policy: draft only while the target's probability of its own token is >= this"),
+    "lenience": (1.0, "LOSSY below 1 (sampling only): accept with min(1, p/(lenience q)) (Leviathan et al.)"),
+}
+
+
 def kinds_help() -> str:
     """The drafter kinds and their options with defaults, as ``--help`` text."""
-    lines = ["drafter specs: KIND[:PATH][?key=value&...]; every kind also takes name=LABEL (the table row)"]
+    lines = ["drafter specs: KIND[:PATH][?key=value&...]; every kind also takes name=LABEL (the table row) and:"]
+    for option, (default, doc) in POLICY_OPTIONS.items():
+        lines.append(f"      {option}={default}".ljust(26) + f" {doc}")
     for kind, info in KINDS.items():
         path = f":PATH ({info.path})" if info.path else ""
         lines.append(f"  {kind}{path}\n      {info.summary}")
@@ -87,6 +115,7 @@ class DrafterSpec:
     path: str | None = None
     options: dict = field(default_factory=dict)
     name: str = ""
+    policy: PolicyConfig = PolicyConfig()
 
 
 def _value(raw: str):
@@ -119,18 +148,24 @@ def parse_spec(spec: str) -> DrafterSpec:
     except ValueError:
         raise UsageError(f"--drafter {spec!r}: options must look like ?key=value&key=value") from None
     options = {key: _value(val) for key, val in pairs}
-    name = str(options.pop("name", _default_name(kind, path)))
-    unknown = sorted(set(options) - set(KINDS[kind].options))
+    unknown = sorted(set(options) - set(KINDS[kind].options) - set(POLICY_OPTIONS) - {"name"})
     if unknown:
         raise UsageError(f"--drafter {spec!r}: unknown option(s) {', '.join(unknown)} for {kind}; "
-                         f"its options: {', '.join([*KINDS[kind].options, 'name'])}")
+                         f"its options: {', '.join([*KINDS[kind].options, *POLICY_OPTIONS, 'name'])}")
+    policy = PolicyConfig.from_options(spec, options)
+    if policy.entropy_tau and not KINDS[kind].has_distribution:
+        raise UsageError(f"--drafter {spec!r}: policy=entropy needs a drafter that drafts from a distribution "
+                         f"({', '.join(k for k, v in KINDS.items() if v.has_distribution)}); {kind} has none")
+    name = str(options.pop("name", _default_name(kind, path) + policy.label()))
+    if policy.lossy and "lossy" not in name:  # a lossy row is never mistaken for a lossless one
+        name += "(lossy)"
     if KINDS[kind].path.endswith("(required)"):
         if not path:
             raise UsageError(f"--drafter {spec!r}: the {kind} drafter needs a checkpoint: {kind}:PATH")
         read_config(path, kind)  # a wrong or missing folder fails here, before any model loads
     if KINDS[kind].path == "" and path:
         raise UsageError(f"--drafter {spec!r}: the {kind} drafter takes no path")
-    return DrafterSpec(kind, path or None, options, name)
+    return DrafterSpec(kind, path or None, options, name, policy)
 
 
 def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
@@ -164,6 +199,22 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
                                      "layer indices, e.g. layers=4 or layers=0,1,2,29") from None
                 model = derive_draft_lm(target, layers=indices)
             drafter = DraftLMDrafter(model, **options)
+        elif parsed.kind == "hierarchical":
+            from draftsmith.eval.drafters.hierarchical import HierarchicalDrafter
+
+            param = next(target.parameters())
+            vocab = options.pop("vocab", None)
+            models = []
+            for m in ("m1", "m2"):  # a trained draft LM, or layers cut from the target
+                path = options.pop(m, None)
+                layers = int(options.pop(f"{m}_layers", KINDS["hierarchical"].options[f"{m}_layers"][0]))
+                if path is None and vocab is not None:
+                    raise UsageError(f"hierarchical option vocab=N needs trained draft LMs (m1=PATH&m2=PATH); {m} has none")
+                models.append(load_draft_lm(str(path), param.dtype, param.device) if path is not None
+                              else derive_draft_lm(target, num_layers=layers))
+                if vocab is not None:
+                    options[f"{m}_vocab"] = draft_vocab_from_counts(str(path), int(vocab), models[-1])
+            drafter = HierarchicalDrafter(*models, **options)
         elif parsed.kind == "eagle":
             from draftsmith.eval.drafters.eagle import EagleDrafter
             from draftsmith.heads.eagle import EagleHead
@@ -189,6 +240,7 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
     except TypeError as err:  # an option value of the wrong type reaching a constructor
         raise UsageError(f"bad option for drafter {parsed.kind!r}: {err}") from None
     drafter.name = parsed.name
+    drafter.policy = parsed.policy
     return drafter
 
 

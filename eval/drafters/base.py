@@ -28,6 +28,7 @@ class DraftContext:
     sampling: SamplingConfig
     generator: torch.Generator | None
     max_tokens: int  # no use drafting deeper than the remaining new-token budget
+    max_entropy: float | None = None  # the entropy policy's threshold: expand no node less certain than this
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Drafter(ABC):
     # drafter trained jointly with a tuned copy of the target, e.g. Medusa-2); None: the target.
     verifier = None
     verifier_label = ""  # what ``verifier`` is, for tables
+    policy = None  # the PolicyConfig the engine applies with this drafter (None: fixed drafting)
 
     def verifying(self):
         """The context ``verifier`` verifies in (e.g. with the drafter's LoRA adapter switched on)."""
@@ -65,4 +67,5 @@ class Drafter(ABC):
         """A tree of guesses for the tokens after ``context.tokens`` (may be empty)."""
 
     def accept(self, result: StepResult) -> None:
-        """Update internal state (caches, features) after verification."""
+        """Update internal state (caches, features) after verification. Steps may also come
+        without a ``propose`` before them (a policy let the target decode alone)."""

@@ -51,16 +51,17 @@ class DraftLMDrafter(Drafter):
         self.runner.reset()
         self.cached = []
 
-    def _sync(self, tokens: list[int]) -> torch.Tensor:
-        """Bring the cache up to ``tokens`` and return the logits after the last one."""
+    def sync(self, tokens: list[int], rows: int = 1) -> torch.Tensor:
+        """Bring the cache up to ``tokens`` (one forward over what it lacks) and return the logits
+        after each of the last ``rows`` tokens, ``[rows, V]``."""
         common = 0
-        limit = min(len(self.cached), len(tokens) - 1)  # always re-run at least the last token
+        limit = min(len(self.cached), len(tokens) - rows)  # always re-run at least the last rows
         while common < limit and self.cached[common] == tokens[common]:
             common += 1
         self.runner.rollback(common)
         hidden = self.runner.forward(tokens[common:])
         self.cached = list(tokens)
-        return self.runner.logits(hidden[-1])
+        return self.runner.logits(hidden[-rows:])
 
     def _expand(self, frontier: list[int], builder: TreeBuilder) -> torch.Tensor:
         base = self.runner.pending
@@ -73,11 +74,11 @@ class DraftLMDrafter(Drafter):
 
     def propose(self, context: DraftContext) -> TokenTree:
         depth = min(self.depth, context.max_tokens)
-        root_logits = self._sync(context.tokens)
+        root_logits = self.sync(context.tokens)[0]
         if depth < 1:
             return TokenTree()
         self._row = {ROOT: ROOT}
         tree = grow_tree(root_logits, self._expand, depth, self.top_k, self.budget,
-                         context.sampling, context.generator)
+                         context.sampling, context.generator, context.max_entropy)
         self.runner.commit([])  # drafted rows never stay: accepted ones are re-fed with the bonus token
         return tree

@@ -37,7 +37,9 @@ class EagleDrafter(Drafter):
         self._tokens, self._features = list(tokens[1:]), hidden
 
     def accept(self, result: StepResult) -> None:
-        self._tokens, self._features = list(result.accepted), result.hidden
+        # Appended, not replaced: steps the target decoded alone also reach the head's cache.
+        self._tokens += result.accepted
+        self._features = result.hidden if self._features is None else torch.cat([self._features, result.hidden])
 
     def _expand(self, frontier: list[int], builder: TreeBuilder) -> torch.Tensor:
         base = self.runner.pending
@@ -59,6 +61,6 @@ class EagleDrafter(Drafter):
             return TokenTree()
         self._row, self._predicted = {ROOT: ROOT}, {ROOT: out[-1]}
         tree = grow_tree(self.head.logits(out[-1]), self._expand, depth, self.top_k, self.budget,
-                         context.sampling, context.generator)
+                         context.sampling, context.generator, context.max_entropy)
         self.runner.commit([])
         return tree

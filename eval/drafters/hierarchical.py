@@ -1,0 +1,113 @@
+"""Hierarchical drafting (HSDDW, Syu & Lee, NAACL Findings 2025): a fast draft M1, a stronger
+draft M2 that pre-verifies M1, and the target Mp that alone decides the output.
+
+Each engine step: M1 drafts a burst under its entropy rule; M2 scores the whole burst in one
+forward and verifies it exactly as a target would (greedy match, or rejection sampling against
+M1's draft distribution, replacing the first rejected token by its own correction). While M2
+accepts everything and stays confident (its entropy at every position at most its own adaptive
+threshold), control returns to M1 to extend the draft; when M2 rejects, loses confidence or the
+draft is full, the pending chain goes to the target, which verifies it in one pass.
+
+Lossless: every pending token is distributed as M2's distribution at its position (an accepted
+M1 token or M2's correction from the residual), so the target verifies it against that
+distribution with the engine's usual rejection sampling; greedy, pending tokens are M2's greedy
+tokens and the target keeps only those equal to its own.
+
+Thresholds adapt per sequence (:class:`~draftsmith.eval.policies.EntropyRule`): M1's from the M1
+entropies of the tokens M2 rejected, M2's from the M2 entropies of the tokens the target rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.policies import DEFAULT_ENTROPY_TAU, EntropyRule, entropy
+from draftsmith.eval.sampling import probabilities, sample
+from draftsmith.eval.tree import ROOT, TokenTree, chain
+from draftsmith.eval.verify import _residual
+
+
+class HierarchicalDrafter(Drafter):
+    """M1 (``m1``) drafts bursts of up to ``m1_depth`` tokens, M2 (``m2``) pre-verifies them, and
+    at most ``depth`` pending tokens go to the target per step."""
+
+    def __init__(self, m1: PreTrainedModel, m2: PreTrainedModel, depth: int = 8, m1_depth: int = 4,
+                 m1_tau: float = DEFAULT_ENTROPY_TAU, m2_tau: float = DEFAULT_ENTROPY_TAU, name: str = "hierarchical",
+                 m1_vocab: torch.Tensor | None = None, m2_vocab: torch.Tensor | None = None):
+        """``m1_vocab`` / ``m2_vocab``: token ids each model drafts from (see ``DraftLMDrafter``)."""
+        self.m1 = DraftLMDrafter(m1, depth=m1_depth, draft_vocab=m1_vocab)
+        self.m2 = DraftLMDrafter(m2, draft_vocab=m2_vocab)
+        self.depth, self.name = depth, name
+        self.rule1, self.rule2 = EntropyRule(m1_tau), EntropyRule(m2_tau)
+        self._pending: list[int] = []
+        self._m2_entropy: list[float] = []
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        self.m1.begin(tokens, hidden)
+        self.m2.begin(tokens, hidden)
+        self.rule1.reset()
+        self.rule2.reset()
+        self._pending, self._m2_entropy = [], []
+
+    def _pre_verify(self, burst: TokenTree, logits: torch.Tensor, sampling, generator) -> list[list[float]]:
+        """M2's verdict on an M1 burst, read back in one transfer: per position, [M2 accepts the M1
+        token, M2's entropy, M2's correction token]."""
+        tokens = torch.tensor(burst.tokens, device=logits.device)
+        spread = entropy(logits)
+        if sampling.greedy:
+            own = logits.argmax(-1)
+            accept, correction = own == tokens, own
+        else:
+            p = probabilities(logits, sampling)
+            q = torch.stack([burst.proposals[ROOT if i == 0 else i - 1].probs for i in range(len(burst))]).to(p)
+            p_x, q_x = p.gather(1, tokens[:, None])[:, 0], q.gather(1, tokens[:, None])[:, 0]
+            u = torch.rand(p_x.shape, generator=generator, device=p.device)
+            accept = u * q_x < p_x
+            correction = sample(_residual(p, q), generator)
+        return torch.stack([accept.double(), spread.double(), correction.double()], 1).tolist()
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> TokenTree:
+        sampling, generator = context.sampling, context.generator
+        budget = min(self.depth, context.max_tokens)
+        pending: list[int] = []
+        m2_probs: list[torch.Tensor] = []
+        self._m2_entropy = []
+        while len(pending) < budget:
+            sequence = context.tokens + pending
+            burst = self.m1.propose(DraftContext(sequence, sampling, generator, budget - len(pending), self.rule1.tau))
+            if not len(burst):  # M1 is not confident enough to draft at all
+                break
+            # M2's distributions after the sequence and after each burst token but the last: one forward.
+            logits = self.m2.sync(sequence + burst.tokens[:-1], rows=len(burst))
+            verdicts = self._pre_verify(burst, logits, sampling, generator)
+            stop = False
+            for i, (accepted, spread, correction) in enumerate(verdicts):
+                if spread > self.rule2.tau:  # M2 lost confidence: its token here would be a guess
+                    stop = True
+                    break
+                if not sampling.greedy:
+                    m2_probs.append(probabilities(logits[i], sampling))
+                self._m2_entropy.append(spread)
+                if accepted:
+                    pending.append(burst.tokens[i])
+                    continue
+                self.rule1.rejected(burst.entropy[ROOT if i == 0 else i - 1])
+                pending.append(int(correction))
+                stop = True
+                break
+            if stop:
+                break
+        self._pending = pending
+        return chain(pending, m2_probs or None)
+
+    def accept(self, result: StepResult) -> None:
+        accepted = 0
+        while accepted < len(self._pending) and result.accepted[accepted] == self._pending[accepted]:
+            accepted += 1
+        if accepted < len(self._pending):  # the target rejected the pending token at this position
+            self.rule2.rejected(self._m2_entropy[accepted])
+        self._pending, self._m2_entropy = [], []

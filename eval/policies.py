@@ -1,0 +1,129 @@
+"""Draft-length policies of the shared engine: how much to draft each step, and whether to draft.
+
+- ``entropy`` (the self-verify dynamic window of HSDDW, Syu & Lee, NAACL Findings 2025): a node
+  whose draft distribution has entropy above a threshold tau is not expanded, so a chain stops
+  there and a tree branch stops growing (an uncertain root drafts nothing). tau starts at an
+  option value and, per sequence, becomes the mean draft entropy at the tokens the target has
+  rejected so far.
+- ``confidence`` (target-confidence gating): after each verification, when the target's
+  probability of the token it just produced is below a threshold, the next steps decode with the
+  target alone until it is confident again.
+- ``lenience`` (Leviathan et al. 2023): an explicitly *lossy* relaxation of sampling
+  verification (see :mod:`draftsmith.eval.verify`); every table names such a row as lossy.
+
+Policies only change which tree is verified (or whether one is), never how the target verifies
+it, so every lossless guarantee of the engine holds under ``entropy`` and ``confidence``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.errors import UsageError
+
+POLICIES = ("fixed", "entropy", "confidence")
+DEFAULT_ENTROPY_TAU = 2.0  # nats; only the first steps use it (see EntropyRule)
+DEFAULT_CONFIDENCE = 0.5
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of the softmax of each row of ``logits`` (``-inf`` entries allowed)."""
+    logp = logits.float().log_softmax(-1)
+    return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+
+
+class EntropyRule:
+    """HSDDW's adaptive entropy threshold for one sequence: ``initial`` until the first rejection,
+    then the mean entropy of the rejected draft tokens (running mean, O(1) per step)."""
+
+    def __init__(self, initial: float):
+        self.initial = initial
+        self.reset()
+
+    def reset(self) -> None:
+        self.total, self.count = 0.0, 0
+
+    @property
+    def tau(self) -> float:
+        return self.total / self.count if self.count else self.initial
+
+    def rejected(self, value: float) -> None:
+        """A draft token drawn from a distribution of entropy ``value`` was rejected."""
+        self.total += value
+        self.count += 1
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What ``policy=``, ``entropy_tau=``, ``confidence=`` and ``lenience=`` of a drafter spec ask for."""
+
+    entropy_tau: float | None = None  # initial threshold of the entropy rule (None: off)
+    confidence: float | None = None  # gate threshold on the target's confidence (None: off)
+    lenience: float = 1.0  # 1: lossless verification
+
+    @classmethod
+    def from_options(cls, spec: str, options: dict) -> "PolicyConfig":
+        """Pop the policy options out of a spec's ``options`` and check them (one-line errors)."""
+        names = [n for n in str(options.pop("policy", "fixed")).split(",") if n]
+        unknown = sorted(set(names) - set(POLICIES))
+        if unknown or not names:
+            raise UsageError(f"--drafter {spec!r}: unknown policy {','.join(unknown) or '(empty)'}; "
+                             f"choose from {', '.join(POLICIES)} (comma-separated to combine entropy,confidence)")
+        tau = float(options.pop("entropy_tau", DEFAULT_ENTROPY_TAU))
+        confidence = float(options.pop("confidence", DEFAULT_CONFIDENCE))
+        lenience = float(options.pop("lenience", 1.0))
+        if tau <= 0:
+            raise UsageError(f"--drafter {spec!r}: entropy_tau must be > 0 (nats), got {tau}")
+        if not 0 < confidence < 1:
+            raise UsageError(f"--drafter {spec!r}: confidence must be in (0, 1), got {confidence}")
+        if not 0 < lenience <= 1:
+            raise UsageError(f"--drafter {spec!r}: lenience must be in (0, 1] (1: lossless), got {lenience}")
+        return cls(tau if "entropy" in names else None, confidence if "confidence" in names else None, lenience)
+
+    @property
+    def lossy(self) -> bool:
+        return self.lenience < 1.0
+
+    def label(self) -> str:
+        """What this policy adds to a method's default name, e.g. ``+entropy`` or ``+lenience0.5(lossy)``."""
+        parts = (["entropy"] if self.entropy_tau else []) + (["confidence"] if self.confidence else [])
+        if self.lossy:
+            parts.append(f"lenience{self.lenience:g}(lossy)")
+        return "".join(f"+{p}" for p in parts)
+
+
+class DraftPolicy:
+    """A :class:`PolicyConfig`'s state over one generation, driven by the decoding loop."""
+
+    def __init__(self, config: PolicyConfig = PolicyConfig()):
+        self.config = config
+        self.rule = EntropyRule(config.entropy_tau) if config.entropy_tau else None
+        self.confident = True
+
+    def begin(self) -> None:
+        if self.rule is not None:
+            self.rule.reset()
+        self.confident = True
+
+    @property
+    def drafting(self) -> bool:
+        """Whether to draft this step (the confidence gate)."""
+        return self.confident
+
+    @property
+    def max_entropy(self) -> float | None:
+        """The entropy above which drafters stop expanding a node (None: no limit)."""
+        return self.rule.tau if self.rule is not None else None
+
+    def observe(self, tree, path: list[int], confident: bool | None) -> None:
+        """After a verification: ``path`` the accepted nodes of ``tree`` (None when the target
+        decoded alone), ``confident`` whether the target's confidence met the threshold."""
+        if confident is not None:
+            self.confident = confident
+        if self.rule is not None and tree is not None:
+            end = path[-1] if path else -1
+            value = tree.entropy.get(end)
+            if value is not None:  # the end node proposed children and none of them was accepted
+                self.rule.rejected(value)
