@@ -16,7 +16,8 @@ over one masked key and nothing else. The accepted rows of every row are compact
 gather for all layers and rows (per-row orders), computed before the read-back.
 
 Limits: drafters that read the target's features (EAGLE, Medusa) or verify with their own
-model (Medusa-2) keep one sequence's state and are refused; so are sliding-window targets.
+model (Medusa-2) keep one sequence's state and are refused, and so are draft-length policies and
+lenience (issue 17: per-row policy state is not wired in) and sliding-window targets.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from draftsmith.errors import UsageError
 from draftsmith.eval.decode import Generation, eos_token_ids
 from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
 from draftsmith.eval.kv_cache import SlotCache
+from draftsmith.eval.policies import PolicyConfig
 from draftsmith.eval.runner import UnsupportedTargetError, _attention_layout
 from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
 from draftsmith.eval.stopping import StopChecker
@@ -152,6 +154,9 @@ class BatchDecoder:
             if drafter is not None and (drafter.needs_hidden or drafter.verifier is not None):
                 raise UsageError(f"drafter {drafter.name} reads the target's features or verifies with its own "
                                  f"model; batched decoding supports feature-free drafters (prompt lookup, draft LMs, ...)")
+            if drafter is not None and getattr(drafter, "policy", None) not in (None, PolicyConfig()):
+                raise UsageError(f"drafter {drafter.name} has a draft-length policy or lenience; batched decoding "
+                                 f"drafts at fixed length and verifies losslessly: decode its prompts one at a time")
         device = self.runner.device
         generators = [torch.Generator(device=device).manual_seed(s) for s in seeds] if seeds is not None else [None] * batch
         for drafter, prompt in zip(drafters, prompts):

@@ -20,6 +20,7 @@ from draftsmith.eval.decode import SpeculativeDecoder, autoregressive_greedy
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
 from draftsmith.eval.drafters.oracle import OracleDrafter
 from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.policies import PolicyConfig
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.eval.sampling import SamplingConfig
 
@@ -105,9 +106,13 @@ def test_sampling_rows_equal_single_prompt_runs_with_their_seeds(model, make_tin
         assert sum(sum(g.accepted) for g in batch) > 2 * sum(g.steps for g in batch)  # tau > 2
 
 
-def test_feature_drafters_are_refused(model):
+def test_feature_drafters_and_policies_are_refused(model):
     class NeedsFeatures(PromptLookupDrafter):
         needs_hidden = True
 
     with pytest.raises(UsageError, match="features"):
         BatchDecoder(model).generate(prompts()[:1], 4, [NeedsFeatures()])
+    lenient = PromptLookupDrafter()
+    lenient.policy = PolicyConfig(lenience=0.5)
+    with pytest.raises(UsageError, match="policy"):
+        BatchDecoder(model).generate(prompts()[:1], 4, [lenient])
