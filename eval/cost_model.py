@@ -59,10 +59,11 @@ def cost_model_lines(summary: dict, runs: list[Run], costs: dict[int, float]) ->
         if predicted is None:
             continue
         stats["predicted_speedup"] = predicted
-        nodes = sum(n for r in own for n in r.drafted)
-        if not nodes:
+        # A step that drafts nothing still ran the drafter once (a policy looked and declined).
+        forwards = sum(max(n, 1) for r in own for n in r.drafted)
+        if not any(n for r in own for n in r.drafted):
             continue
-        draft_cost = sum(r.draft_seconds for r in own) / nodes
+        draft_cost = sum(r.draft_seconds for r in own) / forwards
         acceptance = (stats["per_position_acceptance"] or [0.0])[0]
         depth, speedup = best_depth(acceptance, draft_cost, costs)
         lines.append(f"cost model, {method}: first draft token accepted in {acceptance:.0%} of steps, a draft node costs "

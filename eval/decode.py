@@ -9,6 +9,10 @@ Host overhead: the last token stays on the device, the tree goes there in one co
 verification and the cache's compaction order are computed there, so a step reads back one
 tensor (the verdict: accepted nodes and last token); sampling with top-p may add one more (see
 ``sampling.probabilities``). Stops are checked on the step's new tokens only.
+
+The drafter's draft-length policy (:mod:`draftsmith.eval.policies`) decides each step whether it
+drafts at all (the confidence gate, whose flag rides on the verdict's read-back) and where its
+tree stops growing (the entropy threshold it passes in the context); verification is the same.
 """
 
 from __future__ import annotations

@@ -195,3 +195,18 @@ def test_drafting_distributions_equal_a_training_forward_over_the_same_sequence(
             pred = head(batch["input_ids"][:, 1:], features[:, :-1], attention_mask=batch["attention_mask"][:, 1:])
             trained = probabilities(head.logits(pred.last_hidden_state[0, -1]), sampling)
         torch.testing.assert_close(drafted, trained, atol=1e-5, rtol=1e-4)
+
+
+def test_steps_without_a_draft_still_reach_the_heads_cache(tiny_target):
+    """Under a confidence gate the target decodes some steps alone; the head must still see every
+    (token, feature) pair, or its later drafts would read a context with holes."""
+    from draftsmith.eval.policies import PolicyConfig
+
+    drafter = EagleDrafter(_tiny_head(tiny_target, "identity"), depth=2, top_k=2, budget=4)
+    drafter.policy = PolicyConfig(confidence=0.7)
+    gen = SpeculativeDecoder(tiny_target, drafter, eos_ids=set()).generate(PROMPT, 40)
+    assert gen.tokens == SpeculativeDecoder(tiny_target, None, eos_ids=set()).generate(PROMPT, 40).tokens
+    assert 0 < gen.drafted.count(0) < len(gen.drafted)  # some steps drafted, some did not
+    pairs = drafter.runner.length + len(drafter._tokens)  # in the head's cache + waiting for the next proposal
+    # One pair per token after the first (the last step may have produced a few past the limit).
+    assert len(PROMPT) + len(gen.tokens) - 1 <= pairs <= len(PROMPT) + len(gen.tokens) - 1 + 2

@@ -51,6 +51,21 @@ def test_greedy_step_reads_back_once(make_tiny_llama, tree):
     assert steps == [1] * len(steps)  # the accepted path (or token) and nothing else
 
 
+def test_confidence_gate_rides_on_the_steps_read_back(make_tiny_llama):
+    """The gate's flag comes back with the verdict: still one transfer per greedy step, drafting or not."""
+    from draftsmith.eval.policies import PolicyConfig
+
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=3, scale=10.0)
+    drafter = RandomTreeDrafter(64, seed=2)
+    drafter.policy = PolicyConfig(confidence=0.9)
+    decoder = SpeculativeDecoder(model, drafter, None, SamplingConfig(), eos_ids=set())
+    marks: list[int] = []
+    with count_host_syncs() as counter:
+        gen = decoder.generate(PROMPT, 30, streamer=lambda tokens: marks.append(counter.count))
+    assert [b - a for a, b in zip(marks, marks[1:])] == [1] * gen.steps
+    assert 0 < gen.drafted.count(0) < gen.steps  # the gate both held drafting back and let it through
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["plain", "tree"])
 def test_sampling_step_reads_back_at_most_twice(make_tiny_llama, tree):
     model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=3, scale=10.0)
