@@ -190,10 +190,10 @@ class BatchDecoder:
                 trees.append(tree if tree is not None and len(tree) else None)
             outcomes, order, counts = self._step(sequences, lengths, trees, generators)
             values = torch.cat(outcomes).tolist()  # the step's one host sync
-            most = 0
+            most = offset = 0
             for i in range(batch):
                 size = len(trees[i]) + 1 if trees[i] is not None else 1
-                row, values = values[:size], values[size:]
+                row, offset = values[offset:offset + size], offset + size
                 path, last = read_verdict(row) if trees[i] is not None else ([], row[0])
                 most = max(most, len(path) + 1)
                 lengths[i] += len(path) + 1
