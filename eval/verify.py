@@ -45,8 +45,8 @@ def verify_greedy(tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
     return _verdict(dev, end, best[end])
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Row-wise normalised ``max(p - q, 0)``."""
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Row-wise normalised ``max(p - q, 0)``: what a rejection of a draft from q resamples from."""
     r = (p - q).clamp_min(0)
     total = r.sum(-1, keepdim=True)
     # p == q up to rounding: rejection had probability ~0, any token of p is then correct.
@@ -78,7 +78,7 @@ def _round(p, q, accepted, token, deterministic, k, generator, lenience=1.0):
     accept = live & (q_token > 0) & (u * lenience * q_token < p_token)  # u < p / (l q); >= 1 always accepts
     rejected = (live & ~accept)[:, None]
     one_hot = torch.zeros_like(p).scatter_(1, token, 1.0)
-    p = torch.where(rejected, _residual(p, lenience * torch.where(deterministic[:, None], one_hot, q)), p)
+    p = torch.where(rejected, residual(p, lenience * torch.where(deterministic[:, None], one_hot, q)), p)
     # Without replacement: the next candidate was drawn from q with this one removed.
     removed = q.scatter(1, token, 0.0)
     mass = removed.sum(-1, keepdim=True)
@@ -136,7 +136,7 @@ def lenient_distribution(p: torch.Tensor, q: torch.Tensor, lenience: float) -> t
     accepted mass ``q min(1, p / (l q))`` plus the rejected mass times the residual. Rows of
     ``[..., V]`` inputs are independent cases."""
     accepted = torch.minimum(q, p / lenience)
-    return accepted + (1 - accepted.sum(-1, keepdim=True)) * _residual(p, lenience * q)
+    return accepted + (1 - accepted.sum(-1, keepdim=True)) * residual(p, lenience * q)
 
 
 def verdict(tree: TokenTree, path: list[int], last: int, device: torch.device | str = "cpu") -> torch.Tensor:
