@@ -7,6 +7,7 @@
 # temperature 1 in the automatic dtype, with the cost model's predictions.
 #
 #   bash bench/policies.sh     # PER_CATEGORY=1 MAX_NEW=128 CORES=0 OUT=runs/policies EAGLE=runs/compare/eagle1/checkpoint-final
+#                              # STAGES="t0 t1 lenience" (e.g. STAGES=t0 CORES=0 and STAGES="t1 lenience" CORES=1 at once)
 #
 # The students train on recipes/smollm2-distill.yaml with the EAGLE-3 recipes' data section (so
 # the target's regenerated replies are shared with bench/eagle3_compare.sh, whose EAGLE-1 head this
@@ -21,6 +22,7 @@ CORES="${CORES:-0}"
 OUT="${OUT:-runs/policies}"
 EAGLE="${EAGLE:-runs/compare/eagle1/checkpoint-final}"
 PYTHON="${PYTHON:-python3}"
+STAGES="${STAGES:-t0 t1 lenience}"
 THREADS=$(( $(echo "$CORES" | tr ',' '\n' | wc -l) ))
 PIN=(taskset -c "$CORES" env OMP_NUM_THREADS="$THREADS")
 
@@ -56,10 +58,16 @@ DRAFTERS+=(--drafter "eagle:$EAGLE?depth=8&top_k=3&budget=12&policy=entropy&name
 HF=(--hf-baseline hf_assisted --hf-baseline hf_assisted_dynamic --hf-assistant "student d3 full vocab")
 EVAL=(eval/run.py --per-category "$PER_CATEGORY" --max-new-tokens "$MAX_NEW" --cost-model "${DRAFTERS[@]}" "${HF[@]}")
 
-"${PIN[@]}" "$PYTHON" "${EVAL[@]}" --dtype float32 --temperature 0 --out "$OUT/results-t0"
-"${PIN[@]}" "$PYTHON" "${EVAL[@]}" --temperature 1 \
-    --drafter "draft_lm:$S6?depth=3&$V&lenience=0.5&name=student d3 lenience 0.5 (lossy)" \
-    --drafter "eagle:$EAGLE?depth=6&top_k=3&budget=12&lenience=0.5&name=eagle d6 lenience 0.5 (lossy)" \
-    --out "$OUT/results-t1"
-"${PIN[@]}" "$PYTHON" bench/lenience.py --draft "$S6" --per-category "$PER_CATEGORY" --max-new-tokens "$MAX_NEW" \
-    | tee "$OUT/lenience.md"
+if [[ " $STAGES " == *" t0 "* ]]; then
+    "${PIN[@]}" "$PYTHON" "${EVAL[@]}" --dtype float32 --temperature 0 --out "$OUT/results-t0"
+fi
+if [[ " $STAGES " == *" t1 "* ]]; then
+    "${PIN[@]}" "$PYTHON" "${EVAL[@]}" --temperature 1 \
+        --drafter "draft_lm:$S6?depth=3&$V&lenience=0.5&name=student d3 lenience 0.5 (lossy)" \
+        --drafter "eagle:$EAGLE?depth=6&top_k=3&budget=12&lenience=0.5&name=eagle d6 lenience 0.5 (lossy)" \
+        --out "$OUT/results-t1"
+fi
+if [[ " $STAGES " == *" lenience "* ]]; then
+    "${PIN[@]}" "$PYTHON" bench/lenience.py --draft "$S6" --per-category "$PER_CATEGORY" --max-new-tokens "$MAX_NEW" \
+        | tee "$OUT/lenience.md"
+fi

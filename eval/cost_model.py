@@ -64,9 +64,11 @@ def cost_model_lines(summary: dict, runs: list[Run], costs: dict[int, float]) ->
         if not any(n for r in own for n in r.drafted):
             continue
         draft_cost = sum(r.draft_seconds for r in own) / forwards
-        acceptance = (stats["per_position_acceptance"] or [0.0])[0]
+        # Over the steps that drafted: a policy's declined steps say nothing about the drafter.
+        drafted = [a for r in own for a, n in zip(r.accepted, r.drafted) if n]
+        acceptance = sum(a > 1 for a in drafted) / len(drafted)
         depth, speedup = best_depth(acceptance, draft_cost, costs)
-        lines.append(f"cost model, {method}: first draft token accepted in {acceptance:.0%} of steps, a draft node costs "
+        lines.append(f"cost model, {method}: first draft token accepted in {acceptance:.0%} of drafting steps, a draft node costs "
                      f"{draft_cost / costs[1]:.2f} target steps: best fixed chain depth {depth} (predicted {speedup:.2f}x); "
                      f"drafting pays only above {break_even_acceptance(costs, draft_cost):.0%} acceptance")
     return lines

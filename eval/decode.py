@@ -147,9 +147,10 @@ class SpeculativeDecoder:
 
     def _confident(self, logits: torch.Tensor, token: torch.Tensor, threshold: float) -> torch.Tensor:
         """``[1]`` device flag: the target's probability of ``token`` (its own next token) is at
-        least ``threshold``, under the distribution it decodes from (the softmax when greedy)."""
-        probs = logits.softmax(-1) if self.sampling.greedy else probabilities(logits, self.sampling)
-        return (probs[token] >= threshold).long()
+        least ``threshold``, under its softmax at the sampling temperature (1 when greedy; top-k/p
+        left out: their cut could cost a host sync, and the gate only needs a confidence)."""
+        temperature = 1.0 if self.sampling.greedy else self.sampling.temperature
+        return ((logits / temperature).softmax(-1)[token] >= threshold).long()
 
     def _generate(self, prompt, max_new_tokens, stop_strings, streamer, seed) -> Generation:
         # Drafts never reach past the last new token (their depth is capped by the remaining

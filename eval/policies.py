@@ -30,8 +30,7 @@ DEFAULT_CONFIDENCE = 0.5
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy in nats of the softmax of each row of ``logits`` (``-inf`` entries allowed)."""
-    logp = logits.float().log_softmax(-1)
-    return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+    return torch.special.entr(logits.float().softmax(-1)).sum(-1)
 
 
 class EntropyRule:
@@ -43,10 +42,12 @@ class EntropyRule:
         self.reset()
 
     def reset(self) -> None:
+        """Forget the rejections (a new sequence)."""
         self.total, self.count = 0.0, 0
 
     @property
     def tau(self) -> float:
+        """The threshold now: the initial value until a rejection, then the mean rejected entropy."""
         return self.total / self.count if self.count else self.initial
 
     def rejected(self, value: float) -> None:
@@ -71,9 +72,15 @@ class PolicyConfig:
         if unknown or not names:
             raise UsageError(f"--drafter {spec!r}: unknown policy {','.join(unknown) or '(empty)'}; "
                              f"choose from {', '.join(POLICIES)} (comma-separated to combine entropy,confidence)")
-        tau = float(options.pop("entropy_tau", DEFAULT_ENTROPY_TAU))
-        confidence = float(options.pop("confidence", DEFAULT_CONFIDENCE))
-        lenience = float(options.pop("lenience", 1.0))
+        for option, policy in (("entropy_tau", "entropy"), ("confidence", "confidence")):
+            if option in options and policy not in names:
+                raise UsageError(f"--drafter {spec!r}: {option}= applies to policy={policy}; add it to policy=")
+        try:
+            tau = float(options.pop("entropy_tau", DEFAULT_ENTROPY_TAU))
+            confidence = float(options.pop("confidence", DEFAULT_CONFIDENCE))
+            lenience = float(options.pop("lenience", 1.0))
+        except ValueError as err:
+            raise UsageError(f"--drafter {spec!r}: entropy_tau, confidence and lenience are numbers ({err})") from None
         if tau <= 0:
             raise UsageError(f"--drafter {spec!r}: entropy_tau must be > 0 (nats), got {tau}")
         if not 0 < confidence < 1:
@@ -84,6 +91,7 @@ class PolicyConfig:
 
     @property
     def lossy(self) -> bool:
+        """Whether verification is relaxed (output no longer exactly the target's)."""
         return self.lenience < 1.0
 
     def label(self) -> str:
@@ -103,6 +111,7 @@ class DraftPolicy:
         self.confident = True
 
     def begin(self) -> None:
+        """Start a sequence: the initial threshold, and drafting allowed."""
         if self.rule is not None:
             self.rule.reset()
         self.confident = True
@@ -125,5 +134,7 @@ class DraftPolicy:
         if self.rule is not None and tree is not None:
             end = path[-1] if path else -1
             value = tree.entropy.get(end)
-            if value is not None:  # the end node proposed children and none of them was accepted
+            proposal = tree.proposals.get(end)
+            # A rejection only where the end node's children were verified (all pruned: nothing was).
+            if value is not None and proposal is not None and any(n is not None for n in proposal.nodes):
                 self.rule.rejected(value)

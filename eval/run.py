@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cost-model", action="store_true",
                         help="also time each step's drafting, measure the target's pass-cost curve, and print each "
                              "method's speedup predicted from those costs next to the measured one, with the best "
-                             "fixed depth and break-even acceptance they imply (eval/cost_model.py)")
+                             "fixed depth and break-even acceptance they imply (eval/cost_model.py); timing the "
+                             "drafting synchronises the device around each proposal, which slows GPU runs a little")
     parser.add_argument("--out", default="results", help="output folder")
     args = parser.parse_args(argv)
     if not args.drafter:

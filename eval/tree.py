@@ -338,9 +338,7 @@ def grow_tree(
     distribution has entropy above ``max_entropy`` gets no candidates (the entropy policy, see
     :mod:`draftsmith.eval.policies`); drafting stops early once no node is left to expand.
     """
-    # sampling and policies are leaf modules; importing here keeps this file standalone
-    from draftsmith.eval.policies import entropy
-    from draftsmith.eval.sampling import choose
+    from draftsmith.eval.sampling import choose  # sampling is a leaf module; keeps this file standalone
 
     builder = TreeBuilder()
     frontier, logits = [ROOT], root_logits.view(1, -1)
@@ -349,16 +347,19 @@ def grow_tree(
             logits = expand(frontier, builder)
         tokens, probs = choose(logits, top_k, sampling, generator)
         log_q = probs.clamp_min(1e-30).log() if probs is not None else logits.float().log_softmax(-1)
-        spread = entropy(log_q)
-        # One read-back per level: scores, tokens and entropies together (ids are exact in float64).
-        rows = torch.cat([log_q.gather(-1, tokens).double(), tokens.double(), spread.double()[:, None]], 1).tolist()
+        packed = [log_q.gather(-1, tokens).double(), tokens.double()]
+        if max_entropy is not None:  # only the entropy policy pays for the entropies
+            packed.append(torch.special.entr(log_q.exp()).sum(-1).double()[:, None])
+        # One read-back per level: scores, tokens (exact in float64) and entropies together.
+        rows = torch.cat(packed, 1).tolist()
         k = tokens.shape[-1]  # sampling may draw fewer than top_k (a distribution with a smaller support)
         added: list[int] = []
         for i, parent in enumerate(frontier):
-            if max_entropy is not None and rows[i][-1] > max_entropy:
+            spread = rows[i][2 * k] if max_entropy is not None else None
+            if spread is not None and spread > max_entropy:
                 continue
             added += builder.add(parent, [int(t) for t in rows[i][k:2 * k]], rows[i][:k],
-                                 probs[i] if probs is not None else None, rows[i][-1])
+                                 probs[i] if probs is not None else None, spread)
         frontier = sorted(added, key=lambda n: -builder.scores[n])[:top_k]
         if not frontier:
             break

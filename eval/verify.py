@@ -45,6 +45,14 @@ def verify_greedy(tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
     return _verdict(dev, end, best[end])
 
 
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Row-wise normalised ``max(p - q, 0)``: what a rejection of a draft from q resamples from."""
+    r = (p - q).clamp_min(0)
+    total = r.sum(-1, keepdim=True)
+    # p == q up to rounding: rejection had probability ~0, any token of p is then correct.
+    return torch.where(total > 1e-12, r / total.clamp_min(1e-30), p)
+
+
 def _round(r, z, q, c, accepted, token, deterministic, k, generator, lenience=1.0):
     """Candidate ``k`` of every parent, drawn from q (without replacement) or deterministic
     (a one-hot q): accepted with probability min(1, p(token) / (l q(token))), where p = r / z, the
@@ -141,10 +149,10 @@ def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingCon
         index[dev.prop_rows] = torch.arange(props, device=device)
         at = index[end].clamp_min(0).view(1)
         last_round = (accepted.index_select(0, at) < 0) & (dev.cand_tokens[at, -1] >= 0)
-        residual, *_ = _reject(r.index_select(0, at), z.index_select(0, at),
+        leftover, *_ = _reject(r.index_select(0, at), z.index_select(0, at),
                                q.index_select(0, at) if q is not None else None, c.index_select(0, at),
                                dev.cand_tokens[at, -1], last_round, dev.deterministic.index_select(0, at), lenience)
-        final = torch.where(index[end] >= 0, residual, final)
+        final = torch.where(index[end] >= 0, leftover, final)
     last = torch.where(child[end] == 0, chosen[end], sample(final, generator)[0])
     return _verdict(dev, end, last)
 
@@ -157,20 +165,13 @@ def verify(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,
     return verify_sampling(tree, logits, sampling, generator, lenience)
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Row-wise normalised ``max(p - q, 0)`` (``p`` where that is all but zero)."""
-    r = (p - q).clamp_min(0)
-    total = r.sum(-1, keepdim=True)
-    return torch.where(total > 1e-12, r / total.clamp_min(1e-30), p)
-
-
 def lenient_distribution(p: torch.Tensor, q: torch.Tensor, lenience: float) -> torch.Tensor:
     """The exact distribution of the token emitted at a node with one candidate drawn from ``q``
     and verified against ``p`` with ``lenience`` (``p`` itself at lenience 1): the candidate's
     accepted mass ``q min(1, p / (l q))`` plus the rejected mass times the residual. Rows of
     ``[..., V]`` inputs are independent cases."""
     accepted = torch.minimum(q, p / lenience)
-    return accepted + (1 - accepted.sum(-1, keepdim=True)) * _residual(p, lenience * q)
+    return accepted + (1 - accepted.sum(-1, keepdim=True)) * residual(p, lenience * q)
 
 
 def verdict(tree: TokenTree, path: list[int], last: int, device: torch.device | str = "cpu") -> torch.Tensor:

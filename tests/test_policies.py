@@ -19,7 +19,7 @@ from stats_helpers import chi_square, exact_joint
 from draftsmith.errors import UsageError
 from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters import build_drafter, parse_spec
-from draftsmith.eval.drafters.base import DraftContext
+from draftsmith.eval.drafters.base import DraftContext, StepResult
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
 from draftsmith.eval.drafters.hierarchical import HierarchicalDrafter
 from draftsmith.eval.drafters.oracle import OracleDrafter
@@ -130,7 +130,10 @@ def test_spec_options_and_one_line_refusals():
     assert parse_spec("prompt_lookup?lenience=0.5").name == "prompt_lookup+lenience0.5(lossy)"
     assert parse_spec("prompt_lookup?lenience=0.5&name=x").name == "x(lossy)"
     for bad, words in [("prompt_lookup?policy=entropy", "distribution"), ("draft_lm?policy=longest", "unknown policy"),
-                       ("draft_lm?confidence=1.5", "confidence must be"), ("draft_lm?lenience=0", "lenience must be")]:
+                       ("draft_lm?policy=confidence&confidence=1.5", "confidence must be"),
+                       ("draft_lm?lenience=0", "lenience must be"), ("draft_lm?confidence=0.3", "applies to policy=confidence"),
+                       ("draft_lm?policy=entropy&entropy_tau=high", "are numbers"),
+                       ("hierarchical?policy=entropy", "its own entropy rules")]:
         with pytest.raises(UsageError, match=words):
             parse_spec(bad)
 
@@ -225,6 +228,50 @@ def test_hierarchical_pending_tokens_follow_m2(target, draft, middle):
         p1 = draft(torch.tensor([PROMPT])).logits[0, -1].softmax(-1).double().tolist()
     wrong, _, _ = chi_square(counts, {(t,): p for t, p in enumerate(p1) if p > 0}, SAMPLES)
     assert wrong > 10 * threshold
+
+
+def test_hierarchical_thresholds_follow_the_rejections(target, draft, middle):
+    """Greedy, one burst: M1's threshold becomes M1's entropy where M2 first disagreed, the pending
+    chain is M1's agreed prefix plus M2's own token there, and M2's threshold becomes M2's entropy
+    where the target rejected."""
+    drafter = HierarchicalDrafter(draft, middle, depth=4, m1_depth=4, m1_tau=10.0, m2_tau=10.0)
+    drafter.begin(PROMPT, None)
+    tree = drafter.propose(DraftContext(PROMPT, SamplingConfig(), None, 4))
+    chain_tokens, m1_entropy = [], []
+    with torch.no_grad():
+        for _ in range(4):  # M1's own greedy chain, and its entropy at each position
+            logits = draft(torch.tensor([PROMPT + chain_tokens])).logits[0, -1]
+            m1_entropy.append(entropy(logits).item())
+            chain_tokens.append(int(logits.argmax()))
+        m2_logits = middle(torch.tensor([PROMPT + chain_tokens])).logits[0, len(PROMPT) - 1:]
+    m2_own = m2_logits.argmax(-1).tolist()
+    first = next(i for i in range(4) if chain_tokens[i] != m2_own[i])  # these two models disagree early
+    assert tree.tokens == chain_tokens[:first] + [m2_own[first]]
+    assert drafter.rule1.tau == pytest.approx(m1_entropy[first], abs=1e-4)
+    m2_entropy = entropy(m2_logits[:first + 1]).tolist()
+    assert drafter._m2_entropy == pytest.approx(m2_entropy, abs=1e-4)
+    # The target keeps none of them: M2's entropy at the first pending token becomes its threshold.
+    drafter.accept(StepResult([(tree.tokens[0] + 1) % V], None, PROMPT))
+    assert drafter.rule2.tau == pytest.approx(m2_entropy[0], abs=1e-4)
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["m2_distributions", "negative_control_m1_distributions"])
+def test_hierarchical_target_verifies_against_m2(monkeypatch, target, draft, middle, wrong):
+    """Always drafting (thresholds above any entropy here), the output is exact; verifying the same
+    tokens against M1's distributions instead of M2's (a plausible bug) fails the same test."""
+    drafter = HierarchicalDrafter(draft, middle, depth=3, m1_depth=2, m1_tau=10.0, m2_tau=10.0)
+    if wrong:
+        pre_verify = drafter._pre_verify
+
+        def m1_distributions(burst, logits, sampling, generator):
+            rows, _ = pre_verify(burst, logits, sampling, generator)
+            return rows, torch.stack([burst.proposals[ROOT if i == 0 else i - 1].probs for i in range(len(burst))])
+
+        monkeypatch.setattr(drafter, "_pre_verify", m1_distributions)
+    sampling = SamplingConfig(1.0)
+    counts, _ = sample_counts(SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set()))
+    statistic, threshold, _ = chi_square(counts, exact_joint(target, PROMPT, 4, sampling), SAMPLES)
+    assert (statistic > 2 * threshold) if wrong else (statistic < threshold)
 
 
 def test_hierarchical_spec_builds_cut_students(smollm2):

@@ -153,6 +153,8 @@ def parse_spec(spec: str) -> DrafterSpec:
         raise UsageError(f"--drafter {spec!r}: unknown option(s) {', '.join(unknown)} for {kind}; "
                          f"its options: {', '.join([*KINDS[kind].options, *POLICY_OPTIONS, 'name'])}")
     policy = PolicyConfig.from_options(spec, options)
+    if policy.entropy_tau and kind == "hierarchical":
+        raise UsageError(f"--drafter {spec!r}: the hierarchical drafter has its own entropy rules; set m1_tau= and m2_tau=")
     if policy.entropy_tau and not KINDS[kind].has_distribution:
         raise UsageError(f"--drafter {spec!r}: policy=entropy needs a drafter that drafts from a distribution "
                          f"({', '.join(k for k, v in KINDS.items() if v.has_distribution)}); {kind} has none")
@@ -214,6 +216,8 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
                               else derive_draft_lm(target, num_layers=layers))
                 if vocab is not None:
                     options[f"{m}_vocab"] = draft_vocab_from_counts(str(path), int(vocab), models[-1])
+            if min(float(options.get("m1_tau", 1.0)), float(options.get("m2_tau", 1.0))) <= 0:
+                raise UsageError("hierarchical options m1_tau and m2_tau must be > 0 (nats)")
             drafter = HierarchicalDrafter(*models, **options)
         elif parsed.kind == "eagle":
             from draftsmith.eval.drafters.eagle import EagleDrafter

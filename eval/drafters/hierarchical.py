@@ -27,7 +27,7 @@ from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
 from draftsmith.eval.policies import DEFAULT_ENTROPY_TAU, EntropyRule, entropy
 from draftsmith.eval.sampling import probabilities, sample
 from draftsmith.eval.tree import ROOT, TokenTree, chain
-from draftsmith.eval.verify import _residual
+from draftsmith.eval.verify import residual
 
 
 class HierarchicalDrafter(Drafter):
@@ -46,31 +46,36 @@ class HierarchicalDrafter(Drafter):
         self._m2_entropy: list[float] = []
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        """A new sequence: empty caches, initial thresholds."""
         self.m1.begin(tokens, hidden)
         self.m2.begin(tokens, hidden)
         self.rule1.reset()
         self.rule2.reset()
         self._pending, self._m2_entropy = [], []
 
-    def _pre_verify(self, burst: TokenTree, logits: torch.Tensor, sampling, generator) -> list[list[float]]:
+    def _pre_verify(self, burst: TokenTree, logits: torch.Tensor, sampling,
+                    generator) -> tuple[list[list[float]], torch.Tensor | None]:
         """M2's verdict on an M1 burst, read back in one transfer: per position, [M2 accepts the M1
-        token, M2's entropy, M2's correction token]."""
+        token, M2's entropy, M2's correction token]; and M2's distributions when sampling. Entropies
+        are of the distribution each model drafts from, as for M1 (the warped one when sampling)."""
         tokens = torch.tensor(burst.tokens, device=logits.device)
-        spread = entropy(logits)
         if sampling.greedy:
-            own = logits.argmax(-1)
-            accept, correction = own == tokens, own
+            p, own = None, logits.argmax(-1)
+            accept, correction, spread = own == tokens, own, entropy(logits)
         else:
             p = probabilities(logits, sampling)
             q = torch.stack([burst.proposals[ROOT if i == 0 else i - 1].probs for i in range(len(burst))]).to(p)
             p_x, q_x = p.gather(1, tokens[:, None])[:, 0], q.gather(1, tokens[:, None])[:, 0]
             u = torch.rand(p_x.shape, generator=generator, device=p.device)
             accept = u * q_x < p_x
-            correction = sample(_residual(p, q), generator)
-        return torch.stack([accept.double(), spread.double(), correction.double()], 1).tolist()
+            correction = sample(residual(p, q), generator)
+            spread = torch.special.entr(p).sum(-1)
+        return torch.stack([accept.double(), spread.double(), correction.double()], 1).tolist(), p
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
+        """M1 bursts pre-verified by M2 until M2 rejects, loses confidence or the draft is full:
+        the pending chain, with M2's distributions as its draft distributions when sampling."""
         sampling, generator = context.sampling, context.generator
         budget = min(self.depth, context.max_tokens)
         pending: list[int] = []
@@ -83,14 +88,14 @@ class HierarchicalDrafter(Drafter):
                 break
             # M2's distributions after the sequence and after each burst token but the last: one forward.
             logits = self.m2.sync(sequence + burst.tokens[:-1], rows=len(burst))
-            verdicts = self._pre_verify(burst, logits, sampling, generator)
+            verdicts, p2 = self._pre_verify(burst, logits, sampling, generator)
             stop = False
             for i, (accepted, spread, correction) in enumerate(verdicts):
                 if spread > self.rule2.tau:  # M2 lost confidence: its token here would be a guess
                     stop = True
                     break
-                if not sampling.greedy:
-                    m2_probs.append(probabilities(logits[i], sampling))
+                if p2 is not None:
+                    m2_probs.append(p2[i])
                 self._m2_entropy.append(spread)
                 if accepted:
                     pending.append(burst.tokens[i])
@@ -105,6 +110,7 @@ class HierarchicalDrafter(Drafter):
         return chain(pending, m2_probs or None)
 
     def accept(self, result: StepResult) -> None:
+        """Update M2's threshold with its entropy where the target rejected a pending token."""
         accepted = 0
         while accepted < len(self._pending) and result.accepted[accepted] == self._pending[accepted]:
             accepted += 1
