@@ -46,6 +46,18 @@ def make_tiny_llama():
     return tiny_llama
 
 
+@pytest.fixture(scope="session")
+def tiny_pair_target():
+    """The statistical tests' target: 8 tokens, peaked (weights x 15)."""
+    return tiny_llama(vocab_size=8, hidden_size=32, layers=1, seed=0, scale=15.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_draft():
+    """A draft unrelated to ``tiny_pair_target`` (other seed, flatter): many rejections, some acceptances."""
+    return tiny_llama(vocab_size=8, hidden_size=32, layers=1, seed=1, scale=8.0)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for tiny models: their ops are all overhead, and two threads on two

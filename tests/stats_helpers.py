@@ -14,6 +14,19 @@ from draftsmith.eval.sampling import SamplingConfig, probabilities
 QUANTILE = 0.999
 
 
+def generate_counts(decoder, prompt: list[int], length: int, n: int):
+    """``n`` seeded generations of ``length`` tokens: Counters of the outputs, of the per-step
+    acceptances and of the per-step tree sizes (each as a tuple per generation)."""
+    counts, accepted, drafted = collections.Counter(), collections.Counter(), collections.Counter()
+    for i in range(n):
+        gen = decoder.generate(prompt, length, seed=i)
+        assert len(gen.tokens) == length and sum(gen.accepted) == length - 1
+        counts[tuple(gen.tokens)] += 1
+        accepted[tuple(gen.accepted)] += 1
+        drafted[tuple(gen.drafted)] += 1
+    return counts, accepted, drafted
+
+
 @torch.no_grad()
 def exact_joint(model, prompt: list[int], length: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
     """P(first ``length`` generated tokens) under plain sampling from ``model``, every prefix enumerated."""

@@ -83,8 +83,8 @@ SAMPLES = 3000
 
 
 @pytest.fixture(scope="module")
-def tiny_target(make_tiny_llama):
-    return make_tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
+def tiny_target(tiny_pair_target):
+    return tiny_pair_target
 
 
 def _tiny_head(target, init: str, draft_vocab: list[int] | None = None) -> EagleHead:

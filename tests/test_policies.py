@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from stats_helpers import chi_square, exact_joint
+from stats_helpers import chi_square, exact_joint, generate_counts
 
 from draftsmith.errors import UsageError
 from draftsmith.eval.decode import SpeculativeDecoder
@@ -37,13 +37,13 @@ SAMPLES = 2000
 
 
 @pytest.fixture(scope="module")
-def target(make_tiny_llama):
-    return make_tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
+def target(tiny_pair_target):
+    return tiny_pair_target
 
 
 @pytest.fixture(scope="module")
-def draft(make_tiny_llama):
-    return make_tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=1, scale=8.0)
+def draft(tiny_pair_draft):
+    return tiny_pair_draft
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +55,6 @@ def middle(make_tiny_llama):
 def with_policy(drafter, **options):
     drafter.policy = PolicyConfig(**options)
     return drafter
-
-
-def sample_counts(decoder, length=4, n=SAMPLES):
-    counts, drafted = collections.Counter(), collections.Counter()
-    for i in range(n):
-        gen = decoder.generate(PROMPT, length, seed=i)
-        assert len(gen.tokens) == length and sum(gen.accepted) == length - 1
-        counts[tuple(gen.tokens)] += 1
-        drafted[tuple(gen.drafted)] += 1
-    return counts, drafted
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +190,8 @@ def test_policies_are_lossless_greedy(target, draft, middle):
 def test_policies_are_lossless_sampling(target, draft, middle, name):
     drafter = policy_drafters(target, draft, middle)[name]
     sampling = SamplingConfig(1.0)
-    counts, drafted = sample_counts(SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set()))
+    decoder = SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set())
+    counts, _, drafted = generate_counts(decoder, PROMPT, 4, SAMPLES)
     statistic, threshold, _ = chi_square(counts, exact_joint(target, PROMPT, 4, sampling), SAMPLES)
     print(f"{name}: chi2 {statistic:.1f} < {threshold:.1f}; tree sizes {drafted.most_common(5)}")
     assert statistic < threshold
@@ -269,7 +260,7 @@ def test_hierarchical_target_verifies_against_m2(monkeypatch, target, draft, mid
 
         monkeypatch.setattr(drafter, "_pre_verify", m1_distributions)
     sampling = SamplingConfig(1.0)
-    counts, _ = sample_counts(SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set()))
+    counts, _, _ = generate_counts(SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set()), PROMPT, 4, SAMPLES)
     statistic, threshold, _ = chi_square(counts, exact_joint(target, PROMPT, 4, sampling), SAMPLES)
     assert (statistic > 2 * threshold) if wrong else (statistic < threshold)
 

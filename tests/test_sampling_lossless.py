@@ -19,7 +19,7 @@ import collections
 import pytest
 import torch
 
-from stats_helpers import chi_square, exact_joint
+from stats_helpers import chi_square, exact_joint, generate_counts
 
 import draftsmith.eval.decode as decode_module
 import draftsmith.eval.sampling as sampling_module
@@ -43,30 +43,19 @@ SAMPLES = 2000
 # Exact reference and the test statistic
 
 
-def generate_counts(decoder: SpeculativeDecoder, length: int, n: int = SAMPLES, prompt: list[int] = PROMPT):
-    counts, accepted = collections.Counter(), collections.Counter()
-    for i in range(n):
-        gen = decoder.generate(prompt, length, seed=i)
-        assert len(gen.tokens) == length and sum(gen.accepted) == length - 1
-        counts[tuple(gen.tokens)] += 1
-        accepted[tuple(gen.accepted)] += 1
-    return counts, accepted
-
-
 # ---------------------------------------------------------------------------------------------
 # Models and drafters
 
 
 
 @pytest.fixture(scope="module")
-def target(make_tiny_llama):
-    return make_tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
+def target(tiny_pair_target):
+    return tiny_pair_target
 
 
 @pytest.fixture(scope="module")
-def draft(make_tiny_llama):
-    """An unrelated model (other seed, flatter): many rejections, some acceptances."""
-    return make_tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=1, scale=8.0)
+def draft(tiny_pair_draft):
+    return tiny_pair_draft
 
 
 class FixedTreeDrafter(Drafter):
@@ -109,7 +98,7 @@ def run_case(monkeypatch, target, drafter, sampling, length, n=SAMPLES, prompt=P
     recorder = Recorder(decode_module.verify)
     monkeypatch.setattr(decode_module, "verify", recorder)
     decoder = SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set())
-    counts, accepted = generate_counts(decoder, length, n, prompt)
+    counts, accepted, _ = generate_counts(decoder, prompt, length, n)
     statistic, threshold, cells = chi_square(counts, exact_joint(target, prompt, length, sampling), n)
     print(f"{drafter.name}: chi2 = {statistic:.1f} (threshold {threshold:.1f}, {cells} cells), "
           f"accepted {accepted.most_common(4)}, pruned trees {recorder.pruned_trees}, "
@@ -125,7 +114,7 @@ def test_plain_sampling_matches_exact(target):
     """The reference itself: plain sampling (no drafter) must pass the same test."""
     sampling = SamplingConfig(temperature=1.0)
     decoder = SpeculativeDecoder(target, None, None, sampling, eos_ids=set())
-    counts, _ = generate_counts(decoder, 3, 2000)
+    counts, _, _ = generate_counts(decoder, PROMPT, 3, 2000)
     statistic, threshold, _ = chi_square(counts, exact_joint(target, PROMPT, 3, sampling), 2000)
     assert statistic < threshold
 
