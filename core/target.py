@@ -23,6 +23,9 @@ from draftsmith.hub import check_hub_id
 from draftsmith.precision import resolve_dtype
 
 DEFAULT_TARGET = "default"
+# The hub repository the bundled target was quantised from (the bundled file is its Q4_1 GGUF):
+# what exports name as the verifier, since engines on other machines load targets by hub id.
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def default_device() -> torch.device:

@@ -17,7 +17,7 @@ from pathlib import Path
 from draftsmith.errors import UsageError
 from draftsmith.export import hf, medusa, sglang, speculators, vllm_medusa
 from draftsmith.export.card import write_card
-from draftsmith.export.common import find_target, read_source, refuse
+from draftsmith.export.common import find_target, read_source, record_export, refuse
 
 FORMATS = {module.NAME: module for module in (speculators, sglang, vllm_medusa, medusa, hf)}
 COPIED = ("tree.yaml", "adapter")  # Medusa: the calibrated tree and a Medusa-2 LoRA adapter travel along
@@ -30,16 +30,20 @@ def _tree(kind: str, config: dict, draft_tokens: int | None) -> dict:
 
     tree = {key: default for key, (default, _) in KINDS[kind].options.items()}
     tree["depth"] = draft_tokens or tree.get("depth") or config["num_heads"]
+    if kind == "medusa":  # a Medusa head per drafted token
+        tree["depth"] = min(tree["depth"], config["num_heads"])
     return tree
 
 
 def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, target: str | None = None,
-                      results: str | Path | None = None, draft_tokens: int | None = None) -> list[str]:
+                      results: str | Path | None = None, draft_tokens: int | None = None,
+                      target_hub_id: str | None = None) -> list[str]:
     """Export the drafter checkpoint folder ``checkpoint`` to ``fmt`` in folder ``out``.
 
     ``target``: the target's local folder when the recorded name does not resolve offline;
     ``results``: an ``eval/run.py`` results.json whose acceptance lengths go into the model card;
-    ``draft_tokens``: tokens drafted per step in the serve command (default: the engine's default depth).
+    ``draft_tokens``: tokens drafted per step in the serve command (default: the engine's default depth);
+    ``target_hub_id``: the hub id engines are told the target is (default: derived, see :class:`Target`).
     Returns the command lines that serve the export. Bad input raises a :class:`UserError`.
     """
     if fmt not in FORMATS:
@@ -51,13 +55,14 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, target:
     out = Path(out).expanduser().resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out}: exists and is not an empty folder; choose a new folder")
-    found = find_target(source, target)
+    found = find_target(source, target, target_hub_id)
     tree = _tree(source.kind, source.config, draft_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside ``out`` and renamed into place: a refused or interrupted export leaves nothing.
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         serve = module.export(source, found, tmp, tree)
+        record_export(tmp, source, fmt, found, tree["depth"])
         for name in COPIED if source.kind == "medusa" else ():
             item = source.path / name
             if item.exists():

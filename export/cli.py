@@ -3,12 +3,15 @@
 Formats: ``speculators`` (EAGLE-3; vLLM loads it), ``sglang`` (EAGLE-1 and EAGLE-3 draft folders
 for ``--speculative-draft-model-path``), ``vllm-medusa`` and ``medusa`` (Medusa heads for vLLM's
 and the official loaders), ``hf`` (distilled draft LMs). Prints the command that serves the export.
+``--check vllm`` then serves the export in vLLM and compares it with draftsmith's engine (the gate,
+:mod:`draftsmith.export.serve_check`): exit code 1 when they disagree.
 """
 
 from __future__ import annotations
 
 from draftsmith.errors import ArgumentParser, at_least, report_user_errors
 from draftsmith.export import FORMATS, export_checkpoint
+from draftsmith.export.serve_check import ENGINES, add_check_arguments, report, serve_check
 
 
 @report_user_errors
@@ -24,11 +27,20 @@ def main(argv: list[str] | None = None) -> None:
                         help="an eval/run.py results.json: this checkpoint's acceptance lengths go into the card")
     parser.add_argument("--draft-tokens", type=at_least(1), default=None,
                         help="tokens drafted per step in the printed serve command (default: the engine's depth)")
+    parser.add_argument("--target-hub-id", default=None,
+                        help="the target's hub id, written where engines name the verifier (default: the recorded "
+                             "target's, when it is a hub id or a hub-cache folder)")
+    parser.add_argument("--check", choices=ENGINES, default=None,
+                        help="then serve the export in this engine and compare with draftsmith's (exit 1 on mismatch)")
+    add_check_arguments(parser, prefix="check-")
     args = parser.parse_args(argv)
-    serve = export_checkpoint(args.checkpoint, args.format, args.out, args.target, args.results, args.draft_tokens)
+    serve = export_checkpoint(args.checkpoint, args.format, args.out, args.target, args.results, args.draft_tokens,
+                              args.target_hub_id)
     print(f"exported {args.checkpoint} as {args.format} to {args.out} (model card: {args.out}/README.md); serve it with:")
     for line in serve:
         print(f"  {line}")
+    if args.check:
+        report(serve_check(args.out, args.check, args.check_prompts, args.check_limit, args.check_max_new_tokens))
 
 
 if __name__ == "__main__":

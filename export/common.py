@@ -23,9 +23,13 @@ from draftsmith.heads.common import EXPORT_KEY, check_target
 
 DRAFT_LM = "draft_lm"
 TARGET_RECORD = "draftsmith_target.json"  # where a distilled draft LM names its target
+# Where a plain Hugging Face export (whose config.json is the model's own) keeps draftsmith's record.
+EXPORT_SIDECAR = "draftsmith_export.json"
 WEIGHTS = "model.safetensors"
 # draftsmith's Medusa residual blocks: blocks.<head>.<block>.linear.<weight|bias>
 MEDUSA_BLOCK = re.compile(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)")
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+HUB_CACHE_FOLDER = re.compile(r"models--([\w.-]+?)--([\w.-]+)/snapshots/")
 
 
 def rename_blocks(tensors: dict[str, torch.Tensor], pattern: re.Pattern, template: str) -> dict[str, torch.Tensor]:
@@ -84,6 +88,27 @@ class Target:
     name: str  # as recorded in the checkpoint
     folder: Path
     source: Source = field(repr=False)
+    hub_id_override: str | None = None  # --target-hub-id
+
+    @property
+    def hub_id(self) -> str | None:
+        """The target's hub id (``--target-hub-id``, the recorded hub id, the bundled target's
+        origin, or read off a hub-cache folder ``models--ORG--NAME/snapshots/REV``), else None."""
+        from draftsmith.target import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID
+
+        if self.hub_id_override:
+            return self.hub_id_override
+        if self.name == DEFAULT_TARGET:
+            return DEFAULT_TARGET_HUB_ID
+        if HUB_ID.fullmatch(self.name) and not Path(self.name).expanduser().exists():
+            return self.name
+        cached = HUB_CACHE_FOLDER.search(self.folder.as_posix())
+        return f"{cached.group(1)}/{cached.group(2)}" if cached else None
+
+    @property
+    def verifier_name(self) -> str:
+        """What engines are told the verifier is: its hub id, else (one machine only) its local folder."""
+        return self.hub_id or str(self.folder)
 
     @cached_property
     def model(self) -> PreTrainedModel:
@@ -97,35 +122,55 @@ class Target:
         return json.loads((self.folder / "config.json").read_text()).get("architectures") or []
 
 
-def find_target(source: Source, override: str | None = None) -> Target:
+def find_target(source: Source, override: str | None = None, hub_id: str | None = None) -> Target:
     """The local folder of ``source``'s target: ``override`` (``--target``), else the recorded name
-    (``default``, a folder, a ``.gguf`` file or a hub id present in the local hub cache)."""
+    (``default``, a folder, a ``.gguf`` file or a hub id present in the local hub cache);
+    ``hub_id`` (``--target-hub-id``) names it for engines elsewhere."""
     from draftsmith.target import resolve_target
 
     name = source.record.get("name")
+    if hub_id is not None and not HUB_ID.fullmatch(hub_id):
+        raise UsageError(f"--target-hub-id {hub_id!r}: not a hub id (ORG/NAME)")
     if override:
         folder = Path(override).expanduser()
         if not (folder / "config.json").is_file():
             raise UsageError(f"--target {override}: not a model folder (no config.json)")
-        return Target(name or str(folder), folder.resolve(), source)
+        return Target(name or str(folder), folder.resolve(), source, hub_id)
     if not name:
         raise CheckpointError(f"{source.path} does not record its target's name (config.json 'target.name'); "
                               "give the target's local folder with --target DIR")
     resolved = resolve_target(name, field=f"{source.path}: target")
     if Path(resolved).is_dir():
-        return Target(name, Path(resolved).resolve(), source)
+        return Target(name, Path(resolved).resolve(), source, hub_id)
     from huggingface_hub import snapshot_download
 
     try:
-        return Target(name, Path(snapshot_download(resolved, local_files_only=True)), source)
+        return Target(name, Path(snapshot_download(resolved, local_files_only=True)), source, hub_id)
     except Exception:  # not in the local cache: the export must name a folder that loads offline
         raise UsageError(f"target {name!r} has no local copy: download it (`hf download {name} --local-dir DIR`) "
                          "and give --target DIR") from None
 
 
 def export_block(source: Source, fmt: str) -> dict:
-    """What an exported config.json carries for draftsmith: format, source and the drafter's config."""
+    """What an exported config.json carries for draftsmith: format, source and the drafter's config
+    (:func:`record_export` adds the target's local folder and the drafted tokens per step)."""
     return {EXPORT_KEY: {"format": fmt, "kind": source.kind, "source": str(source.path.resolve()), "config": source.config}}
+
+
+def record_export(out: Path, source: Source, fmt: str, target: Target, draft_tokens: int) -> None:
+    """Add to the export's draftsmith record what only this machine knows: the target's local
+    folder (engines are told the hub id; the serve check and ``eval/run.py`` load this folder) and
+    the tokens drafted per step the export was made for. Formats whose config.json is the engine's
+    alone (``hf``) get the record as :data:`EXPORT_SIDECAR`."""
+    extra = {"target_folder": str(target.folder), "num_speculative_tokens": draft_tokens}
+    file = out / "config.json"
+    config = json.loads(file.read_text()) if file.is_file() else {}
+    if EXPORT_KEY in config:
+        config[EXPORT_KEY].update(extra)
+        write_config(out, config)
+    else:
+        (out / EXPORT_SIDECAR).write_text(json.dumps({**export_block(source, fmt)[EXPORT_KEY], **extra}, indent=1,
+                                                     default=str))
 
 
 def write_config(out: Path, config: dict) -> None:

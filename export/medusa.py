@@ -51,7 +51,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         tensors[f"{k}.{layers}.weight"] = (shared if shared is not None else state["lm_weight"][k]).contiguous()
     torch.save(tensors, out / HEADS_FILE)
     write_config(out, {"medusa_num_heads": config["num_heads"], "medusa_num_layers": layers,
-                       "base_model_name_or_path": str(target.folder), **export_block(source, NAME)})
+                       "base_model_name_or_path": target.verifier_name, **export_block(source, NAME)})
     return [f"python -c \"from medusa.model.medusa_model import MedusaModel; MedusaModel.from_pretrained('{out}')\""]
 
 

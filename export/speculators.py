@@ -9,8 +9,9 @@ Every field and weight name below is read by ``speculators`` 0.9.0 (``config.py`
   ``norm_before_residual`` (written always: vLLM defaults it to True when absent),
   ``transformer_layer_config.num_aux_hidden_states`` (vLLM sizes ``fc`` from it, default 3),
   ``eagle_aux_hidden_state_layer_ids`` (HF ``hidden_states[L]``, the input of decoder layer L, as
-  draftsmith's ``aux_layers``), ``speculators_config.verifier.name_or_path`` (the target's local
-  folder: ``load_verifier_weights`` reads its embedding, LM head and norm from there).
+  draftsmith's ``aux_layers``), ``speculators_config.verifier.name_or_path`` (the target's hub id:
+  ``vllm serve EXPORT`` loads the verifier from it and refuses a local path, and a path breaks on
+  another machine; the local folder stays in draftsmith's own record).
 - Weights are draftsmith's names unchanged (the head was written with speculators' names) plus
   ``embed_tokens.weight`` from the target (speculators' own checkpoints carry it). ``d2t`` (int64,
   target id = draft id + d2t[draft id]) and ``t2d`` (bool over the target vocabulary) are written
@@ -84,7 +85,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tree["depth"],
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(target.folder), "architectures": target.architectures},
+            "verifier": {"name_or_path": target.verifier_name, "architectures": target.architectures},
         },
         **export_block(source, NAME),
     })

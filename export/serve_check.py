@@ -1,0 +1,305 @@
+"""The export gate: serve an exported drafter in vLLM and compare it with draftsmith's own engine.
+
+``draftsmith-serve-check DIR --engine vllm [--prompts FILE] [--limit N]`` (and
+``draftsmith-export ... --check vllm``) decodes the same prompts, greedily, one request at a time,
+four ways: vLLM plain, vLLM with the exported drafter, draftsmith plain, and draftsmith with the
+*training checkpoint the export came from*, drafting a chain of the export's depth. A converter
+that drops, permutes or mislabels weights leaves draftsmith's figures unchanged and moves vLLM's,
+so the gate compares, per draft position, the share of drafts vLLM accepted with ours, and checks
+that vLLM's speculative output is token-identical to its plain output. It writes
+``DIR/serve_check.json`` and ``DIR/serve_check.md`` and exits 1 when it fails, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftsmith.errors import ArgumentParser, CheckpointError, UsageError, at_least, report_user_errors
+from draftsmith.vllm_engine import EngineError, engine_args, run_job, vllm_version
+
+TOLERANCE = 0.03  # largest per-position difference in acceptance rate that passes
+DEFAULT_LIMIT = 8  # MT-bench: the first question of each category
+DEFAULT_MAX_NEW_TOKENS = 128
+REPORT = "serve_check.json"
+TABLE = "serve_check.md"
+ENGINES = ("vllm",)
+
+
+@dataclass
+class Served:
+    """What vLLM must be told to serve an export: its speculative method and drafted tokens per step."""
+
+    method: str
+    num_speculative_tokens: int
+
+
+@dataclass
+class CheckResult:
+    """``serve_check.json``."""
+
+    passed: bool
+    engine: str
+    version: str
+    num_speculative_tokens: int
+    positions: list[dict]  # per draft position: {"vllm": rate, "ours": rate}
+    same_output: bool  # vLLM's speculative output equals its plain output on every prompt
+    vllm_tok_s: float
+    vllm_plain_tok_s: float
+    ours_tok_s: float
+    ours_plain_tok_s: float
+    vllm_acceptance_length: float
+    ours_acceptance_length: float
+    same_as_ours: float  # share of prompts where vLLM's plain output equals draftsmith's plain output
+    prompts: int
+    max_new_tokens: int
+    tolerance: float = TOLERANCE
+    failures: list[str] = field(default_factory=list)
+    export: str = ""
+    source: str = ""
+    target: str = ""
+
+
+def export_metadata(folder: Path) -> dict:
+    """draftsmith's record of an export (format, kind, source checkpoint, target folder, depth)."""
+    from draftsmith.export.common import EXPORT_SIDECAR
+    from draftsmith.heads.common import EXPORT_KEY
+
+    config_file, sidecar = folder / "config.json", folder / EXPORT_SIDECAR
+    if sidecar.is_file():
+        return json.loads(sidecar.read_text())
+    if config_file.is_file():
+        block = json.loads(config_file.read_text()).get(EXPORT_KEY)
+        if block:
+            return block
+    raise CheckpointError(f"{folder} is not a draftsmith export (no {EXPORT_SIDECAR} and no '{EXPORT_KEY}' in "
+                          "config.json); export a training checkpoint with draftsmith-export first")
+
+
+def served_as(meta: dict, folder: Path, draft_tokens: int | None) -> Served:
+    """How vLLM serves this export, or a one-line refusal saying why it cannot and what to use."""
+    fmt, kind = meta.get("format"), meta.get("kind")
+    depth = draft_tokens or meta.get("num_speculative_tokens") or 3
+    if fmt == "speculators":
+        return Served("eagle3", depth)
+    if fmt == "vllm-medusa":
+        if (folder / "adapter").is_dir():
+            raise UsageError(f"{folder}: Medusa-2 heads verify with their LoRA-tuned target, which vLLM does not "
+                             "load beside them; merge the adapter into the target (peft merge_and_unload) and serve "
+                             "that, or check Medusa-1 heads")
+        heads = meta["config"]["num_heads"]
+        if depth > heads:
+            raise UsageError(f"--draft-tokens {depth}: these Medusa heads draft at most {heads} tokens")
+        return Served("medusa", depth)
+    if fmt == "hf":
+        return Served("draft_model", depth)
+    if fmt == "sglang" and kind == "eagle":
+        raise UsageError(f"{folder}: vLLM cannot serve draftsmith's EAGLE-1 heads: vLLM's EAGLE-1 model "
+                         "(model_executor/models/llama_eagle.py) builds fc without a bias, and these heads train one; "
+                         "serve this export in SGLang, or train an EAGLE-3 head and export --format speculators")
+    if fmt == "sglang":
+        raise UsageError(f"{folder}: this is the SGLang layout; vLLM serves EAGLE-3 heads from "
+                         "`draftsmith-export CKPT --format speculators`: check that export")
+    raise UsageError(f"{folder}: vLLM has no loader for the {fmt!r} layout (the official Medusa format); "
+                     "export --format vllm-medusa and check that")
+
+
+def _our_spec(kind: str, source: str, depth: int):
+    """The drafter spec that makes draftsmith draft the chain vLLM drafts: ``depth`` tokens, top-1 each."""
+    from draftsmith.eval.drafters import DrafterSpec
+
+    if kind == "medusa":
+        chain = [[0] * (d + 1) for d in range(depth)]
+        return DrafterSpec("medusa", source, {"choices": json.dumps(chain)}, "ours")
+    if kind == "draft_lm":
+        return DrafterSpec("draft_lm", source, {"depth": depth, "top_k": 1}, "ours")
+    return DrafterSpec(kind, source, {"depth": depth, "top_k": 1, "budget": depth}, "ours")
+
+
+def position_rates(accepted_per_step: list[list[int]], drafted_per_step: list[list[int]], depth: int) -> list[float]:
+    """Per draft position, the share of drafting steps whose draft was accepted that far (vLLM's
+    ``num_accepted_tokens_per_pos / num_drafts``); ``accepted`` counts the target's bonus token."""
+    hits, drafts = [0] * depth, 0
+    for accepted, drafted in zip(accepted_per_step, drafted_per_step):
+        for tokens, nodes in zip(accepted, drafted):
+            if nodes == 0:
+                continue
+            drafts += 1
+            for position in range(min(tokens - 1, depth)):
+                hits[position] += 1
+    return [h / drafts if drafts else 0.0 for h in hits]
+
+
+def _ours(target_folder: str, spec, prompts: list[list[int]], max_new_tokens: int, depth: int) -> dict:
+    """draftsmith's engine, plain and with the drafter, fp32 on the first accelerator (or CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.eval.decode import SpeculativeDecoder, eos_token_ids
+    from draftsmith.eval.drafters import build_drafter
+    from draftsmith.eval.sampling import SamplingConfig
+    from draftsmith.target import load_tokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32).to(device).eval()
+    tokenizer = load_tokenizer(target_folder)
+    eos = eos_token_ids(target, tokenizer)
+    drafter = build_drafter(spec, target)
+    plain = SpeculativeDecoder(target, None, tokenizer, SamplingConfig(), eos)
+    speculative = SpeculativeDecoder(target, drafter, tokenizer, SamplingConfig(), eos)
+    for decoder in (plain, speculative):  # first calls pay one-off allocation costs
+        decoder.generate(prompts[0], 8)
+    result = {"plain": [], "spec": [], "accepted": [], "drafted": [], "plain_s": 0.0, "spec_s": 0.0, "eos": sorted(eos)}
+    for ids in prompts:
+        base = plain.generate(ids, max_new_tokens)
+        gen = speculative.generate(ids, max_new_tokens)
+        result["plain"].append(base.tokens)
+        result["spec"].append(gen.tokens)
+        result["accepted"].append(gen.accepted)
+        result["drafted"].append(gen.drafted)
+        result["plain_s"] += base.prefill_seconds + base.decode_seconds
+        result["spec_s"] += gen.prefill_seconds + gen.decode_seconds
+    result["rates"] = position_rates(result["accepted"], result["drafted"], depth)
+    steps = sum(len(a) for a in result["accepted"])
+    result["tau"] = sum(map(sum, result["accepted"])) / steps if steps else 0.0
+    return result
+
+
+def _prompt_ids(target_folder: str, prompts: str | None, limit: int | None) -> list[list[int]]:
+    from draftsmith.data_prep.chat import render_prompt
+    from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
+    from draftsmith.target import load_tokenizer
+
+    tokenizer = load_tokenizer(target_folder)
+    if prompts:
+        chosen = load_prompts(prompts, limit or DEFAULT_LIMIT)
+    else:
+        chosen = load_prompts(MT_BENCH, limit, per_category=None if limit else 1)
+    if not chosen:
+        raise UsageError(f"{prompts or MT_BENCH}: no prompts to check with")
+    return [render_prompt(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in chosen]
+
+
+def _tok_s(outputs: list[list[int]], seconds: float) -> float:
+    return sum(map(len, outputs)) / seconds if seconds else 0.0
+
+
+def serve_check(folder: str | Path, engine: str = "vllm", prompts: str | None = None, limit: int | None = None,
+                max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, source: str | Path | None = None,
+                draft_tokens: int | None = None, tolerance: float = TOLERANCE) -> CheckResult:
+    """Serve the export in ``folder`` with ``engine`` and compare it with draftsmith's engine; writes
+    ``serve_check.json`` and ``serve_check.md`` into ``folder`` and returns the result.
+
+    ``source``: the training checkpoint the export came from (default: the one the export records).
+    """
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine}: choose from {', '.join(ENGINES)}")
+    folder = Path(folder).expanduser().resolve()
+    meta = export_metadata(folder)
+    served = served_as(meta, folder, draft_tokens)
+    source = Path(source or meta.get("source", ""))
+    if not (source / "config.json").is_file():
+        raise UsageError(f"{folder}: the training checkpoint it was exported from ({source}) is not here; the gate "
+                         "compares the export with it: give it with --source DIR")
+    target = meta.get("target_folder")
+    if not target or not (Path(target) / "config.json").is_file():
+        raise UsageError(f"{folder}: its target's local folder ({target}) is not here; re-export with --target DIR")
+    depth = served.num_speculative_tokens
+    ids = _prompt_ids(target, prompts, limit)
+    ours = _ours(target, _our_spec(meta["kind"], str(source), depth), ids, max_new_tokens, depth)
+    job = {"task": "generate", "prompts": ids, "max_new_tokens": max_new_tokens, "stop_token_ids": ours["eos"]}
+    plain = run_job({**job, "engine": engine_args(target)}, f"vLLM plain decoding of {target}")
+    failures: list[str] = []
+    spec_config = {"method": served.method, "model": str(folder), "num_speculative_tokens": depth}
+    try:
+        spec = run_job({**job, "engine": engine_args(target, speculative_config=spec_config)},
+                       f"vLLM serving {folder}")
+    except EngineError as err:  # the export does not load: the gate's purpose is to say so
+        failures.append(f"vLLM could not serve the export: {err}")
+        spec = {"outputs": [{"tokens": []} for _ in ids], "seconds": 0.0,
+                "spec": {"num_drafts": 0, "per_position": [0] * depth, "num_draft_tokens": 0, "num_accepted_tokens": 0}}
+    vllm_plain = [o["tokens"] for o in plain["outputs"]]
+    vllm_spec = [o["tokens"] for o in spec["outputs"]]
+    drafts = spec["spec"]["num_drafts"]
+    vllm_rates = [n / drafts if drafts else 0.0 for n in (spec["spec"]["per_position"] + [0] * depth)[:depth]]
+    positions = [{"vllm": round(v, 4), "ours": round(o, 4)} for v, o in zip(vllm_rates, ours["rates"])]
+    same_output = vllm_spec == vllm_plain
+    if not same_output:
+        differ = sum(a != b for a, b in zip(vllm_spec, vllm_plain))
+        failures.append(f"vLLM's speculative output differs from its plain output on {differ} of {len(ids)} prompts")
+    for k, pos in enumerate(positions, start=1):
+        if abs(pos["vllm"] - pos["ours"]) > tolerance:
+            failures.append(f"position {k}: vLLM accepted {pos['vllm']:.3f} of drafts, draftsmith {pos['ours']:.3f} "
+                            f"(tolerance {tolerance})")
+    result = CheckResult(
+        passed=not failures, engine=engine, version=plain.get("version") or vllm_version() or "?",
+        num_speculative_tokens=depth, positions=positions, same_output=same_output,
+        vllm_tok_s=_tok_s(vllm_spec, spec["seconds"]), vllm_plain_tok_s=_tok_s(vllm_plain, plain["seconds"]),
+        ours_tok_s=_tok_s(ours["spec"], ours["spec_s"]), ours_plain_tok_s=_tok_s(ours["plain"], ours["plain_s"]),
+        vllm_acceptance_length=1 + spec["spec"]["num_accepted_tokens"] / drafts if drafts else 1.0,
+        ours_acceptance_length=ours["tau"],
+        same_as_ours=sum(a == b for a, b in zip(vllm_plain, ours["plain"])) / len(ids),
+        prompts=len(ids), max_new_tokens=max_new_tokens, tolerance=tolerance, failures=failures,
+        export=str(folder), source=str(source.resolve()), target=str(target),
+    )
+    (folder / REPORT).write_text(json.dumps(asdict(result), indent=1))
+    (folder / TABLE).write_text(table(result) + "\n")
+    return result
+
+
+def table(result: CheckResult) -> str:
+    """The gate's result as a Markdown table (per-position acceptance, then throughput)."""
+    lines = [f"serve check ({result.engine} {result.version}, {result.prompts} prompts x {result.max_new_tokens} "
+             f"new tokens, greedy, chain of {result.num_speculative_tokens}): "
+             f"{'PASSED' if result.passed else 'FAILED'}", "",
+             "| draft position | vLLM accepted | draftsmith accepted | difference |", "|---|---|---|---|"]
+    for k, pos in enumerate(result.positions, start=1):
+        lines.append(f"| {k} | {pos['vllm']:.3f} | {pos['ours']:.3f} | {pos['vllm'] - pos['ours']:+.3f} |")
+    lines += ["", "| engine | acceptance length | tok/s with drafter | tok/s plain | speedup |", "|---|---|---|---|---|",
+              f"| vLLM | {result.vllm_acceptance_length:.2f} | {result.vllm_tok_s:.1f} | {result.vllm_plain_tok_s:.1f} | "
+              f"{result.vllm_tok_s / result.vllm_plain_tok_s if result.vllm_plain_tok_s else 0:.2f}x |",
+              f"| draftsmith | {result.ours_acceptance_length:.2f} | {result.ours_tok_s:.1f} | {result.ours_plain_tok_s:.1f} | "
+              f"{result.ours_tok_s / result.ours_plain_tok_s if result.ours_plain_tok_s else 0:.2f}x |", "",
+              f"vLLM's speculative output equals its plain output: {'yes' if result.same_output else 'NO'}; "
+              f"vLLM's plain output equals draftsmith's on {result.same_as_ours:.0%} of prompts."]
+    lines += [f"- {failure}" for failure in result.failures]
+    return "\n".join(lines)
+
+
+def add_check_arguments(parser: ArgumentParser, prefix: str = "") -> None:
+    """The gate's options (``--prompts``/``--limit``, or ``--check-prompts``/``--check-limit`` on the export CLI)."""
+    parser.add_argument(f"--{prefix}prompts", default=None,
+                        help="JSONL prompt set ('turns' list or 'prompt' string per line; default: MT-bench)")
+    parser.add_argument(f"--{prefix}limit", type=at_least(1), default=None,
+                        help=f"first N prompts (default: {DEFAULT_LIMIT}, MT-bench's first question per category)")
+    parser.add_argument(f"--{prefix}max-new-tokens", type=at_least(1), default=DEFAULT_MAX_NEW_TOKENS)
+
+
+def report(result: CheckResult) -> None:
+    """Print the table and exit 1 when the check failed."""
+    print(table(result))
+    print(f"\nwrote {Path(result.export) / REPORT} and {TABLE}")
+    if not result.passed:
+        sys.exit(1)
+
+
+@report_user_errors
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(prog="draftsmith-serve-check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("export", help="an exported folder (draftsmith-export --out DIR)")
+    parser.add_argument("--engine", default="vllm", choices=ENGINES)
+    add_check_arguments(parser)
+    parser.add_argument("--source", default=None,
+                        help="the training checkpoint the export came from (default: the one it records)")
+    parser.add_argument("--draft-tokens", type=at_least(1), default=None,
+                        help="tokens drafted per step (default: the export's own)")
+    args = parser.parse_args(argv)
+    report(serve_check(args.export, args.engine, args.prompts, args.limit, args.max_new_tokens, args.source,
+                       args.draft_tokens))
+
+
+if __name__ == "__main__":
+    main()
