@@ -118,8 +118,27 @@ class Target:
         return model
 
     @cached_property
+    def saved_config(self) -> dict:
+        return json.loads((self.folder / "config.json").read_text())
+
+    @property
     def architectures(self) -> list[str]:
-        return json.loads((self.folder / "config.json").read_text()).get("architectures") or []
+        return self.saved_config.get("architectures") or []
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype the target is saved in (what engines load it in), not the one training loaded it in."""
+        return str(self.saved_config.get("dtype") or self.saved_config.get("torch_dtype") or "float32")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype_name)
+
+    def engine_layer_config(self, layer: dict) -> dict:
+        """A drafter layer config (a copy of the target's, as loaded for training) with the target's own dtype."""
+        layer = {key: value for key, value in layer.items() if key != "torch_dtype"}
+        layer["dtype"] = self.dtype_name
+        return layer
 
 
 def find_target(source: Source, override: str | None = None, hub_id: str | None = None) -> Target:
@@ -151,10 +170,30 @@ def find_target(source: Source, override: str | None = None, hub_id: str | None 
                          "and give --target DIR") from None
 
 
-def export_block(source: Source, fmt: str) -> dict:
+def export_block(source: Source, fmt: str, config: dict | None = None) -> dict:
     """What an exported config.json carries for draftsmith: format, source and the drafter's config
-    (:func:`record_export` adds the target's local folder and the drafted tokens per step)."""
-    return {EXPORT_KEY: {"format": fmt, "kind": source.kind, "source": str(source.path.resolve()), "config": source.config}}
+    (``config`` when the export rewrote it; :func:`record_export` adds the target's local folder and
+    the drafted tokens per step)."""
+    return {EXPORT_KEY: {"format": fmt, "kind": source.kind, "source": str(source.path.resolve()),
+                         "config": config or source.config}}
+
+
+def ascending_aux_layers(source: Source) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An EAGLE-3 head's config and weights with its aux layers in ascending order.
+
+    vLLM and SGLang capture the target's aux hidden states in ascending layer order whatever order
+    the config lists them in, and concatenate them in that order before ``fc``; a head trained on
+    another order would be served with its ``fc`` column blocks matched to the wrong layers. So the
+    ids are sorted and ``fc``'s column blocks permuted with them: the same function, served right.
+    """
+    aux = list(source.config["aux_layers"])
+    order = sorted(range(len(aux)), key=aux.__getitem__)
+    tensors = dict(source.state)
+    if order != list(range(len(aux))):
+        weight = tensors["fc.weight"]
+        width = weight.shape[1] // len(aux)
+        tensors["fc.weight"] = torch.cat([weight[:, i * width:(i + 1) * width] for i in order], dim=1)
+    return {**source.config, "aux_layers": [aux[i] for i in order]}, tensors
 
 
 def record_export(out: Path, source: Source, fmt: str, target: Target, draft_tokens: int) -> None:

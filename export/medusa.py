@@ -12,6 +12,7 @@ block object, so heads with more than one residual block cannot be represented.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +23,9 @@ from draftsmith.heads.common import EXPORT_KEY
 NAME = "medusa"
 KINDS = ("medusa",)
 HEADS_FILE = "medusa_lm_head.pt"
+MAX_HEADS = 5  # MedusaConfig's default head count, what the official code and its released heads use
+MIN_HEADS = 4  # the depth of its default tree, mc_sim_7b_63 (medusa_choices.py)
+BASE_MODEL_TYPES = ("llama", "mistral")  # what MedusaModel.from_pretrained dispatches on
 OFFICIAL_BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")
 
 
@@ -37,12 +41,24 @@ def matches(config: dict) -> bool:
 def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     """Write the official Medusa folder (loaded with ``MedusaModel.from_pretrained``)."""
     config, state = source.config, source.state
+    if target.saved_config.get("model_type") not in BASE_MODEL_TYPES:
+        raise refuse(NAME, source.kind, f"its target is a {target.saved_config.get('model_type')!r} model and the official "
+                                        f"MedusaModel builds its base model as {' or '.join(BASE_MODEL_TYPES)} only; "
+                                        "use --format vllm-medusa")
+    if config["num_heads"] > MAX_HEADS:
+        raise refuse(NAME, source.kind, f"it has {config['num_heads']} heads; the official Medusa code is built around "
+                                        f"{MAX_HEADS} (MedusaConfig's default, its released heads) and loads head weights "
+                                        "with strict=False, so a head count it does not expect silently leaves heads "
+                                        f"unused or random; train at most {MAX_HEADS} heads or use --format vllm-medusa")
     if state["draft_vocab"].numel() < config["vocab_size"]:
         raise refuse(NAME, source.kind, "it drafts over a reduced vocabulary and the official layout has none; "
                                         "use --format vllm-medusa (token_map)")
     if config["num_layers"] > 1:
         raise refuse(NAME, source.kind, f"its heads have {config['num_layers']} residual blocks and the official "
                                         "MedusaModel repeats one block object per head; use --format vllm-medusa")
+    if config["num_heads"] < MIN_HEADS:
+        print(f"warning: {config['num_heads']} Medusa heads: the official default tree (mc_sim_7b_63) is {MIN_HEADS} "
+              f"deep; pass medusa_generate a medusa_choices tree at most {config['num_heads']} deep", file=sys.stderr)
     layers = config["num_layers"]
     tensors = {name: value.contiguous() for name, value in
                rename_blocks(state, MEDUSA_BLOCK, "{0}.{1}.linear.{2}").items()}

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.export.common import Source, Target, export_block, refuse, write_config, write_weights
+from draftsmith.export.common import (Source, Target, ascending_aux_layers, export_block, refuse, write_config,
+                                      write_weights)
 
 NAME = "sglang"
 KINDS = ("eagle", "eagle3")
@@ -61,11 +62,10 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     ``tree``: ``depth``, ``top_k`` and ``budget`` of the draft tree (SGLang's num-steps, eagle-topk
     and num-draft-tokens).
     """
-    config = source.config
-    layer = dict(config["target_config"])
+    config, tensors = ascending_aux_layers(source) if source.kind == "eagle3" else (source.config, dict(source.state))
+    layer = target.engine_layer_config(config["target_config"])
     _check_layer(source, layer)
     vocab = layer["vocab_size"]
-    tensors = dict(source.state)
     draft_config = {**layer, "architectures": [ARCHITECTURES[source.kind]], "num_hidden_layers": config["num_layers"],
                     "tie_word_embeddings": False}
     extra = []
@@ -87,7 +87,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         if draft_vocab.numel() < vocab:
             torch.save(draft_vocab.tolist(), out / HOT_TOKEN_MAP)
             extra = ["--speculative-token-map", str(out / HOT_TOKEN_MAP)]
-    write_config(out, {**draft_config, **export_block(source, NAME)})
+    write_config(out, {**draft_config, **export_block(source, NAME, config)})
     write_weights(out, tensors, NAME)
     command = ["python", "-m", "sglang.launch_server", "--model-path", str(target.folder),
                "--speculative-algorithm", ALGORITHMS[source.kind], "--speculative-draft-model-path", str(out),

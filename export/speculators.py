@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.export.common import Source, Target, export_block, refuse, write_config, write_weights
+from draftsmith.export.common import (Source, Target, ascending_aux_layers, export_block, refuse, write_config,
+                                      write_weights)
 
 NAME = "speculators"
 KINDS = ("eagle3",)
@@ -52,21 +53,27 @@ def matches(config: dict) -> bool:
 
 def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     """Write the speculators folder; returns the vLLM command that serves it."""
-    config = source.config
-    layer = dict(config["target_config"])
+    config, tensors = ascending_aux_layers(source)
+    layer = target.engine_layer_config(config["target_config"])
     if layer.get("model_type") not in LAYER_TYPES:
         raise refuse(NAME, source.kind, f"its layer is a {layer.get('model_type')!r} layer and speculators {VERSION} "
                                         f"builds EAGLE-3 layers of {' and '.join(LAYER_TYPES)} only")
+    num_layers = source.record.get("num_hidden_layers")
+    if num_layers in config["aux_layers"]:
+        # HF's hidden_states[N] is the last layer's output after the final norm; vLLM's capture at
+        # layer N is the residual stream before it: the head would be served other features.
+        raise refuse(NAME, source.kind, f"it reads aux layer {num_layers}, the target's last layer output after its "
+                                        f"final norm, which vLLM captures before the norm; train with aux layers "
+                                        f"below {num_layers} (default [2, N/2, N-3])")
     layer["num_hidden_layers"] = config["num_layers"]
     layer["tie_word_embeddings"] = False  # the head's LM head is its own, never the embedding
     # vLLM builds its EAGLE-3 layer config from this dict and sizes fc from num_aux_hidden_states
     # (else from an eagle_config, else 3): without it any other number of aux layers fails to load.
     layer["num_aux_hidden_states"] = len(config["aux_layers"])
-    tensors = dict(source.state)
     if config["draft_vocab_size"] == layer["vocab_size"]:
         for name in VOCAB_MAPS:
             tensors.pop(name)
-    tensors[EMBED] = target.model.get_input_embeddings().weight.detach().to(source.dtype)
+    tensors[EMBED] = target.model.get_input_embeddings().weight.detach().to(target.dtype)
     write_config(out, {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -87,7 +94,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": target.verifier_name, "architectures": target.architectures},
         },
-        **export_block(source, NAME),
+        **export_block(source, NAME, config),
     })
     write_weights(out, tensors, NAME)
     spec = f'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'

@@ -34,6 +34,16 @@ def why_not(kind: str) -> str:
            "EAGLE-1 with --format sglang, draft LMs with --format hf"
 
 
+def unservable(lm_head: str, reduced_vocab: bool) -> str | None:
+    """Why vLLM cannot serve Medusa heads trained with ``lm_head`` (``shared``/``copy``) over a
+    reduced draft vocabulary or not, or None when it can."""
+    if reduced_vocab and lm_head != "shared":
+        return ("its per-head LM heads cover a reduced draft vocabulary, and vLLM builds per-head LM heads at the "
+                "full vocabulary size (its token_map works with a shared LM head only); train with lm_head: shared "
+                "or a full vocabulary")
+    return None
+
+
 def matches(config: dict) -> bool:
     return config.get("model_type") == "medusa"
 
@@ -44,10 +54,9 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     shared = config["lm_head"] == "shared"
     draft_vocab = state["draft_vocab"]
     reduced = draft_vocab.numel() < config["vocab_size"]
-    if reduced and not shared:
-        raise refuse(NAME, source.kind, "its per-head LM heads cover a reduced draft vocabulary, and vLLM builds "
-                                        "per-head LM heads at the full vocabulary size (its token_map works with a "
-                                        "shared LM head only); train with lm_head: shared or a full vocabulary")
+    why = unservable(config["lm_head"], reduced)
+    if why:
+        raise refuse(NAME, source.kind, why)
     tensors = rename_blocks(state, MEDUSA_BLOCK, "blocks.{0}.layers.{1}.{2}")
     if shared:
         tensors["lm_head.weight"] = target.model.get_output_embeddings().weight.detach().to(source.dtype)

@@ -36,7 +36,7 @@ from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.recipe import Recipe
-from draftsmith.target import load_tokenizer
+from draftsmith.target import DEFAULT_TARGET_HUB_ID, load_tokenizer
 from draftsmith.train.unroll import unroll
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,8 +48,10 @@ VLLM_MEDUSA_VERSION = "0.32.0"  # model_executor/models/medusa.py (vLLM 0.33.0 h
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    """A 2-layer Llama (hidden 64) with the bundled SmolLM2 tokenizer, saved as a folder."""
-    return save_tiny_target(tmp_path_factory.mktemp("export") / "target", load_tokenizer("default"), scale=8.0)
+    """A 3-layer Llama (hidden 64) with the bundled SmolLM2 tokenizer, saved as a folder (aux layers
+    0, 1 and 2 are then inputs of decoder layers, as vLLM captures them; layer 3 is the output)."""
+    return save_tiny_target(tmp_path_factory.mktemp("export") / "target", load_tokenizer("default"), scale=8.0,
+                            layers=3)
 
 
 @pytest.fixture(scope="module")
@@ -112,13 +114,16 @@ def _features(target, ids: list[int], layers) -> torch.Tensor:
 # speculators: its own model class computes our logits
 
 
-def _load_speculators(folder):
+def _load_speculators(folder, verifier: Path | None = None):
     """speculators' own loader on an exported folder, with eager attention (its default, flex
-    attention, needs a GPU)."""
+    attention, needs a GPU); ``verifier``: the target's local folder in place of the hub id the
+    export names (it reads the verifier's embedding and LM head from there, and there is no hub here)."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     config = Eagle3SpeculatorConfig.from_pretrained(folder)
     config.transformer_layer_config._attn_implementation = "eager"
+    if verifier is not None:
+        config.speculators_config.verifier.name_or_path = str(verifier)
     return Eagle3DraftModel.from_pretrained(folder, config=config).eval()
 
 
@@ -185,9 +190,14 @@ def test_speculators_on_the_bundled_smollm2(smollm2, tmp_path):
     head = Eagle3Head.for_target(model, "default", draft_vocab=torch.arange(8192), init="random").eval()
     head.save_pretrained(tmp_path / "ckpt")
     export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out")
-    theirs = _load_speculators(tmp_path / "out")
-    assert theirs.config.speculators_config.verifier.name_or_path == str(Path(resolve_target("default")).resolve())
+    # Engines are told the hub id the bundled GGUF was quantised from; draftsmith keeps the local folder.
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == DEFAULT_TARGET_HUB_ID
+    local = Path(resolve_target("default")).resolve()
+    assert config["draftsmith_export"]["target_folder"] == str(local)
+    theirs = _load_speculators(tmp_path / "out", verifier=local)
     assert theirs.config.eagle_aux_hidden_state_layer_ids == [2, 15, 27]
+    assert theirs.config.transformer_layer_config.dtype == torch.float32  # the bundled folder's own dtype
     ids = tokenizer("The quick brown fox jumps over the lazy dog and keeps running")["input_ids"]
     _assert_same_logits(head, theirs, model, ids)
 
@@ -373,7 +383,7 @@ def test_exported_folders_give_the_original_acceptance_table(tmp_path, capsys):
                                             return_tensors="pt", return_dict=True)["input_ids"]
         repeated |= set(target.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist())
     vocab = torch.tensor(sorted(set(_draft_vocab(target, 2000).tolist()) | repeated))
-    _eagle3(target, target_dir, tmp_path / "e3", draft_vocab=vocab, noise=0.01)
+    _eagle3(target, target_dir, tmp_path / "e3", aux=(0, 1), draft_vocab=vocab, noise=0.01)
     _eagle3(target, target_dir, tmp_path / "e3s", aux=(0, 1), draft_vocab=vocab, noise=0.01)
     _eagle(target, target_dir, tmp_path / "e1", draft_vocab=vocab, noise=0.01)
     _medusa(target, target_dir, tmp_path / "m", draft_vocab=vocab, num_layers=2, noise=0.01)
@@ -428,14 +438,15 @@ def test_exported_folders_give_the_original_acceptance_table(tmp_path, capsys):
 def test_heads_a_format_cannot_hold_are_one_line_errors(target, target_dir, tmp_path, capsys):
     _medusa(target, target_dir, tmp_path / "m")
     _eagle(target, target_dir, tmp_path / "e1")
-    _eagle3(target, target_dir, tmp_path / "e3")  # reads aux layer 2: the 2-layer target's last output
+    _eagle3(target, target_dir, tmp_path / "e3", aux=(0, 1, 3))  # aux layer 3: the 3-layer target's last output
     _medusa(target, target_dir, tmp_path / "mc", lm_head="copy", draft_vocab=_draft_vocab(target))
     cases = [
         ("m", "speculators", r"cannot hold medusa drafters: speculators 0\.9\.0 has models for eagle3"),
         ("e1", "speculators", r"cannot hold eagle drafters: speculators 0\.9\.0 has no EAGLE-1 model.*--format sglang"),
         ("e1", "vllm-medusa", r"cannot hold eagle drafters"),
         ("m", "hf", r"cannot hold medusa drafters: it is not a standalone language model"),
-        ("e3", "sglang", r"last layer output \(aux layer 2\).*--format speculators"),
+        ("e3", "sglang", r"last layer output \(aux layer 3\).*--format speculators"),
+        ("e3", "speculators", r"reads aux layer 3, the target's last layer output after its final norm.*below 3"),
         ("mc", "vllm-medusa", r"per-head LM heads cover a reduced draft vocabulary"),
         ("mc", "medusa", r"reduced vocabulary and the official layout has none"),
     ]

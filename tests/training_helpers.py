@@ -20,13 +20,15 @@ VOCAB = 49152  # the bundled SmolLM2 tokenizer
 EOS = 2  # <|im_end|>
 
 
-def save_tiny_target(folder: Path, tokenizer, seed: int = 0, hidden_size: int = 64, scale: float = 1.0) -> Path:
-    """Save a 2-layer Llama of ``hidden_size`` with ``tokenizer`` into ``folder``; ``scale`` multiplies
-    every weight but the norms (the default init is near uniform over the vocabulary: nothing to distil)."""
+def save_tiny_target(folder: Path, tokenizer, seed: int = 0, hidden_size: int = 64, scale: float = 1.0,
+                     layers: int = 2) -> Path:
+    """Save a ``layers``-layer Llama of ``hidden_size`` (4 heads) with ``tokenizer`` into ``folder``;
+    ``scale`` multiplies every weight but the norms (the default init is near uniform over the
+    vocabulary: nothing to distil)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS, tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config)
