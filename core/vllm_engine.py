@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -95,14 +96,23 @@ def run_job(job: dict, what: str, timeout: float | None = None) -> dict:
                               env=env, timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0 or not out_file.is_file():
             sys.stderr.write(proc.stdout[-20000:])
-            raise EngineError(f"{what}: vLLM failed (exit code {proc.returncode}): {_last_error(proc.stdout)} "
+            raise EngineError(f"{what}: vLLM failed (exit code {proc.returncode}): {_root_cause(proc.stdout)} "
                               "(vLLM's log is above)")
         return json.loads(out_file.read_text())
 
 
-def _last_error(log: str) -> str:
-    lines = [line.strip() for line in log.splitlines() if "Error" in line or "error:" in line]
-    return lines[-1][:300] if lines else "no error line in its log"
+ERROR_LINE = re.compile(r"\b(\w*(?:Error|Exception)): (.+)")
+# What vLLM's processes say after the root cause, whatever it was.
+GENERIC = ("Engine core initialization failed", "WorkerProc initialization failed", "WorkerProc failed to start")
+
+
+def _root_cause(log: str) -> str:
+    """The first specific error in vLLM's log (its later lines only say that a process died)."""
+    for line in log.splitlines():
+        match = ERROR_LINE.search(line)
+        if match and not any(generic in match.group(2) for generic in GENERIC):
+            return f"{match.group(1)}: {match.group(2).strip()}"[:400]
+    return "no error line in its log"
 
 
 def engine_args(model: str, dtype: str = "float32", speculative_config: dict | None = None,

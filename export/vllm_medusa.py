@@ -40,7 +40,13 @@ def unservable(lm_head: str, reduced_vocab: bool) -> str | None:
     if reduced_vocab and lm_head != "shared":
         return ("its per-head LM heads cover a reduced draft vocabulary, and vLLM builds per-head LM heads at the "
                 "full vocabulary size (its token_map works with a shared LM head only); train with lm_head: shared "
-                "or a full vocabulary")
+                "and draft_vocab_size: null")
+    if reduced_vocab:
+        # Found by serving one: Medusa.load_weights sets token_map but leaves it out of the names it
+        # reports loaded, so vLLM's weight check refuses every checkpoint that has one.
+        return (f"it drafts over a reduced vocabulary, which vLLM {VERSION} cannot load (its Medusa loader does not "
+                "report token_map as loaded and the engine stops with 'weights were not initialized from checkpoint: "
+                "{'token_map'}'); train with draft_vocab_size: null")
     return None
 
 

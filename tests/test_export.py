@@ -299,31 +299,29 @@ def _medusa_logits(blocks: list[list[tuple]], lm_heads: list[torch.Tensor], hidd
     return torch.stack(out)
 
 
-def test_vllm_medusa_layout_with_a_token_map(target, target_dir, tmp_path):
-    vocab = _draft_vocab(target)
-    heads = _medusa(target, target_dir, tmp_path / "ckpt", draft_vocab=vocab, num_layers=2).bind(target)
+def test_vllm_medusa_layout(target, target_dir, tmp_path):
+    heads = _medusa(target, target_dir, tmp_path / "ckpt", num_layers=2).bind(target)
     export_checkpoint(tmp_path / "ckpt", "vllm-medusa", tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert vllm_medusa_format.VERSION == VLLM_MEDUSA_VERSION
-    # MedusaConfig (vLLM 0.32.0): model_type medusa; Medusa(): blocks, one original lm_head, token_map.
+    # MedusaConfig (vLLM 0.32.0): model_type medusa; Medusa(): blocks and one original lm_head.
+    vocab = target.config.vocab_size
     assert {k: config[k] for k in ("model_type", "architectures", "hidden_size", "vocab_size", "num_heads",
                                    "num_hidden_layers", "truncated_vocab_size", "medusa_fc_bias", "original_lm_head")} == {
-        "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": 64, "vocab_size": target.config.vocab_size,
-        "num_heads": 3, "num_hidden_layers": 2, "truncated_vocab_size": vocab.numel(), "medusa_fc_bias": True,
+        "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": 64, "vocab_size": vocab,
+        "num_heads": 3, "num_hidden_layers": 2, "truncated_vocab_size": vocab, "medusa_fc_bias": True,
         "original_lm_head": True}
     # MedusaConfig.from_pretrained renames every key holding "num" and "heads"/"layers": none but ours.
     assert [k for k in config if "num" in k] == ["num_heads", "num_hidden_layers"]
     tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
     expected = {f"blocks.{k}.layers.{j}.{p}" for k in range(3) for j in range(2) for p in ("weight", "bias")}
-    assert set(tensors) == expected | {"lm_head.weight", "token_map"}
+    assert set(tensors) == expected | {"lm_head.weight"}  # no token_map: vLLM 0.32 cannot load one
     assert torch.equal(tensors["lm_head.weight"], target.get_output_embeddings().weight)
-    assert torch.equal(tensors["token_map"], vocab)
     hidden = torch.randn(5, 64)
     blocks = [[(tensors[f"blocks.{k}.layers.{j}.weight"], tensors[f"blocks.{k}.layers.{j}.bias"]) for j in range(2)]
               for k in range(3)]
-    lm = tensors["lm_head.weight"][tensors["token_map"]]  # vLLM cuts the LM head to the token map
     with torch.no_grad():
-        torch.testing.assert_close(_medusa_logits(blocks, [lm] * 3, hidden, vocab, target.config.vocab_size),
+        torch.testing.assert_close(_medusa_logits(blocks, [tensors["lm_head.weight"]] * 3, hidden),
                                    heads.logits(hidden), atol=1e-5, rtol=1e-5)
 
 
@@ -386,7 +384,7 @@ def test_exported_folders_give_the_original_acceptance_table(tmp_path, capsys):
     _eagle3(target, target_dir, tmp_path / "e3", aux=(0, 1), draft_vocab=vocab, noise=0.01)
     _eagle3(target, target_dir, tmp_path / "e3s", aux=(0, 1), draft_vocab=vocab, noise=0.01)
     _eagle(target, target_dir, tmp_path / "e1", draft_vocab=vocab, noise=0.01)
-    _medusa(target, target_dir, tmp_path / "m", draft_vocab=vocab, num_layers=2, noise=0.01)
+    _medusa(target, target_dir, tmp_path / "m", num_layers=2, noise=0.01)
     _medusa(target, target_dir, tmp_path / "mc", lm_head="copy", noise=0.01)
     _medusa(target, target_dir, tmp_path / "mcv", lm_head="copy", noise=0.02)
     pairs = {"e3": ("eagle3", "speculators"), "e3s": ("eagle3", "sglang"), "e1": ("eagle", "sglang"),
@@ -440,6 +438,7 @@ def test_heads_a_format_cannot_hold_are_one_line_errors(target, target_dir, tmp_
     _eagle(target, target_dir, tmp_path / "e1")
     _eagle3(target, target_dir, tmp_path / "e3", aux=(0, 1, 3))  # aux layer 3: the 3-layer target's last output
     _medusa(target, target_dir, tmp_path / "mc", lm_head="copy", draft_vocab=_draft_vocab(target))
+    _medusa(target, target_dir, tmp_path / "ms", draft_vocab=_draft_vocab(target))
     cases = [
         ("m", "speculators", r"cannot hold medusa drafters: speculators 0\.9\.0 has models for eagle3"),
         ("e1", "speculators", r"cannot hold eagle drafters: speculators 0\.9\.0 has no EAGLE-1 model.*--format sglang"),
@@ -448,6 +447,7 @@ def test_heads_a_format_cannot_hold_are_one_line_errors(target, target_dir, tmp_
         ("e3", "sglang", r"last layer output \(aux layer 3\).*--format speculators"),
         ("e3", "speculators", r"reads aux layer 3, the target's last layer output after its final norm.*below 3"),
         ("mc", "vllm-medusa", r"per-head LM heads cover a reduced draft vocabulary"),
+        ("ms", "vllm-medusa", r"reduced vocabulary, which vLLM 0\.32\.0 cannot load .*token_map.*draft_vocab_size: null"),
         ("mc", "medusa", r"reduced vocabulary and the official layout has none"),
     ]
     for ckpt, fmt, pattern in cases:
