@@ -120,9 +120,9 @@ def test_spec_options_and_one_line_refusals():
     assert parse_spec("prompt_lookup?lenience=0.5").name == "prompt_lookup+lenience0.5(lossy)"
     assert parse_spec("prompt_lookup?lenience=0.5&name=x").name == "x(lossy)"
     for bad, words in [("prompt_lookup?policy=entropy", "distribution"), ("draft_lm?policy=longest", "unknown policy"),
-                       ("draft_lm?policy=confidence&confidence=1.5", "confidence must be"),
-                       ("draft_lm?lenience=0", "lenience must be"), ("draft_lm?confidence=0.3", "applies to policy=confidence"),
-                       ("draft_lm?policy=entropy&entropy_tau=high", "are numbers"),
+                       ("draft_lm?policy=confidence&confidence=1.5", r"confidence must be a number in \(0, 1\)"),
+                       ("draft_lm?lenience=0", r"lenience must be a number in \(0, 1\]"), ("draft_lm?confidence=0.3", "applies to policy=confidence"),
+                       ("draft_lm?policy=entropy&entropy_tau=high", r"entropy_tau=high is not allowed: entropy_tau must be a number > 0"),
                        ("hierarchical?policy=entropy", "its own entropy rules")]:
         with pytest.raises(UsageError, match=words):
             parse_spec(bad)
