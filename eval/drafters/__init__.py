@@ -124,9 +124,9 @@ KINDS: dict[str, KindHelp] = {
             "m2_layers": Option(6, "without m2: M2 is this many evenly spaced target layers", COUNT),
             "depth": Option(8, "most tokens sent to the target per step", COUNT),
             "m1_depth": Option(4, "most tokens M1 drafts before M2 pre-verifies them", COUNT),
-            "m1_tau": Option(DEFAULT_ENTROPY_TAU, "M1's initial entropy threshold (nats; then adapts to M2's rejections)",
+            "m1_tau": Option(DEFAULT_ENTROPY_TAU, "M1's initial entropy threshold (nats; then the mean M1 entropy of M2's rejections and M1's declines)",
                              POSITIVE),
-            "m2_tau": Option(DEFAULT_ENTROPY_TAU, "M2's initial entropy threshold (nats; then adapts to the target's rejections)",
+            "m2_tau": Option(DEFAULT_ENTROPY_TAU, "M2's initial entropy threshold (nats; then the mean M2 entropy of the target's rejections and M2's declines)",
                              POSITIVE),
         }),
     "medusa": KindHelp("trained Medusa heads over a static tree", "checkpoint, vllm-medusa or medusa export folder (required)", {
