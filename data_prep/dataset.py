@@ -126,17 +126,17 @@ def build_dataset(
     summary_file = target / "draftsmith_summary.json"
     if summary_file.is_file():
         summary = TokenizedSummary(**json.loads(summary_file.read_text()))
-        dataset = datasets.load_from_disk(str(target))
         if verbose:
             print(f"loaded cached tokenised set from {target}\n{summary}")
-        return dataset, summary
+        return _load(target, cfg, verbose), summary
     conversations, load_summary = load_conversations(cfg.path, cfg.split, cfg.limit, verbose=verbose)
     dataset, summary = _tokenize(conversations, tokenizer, cfg)
     summary.load_summary = str(load_summary)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
     try:
-        dataset.save_to_disk(str(tmp))
+        # datasets cannot load back a saved empty split (IndexError): only non-empty ones are saved.
+        datasets.DatasetDict({split: rows for split, rows in dataset.items() if len(rows)}).save_to_disk(str(tmp))
         (tmp / "draftsmith_summary.json").write_text(json.dumps(asdict(summary), indent=1))
         tmp.rename(target)
     except OSError:
@@ -146,4 +146,16 @@ def build_dataset(
             raise
     if verbose:
         print(summary)
-    return datasets.load_from_disk(str(target)), summary
+    return _load(target, cfg, verbose), summary
+
+
+def _load(folder: Path, cfg: DataConfig, verbose: bool) -> datasets.DatasetDict:
+    """The saved splits, with an empty ``held_out`` (and a note saying so) when none was held out."""
+    dataset = datasets.load_from_disk(str(folder))
+    if HELD_OUT not in dataset:
+        train = dataset[TRAIN]
+        dataset[HELD_OUT] = datasets.Dataset.from_dict({k: [] for k in train.features}, features=train.features)
+        if verbose:
+            print(f"note: no held-out conversation among {len(train)} (data.held_out_fraction={cfg.held_out_fraction}): "
+                  "training without held-out metrics; raise data.limit or data.held_out_fraction to get them")
+    return dataset

@@ -143,4 +143,5 @@ def training_sets(recipe, target, data, layers: list[int] | None = None):
         return data["train"], data["held_out"]
     root = features_dir(recipe, data, layers)
     extract_features(target, data, root, layers=layers)
-    return FeatureDataset(root / "train"), FeatureDataset(root / "held_out")
+    # No held-out conversation (a small data.limit): no shards to read, and nothing to evaluate on.
+    return FeatureDataset(root / "train"), FeatureDataset(root / "held_out") if len(data["held_out"]) else None

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from draftsmith.config import load_recipe
 from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.regenerate import prepare_data_config
+from draftsmith.data_prep.sharegpt import DataError
 from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.eval.pass_cost import measure_pass_cost
 from draftsmith.eval.runner import CausalLMRunner
@@ -107,6 +108,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     data_cfg = prepare_data_config(recipe.data, verifier, recipe.target.name, tokenizer)
     held_out = build_dataset(data_cfg, tokenizer)[0]["held_out"]
+    if not len(held_out):
+        raise DataError(f"{checkpoint / 'recipe.yaml'}: its data section (data.limit={recipe.data.limit}, "
+                        f"data.held_out_fraction={recipe.data.held_out_fraction}) holds no held-out conversation to "
+                        "measure the heads on; raise either there, or give the drafter a tree with medusa:PATH?choices=FILE")
     if args.limit:
         held_out = held_out.select(range(min(args.limit, len(held_out))))
     task = MedusaTask(replace(recipe, drafter=replace(recipe.drafter, lora=replace(recipe.drafter.lora, enabled=False))),

@@ -336,7 +336,8 @@ def grow_tree(
     candidates (top-k when greedy, drawn without replacement when sampling); nodes are scored
     by cumulative draft log-probability and the best ``budget`` form the tree. A node whose draft
     distribution has entropy above ``max_entropy`` gets no candidates (the entropy policy, see
-    :mod:`draftsmith.eval.policies`); drafting stops early once no node is left to expand.
+    :mod:`draftsmith.eval.policies`), only its entropy in the tree's ``entropy``; drafting stops
+    early once no node is left to expand.
     """
     from draftsmith.eval.sampling import choose  # sampling is a leaf module; keeps this file standalone
 
@@ -357,6 +358,7 @@ def grow_tree(
         for i, parent in enumerate(frontier):
             spread = rows[i][2 * k] if max_entropy is not None else None
             if spread is not None and spread > max_entropy:
+                builder.entropy[parent] = spread  # a declined node keeps its entropy (hierarchical drafting learns from it)
                 continue
             added += builder.add(parent, [int(t) for t in rows[i][k:2 * k]], rows[i][:k],
                                  probs[i] if probs is not None else None, spread)

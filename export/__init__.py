@@ -28,7 +28,7 @@ def _tree(kind: str, config: dict, draft_tokens: int | None) -> dict:
     ``top_k``, ``budget``), Medusa's depth its number of heads; ``draft_tokens`` overrides the depth."""
     from draftsmith.eval.drafters import KINDS
 
-    tree = {key: default for key, (default, _) in KINDS[kind].options.items()}
+    tree = {key: option.default for key, option in KINDS[kind].options.items()}
     tree["depth"] = draft_tokens or tree.get("depth") or config["num_heads"]
     if kind == "medusa":  # a Medusa head per drafted token
         tree["depth"] = min(tree["depth"], config["num_heads"])

@@ -287,3 +287,22 @@ def test_top_k_distillation_keeps_only_the_targets_top_tokens(make_tiny_llama):
     assert top1 < full
     torch.testing.assert_close(second, full)  # decay 0: later passes weigh nothing
     torch.testing.assert_close(two, full + 0.5 * pass1)
+
+
+@pytest.mark.parametrize("features", ["online", "offline"])
+def test_too_few_conversations_for_a_held_out_split_train_without_one(tiny_recipe, tmp_path, capsys, features):
+    """A small data.limit holds out nothing: the run says so in one line and trains to its final
+    checkpoint without held-out metrics (the empty split used to crash datasets.load_from_disk)."""
+    from draftsmith.train.eagle3 import main
+
+    trainer = main([str(tiny_recipe), "--output_dir", str(tmp_path / "run"), "--data.limit", "4",
+                    "--data.held_out_fraction", "0.01", "--training.max_steps", "2", "--drafter.features", features,
+                    "--drafter.features_dir", str(tmp_path / "features")])
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "held-out" in line]
+    assert notes == [f"note: no held-out conversation among {len(trainer.train_data)} (data.held_out_fraction=0.01): "
+                     "training without held-out metrics; raise data.limit or data.held_out_fraction to get them"]
+    assert len(trainer.train_data) == 3 and not trainer.eval_data  # the 4th has no reply within max_length and trainer.evaluate() == {}
+    assert trainer.state.step == 2 and trainer.state.tokens > 0
+    assert trainer.last_checkpoint.name == "checkpoint-final"
+    assert not [key for h in trainer.history for key in h if key.startswith("eval/")]

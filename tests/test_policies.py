@@ -120,9 +120,9 @@ def test_spec_options_and_one_line_refusals():
     assert parse_spec("prompt_lookup?lenience=0.5").name == "prompt_lookup+lenience0.5(lossy)"
     assert parse_spec("prompt_lookup?lenience=0.5&name=x").name == "x(lossy)"
     for bad, words in [("prompt_lookup?policy=entropy", "distribution"), ("draft_lm?policy=longest", "unknown policy"),
-                       ("draft_lm?policy=confidence&confidence=1.5", "confidence must be"),
-                       ("draft_lm?lenience=0", "lenience must be"), ("draft_lm?confidence=0.3", "applies to policy=confidence"),
-                       ("draft_lm?policy=entropy&entropy_tau=high", "are numbers"),
+                       ("draft_lm?policy=confidence&confidence=1.5", r"confidence must be a number in \(0, 1\)"),
+                       ("draft_lm?lenience=0", r"lenience must be a number in \(0, 1\]"), ("draft_lm?confidence=0.3", "applies to policy=confidence"),
+                       ("draft_lm?policy=entropy&entropy_tau=high", r"entropy_tau=high is not allowed: entropy_tau must be a number > 0"),
                        ("hierarchical?policy=entropy", "its own entropy rules")]:
         with pytest.raises(UsageError, match=words):
             parse_spec(bad)
@@ -244,6 +244,24 @@ def test_hierarchical_thresholds_follow_the_rejections(target, draft, middle):
     # The target keeps none of them: M2's entropy at the first pending token becomes its threshold.
     drafter.accept(StepResult([(tree.tokens[0] + 1) % V], None, PROMPT))
     assert drafter.rule2.tau == pytest.approx(m2_entropy[0], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_hierarchical_defaults_draft_on_the_bundled_target(smollm2):
+    """The default spec on SmolLM2 (fp32, greedy): the 2-layer M1's entropies sit above the 2-nat
+    start, so M1 used to decline every step and, with no rejection to learn from, never left it,
+    while M2's threshold fell below its own entropies (2 of 47 steps drafted here). A declined position now counts as rejected at its entropy, so the
+    thresholds rise to where the students' entropies are; the output stays the target's own."""
+    model, tokenizer = smollm2
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}],
+                                           add_generation_prompt=True, return_dict=True)["input_ids"]
+    drafter = build_drafter("hierarchical?m1_layers=2&m2_layers=6", model)
+    gen = SpeculativeDecoder(model, drafter, eos_ids=set()).generate(prompt, 48)
+    assert gen.tokens == SpeculativeDecoder(model, None, eos_ids=set()).generate(prompt, 48).tokens
+    drafted = sum(n > 0 for n in gen.drafted)
+    print(f"hierarchical defaults: {drafted} of {len(gen.drafted)} steps drafted, M1 tau {drafter.rule1.tau:.2f}, "
+          f"M2 tau {drafter.rule2.tau:.2f}")
+    assert drafted >= len(gen.drafted) // 10, gen.drafted
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["m2_distributions", "negative_control_m1_distributions"])

@@ -7,6 +7,7 @@ the gradient the optimiser sees at each step tells exactly which micro-batches i
 from __future__ import annotations
 
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -39,7 +40,19 @@ class MeanTask:
         torch.save(model.state_dict(), path / "weights.pt")
 
 
-def _train(tmp_path, rows: int, batch: int, accumulation: int, epochs: int, **distributed) -> tuple[Trainer, list]:
+class SlowMeanTask(MeanTask):
+    """:class:`MeanTask` whose micro-batches take at least ``seconds`` each (a time budget to use up)."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def loss(self, model, batch: dict, training: bool):
+        time.sleep(self.seconds)
+        return super().loss(model, batch, training)
+
+
+def _recipe(tmp_path, batch: int, accumulation: int, epochs: int, **distributed) -> Recipe:
     recipe = Recipe()
     recipe.target.dtype = "float32"  # exact gradients: no bf16 autocast, whatever this CPU supports
     recipe.training.output_dir = str(tmp_path / "out")
@@ -49,6 +62,11 @@ def _train(tmp_path, rows: int, batch: int, accumulation: int, epochs: int, **di
     recipe.tracking.report_to = "none"
     for key, value in distributed.items():
         setattr(recipe.distributed, key, value)
+    return recipe
+
+
+def _train(tmp_path, rows: int, batch: int, accumulation: int, epochs: int, **distributed) -> tuple[Trainer, list]:
+    recipe = _recipe(tmp_path, batch, accumulation, epochs, **distributed)
     data = [{"x": float(i + 1)} for i in range(rows)]
     task = MeanTask()
     trainer = Trainer(recipe, task, data)
@@ -108,3 +126,35 @@ def test_epochs_and_partial_steps_are_exact_under_deepspeed(tmp_path, single_pro
     assert trainer.task.micro_batches == want_micro
     assert grads == pytest.approx(want_grads, rel=1e-6)
     assert trainer.state.tokens == 21
+
+
+def _last_bar(err: str) -> str:
+    """The progress bar as last drawn on stderr."""
+    return [line.rstrip() for line in err.replace("\r", "\n").splitlines() if line.startswith("train:")][-1]
+
+
+def test_progress_bar_runs_over_the_time_budget_and_ends_with_the_run(tmp_path, capsys):
+    # 0.1 s micro-batches under a 1.2 s budget: the deadline ends the run after ~12 of 400 steps,
+    # and the bar counts the budget's seconds (a step bar stopped at ~3% with minutes "remaining").
+    recipe = _recipe(tmp_path, batch=1, accumulation=1, epochs=100)
+    recipe.training.max_minutes = 0.02
+    trainer = Trainer(recipe, SlowMeanTask(0.1), [{"x": float(i)} for i in range(4)])
+    capsys.readouterr()
+    trainer.train()
+    assert trainer.max_steps == 400 and 3 <= trainer.state.step < 30
+    bar = _last_bar(capsys.readouterr().err)
+    assert bar.startswith("train: 100%|")
+    assert bar.endswith(f"| 1/1 s of training.max_minutes, step {trainer.state.step} (at most 400)")
+
+    # The steps run out long before a 10-minute deadline: the bar ends at 100% with them.
+    recipe = _recipe(tmp_path / "short", batch=1, accumulation=1, epochs=1)
+    recipe.training.max_minutes = 10
+    trainer = Trainer(recipe, SlowMeanTask(0.0), [{"x": float(i)} for i in range(4)])
+    trainer.train()
+    bar = _last_bar(capsys.readouterr().err)
+    assert bar.startswith("train: 100%|") and bar.endswith(" s of training.max_minutes, step 4 (at most 4)")
+
+    # Without a budget: the plain step bar.
+    trainer, _ = _train(tmp_path / "plain", rows=4, batch=1, accumulation=1, epochs=1)
+    bar = _last_bar(capsys.readouterr().err)
+    assert bar.startswith("train: 100%|") and "| 4/4 [" in bar

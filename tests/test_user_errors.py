@@ -62,6 +62,49 @@ def test_checkpoint_of_another_kind_is_named(capsys, tmp_path):
                       eval_main, ["--drafter", f"medusa:{tmp_path}"])
 
 
+@pytest.mark.parametrize("spec,pattern", [
+    ("eagle3:CKPT?depth=0", r"error: --drafter 'eagle3:.*\?depth=0': depth=0 is not allowed: depth must be an integer >= 1"),
+    ("eagle:CKPT?budget=-3", r"budget=-3 is not allowed: budget must be an integer >= 1"),
+    ("eagle3:CKPT?top_k=2.5", r"top_k=2.5 is not allowed: top_k must be an integer >= 1"),
+    ("prompt_lookup?num_tokens=0", r"num_tokens=0 is not allowed: num_tokens must be an integer >= 1"),
+    ("prompt_lookup?branches=0", r"branches=0 is not allowed: branches must be an integer >= 1"),
+    ("prompt_lookup?max_ngram=0", r"max_ngram=0 is not allowed: max_ngram must be an integer >= 1"),
+    ("oracle?num_tokens=-1", r"num_tokens=-1 is not allowed"),
+    ("draft_lm?depth=0", r"depth=0 is not allowed: depth must be an integer >= 1"),
+    ("draft_lm?layers=0", r"layers=0 is not allowed: layers must be an integer >= 1"),
+    ("draft_lm?depth=two", r"depth=two is not allowed: depth must be an integer >= 1"),
+    ("hierarchical?m1_depth=0", r"m1_depth=0 is not allowed: m1_depth must be an integer >= 1"),
+    ("hierarchical?m2_layers=0", r"m2_layers=0 is not allowed"),
+    ("hierarchical?m1_tau=0", r"m1_tau=0 is not allowed: m1_tau must be a number > 0"),
+    ("hierarchical?m2_tau=nan", r"m2_tau=nan is not allowed: m2_tau must be a number > 0"),
+    ("medusa:CKPT?budget=0", r"budget=0 is not allowed: budget must be an integer >= 1"),
+    ("draft_lm?policy=confidence&confidence=1", r"confidence=1 is not allowed: confidence must be a number in \(0, 1\)"),
+    ("draft_lm?lenience=1.5", r"lenience=1.5 is not allowed: lenience must be a number in \(0, 1\]"),
+])
+def test_drafter_options_out_of_range_are_refused_before_loading(capsys, tmp_path, spec, pattern):
+    # A real checkpoint folder for the kinds that need one: the range is what is refused, not the path.
+    kind = spec.partition(":")[0]
+    (tmp_path / "config.json").write_text(json.dumps({"draftsmith_kind": kind}))
+    assert_user_error(capsys, pattern, eval_main, ["--drafter", spec.replace("CKPT", str(tmp_path))])
+
+
+def test_every_numeric_drafter_option_has_a_range_and_help_shows_it(capsys):
+    from draftsmith.eval.drafters import KINDS, POLICY_OPTIONS
+
+    tables = [("all", POLICY_OPTIONS), *((kind, info.options) for kind, info in KINDS.items())]
+    numeric = {(kind, name): option for kind, table in tables for name, option in table.items()
+               if isinstance(option.default, (int, float)) or option.range is not None}
+    assert all(option.range is not None for option in numeric.values()), numeric
+    with pytest.raises(SystemExit):
+        eval_main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for line in ["depth=6 tree depth (draft steps per verification) (an integer >= 1)",
+                 "m1_tau=2.0 M1's initial entropy threshold (nats; then the mean M1 entropy of M2's rejections and M1's declines) (a number > 0)",
+                 "confidence=0.5 confidence policy: draft only while the target's probability of its own token is >= this "
+                 "(a number in (0, 1))", "lenience=1.0 LOSSY below 1", "(a number in (0, 1])"]:
+        assert line in shown, line
+
+
 def test_prompt_files_name_the_bad_line_and_turns_are_checked(capsys, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hello"}\n{"prompt": \n')

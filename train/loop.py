@@ -354,7 +354,7 @@ class Trainer:
         window_start = clock(acc.device)
         last_saved: Path | None = None
         self.model.train()
-        bar = tqdm(total=stop_at, initial=self.state.step, desc="train", disable=not acc.is_local_main_process)
+        bar = self._progress_bar(stop_at)
         self._started, out_of_time = clock(acc.device), False
         while self.state.step < stop_at and not out_of_time:
             loader = acc.prepare(_epoch_loader(self.train_data, self.task, self.recipe, self.state.epoch))
@@ -377,8 +377,9 @@ class Trainer:
                 if not acc.sync_gradients:
                     continue
                 self.state.step += 1
-                bar.update()
-                out_of_time = self._out_of_time()
+                used = self._budget_used()
+                out_of_time = used is not None and used >= self.budget
+                self._advance(bar, used, stop_at)
                 if self.state.step % t.log_every == 0 or self.state.step == stop_at or out_of_time:
                     self._log(window, clock(acc.device) - window_start)
                     window, window_start = {}, clock(acc.device)
@@ -391,6 +392,8 @@ class Trainer:
             else:
                 self.state.epoch += 1
                 self.state.batches_in_epoch = 0
+        if self.budget and not out_of_time:  # the steps ran out before the deadline: the bar ends here too
+            bar.total = bar.n
         bar.close()
         self.state.seconds = self._elapsed()
         if out_of_time:
@@ -419,12 +422,33 @@ class Trainer:
             return factor(max(step, min(total, int(total * self._elapsed() / self.budget))))
         return timed
 
-    def _out_of_time(self) -> bool:
-        """True once ``training.max_minutes`` is used up, decided by the slowest process so all stop together."""
+    def _budget_used(self) -> float | None:
+        """Seconds of ``training.max_minutes`` used, by the slowest process so that all stop together
+        (None without a budget)."""
         if not self.budget:
-            return False
+            return None
         elapsed = torch.tensor([self._elapsed()], device=self.accelerator.device)
-        return float(self.accelerator.reduce(elapsed, "max")) >= self.budget
+        return float(self.accelerator.reduce(elapsed, "max"))
+
+    def _progress_bar(self, stop_at: int) -> tqdm:
+        """A bar over the steps to ``stop_at``; under ``training.max_minutes`` over the time budget in
+        seconds instead, with the step count beside it: the deadline, not the step count, usually ends
+        such a run, and a step bar would stop far short of its end with a remaining time past the deadline."""
+        disable = not self.accelerator.is_local_main_process
+        if not self.budget:
+            return tqdm(total=stop_at, initial=self.state.step, desc="train", disable=disable)
+        bar = tqdm(total=self.budget, initial=min(self.state.seconds, self.budget), desc="train", disable=disable,
+                   bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of training.max_minutes{postfix}")
+        bar.set_postfix_str(f"step {self.state.step} (at most {stop_at})", refresh=False)
+        return bar
+
+    def _advance(self, bar: tqdm, used: float | None, stop_at: int) -> None:
+        """Move the bar on by the step just taken, or to the ``used`` seconds of the time budget."""
+        if used is None:
+            bar.update()
+            return
+        bar.set_postfix_str(f"step {self.state.step} (at most {stop_at})", refresh=False)
+        bar.update(min(used, self.budget) - bar.n)
 
     def _group_scale(self, batch: int, micro_batches: int) -> float:
         """Loss factor for micro-batch ``batch`` of an epoch of ``micro_batches``: Accelerate and

@@ -27,84 +27,148 @@ from draftsmith.heads.common import read_config
 
 
 @dataclass(frozen=True)
+class Range:
+    """The values a numeric option allows: ``low`` / ``high`` bounds (None: unbounded), each closed
+    unless ``open_low`` / ``open_high``; ``integer`` for counts."""
+
+    low: float | None = None
+    high: float | None = None
+    integer: bool = False
+    open_low: bool = False
+    open_high: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        # Written so that NaN is outside every range.
+        above = self.low is None or (value > self.low if self.open_low else value >= self.low)
+        below = self.high is None or (value < self.high if self.open_high else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        what = "an integer" if self.integer else "a number"
+        if self.low is not None and self.high is not None:
+            return f"{what} in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+        if self.low is not None:
+            return f"{what} {'>' if self.open_low else '>='} {self.low:g}"
+        return f"{what} {'<' if self.open_high else '<='} {self.high:g}" if self.high is not None else what
+
+
+COUNT = Range(1, integer=True)
+POSITIVE = Range(0, open_low=True)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``?key=value`` option of a drafter spec: its default, its meaning and, for a number, the
+    values allowed (checked when the spec is parsed, before any model loads)."""
+
+    default: object
+    doc: str
+    range: Range | None = None  # None: free text (a path, a file, a name)
+    text: bool = False  # a numeric option that also takes text (layers=0,1,2,29), checked where it is used
+
+    def help(self, name: str) -> str:
+        """The option's ``--help`` line: ``name=default``, its meaning and its range."""
+        allowed = f" ({self.range})" if self.range else ""
+        return f"      {name}={'' if self.default is None else self.default}".ljust(26) + f" {self.doc}{allowed}"
+
+
+@dataclass(frozen=True)
 class KindHelp:
-    """What a drafter kind is, what its ``:PATH`` is, and its ``?options`` as ``name: (default, doc)``."""
+    """What a drafter kind is, what its ``:PATH`` is, and its ``?options``."""
 
     summary: str
     path: str  # "" when the kind takes no path
-    options: dict[str, tuple[object, str]]
+    options: dict[str, Option]
     has_distribution: bool = False  # drafts from a distribution (policy=entropy applies)
 
 
 KINDS: dict[str, KindHelp] = {
     "prompt_lookup": KindHelp("n-gram lookup in the prompt and the output so far (training-free)", "", {
-        "num_tokens": (10, "tokens drafted per step"),
-        "max_ngram": (3, "longest suffix n-gram looked up"),
-        "min_ngram": (2, "shortest suffix n-gram looked up"),
-        "branches": (1, "distinct continuations drafted as a tree (1: a chain)"),
+        "num_tokens": Option(10, "tokens drafted per step", COUNT),
+        "max_ngram": Option(3, "longest suffix n-gram looked up", COUNT),
+        "min_ngram": Option(2, "shortest suffix n-gram looked up", COUNT),
+        "branches": Option(1, "distinct continuations drafted as a tree (1: a chain)", COUNT),
     }),
     "oracle": KindHelp("the target's own greedy continuation: the engine's ceiling (diagnostic)", "", {
-        "num_tokens": (8, "tokens drafted per step"),
+        "num_tokens": Option(8, "tokens drafted per step", COUNT),
     }),
     "draft_lm": KindHelp("any causal LM with the target's tokenizer; without PATH, layers cut from the target",
                          "hub id or folder (e.g. a train/distill.py checkpoint); optional", {
-        "depth": (4, "draft tokens per step (tree depth)"),
-        "top_k": (1, "children per node (1: a chain; more: an EAGLE-2-style dynamic tree)"),
-        "budget": (None, "tree nodes kept (default: depth x top_k)"),
-        "layers": (4, "without PATH: a count of evenly spaced target layers, or indices like 0,1,2,29"),
-        "vocab": (None, "draft over the N most frequent tokens of a distill checkpoint's training replies"),
+        "depth": Option(4, "draft tokens per step (tree depth)", COUNT),
+        "top_k": Option(1, "children per node (1: a chain; more: an EAGLE-2-style dynamic tree)", COUNT),
+        "budget": Option(None, "tree nodes kept (default: depth x top_k)", COUNT),
+        "layers": Option(4, "without PATH: a count of evenly spaced target layers, or indices like 0,1,2,29", COUNT,
+                         text=True),
+        "vocab": Option(None, "draft over the N most frequent tokens of a distill checkpoint's training replies", COUNT),
     }, has_distribution=True),
     "eagle": KindHelp("a trained EAGLE head growing EAGLE-2 dynamic trees", "checkpoint or sglang export folder (required)", {
-        "depth": (5, "tree depth (draft steps per verification)"),
-        "top_k": (3, "children expanded per node"),
-        "budget": (12, "tree nodes verified per step"),
+        "depth": Option(5, "tree depth (draft steps per verification)", COUNT),
+        "top_k": Option(3, "children expanded per node", COUNT),
+        "budget": Option(12, "tree nodes verified per step", COUNT),
     }, has_distribution=True),
     "eagle3": KindHelp("a trained EAGLE-3 head (fused target layers, training-time test) growing EAGLE-2 dynamic trees",
                        "checkpoint, speculators or sglang export folder (required)", {
-        "depth": (6, "tree depth (draft steps per verification)"),
-        "top_k": (3, "children expanded per node"),
-        "budget": (12, "tree nodes verified per step"),
+        "depth": Option(6, "tree depth (draft steps per verification)", COUNT),
+        "top_k": Option(3, "children expanded per node", COUNT),
+        "budget": Option(12, "tree nodes verified per step", COUNT),
     }, has_distribution=True),
     "hierarchical": KindHelp(
         "HSDDW hierarchical drafting: draft LM M1 drafts under its entropy rule, a stronger draft LM M2 "
         "pre-verifies its tokens, the target verifies what M2 kept", "", {
-            "m1": (None, "M1: hub id or folder of a draft LM (e.g. a train/distill.py checkpoint); default: cut from the target"),
-            "m2": (None, "M2: as m1, the stronger one"),
-            "vocab": (None, "with m1=/m2= distill checkpoints: each drafts over its N most frequent training tokens"),
-            "m1_layers": (2, "without m1: M1 is this many evenly spaced target layers"),
-            "m2_layers": (6, "without m2: M2 is this many evenly spaced target layers"),
-            "depth": (8, "most tokens sent to the target per step"),
-            "m1_depth": (4, "most tokens M1 drafts before M2 pre-verifies them"),
-            "m1_tau": (DEFAULT_ENTROPY_TAU, "M1's initial entropy threshold (nats; then adapts to M2's rejections)"),
-            "m2_tau": (DEFAULT_ENTROPY_TAU, "M2's initial entropy threshold (nats; then adapts to the target's rejections)"),
+            "m1": Option(None, "M1: hub id or folder of a draft LM (e.g. a train/distill.py checkpoint); default: cut from the target"),
+            "m2": Option(None, "M2: as m1, the stronger one"),
+            "vocab": Option(None, "with m1=/m2= distill checkpoints: each drafts over its N most frequent training tokens", COUNT),
+            "m1_layers": Option(2, "without m1: M1 is this many evenly spaced target layers", COUNT),
+            "m2_layers": Option(6, "without m2: M2 is this many evenly spaced target layers", COUNT),
+            "depth": Option(8, "most tokens sent to the target per step", COUNT),
+            "m1_depth": Option(4, "most tokens M1 drafts before M2 pre-verifies them", COUNT),
+            "m1_tau": Option(DEFAULT_ENTROPY_TAU, "M1's initial entropy threshold (nats; then the mean M1 entropy of M2's rejections and M1's declines)",
+                             POSITIVE),
+            "m2_tau": Option(DEFAULT_ENTROPY_TAU, "M2's initial entropy threshold (nats; then the mean M2 entropy of the target's rejections and M2's declines)",
+                             POSITIVE),
         }),
     "medusa": KindHelp("trained Medusa heads over a static tree", "checkpoint, vllm-medusa or medusa export folder (required)", {
-        "choices": (None, "tree file (Medusa-style [[0], [0, 0], [1], ...]); default: the calibrated tree.yaml"),
-        "budget": (None, "use the optimal N-node tree for the heads' recorded accuracies instead"),
+        "choices": Option(None, "tree file (Medusa-style [[0], [0, 0], [1], ...]); default: the calibrated tree.yaml"),
+        "budget": Option(None, "use the optimal N-node tree for the heads' recorded accuracies instead", COUNT),
     }),
 }
 
 
 # Options every kind takes: how the engine drafts and verifies with it (draftsmith.eval.policies).
-POLICY_OPTIONS: dict[str, tuple[object, str]] = {
-    "policy": ("fixed", f"draft-length policy: {', '.join(POLICIES)}, or entropy,confidence (both)"),
-    "entropy_tau": (DEFAULT_ENTROPY_TAU, "entropy policy: initial threshold in nats (then the mean entropy of rejected drafts)"),
-    "confidence": (DEFAULT_CONFIDENCE, "confidence policy: draft only while the target's probability of its own token is >= this"),
-    "lenience": (1.0, "LOSSY below 1 (sampling only): accept with min(1, p/(lenience q)) (Leviathan et al.)"),
+POLICY_OPTIONS: dict[str, Option] = {
+    "policy": Option("fixed", f"draft-length policy: {', '.join(POLICIES)}, or entropy,confidence (both)"),
+    "entropy_tau": Option(DEFAULT_ENTROPY_TAU, "entropy policy: initial threshold in nats (then the mean entropy of "
+                          "rejected drafts)", POSITIVE),
+    "confidence": Option(DEFAULT_CONFIDENCE, "confidence policy: draft only while the target's probability of its own "
+                         "token is >= this", Range(0, 1, open_low=True, open_high=True)),
+    "lenience": Option(1.0, "LOSSY below 1 (sampling only): accept with min(1, p/(lenience q)) (Leviathan et al.)",
+                       Range(0, 1, open_low=True)),
 }
 
 
 def kinds_help() -> str:
-    """The drafter kinds and their options with defaults, as ``--help`` text."""
+    """The drafter kinds and their options with defaults and allowed values, as ``--help`` text."""
     lines = ["drafter specs: KIND[:PATH][?key=value&...]; every kind also takes name=LABEL (the table row) and:"]
-    for option, (default, doc) in POLICY_OPTIONS.items():
-        lines.append(f"      {option}={default}".ljust(26) + f" {doc}")
+    lines += [option.help(name) for name, option in POLICY_OPTIONS.items()]
     for kind, info in KINDS.items():
         path = f":PATH ({info.path})" if info.path else ""
         lines.append(f"  {kind}{path}\n      {info.summary}")
-        for option, (default, doc) in info.options.items():
-            lines.append(f"      {option}={'' if default is None else default}".ljust(26) + f" {doc}")
+        lines += [option.help(name) for name, option in info.options.items()]
     return "\n".join(lines)
+
+
+def _check_ranges(spec: str, kind: str, raw: dict[str, str], options: dict) -> None:
+    """Every numeric option within its table range, or a one-line error naming it, its value and the range."""
+    table = {**KINDS[kind].options, **POLICY_OPTIONS}
+    for key, value in options.items():
+        option = table.get(key)
+        if option is None or option.range is None or (option.text and isinstance(value, str)):
+            continue
+        if value not in option.range:
+            raise UsageError(f"--drafter {spec!r}: {key}={raw[key]} is not allowed: {key} must be {option.range} "
+                             "(eval/run.py --help lists every option's range)")
 
 
 @dataclass
@@ -152,6 +216,7 @@ def parse_spec(spec: str) -> DrafterSpec:
     if unknown:
         raise UsageError(f"--drafter {spec!r}: unknown option(s) {', '.join(unknown)} for {kind}; "
                          f"its options: {', '.join([*KINDS[kind].options, *POLICY_OPTIONS, 'name'])}")
+    _check_ranges(spec, kind, dict(pairs), options)
     policy = PolicyConfig.from_options(spec, options)
     if policy.entropy_tau and kind == "hierarchical":
         raise UsageError(f"--drafter {spec!r}: the hierarchical drafter has its own entropy rules; set m1_tau= and m2_tau=")
@@ -209,15 +274,13 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
             models = []
             for m in ("m1", "m2"):  # a trained draft LM, or layers cut from the target
                 path = options.pop(m, None)
-                layers = int(options.pop(f"{m}_layers", KINDS["hierarchical"].options[f"{m}_layers"][0]))
+                layers = int(options.pop(f"{m}_layers", KINDS["hierarchical"].options[f"{m}_layers"].default))
                 if path is None and vocab is not None:
                     raise UsageError(f"hierarchical option vocab=N needs trained draft LMs (m1=PATH&m2=PATH); {m} has none")
                 models.append(load_draft_lm(str(path), param.dtype, param.device) if path is not None
                               else derive_draft_lm(target, num_layers=layers))
                 if vocab is not None:
                     options[f"{m}_vocab"] = draft_vocab_from_counts(str(path), int(vocab), models[-1])
-            if min(float(options.get("m1_tau", 1.0)), float(options.get("m2_tau", 1.0))) <= 0:
-                raise UsageError("hierarchical options m1_tau and m2_tau must be > 0 (nats)")
             drafter = HierarchicalDrafter(*models, **options)
         elif parsed.kind == "eagle":
             from draftsmith.eval.drafters.eagle import EagleDrafter
@@ -278,5 +341,5 @@ def _medusa_parts(path: str, target: PreTrainedModel, choices, budget):
 
 __all__ = [
     "Drafter", "DraftContext", "StepResult", "PromptLookupDrafter", "OracleDrafter", "DraftLMDrafter",
-    "DrafterSpec", "KINDS", "kinds_help", "parse_spec", "build_drafter",
+    "DrafterSpec", "KINDS", "POLICY_OPTIONS", "Option", "Range", "kinds_help", "parse_spec", "build_drafter",
 ]

@@ -15,6 +15,11 @@ tokens and the target keeps only those equal to its own.
 
 Thresholds adapt per sequence (:class:`~draftsmith.eval.policies.EntropyRule`): M1's from the M1
 entropies of the tokens M2 rejected, M2's from the M2 entropies of the tokens the target rejected.
+A position a model declines (its entropy above its threshold) counts as a rejection at that
+entropy: without it, a model whose entropies all start above the initial threshold (a 2-layer cut
+of SmolLM2 sits at 3-6 nats against the 2-nat start) never drafts, is never rejected and never
+adapts. Declines pull a threshold up, rejections of drafted tokens pull it down, so it settles
+where the two balance.
 """
 
 from __future__ import annotations
@@ -84,6 +89,9 @@ class HierarchicalDrafter(Drafter):
         while len(pending) < budget:
             sequence = context.tokens + pending
             burst = self.m1.propose(DraftContext(sequence, sampling, generator, budget - len(pending), self.rule1.tau))
+            for node, value in burst.entropy.items():
+                if node not in burst.proposals:  # M1 declined to draft after this node
+                    self.rule1.rejected(value)
             if not len(burst):  # M1 is not confident enough to draft at all
                 break
             # M2's distributions after the sequence and after each burst token but the last: one forward.
@@ -92,6 +100,7 @@ class HierarchicalDrafter(Drafter):
             stop = False
             for i, (accepted, spread, correction) in enumerate(verdicts):
                 if spread > self.rule2.tau:  # M2 lost confidence: its token here would be a guess
+                    self.rule2.rejected(spread)
                     stop = True
                     break
                 if p2 is not None:
