@@ -284,13 +284,15 @@ class Trainer:
         self.history: list[dict] = []  # every logged metrics dict, with its step
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def save(self, name: str) -> Path:
-        """Write ``output_dir/name`` atomically: exported drafter + resumable state."""
+    def save(self, name: str, extra_state: dict | None = None) -> Path:
+        """Write ``output_dir/name`` atomically: exported drafter + resumable state (plus
+        ``extra_state`` in its ``trainer_state.json``)."""
         acc = self.accelerator
         final = self.output_dir / name
-        tmp = self.output_dir / f".{name}.tmp"
+        tmp, old = self.output_dir / f".{name}.tmp", self.output_dir / f".{name}.old"
         if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+            shutil.rmtree(old, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         self._count_tokens()
@@ -298,10 +300,12 @@ class Trainer:
         acc.wait_for_everyone()  # every rank writes its random_states_{i}.pkl last: all in tmp before the rename
         if acc.is_main_process:
             self.task.save_pretrained(acc.unwrap_model(self.model), tmp)
-            (tmp / "state" / "trainer_state.json").write_text(json.dumps(self.state.__dict__))
+            (tmp / "state" / "trainer_state.json").write_text(json.dumps({**self.state.__dict__, **(extra_state or {})}))
             dump_recipe(self.recipe, tmp / "recipe.yaml")
-            shutil.rmtree(final, ignore_errors=True)
+            if final.exists():  # renamed away whole, not deleted file by file: a kill never leaves half of it
+                os.replace(final, old)
             os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
             self._prune()
         acc.wait_for_everyone()
         return final
@@ -399,8 +403,7 @@ class Trainer:
         if self.state.step >= self.max_steps or out_of_time:
             if not (t.eval_every and self.state.step % t.eval_every == 0):
                 self._log_eval()
-            last_saved = self.save(FINAL)
-            self._write_replica_checksums(last_saved)
+            last_saved = self.save(FINAL, self._replica_checksums())
         elif last_saved is None or not last_saved.name.endswith(f"-{self.state.step}"):
             last_saved = self.save(f"checkpoint-{self.state.step}")
         acc.end_training()
@@ -474,15 +477,11 @@ class Trainer:
             shown = {k.removeprefix("train/"): float(f"{v:.4g}") for k, v in logs.items()}  # small lrs stay visible
             tqdm.write(f"step {self.state.step}: {shown}")
 
-    def _write_replica_checksums(self, checkpoint: Path) -> None:
-        """Record every process's parameter checksum: replicas must agree after training."""
+    def _replica_checksums(self) -> dict:
+        """Every process's parameter checksum (``replica_checksums``, recorded in the final
+        checkpoint's state): replicas must agree after training."""
         if self.recipe.distributed.backend == "deepspeed" and self.recipe.distributed.zero_stage == 3:
-            return  # parameters are partitioned; each rank holds a different shard
+            return {}  # parameters are partitioned; each rank holds a different shard
         local = torch.tensor([_param_checksum(self.accelerator.unwrap_model(self.model))],
                              dtype=torch.float64, device=self.accelerator.device)
-        gathered = self.accelerator.gather(local).tolist()
-        if self.accelerator.is_main_process:
-            state_file = checkpoint / "state" / "trainer_state.json"
-            state = json.loads(state_file.read_text())
-            state["replica_checksums"] = gathered
-            state_file.write_text(json.dumps(state))
+        return {"replica_checksums": self.accelerator.gather(local).tolist()}
