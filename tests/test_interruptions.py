@@ -31,6 +31,7 @@ import pytest
 from prepare_stages import main as prepare
 from training_helpers import REPO, save_tiny_target, write_recipe
 
+from draftsmith.atomic import staged
 from draftsmith.data_prep.regenerate import main as regenerate_main
 from draftsmith.export.cli import main as export_main
 from draftsmith.target import load_tokenizer
@@ -134,6 +135,36 @@ def interrupted_run_equals_uninterrupted(request, rng: random.Random, command: l
 
 # ---------------------------------------------------------------------------------------------
 # The stages
+
+WRITER = """
+import sys, time
+from draftsmith.atomic import staged
+with staged(sys.argv[1]) as stage:
+    stage.write_text("half")
+    print(stage, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_killed_writers_stage_is_removed_and_a_live_ones_kept(tmp_path):
+    """Two writers stage the same file; one is killed mid-write: the next writer removes its
+    stage (SIGKILL ran no clean-up), leaves the live one's alone, and its own rename wins."""
+    path = tmp_path / "shard.safetensors"
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    try:
+        killed, live = (Path(w.stdout.readline().strip()) for w in writers)
+        writers[0].kill()
+        writers[0].wait()
+        with staged(path) as stage:
+            stage.write_text("whole")
+        assert path.read_text() == "whole"
+        assert not killed.exists() and live.read_text() == "half"
+        assert sorted(tmp_path.iterdir()) == sorted([path, live])
+    finally:
+        for writer in writers:
+            writer.kill()
+            writer.wait()
 
 
 def test_tokenising(request, rng, target, tmp_path):
