@@ -7,7 +7,9 @@ assistant turns already replaced. Generation is batched (left padding, one ``gen
 batch and turn) and the output is a JSONL file in the ``messages`` layout the loader reads.
 
 Resumable: each finished batch is appended in one write and flushed; a restart skips the
-conversations already in the file and first cuts off a half-written last line.
+conversations already in the file and first cuts off a half-written last line. Batches and their
+seeds do not depend on where a run stopped (a batch cut short is generated whole again), so a
+resumed file equals an uninterrupted one, sampled or not.
 
     python data_prep/regenerate.py --target default --limit 400 --max-new-tokens 256 --out regen.jsonl
 """

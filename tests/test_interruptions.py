@@ -1,5 +1,6 @@
 """Every long stage survives SIGKILL at a random point: the same command run again resumes or
-restarts and leaves exactly what an uninterrupted run leaves, byte for byte, with no staging
+restarts and leaves exactly what an uninterrupted run leaves, byte for byte (a safetensors header
+as a dict: its metadata order varies between writers; training's wall time aside), with no staging
 debris (half-written temporary files or folders) beside it.
 
 One helper drives every stage: run the command uninterrupted (in this process) and snapshot its
