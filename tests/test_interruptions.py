@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -78,7 +78,8 @@ def files(roots: list[Path]) -> dict[str, object]:
 
 
 def count_files(root: Path) -> int:
-    return sum(1 for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+    """Files under ``root`` while a writer renames folders in it (``os.walk`` skips a vanished one)."""
+    return sum(len(names) for _, _, names in os.walk(root))
 
 
 def _kill_at(command: list[str], progress: Callable[[], int], point: int, delay: float, log: Path) -> bool:
@@ -116,7 +117,7 @@ def interrupted_run_equals_uninterrupted(request, rng: random.Random, command: l
     run()
     want, final = snapshot(outputs), progress()
     assert final >= 2, f"the stage made too little progress ({final}) to be killed midway"
-    log = Path(tempfile.mkdtemp()) / "killed.log"
+    log = request.getfixturevalue("tmp_path") / "killed.log"
     for attempt in range(3):  # a kill point the process ran past (it finished) is drawn again
         for root in outputs:
             shutil.rmtree(root, ignore_errors=True)
@@ -201,11 +202,8 @@ def test_regeneration(request, rng, target, tmp_path):
 
 def _checkpoint_started(out: Path) -> int:
     """The latest checkpoint being written or written under ``out`` (final: ``STEPS + 1``)."""
-    steps = [0]
-    for path in out.glob("*checkpoint-*") if out.exists() else []:
-        step = path.name.removeprefix(".").removesuffix(".tmp").removeprefix("checkpoint-")
-        steps.append(STEPS + 1 if step == "final" else int(step))
-    return max(steps)
+    found = [re.fullmatch(r"\.?checkpoint-(\d+|final)(\.tmp)?", p.name) for p in out.glob("*checkpoint-*")]
+    return max([0] + [STEPS + 1 if m[1] == "final" else int(m[1]) for m in found if m])
 
 
 def _training_outputs(roots: list[Path]) -> dict:
@@ -248,8 +246,8 @@ def test_export(request, rng, target, tmp_path):
         complete = out.exists()  # killed after its rename: the export is whole, and the rerun refuses to overwrite it
         try:
             export_main(argv)
-        except SystemExit as exit:
-            assert complete and exit.code == 2
+        except SystemExit as refused:
+            assert complete and refused.code == 2
 
     interrupted_run_equals_uninterrupted(request, rng, [sys.executable, "-m", "draftsmith.export.cli", *argv], run,
                                          [out.parent], lambda: count_files(out.parent), max_delay=0.005)
