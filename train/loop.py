@@ -207,6 +207,15 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _discarded(checkpoint: Path) -> Path:
+    """Rename ``checkpoint`` to a hidden name and return it, for deleting: a kill during the delete
+    then leaves no half checkpoint under a name that :func:`checkpoints` or a reader would take
+    (the next save removes the rest)."""
+    old = checkpoint.with_name(f".{checkpoint.name}.old")
+    os.replace(checkpoint, old)
+    return old
+
+
 def _epoch_loader(dataset, task: TrainTask, recipe: Recipe, epoch: int) -> DataLoader:
     order = np.random.default_rng(recipe.training.seed + epoch).permutation(len(dataset)).tolist()
     # Its own generator: creating an iterator then draws its worker seed from it, not from the
@@ -289,10 +298,11 @@ class Trainer:
         ``extra_state`` in its ``trainer_state.json``)."""
         acc = self.accelerator
         final = self.output_dir / name
-        tmp, old = self.output_dir / f".{name}.tmp", self.output_dir / f".{name}.old"
+        tmp = self.output_dir / f".{name}.tmp"
         if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
-            shutil.rmtree(old, ignore_errors=True)
+            # Left by a run killed while saving or deleting checkpoints.
+            for stale in [tmp, *self.output_dir.glob(".checkpoint-*.old")]:
+                shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         self._count_tokens()
@@ -302,10 +312,10 @@ class Trainer:
             self.task.save_pretrained(acc.unwrap_model(self.model), tmp)
             (tmp / "state" / "trainer_state.json").write_text(json.dumps({**self.state.__dict__, **(extra_state or {})}))
             dump_recipe(self.recipe, tmp / "recipe.yaml")
-            if final.exists():  # renamed away whole, not deleted file by file: a kill never leaves half of it
-                os.replace(final, old)
+            old = _discarded(final) if final.exists() else None
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             self._prune()
         acc.wait_for_everyone()
         return final
@@ -313,7 +323,7 @@ class Trainer:
     def _prune(self) -> None:
         keep = self.recipe.training.keep_checkpoints
         for old in checkpoints(self.output_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(_discarded(old), ignore_errors=True)
 
     def resume(self) -> bool:
         """Load the newest checkpoint under ``output_dir``; False when there is none."""
