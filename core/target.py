@@ -8,9 +8,6 @@ the cached copy reloads in ~2 s with identical logits.
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.assets import asset_path, cache_root
+from draftsmith.atomic import staged
 from draftsmith.errors import UserError
 from draftsmith.hub import check_hub_id
 from draftsmith.precision import resolve_dtype
@@ -52,16 +50,10 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
-    try:
+    with staged(out_dir, folder=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "SOURCE").write_text(f"{gguf.resolve()}\n")
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def resolve_target(name_or_path: str, field: str = "target") -> str:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +17,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from draftsmith.assets import asset_path, cache_root
+from draftsmith.atomic import staged
 from draftsmith.data_prep.chat import tokenize_conversation
 from draftsmith.data_prep.sharegpt import BUNDLED, DataError, load_conversations
 from draftsmith.recipe import DataConfig
@@ -132,16 +131,13 @@ def build_dataset(
     conversations, load_summary = load_conversations(cfg.path, cfg.split, cfg.limit, verbose=verbose)
     dataset, summary = _tokenize(conversations, tokenizer, cfg)
     summary.load_summary = str(load_summary)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
     try:
-        # datasets cannot load back a saved empty split (IndexError): only non-empty ones are saved.
-        datasets.DatasetDict({split: rows for split, rows in dataset.items() if len(rows)}).save_to_disk(str(tmp))
-        (tmp / "draftsmith_summary.json").write_text(json.dumps(asdict(summary), indent=1))
-        tmp.rename(target)
+        with staged(target, folder=True) as tmp:
+            # datasets cannot load back a saved empty split (IndexError): only non-empty ones are saved.
+            datasets.DatasetDict({split: rows for split, rows in dataset.items() if len(rows)}).save_to_disk(str(tmp))
+            (tmp / "draftsmith_summary.json").write_text(json.dumps(asdict(summary), indent=1))
     except OSError:
         # Another process finished the same cache first; its copy is identical.
-        shutil.rmtree(tmp, ignore_errors=True)
         if not summary_file.is_file():
             raise
     if verbose:

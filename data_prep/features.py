@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from bisect import bisect_right
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,6 +21,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from draftsmith.assets import cache_root
+from draftsmith.atomic import staged
 
 SHARD_SIZE = 64  # conversations per shard
 
@@ -37,19 +35,6 @@ def features_dir(recipe, data, layers: list[int] | None = None) -> Path:
         identity.append(list(layers))
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
     return cache_root() / "features" / key
-
-
-@contextmanager
-def _atomic(path: Path):
-    """A temporary path beside ``path`` (unique to this writer) renamed onto ``path`` on success."""
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 @torch.no_grad()
@@ -86,7 +71,7 @@ def extract_features(target, data, root: Path, shard_size: int = SHARD_SIZE, sho
             }
             if layers:
                 tensors["aux"] = torch.cat(aux).contiguous()
-            with _atomic(path) as tmp:
+            with staged(path) as tmp:
                 save_file(tensors, str(tmp))
         files = sorted(out.glob("shard-*.safetensors"))
         size = sum(f.stat().st_size for f in files)
@@ -94,7 +79,7 @@ def extract_features(target, data, root: Path, shard_size: int = SHARD_SIZE, sho
         manifest["splits"][split] = {"conversations": len(rows), "tokens": tokens, "shards": len(files), "bytes": size}
         manifest["bytes"] += size
         manifest["tokens"] += tokens
-    with _atomic(root / "manifest.json") as tmp:
+    with staged(root / "manifest.json") as tmp:
         tmp.write_text(json.dumps(manifest, indent=1))
     if show:
         print(f"features: {manifest['tokens']:,} tokens, {manifest['bytes'] / 2**30:.2f} GiB in {root}")

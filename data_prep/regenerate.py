@@ -7,7 +7,9 @@ assistant turns already replaced. Generation is batched (left padding, one ``gen
 batch and turn) and the output is a JSONL file in the ``messages`` layout the loader reads.
 
 Resumable: each finished batch is appended in one write and flushed; a restart skips the
-conversations already in the file and first cuts off a half-written last line.
+conversations already in the file and first cuts off a half-written last line. Batches and their
+seeds do not depend on where a run stopped (a batch cut short is generated whole again), so a
+resumed file equals an uninterrupted one, sampled or not.
 
     python data_prep/regenerate.py --target default --limit 400 --max-new-tokens 256 --out regen.jsonl
 """
@@ -71,8 +73,8 @@ def regenerate(target, tokenizer, conversations: list[dict], out: str | Path, cf
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out)
-    todo = [c for c in conversations if c["id"] not in done]
-    stats = {"written": 0, "skipped": len(conversations) - len(todo), "turns": 0, "empty": 0, "prompt_too_long": 0}
+    todo = list(conversations)  # done ones too: the batches are those of an uninterrupted run
+    stats = {"written": 0, "skipped": sum(c["id"] in done for c in todo), "turns": 0, "empty": 0, "prompt_too_long": 0}
     # Longest first prompt per conversation: batches of similar lengths waste little on padding.
     first_prompt = {c["id"]: len(render_prompt(tokenizer, _through_first_user(c["messages"]))) for c in todo}
     if cfg.max_prompt_tokens:
@@ -83,11 +85,16 @@ def regenerate(target, tokenizer, conversations: list[dict], out: str | Path, cf
                   f"tokens are left out (e.g. {', '.join(c['id'] for c in long[:3])})")
         todo = [c for c in todo if first_prompt[c["id"]] <= cfg.max_prompt_tokens]
     todo.sort(key=lambda c: first_prompt[c["id"]])
-    if cfg.seed is not None:
-        torch.manual_seed(cfg.seed)
-    bar = tqdm(total=len(todo), desc="regenerate", disable=not show)
+    bar = tqdm(total=len(todo) - stats["skipped"], desc="regenerate", disable=not show)
     for start in range(0, len(todo), cfg.batch_size):
         chunk = todo[start:start + cfg.batch_size]
+        if all(c["id"] in done for c in chunk):
+            continue
+        # A batch half written before an interruption is generated whole again (its rows then
+        # come out as they did), and seeded by its place: a resumed run samples what an
+        # uninterrupted one did.
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed + start)
         # Per conversation: its messages up to (and excluding) each assistant turn to rewrite.
         results = [[m for m in c["messages"] if m["role"] == "system"] for c in chunk]
         users = [[m for m in c["messages"] if m["role"] == "user"] for c in chunk]
@@ -111,13 +118,14 @@ def regenerate(target, tokenizer, conversations: list[dict], out: str | Path, cf
             live = still
         # Every conversation is written, even one left without a reply, so a restart does not
         # redo it; the loader then drops it under its own counted reason.
-        lines = "".join(json.dumps({"id": c["id"], "messages": r}) + "\n" for c, r in zip(chunk, results))
+        new = [(c, r) for c, r in zip(chunk, results) if c["id"] not in done]
+        lines = "".join(json.dumps({"id": c["id"], "messages": r}) + "\n" for c, r in new)
         with out.open("a", encoding="utf-8") as handle:
             handle.write(lines)
             handle.flush()
             os.fsync(handle.fileno())
-        stats["written"] += len(chunk)
-        bar.update(len(chunk))
+        stats["written"] += len(new)
+        bar.update(len(new))
     bar.close()
     return stats
 

@@ -9,11 +9,10 @@ and, for formats the engine loads back, ``native_state(folder, config)``.
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from draftsmith.atomic import staged
 from draftsmith.errors import UsageError
 from draftsmith.export import hf, medusa, sglang, speculators, vllm_medusa
 from draftsmith.export.card import write_card
@@ -57,10 +56,9 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, target:
         raise UsageError(f"--out {out}: exists and is not an empty folder; choose a new folder")
     found = find_target(source, target, target_hub_id)
     tree = _tree(source.kind, source.config, draft_tokens)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside ``out`` and renamed into place: a refused or interrupted export leaves nothing.
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
+    # Written beside ``out`` and renamed into place: a refused or interrupted export leaves nothing
+    # (the rerun removes what a killed one left).
+    with staged(out, folder=True) as tmp:
         serve = module.export(source, found, tmp, tree)
         record_export(tmp, source, fmt, found, tree["depth"])
         for name in COPIED if source.kind == "medusa" else ():
@@ -69,12 +67,6 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, target:
                 (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / name)
         serve = [line.replace(str(tmp), str(out)) for line in serve]
         write_card(tmp, out, source, found, fmt, serve, Path(results) if results else None)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return serve
 
 

@@ -207,6 +207,15 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _discarded(checkpoint: Path) -> Path:
+    """Rename ``checkpoint`` to a hidden name and return it, for deleting: a kill during the delete
+    then leaves no half checkpoint under a name that :func:`checkpoints` or a reader would take
+    (the next save removes the rest)."""
+    old = checkpoint.with_name(f".{checkpoint.name}.old")
+    os.replace(checkpoint, old)
+    return old
+
+
 def _epoch_loader(dataset, task: TrainTask, recipe: Recipe, epoch: int) -> DataLoader:
     order = np.random.default_rng(recipe.training.seed + epoch).permutation(len(dataset)).tolist()
     # Its own generator: creating an iterator then draws its worker seed from it, not from the
@@ -284,13 +293,16 @@ class Trainer:
         self.history: list[dict] = []  # every logged metrics dict, with its step
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def save(self, name: str) -> Path:
-        """Write ``output_dir/name`` atomically: exported drafter + resumable state."""
+    def save(self, name: str, extra_state: dict | None = None) -> Path:
+        """Write ``output_dir/name`` atomically: exported drafter + resumable state (plus
+        ``extra_state`` in its ``trainer_state.json``)."""
         acc = self.accelerator
         final = self.output_dir / name
         tmp = self.output_dir / f".{name}.tmp"
         if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
+            # Left by a run killed while saving or deleting checkpoints.
+            for stale in [tmp, *self.output_dir.glob(".checkpoint-*.old")]:
+                shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         self._count_tokens()
@@ -298,10 +310,12 @@ class Trainer:
         acc.wait_for_everyone()  # every rank writes its random_states_{i}.pkl last: all in tmp before the rename
         if acc.is_main_process:
             self.task.save_pretrained(acc.unwrap_model(self.model), tmp)
-            (tmp / "state" / "trainer_state.json").write_text(json.dumps(self.state.__dict__))
+            (tmp / "state" / "trainer_state.json").write_text(json.dumps({**self.state.__dict__, **(extra_state or {})}))
             dump_recipe(self.recipe, tmp / "recipe.yaml")
-            shutil.rmtree(final, ignore_errors=True)
+            old = _discarded(final) if final.exists() else None
             os.replace(tmp, final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             self._prune()
         acc.wait_for_everyone()
         return final
@@ -309,7 +323,7 @@ class Trainer:
     def _prune(self) -> None:
         keep = self.recipe.training.keep_checkpoints
         for old in checkpoints(self.output_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(_discarded(old), ignore_errors=True)
 
     def resume(self) -> bool:
         """Load the newest checkpoint under ``output_dir``; False when there is none."""
@@ -402,8 +416,7 @@ class Trainer:
         if self.state.step >= self.max_steps or out_of_time:
             if not (t.eval_every and self.state.step % t.eval_every == 0):
                 self._log_eval()
-            last_saved = self.save(FINAL)
-            self._write_replica_checksums(last_saved)
+            last_saved = self.save(FINAL, self._replica_checksums())
         elif last_saved is None or not last_saved.name.endswith(f"-{self.state.step}"):
             last_saved = self.save(f"checkpoint-{self.state.step}")
         acc.end_training()
@@ -498,15 +511,11 @@ class Trainer:
             shown = {k.removeprefix("train/"): float(f"{v:.4g}") for k, v in logs.items()}  # small lrs stay visible
             tqdm.write(f"step {self.state.step}: {shown}")
 
-    def _write_replica_checksums(self, checkpoint: Path) -> None:
-        """Record every process's parameter checksum: replicas must agree after training."""
+    def _replica_checksums(self) -> dict:
+        """Every process's parameter checksum (``replica_checksums``, recorded in the final
+        checkpoint's state): replicas must agree after training."""
         if self.recipe.distributed.backend == "deepspeed" and self.recipe.distributed.zero_stage == 3:
-            return  # parameters are partitioned; each rank holds a different shard
+            return {}  # parameters are partitioned; each rank holds a different shard
         local = torch.tensor([_param_checksum(self.accelerator.unwrap_model(self.model))],
                              dtype=torch.float64, device=self.accelerator.device)
-        gathered = self.accelerator.gather(local).tolist()
-        if self.accelerator.is_main_process:
-            state_file = checkpoint / "state" / "trainer_state.json"
-            state = json.loads(state_file.read_text())
-            state["replica_checksums"] = gathered
-            state_file.write_text(json.dumps(state))
+        return {"replica_checksums": self.accelerator.gather(local).tolist()}
