@@ -32,10 +32,16 @@ class RegenerateConfig:
     max_prompt_tokens: Optional[int] = None  # longer first prompts are left out (counted); None: data.max_length
     seed: Optional[int] = 0  # sampling seed (null: unseeded)
     output: Optional[str] = None  # JSONL file; default: under the draftsmith cache, keyed by its inputs
+    engine: Literal["auto", "vllm", "hf"] = "auto"  # vllm: the serving engine (child process); hf: transformers generate; auto: vllm where importable
+    on_length: Literal["keep", "drop"] = "keep"  # a reply cut off at max_new_tokens: keep it open (no end-of-turn token; the conversation ends there) or drop it
+    tensor_parallel_size: int = 1  # vLLM: GPUs per model replica
+    data_parallel_size: int = 1  # vLLM: model replicas
 
     def validate(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("data.regenerate.max_new_tokens and batch_size must be >= 1")
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError("data.regenerate.tensor_parallel_size and data_parallel_size must be >= 1")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"data.regenerate.max_turns must be >= 1 or null, got {self.max_turns}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:

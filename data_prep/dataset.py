@@ -22,7 +22,7 @@ from draftsmith.data_prep.chat import tokenize_conversation
 from draftsmith.data_prep.sharegpt import BUNDLED, DataError, load_conversations
 from draftsmith.recipe import DataConfig
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: regenerated replies keep their generated token ids
 TRAIN, HELD_OUT = "train", "held_out"
 
 

@@ -3,8 +3,14 @@
 A drafter learns the distribution it will be verified against, not ShareGPT's (Medusa-2 needs
 this to keep a LoRA-tuned target faithful; every recipe may use it via ``data.regenerate``).
 User turns are kept; assistant turn j is regenerated from the conversation so far, with earlier
-assistant turns already replaced. Generation is batched (left padding, one ``generate`` call per
-batch and turn) and the output is a JSONL file in the ``messages`` layout the loader reads.
+assistant turns already replaced. Two engines write the replies: ``vllm`` (the serving engine,
+continuous batching, tensor/data parallel on GPUs; run in a child process, see
+:mod:`draftsmith.vllm_engine`) and ``hf`` (batched ``generate``, left padding); ``auto`` takes
+vLLM where it is importable. The output is a JSONL file in the ``messages`` layout the loader reads;
+each regenerated reply keeps the target's own token ids (``token_ids``, tokenised exactly as
+generated, no decode and re-encode) and whether it ended with an end-of-turn token (``finished``).
+A reply cut off at ``max_new_tokens`` is kept open (no end-of-turn token is appended, and the
+conversation ends there) or, with ``on_length: drop``, dropped with the rest of its conversation.
 
 Resumable: each finished batch is appended in one write and flushed; a restart skips the
 conversations already in the file and first cuts off a half-written last line. Batches and their
@@ -19,20 +25,35 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoConfig, GenerationConfig
 
 from draftsmith.assets import cache_root
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.dataset import _source_identity, _tokenizer_identity
 from draftsmith.data_prep.sharegpt import load_conversations
-from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.precision import DTYPE_CHOICES
+from draftsmith.errors import ArgumentParser, UsageError, report_user_errors
+from draftsmith.precision import DTYPE_CHOICES, dtype_name, resolve_dtype
 from draftsmith.recipe import DataConfig, RegenerateConfig
-from draftsmith.target import load_target
+from draftsmith.target import load_target, load_tokenizer, resolve_target
+
+
+@dataclass
+class Reply:
+    """One generated assistant reply: its token ids (up to, not including, the end-of-turn token)
+    and whether the target ended it (``False``: cut off at ``max_new_tokens``)."""
+
+    token_ids: list[int]
+    finished: bool
+
+
+# Writes the replies to a batch of histories (each ends with a user turn), seeded by ``seeds``.
+Generate = Callable[[list[list[dict]], list[int]], list[Reply]]
 
 
 def _done_ids(path: Path) -> set[str]:
@@ -52,29 +73,69 @@ def _through_first_user(messages: list[dict]) -> list[dict]:
     return messages[: first + 1]
 
 
-@torch.no_grad()
-def _generate(target, tokenizer, histories: list[list[dict]], cfg: RegenerateConfig) -> list[str]:
-    texts = [tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
-    tokenizer.padding_side = "left"
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
-    sampling = {"do_sample": False} if cfg.temperature == 0 else {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
-    out = target.generate(**batch, max_new_tokens=cfg.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
-    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in out[:, batch["input_ids"].shape[1]:]]
+def _eos_ids(model_config, generation_config, tokenizer) -> set[int]:
+    ids = set()
+    for source in (generation_config, model_config):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
 
 
-def regenerate(target, tokenizer, conversations: list[dict], out: str | Path, cfg: RegenerateConfig,
+def _generation_config(model: str):
+    """The model's generation config (its end-of-turn ids), or None when it ships none."""
+    try:
+        return GenerationConfig.from_pretrained(model)
+    except OSError:
+        return None
+
+
+def _reply(tokens: list[int], eos: set[int]) -> Reply:
+    """The reply up to its first end-of-turn token (padding after it dropped)."""
+    end = next((i for i, t in enumerate(tokens) if t in eos), None)
+    return Reply(tokens if end is None else tokens[:end], end is not None)
+
+
+def hf_generator(target, tokenizer, cfg: RegenerateConfig) -> Generate:
+    """Replies from Hugging Face ``generate`` (batched, left padding)."""
+    eos = _eos_ids(target.config, target.generation_config, tokenizer)
+
+    @torch.no_grad()
+    def generate(histories: list[list[dict]], seeds: list[int]) -> list[Reply]:
+        prompts = [render_prompt(tokenizer, h) for h in histories]
+        width = max(map(len, prompts))
+        pad = tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
+        sampling = {"do_sample": False} if cfg.temperature == 0 else {"do_sample": True, "temperature": cfg.temperature,
+                                                                       "top_p": cfg.top_p}
+        if seeds:  # one seed per batch: HF samples a batch from one generator
+            torch.manual_seed(seeds[0])
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad,
+                              eos_token_id=sorted(eos), **sampling)
+        return [_reply(row.tolist(), eos) for row in out[:, width:]]
+
+    return generate
+
+
+def regenerate(generate: Generate, tokenizer, conversations: list[dict], out: str | Path, cfg: RegenerateConfig,
                show: bool = True) -> dict:
-    """Write ``conversations`` with target-written assistant turns to ``out`` (JSONL); resumable.
+    """Write ``conversations`` with assistant turns written by ``generate`` (:func:`hf_generator`, or
+    vLLM's in :func:`run_vllm_regeneration`) to ``out`` (JSONL); resumable.
 
     Returns counts: ``written`` (this call), ``skipped`` (already in the file), ``turns`` regenerated,
     ``empty`` (replies that came out empty: the conversation is cut before that turn and counted),
+    ``cut_off`` (replies that hit ``max_new_tokens``: kept open, or dropped with ``on_length: drop``),
     ``prompt_too_long`` (first prompt over ``cfg.max_prompt_tokens``: left out, listed when shown).
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out)
     todo = list(conversations)  # done ones too: the batches are those of an uninterrupted run
-    stats = {"written": 0, "skipped": sum(c["id"] in done for c in todo), "turns": 0, "empty": 0, "prompt_too_long": 0}
+    stats = {"written": 0, "skipped": sum(c["id"] in done for c in todo), "turns": 0, "empty": 0, "cut_off": 0,
+             "prompt_too_long": 0}
     # Longest first prompt per conversation: batches of similar lengths waste little on padding.
     first_prompt = {c["id"]: len(render_prompt(tokenizer, _through_first_user(c["messages"]))) for c in todo}
     if cfg.max_prompt_tokens:
@@ -93,8 +154,7 @@ def regenerate(target, tokenizer, conversations: list[dict], out: str | Path, cf
         # A batch half written before an interruption is generated whole again (its rows then
         # come out as they did), and seeded by its place: a resumed run samples what an
         # uninterrupted one did.
-        if cfg.seed is not None:
-            torch.manual_seed(cfg.seed + start)
+        seeds = [] if cfg.seed is None else [cfg.seed + start + i for i in range(len(chunk))]
         # Per conversation: its messages up to (and excluding) each assistant turn to rewrite.
         results = [[m for m in c["messages"] if m["role"] == "system"] for c in chunk]
         users = [[m for m in c["messages"] if m["role"] == "user"] for c in chunk]
@@ -105,16 +165,22 @@ def regenerate(target, tokenizer, conversations: list[dict], out: str | Path, cf
                 break
             for i in live:
                 results[i].append(users[i][turn])
-            replies = _generate(target, tokenizer, [results[i] for i in live], cfg)
+            replies = generate([results[i] for i in live], [seeds[i] for i in live] if seeds else [])
             still = []
             for i, reply in zip(live, replies):
-                if reply:
-                    results[i].append({"role": "assistant", "content": reply})
-                    stats["turns"] += 1
-                    still.append(i)
-                else:  # nothing to learn from an empty reply: end this conversation before it
+                if not reply.token_ids or (not reply.finished and cfg.on_length == "drop"):
+                    # Nothing to learn from an empty reply, and a dropped cut-off one: end the
+                    # conversation before it.
                     results[i].pop()
-                    stats["empty"] += 1
+                    stats["empty" if not reply.token_ids else "cut_off"] += 1
+                    continue
+                results[i].append({"role": "assistant", "content": tokenizer.decode(reply.token_ids),
+                                   "token_ids": reply.token_ids, "finished": reply.finished})
+                stats["turns"] += 1
+                if reply.finished:
+                    still.append(i)
+                else:  # kept open: nothing can follow a reply that never ended
+                    stats["cut_off"] += 1
             live = still
         # Every conversation is written, even one left without a reply, so a restart does not
         # redo it; the loader then drops it under its own counted reason.
@@ -130,28 +196,94 @@ def regenerate(target, tokenizer, conversations: list[dict], out: str | Path, cf
     return stats
 
 
-def regenerated_path(data: DataConfig, target_name: str, tokenizer) -> Path:
-    """Where the regenerated copy of ``data`` for ``target_name`` lives (keyed by everything it depends on)."""
+def resolve_engine(engine: str) -> str:
+    """``auto`` is vLLM where it is importable here, else Hugging Face ``generate``."""
+    from draftsmith.vllm_engine import why_unavailable
+
+    if engine == "auto":
+        return "hf" if why_unavailable() else "vllm"
+    if engine == "vllm" and why_unavailable():
+        raise UsageError(f"data.regenerate.engine vllm: {why_unavailable()}; or use engine: hf")
+    return engine
+
+
+def regenerated_path(data: DataConfig, target_name: str, tokenizer, target_identity: list | None = None) -> Path:
+    """Where the regenerated copy of ``data`` for ``target_name`` lives (keyed by everything it
+    depends on: the data, the target's weights, the engine and every generation option)."""
     if data.regenerate.output:
         return Path(data.regenerate.output)
     key = hashlib.sha256(json.dumps([
-        _source_identity(data.path), data.split, data.limit, target_name, _tokenizer_identity(tokenizer),
-        asdict(data.regenerate),
+        _source_identity(data.path), data.split, data.limit, target_name, target_identity,
+        _tokenizer_identity(tokenizer), asdict(data.regenerate),
     ]).encode()).hexdigest()[:16]
     return cache_root() / "regenerated" / f"{key}.jsonl"
+
+
+def _identity(target) -> list:
+    from draftsmith.heads.common import target_record
+
+    return target_record(target, "")["embedding_signature"]
 
 
 def prepare_data_config(data: DataConfig, target, target_name: str, tokenizer) -> DataConfig:
     """``data`` itself, or (with ``data.regenerate.enabled``) a copy pointing at its regenerated file."""
     if not data.regenerate.enabled:
         return data
-    if data.regenerate.max_prompt_tokens is None:  # a prompt longer than max_length leaves nothing to train on
-        data = replace(data, regenerate=replace(data.regenerate, max_prompt_tokens=data.max_length))
-    path = regenerated_path(data, target_name, tokenizer)
-    conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
-    stats = regenerate(target, tokenizer, conversations, path, data.regenerate)
-    print(f"regenerated assistant turns in {path}: {stats}")
+    cfg = replace(data.regenerate, engine=resolve_engine(data.regenerate.engine))
+    if cfg.max_prompt_tokens is None:  # a prompt longer than max_length leaves nothing to train on
+        cfg = replace(cfg, max_prompt_tokens=data.max_length)
+    data = replace(data, regenerate=cfg)
+    path = regenerated_path(data, target_name, tokenizer, _identity(target))
+    if cfg.engine == "vllm":
+        stats = regenerate_with_vllm(resolve_target(target_name), dtype_name(next(target.parameters()).dtype), data, path)
+    else:
+        conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
+        stats = regenerate(hf_generator(target, tokenizer, cfg), tokenizer, conversations, path, cfg)
+    print(f"regenerated assistant turns in {path} ({cfg.engine}): {stats}")
     return replace(data, path=str(path), split="train")
+
+
+def regenerate_with_vllm(model: str, dtype: str, data: DataConfig, out: Path) -> dict:
+    """Regenerate ``data`` into ``out`` with vLLM serving ``model`` (a folder or hub id) in a child process."""
+    from draftsmith.vllm_engine import run_job
+
+    cfg = data.regenerate
+    job = {"task": "regenerate", "model": model, "dtype": dtype, "data": asdict(data), "out": str(out),
+           "tensor_parallel_size": cfg.tensor_parallel_size, "data_parallel_size": cfg.data_parallel_size}
+    return run_job(job, f"regenerating {data.path} with vLLM")
+
+
+def run_vllm_regeneration(job: dict) -> dict:
+    """The ``regenerate`` job of :mod:`draftsmith.vllm_engine` (runs in vLLM's child process)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from draftsmith.recipe import RegenerateConfig
+    from draftsmith.vllm_engine import engine_args
+
+    data = DataConfig(**{**job["data"], "regenerate": RegenerateConfig(**job["data"]["regenerate"])})
+    cfg = data.regenerate
+    tokenizer = load_tokenizer(job["model"])
+    config = AutoConfig.from_pretrained(job["model"])
+    longest = getattr(config, "max_position_embeddings", None) or 1 << 20
+    # The context vLLM reserves per sequence: the longest prompt kept plus a reply, within the model's.
+    context = min(longest, (cfg.max_prompt_tokens or longest) + cfg.max_new_tokens)
+    llm = LLM(**engine_args(job["model"], job["dtype"], max_model_len=context,
+                            tensor_parallel_size=job["tensor_parallel_size"],
+                            data_parallel_size=job["data_parallel_size"]))
+    eos = _eos_ids(config, _generation_config(job["model"]), tokenizer)
+
+    def generate(histories: list[list[dict]], seeds: list[int]) -> list[Reply]:
+        prompts = [TokensPrompt(prompt_token_ids=render_prompt(tokenizer, h)) for h in histories]
+        # A seed per request: what a conversation samples does not depend on its batch.
+        params = [SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
+                                 stop_token_ids=sorted(eos), seed=seeds[i] if seeds else None, detokenize=False)
+                  for i in range(len(prompts))]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [_reply(list(o.outputs[0].token_ids), eos) for o in outputs]
+
+    conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
+    return regenerate(generate, tokenizer, conversations, job["out"], cfg, show=False)
 
 
 @report_user_errors
@@ -159,22 +291,41 @@ def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="default")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32")
+    parser.add_argument("--engine", default=RegenerateConfig.engine, choices=("auto", "vllm", "hf"),
+                        help="vllm (the serving engine), hf (transformers generate); auto: vllm where importable")
     parser.add_argument("--data", default="sharegpt", help="'sharegpt' (bundled), a .json/.jsonl file or a hub id")
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=RegenerateConfig.max_new_tokens)
     parser.add_argument("--max-turns", type=int, default=RegenerateConfig.max_turns)
     parser.add_argument("--temperature", type=float, default=RegenerateConfig.temperature)
+    parser.add_argument("--top-p", type=float, default=RegenerateConfig.top_p)
+    parser.add_argument("--seed", type=int, default=RegenerateConfig.seed)
+    parser.add_argument("--on-length", default=RegenerateConfig.on_length, choices=("keep", "drop"),
+                        help="a reply cut off at --max-new-tokens: keep it open (the conversation ends there) or drop it")
     parser.add_argument("--batch-size", type=int, default=RegenerateConfig.batch_size)
     parser.add_argument("--max-prompt-tokens", type=int, default=None, help="leave out longer first prompts (counted)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=RegenerateConfig.tensor_parallel_size, help="vLLM, GPUs")
+    parser.add_argument("--data-parallel-size", type=int, default=RegenerateConfig.data_parallel_size, help="vLLM, GPUs")
     parser.add_argument("--out", required=True, help="output JSONL (appended to and resumed)")
     args = parser.parse_args(argv)
-    cfg = RegenerateConfig(enabled=True, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
-                           temperature=args.temperature, batch_size=args.batch_size,
-                           max_prompt_tokens=args.max_prompt_tokens)
-    cfg.validate()
-    target, tokenizer = load_target(args.target, args.dtype)
-    conversations, _ = load_conversations(args.data, limit=args.limit)
-    stats = regenerate(target, tokenizer, conversations, args.out, cfg)
+    cfg = RegenerateConfig(enabled=True, engine=resolve_engine(args.engine), max_new_tokens=args.max_new_tokens,
+                           max_turns=args.max_turns, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                           on_length=args.on_length, batch_size=args.batch_size,
+                           max_prompt_tokens=args.max_prompt_tokens,
+                           tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+    try:
+        cfg.validate()
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if cfg.engine == "vllm":
+        data = DataConfig(path=args.data, limit=args.limit, regenerate=cfg)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        stats = regenerate_with_vllm(resolve_target(args.target), dtype_name(resolve_dtype(args.dtype, device)), data,
+                                     Path(args.out))
+    else:
+        target, tokenizer = load_target(args.target, args.dtype)
+        conversations, _ = load_conversations(args.data, limit=args.limit)
+        stats = regenerate(hf_generator(target, tokenizer, cfg), tokenizer, conversations, args.out, cfg)
     print(stats)
     return stats
 

@@ -187,11 +187,25 @@ def test_feature_extraction(request, rng, target, tmp_path):
     assert manifest["splits"]["train"]["shards"] >= 5, (manifest, where)
 
 
-def test_regeneration(request, rng, target, tmp_path):
-    """Sampled (temperature 1, seeded), batches of 2: resumed batches draw what uninterrupted ones did."""
+@pytest.fixture(scope="module")
+def vllm_target(tmp_path_factory) -> Path:
+    """A tiny target vLLM's CPU attention takes (head size 32)."""
+    from draftsmith.vllm_engine import why_unavailable
+
+    if why_unavailable():
+        pytest.skip(why_unavailable())
+    return save_tiny_target(tmp_path_factory.mktemp("target") / "tiny128", load_tokenizer("default"), hidden_size=128,
+                            scale=8.0)
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_regeneration(request, rng, engine, tmp_path):
+    """Sampled (temperature 1, seeded), batches of 2: resumed batches draw what uninterrupted ones
+    did. vLLM runs in a child process of the killed one: the whole process group is killed."""
+    target = request.getfixturevalue("target" if engine == "hf" else "vllm_target")
     out = tmp_path / "regen" / "regen.jsonl"
     argv = ["--target", str(target), "--dtype", "float32", "--limit", "12", "--max-new-tokens", "8",
-            "--batch-size", "2", "--temperature", "1", "--out", str(out)]
+            "--batch-size", "2", "--temperature", "1", "--engine", engine, "--out", str(out)]
 
     def lines() -> int:
         return out.read_bytes().count(b"\n") if out.exists() else 0

@@ -302,7 +302,7 @@ def test_calibration_writes_the_best_tree_for_the_measured_curve(six_steps, tmp_
 
 
 def test_regeneration_is_batched_and_resumes_to_the_same_file(targets, tmp_path):
-    from draftsmith.data_prep.regenerate import regenerate
+    from draftsmith.data_prep.regenerate import hf_generator, regenerate
     from draftsmith.recipe import RegenerateConfig
     from draftsmith.data_prep.sharegpt import load_conversations
 
@@ -315,7 +315,8 @@ def test_regeneration_is_batched_and_resumes_to_the_same_file(targets, tmp_path)
     conversations, _ = load_conversations("sharegpt", limit=7, verbose=False)
     cfg = RegenerateConfig(enabled=True, max_new_tokens=6, max_turns=2, batch_size=3, max_prompt_tokens=100)
     whole = tmp_path / "whole.jsonl"
-    stats = regenerate(target, tokenizer, conversations, whole, cfg, show=False)
+    generate = hf_generator(target, tokenizer, cfg)
+    stats = regenerate(generate, tokenizer, conversations, whole, cfg, show=False)
     assert stats["written"] == 5 and stats["prompt_too_long"] == 2  # prompts of 145 and 373 tokens
     rows = [json.loads(line) for line in whole.read_text().splitlines()]
     assert len(rows) == stats["written"]
@@ -336,7 +337,7 @@ def test_regeneration_is_batched_and_resumes_to_the_same_file(targets, tmp_path)
     part = tmp_path / "part.jsonl"
     lines = whole.read_text().splitlines(keepends=True)
     part.write_text("".join(lines[:3]) + lines[3][:10])
-    resumed = regenerate(target, tokenizer, conversations, part, cfg, show=False)
+    resumed = regenerate(generate, tokenizer, conversations, part, cfg, show=False)
     assert resumed["skipped"] == 3 and resumed["written"] == len(rows) - 3
     assert part.read_text() == whole.read_text()
 
