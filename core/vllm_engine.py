@@ -9,8 +9,9 @@ error in the parent that points at vLLM's own log above it.
 
 Jobs (``task``):
 
-- ``generate``: greedy or sampled generation of token-id prompts, ``concurrency`` requests in flight
-  at a time, timed, with vLLM's speculative-decoding counters (``speculative_config`` as vLLM takes it).
+- ``generate``: greedy or sampled generation of token-id prompts, timed, with vLLM's
+  speculative-decoding counters (``speculative_config`` as vLLM takes it), once per entry of
+  ``concurrency`` (requests in flight at a time; default ``[1]``).
 - ``regenerate``: :func:`draftsmith.data_prep.regenerate.regenerate` with vLLM generating the replies.
 """
 
@@ -152,22 +153,26 @@ def _generate(job: dict) -> dict:
                             seed=job.get("seed"), detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, detokenize=False), use_tqdm=False)  # warm-up
-    before = _spec_counters(llm)
-    outputs, seconds = [], 0.0
-    step = max(1, int(job.get("concurrency", 1)))
-    for start in range(0, len(prompts), step):
-        began = time.perf_counter()  # generate() returns when every request of the group has finished
-        done = llm.generate(prompts[start:start + step], params, use_tqdm=False)
-        seconds += time.perf_counter() - began
-        outputs += [{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
-                    for o in done]
-    after = _spec_counters(llm)
-    spec = {name: after[name] - before[name] for name in SPEC_COUNTERS}
-    spec["per_position"] = [a - b for a, b in zip(after["per_position"], before["per_position"] or
-                                                   [0] * len(after["per_position"]))]
+    levels = []
+    for concurrency in job.get("concurrency", [1]):
+        before = _spec_counters(llm)
+        outputs, seconds = [], 0.0
+        for start in range(0, len(prompts), concurrency):
+            began = time.perf_counter()  # generate() returns when every request of the group has finished
+            done = llm.generate(prompts[start:start + concurrency], params, use_tqdm=False)
+            seconds += time.perf_counter() - began
+            outputs += [{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
+                        for o in done]
+        after = _spec_counters(llm)
+        spec = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+        spec["per_position"] = [a - b for a, b in zip(after["per_position"], before["per_position"] or
+                                                       [0] * len(after["per_position"]))]
+        levels.append({"concurrency": concurrency, "outputs": outputs, "seconds": seconds, "spec": spec,
+                       "new_tokens": sum(len(o["tokens"]) for o in outputs)})
     import vllm
 
-    return {"outputs": outputs, "seconds": seconds, "spec": spec, "version": vllm.__version__}
+    # The first level's figures at the top (what a single-level job, such as the gate's, reads).
+    return {**levels[0], "levels": levels, "version": vllm.__version__}
 
 
 def _regenerate(job: dict) -> dict:

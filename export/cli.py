@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from draftsmith.errors import ArgumentParser, at_least, report_user_errors
 from draftsmith.export import FORMATS, export_checkpoint
-from draftsmith.export.serve_check import ENGINES, add_check_arguments, report, serve_check
+from draftsmith.export.common import read_source
+from draftsmith.export.serve_check import ENGINES, add_check_arguments, report, serve_check, served_as
 
 
 @report_user_errors
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="then serve the export in this engine and compare with draftsmith's (exit 1 on mismatch)")
     add_check_arguments(parser, prefix="check-")
     args = parser.parse_args(argv)
+    if args.check:  # an export the engine cannot serve is refused before anything is written
+        source = read_source(args.checkpoint)
+        served_as({"format": args.format, "kind": source.kind, "config": source.config}, source.path, args.draft_tokens)
     serve = export_checkpoint(args.checkpoint, args.format, args.out, args.target, args.results, args.draft_tokens,
                               args.target_hub_id)
     print(f"exported {args.checkpoint} as {args.format} to {args.out} (model card: {args.out}/README.md); serve it with:")

@@ -92,6 +92,7 @@ def served_as(meta: dict, folder: Path, draft_tokens: int | None) -> Served:
                              "load beside them; merge the adapter into the target (peft merge_and_unload) and serve "
                              "that, or check Medusa-1 heads")
         heads = meta["config"]["num_heads"]
+        depth = min(depth, heads) if draft_tokens is None else depth
         if depth > heads:
             raise UsageError(f"--draft-tokens {depth}: these Medusa heads draft at most {heads} tokens")
         return Served("medusa", depth)
@@ -168,7 +169,7 @@ def _ours(target_folder: str, spec, prompts: list[list[int]], max_new_tokens: in
     return result
 
 
-def _prompt_ids(target_folder: str, prompts: str | None, limit: int | None) -> list[list[int]]:
+def prompt_ids(target_folder: str, prompts: str | None, limit: int | None) -> list[list[int]]:
     from draftsmith.data_prep.chat import render_prompt
     from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
     from draftsmith.target import load_tokenizer
@@ -208,7 +209,7 @@ def serve_check(folder: str | Path, engine: str = "vllm", prompts: str | None = 
     if not target or not (Path(target) / "config.json").is_file():
         raise UsageError(f"{folder}: its target's local folder ({target}) is not here; re-export with --target DIR")
     depth = served.num_speculative_tokens
-    ids = _prompt_ids(target, prompts, limit)
+    ids = prompt_ids(target, prompts, limit)
     ours = _ours(target, _our_spec(meta["kind"], str(source), depth), ids, max_new_tokens, depth)
     job = {"task": "generate", "prompts": ids, "max_new_tokens": max_new_tokens, "stop_token_ids": ours["eos"]}
     plain = run_job({**job, "engine": engine_args(target)}, f"vLLM plain decoding of {target}")

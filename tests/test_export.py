@@ -137,7 +137,9 @@ def _assert_same_logits(head, theirs, target, ids: list[int], steps: int = 2) ->
         logits: list[torch.Tensor] = []
         hook = theirs.lm_head.register_forward_hook(lambda module, args, out: logits.append(out))
         n = len(ids) - 1
-        theirs(hidden_states=features[:, :-1], input_ids=torch.tensor([ids[1:]]),
+        # The engine concatenates the aux states in the exported (ascending) layer order.
+        served = _features(target, ids, theirs.config.eagle_aux_hidden_state_layer_ids)
+        theirs(hidden_states=served[:, :-1], input_ids=torch.tensor([ids[1:]]),
                document_ids=torch.zeros(1, n, dtype=torch.long), position_ids=torch.arange(n)[None], ttt_steps=steps)
         hook.remove()
     assert len(logits) == steps
@@ -177,6 +179,63 @@ def test_speculators_eagle3_draft_logits_equal_ours(target, target_dir, tmp_path
         assert theirs.d2t is None and theirs.t2d is None
 
     _assert_same_logits(head, theirs, target, [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22])
+
+
+def test_unsorted_aux_layers_export_sorted_with_fc_permuted(target, target_dir, tmp_path):
+    """vLLM and SGLang capture aux states in ascending layer order: a head trained on [2, 0, 1] is
+    exported as [0, 1, 2] with fc's column blocks moved to match, and computes the same drafts."""
+    pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
+    head = _eagle3(target, target_dir, tmp_path / "ckpt", aux=(2, 0, 1))
+    head.bind(target)
+    export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out", target_hub_id="org/tiny")
+    theirs = _load_speculators(tmp_path / "out", verifier=target_dir)
+    assert theirs.config.eagle_aux_hidden_state_layer_ids == [0, 1, 2]
+    width = target.config.hidden_size
+    blocks = head.fc.weight.split(width, dim=1)  # ours: layers 2, 0, 1
+    assert torch.equal(theirs.fc.weight, torch.cat([blocks[1], blocks[2], blocks[0]], dim=1))
+    _assert_same_logits(head, theirs, target, [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22])
+    # draftsmith's record in the export agrees with the sorted layers (eval/run.py loads it back).
+    record = json.loads((tmp_path / "out" / "config.json").read_text())["draftsmith_export"]
+    assert record["config"]["aux_layers"] == [0, 1, 2]
+    export_checkpoint(tmp_path / "ckpt", "sglang", tmp_path / "sgl")
+    config = json.loads((tmp_path / "sgl" / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0, 1]
+    assert torch.equal(load_file(str(tmp_path / "sgl" / "model.safetensors"))["fc.weight"], theirs.fc.weight)
+
+
+def test_engines_are_told_the_hub_id_and_the_targets_own_dtype(tmp_path):
+    """``verifier.name_or_path`` is a hub id (``--target-hub-id``, or read off a hub-cache folder), the
+    local folder only in draftsmith's record; the layer config and the embedding copy are in the
+    target's saved dtype, not the fp32 the head was trained against."""
+    tokenizer = load_tokenizer("default")
+    cached = tmp_path / "hub" / "models--org--tiny-llama" / "snapshots" / "0123abc"
+    save_tiny_target(cached, tokenizer, scale=8.0, layers=3)
+    bf16 = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.bfloat16)
+    bf16.save_pretrained(cached)  # the target as published: bf16
+    target = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32).eval()
+    _eagle3(target, cached, tmp_path / "ckpt", aux=(0, 1))
+    export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "derived")
+    config = json.loads((tmp_path / "derived" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-llama"
+    assert config["draftsmith_export"]["target_folder"] == str(cached.resolve())
+    assert config["transformer_layer_config"]["dtype"] == "bfloat16"
+    weights = load_file(str(tmp_path / "derived" / "model.safetensors"))
+    assert weights["embed_tokens.weight"].dtype == torch.bfloat16 and weights["fc.weight"].dtype == torch.float32
+    export_checkpoint(tmp_path / "ckpt", "sglang", tmp_path / "sgl", target_hub_id="other/name")
+    assert json.loads((tmp_path / "sgl" / "config.json").read_text())["dtype"] == "bfloat16"
+    _medusa(target, cached, tmp_path / "m")
+    export_checkpoint(tmp_path / "m", "medusa", tmp_path / "m-official", target_hub_id="other/name")
+    assert json.loads((tmp_path / "m-official" / "config.json").read_text())["base_model_name_or_path"] == "other/name"
+
+
+def test_official_medusa_head_count_is_checked(target, target_dir, tmp_path, capsys):
+    heads = MedusaHeads.for_target(target, str(target_dir), num_heads=6, num_layers=1, lm_head="copy")
+    heads.save_pretrained(tmp_path / "six")
+    assert_user_error(capsys, r"it has 6 heads; the official Medusa code is built around 5 .*strict=False", export_main,
+                      [str(tmp_path / "six"), "--format", "medusa", "--out", str(tmp_path / "x")])
+    _medusa(target, target_dir, tmp_path / "three", lm_head="copy")
+    export_main([str(tmp_path / "three"), "--format", "medusa", "--out", str(tmp_path / "y")])
+    assert "warning: 3 Medusa heads: the official default tree (mc_sim_7b_63) is 4 deep" in capsys.readouterr().err
 
 
 @pytest.mark.slow

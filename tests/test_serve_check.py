@@ -156,6 +156,11 @@ def test_exports_vllm_cannot_serve_are_one_line_refusals(trained, tmp_path, caps
     assert_user_error(capsys, r"vLLM cannot serve draftsmith's EAGLE-1 heads: .*fc without a bias.*--format speculators",
                       check_main, [str(tmp_path / "e1-sglang")])
     assert_user_error(capsys, r"not a draftsmith export", check_main, [str(trained["target"])])
+    from draftsmith.export.cli import main as export_main
+
+    assert_user_error(capsys, r"vLLM cannot serve draftsmith's EAGLE-1 heads", export_main,
+                      [str(tmp_path / "e1"), "--format", "sglang", "--out", str(tmp_path / "never"), "--check", "vllm"])
+    assert not (tmp_path / "never").exists()  # refused before exporting
     export_checkpoint(trained["eagle3"], "speculators", tmp_path / "moved")
     assert_user_error(capsys, r"the training checkpoint it was exported from .* is not here.*--source DIR",
                       check_main, [str(tmp_path / "moved"), "--source", str(tmp_path / "nowhere")])
