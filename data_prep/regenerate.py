@@ -250,7 +250,7 @@ def regenerate_with_vllm(model: str, dtype: str, data: DataConfig, out: Path) ->
     cfg = data.regenerate
     job = {"task": "regenerate", "model": model, "dtype": dtype, "data": asdict(data), "out": str(out),
            "tensor_parallel_size": cfg.tensor_parallel_size, "data_parallel_size": cfg.data_parallel_size}
-    return run_job(job, f"regenerating {data.path} with vLLM")
+    return run_job(job, f"regenerating {data.path} with vLLM", echo=True)
 
 
 def run_vllm_regeneration(job: dict) -> dict:
@@ -283,7 +283,7 @@ def run_vllm_regeneration(job: dict) -> dict:
         return [_reply(list(o.outputs[0].token_ids), eos) for o in outputs]
 
     conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
-    return regenerate(generate, tokenizer, conversations, job["out"], cfg, show=False)
+    return regenerate(generate, tokenizer, conversations, job["out"], cfg)
 
 
 @report_user_errors

@@ -184,6 +184,18 @@ def prompt_ids(target_folder: str, prompts: str | None, limit: int | None) -> li
     return [render_prompt(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in chosen]
 
 
+_PLAIN_RUNS: dict[str, dict] = {}
+
+
+def _plain_vllm(job: dict, what: str) -> dict:
+    """vLLM's plain decoding of ``job``, run once per process: checks of several exports of one
+    target on the same prompts share it."""
+    key = json.dumps(job, sort_keys=True)
+    if key not in _PLAIN_RUNS:
+        _PLAIN_RUNS[key] = run_job(job, what)
+    return _PLAIN_RUNS[key]
+
+
 def _tok_s(outputs: list[list[int]], seconds: float) -> float:
     return sum(map(len, outputs)) / seconds if seconds else 0.0
 
@@ -212,7 +224,7 @@ def serve_check(folder: str | Path, engine: str = "vllm", prompts: str | None = 
     ids = prompt_ids(target, prompts, limit)
     ours = _ours(target, _our_spec(meta["kind"], str(source), depth), ids, max_new_tokens, depth)
     job = {"task": "generate", "prompts": ids, "max_new_tokens": max_new_tokens, "stop_token_ids": ours["eos"]}
-    plain = run_job({**job, "engine": engine_args(target)}, f"vLLM plain decoding of {target}")
+    plain = _plain_vllm({**job, "engine": engine_args(target)}, f"vLLM plain decoding of {target}")
     failures: list[str] = []
     spec_config = {"method": served.method, "model": str(folder), "num_speculative_tokens": depth}
     try:

@@ -550,3 +550,16 @@ def test_console_script_exits_0_on_success_and_2_on_bad_input(target, target_dir
     errors = [line for line in bad.stderr.splitlines() if "error" in line]
     assert bad.returncode == 2 and len(errors) == 1 and "Traceback" not in bad.stderr, bad.stderr
     assert errors[0].startswith("draftsmith-export: error: --format speculators cannot hold eagle drafters")
+
+
+def test_cpu_medusa_recipe_trains_heads_every_medusa_format_takes():
+    """recipes/smollm2-medusa.yaml: full-vocabulary heads of one block, at most 5 (vLLM and official)."""
+    from draftsmith.config import load_recipe
+    from draftsmith.export import medusa as official
+    from draftsmith.train.medusa import MedusaRecipe
+
+    recipe = load_recipe(MedusaRecipe, Path(__file__).resolve().parents[1] / "recipes" / "smollm2-medusa.yaml")
+    drafter = recipe.drafter
+    assert vllm_medusa_format.unservable(drafter.lm_head, drafter.draft_vocab_size is not None) is None
+    assert drafter.draft_vocab_size is None and drafter.num_layers == 1
+    assert official.MIN_HEADS <= drafter.num_heads <= official.MAX_HEADS
