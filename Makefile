@@ -1,6 +1,6 @@
 PYTHON ?= python3
 # The main job's size; override on the command line, e.g. `make demo TRAIN_MINUTES=10 PER_CATEGORY=2`.
-TRAIN_MINUTES ?= 4
+TRAIN_MINUTES ?= 3.5
 PER_CATEGORY ?= 1
 MAX_NEW_TOKENS ?= 64
 DEMO_DIR ?= runs/demo
