@@ -1,19 +1,23 @@
 PYTHON ?= python3
 # The main job's size; override on the command line, e.g. `make demo TRAIN_MINUTES=10 PER_CATEGORY=2`.
-TRAIN_MINUTES ?= 5
+TRAIN_MINUTES ?= 3.5
 PER_CATEGORY ?= 1
-MAX_NEW_TOKENS ?= 128
+MAX_NEW_TOKENS ?= 64
 DEMO_DIR ?= runs/demo
 
-.PHONY: install demo test
+.PHONY: install install-core demo test
 
 install:
 	PYTHON=$(PYTHON) bash scripts/install.sh
 
+# What the demo runs, without vLLM and the test tools (scripts/install.sh says why).
+install-core:
+	PYTHON=$(PYTHON) EXTRAS=none bash scripts/install.sh
+
 # Main job: train an EAGLE head on the bundled SmolLM2 target and ShareGPT for TRAIN_MINUTES, then
 # print its acceptance table against plain decoding and prompt lookup on MT-bench, and the wall
 # time of every stage.
-demo: install
+demo: install-core
 	$(PYTHON) eval/demo.py --out-dir $(DEMO_DIR) --train-minutes $(TRAIN_MINUTES) \
 		--per-category $(PER_CATEGORY) --max-new-tokens $(MAX_NEW_TOKENS) --results results/demo
 

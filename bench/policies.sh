@@ -2,7 +2,8 @@
 # Draft-length policies (issue 17) on the bundled SmolLM2: two distilled students (6 and 2 of the
 # target's 30 layers) and an EAGLE head, each at fixed depths and under policy=entropy,
 # policy=confidence and both, the hierarchical drafter (M1 = the 2-layer student, M2 = the 6-layer
-# one) and HF assisted generation with the 6-layer student (constant and dynamic draft length),
+# one; and its default, untrained cuts of the target) and HF assisted generation with the 6-layer
+# student (constant and dynamic draft length),
 # all against plain decoding in the same run; greedy in fp32 (so "same output" is exact) and
 # temperature 1 in the automatic dtype, with the cost model's predictions.
 #
@@ -48,7 +49,8 @@ DRAFTERS+=(--drafter "draft_lm:$S6?depth=3&name=student d3 full vocab"
            --drafter "draft_lm:$S6?depth=8&$V&policy=entropy&name=student entropy"
            --drafter "draft_lm:$S6?depth=2&$V&policy=confidence&name=student confidence"
            --drafter "draft_lm:$S6?depth=8&$V&policy=entropy,confidence&name=student entropy+confidence"
-           --drafter "hierarchical?m1=$S2&m2=$S6&$V&name=hierarchical 2+6 layers")
+           --drafter "hierarchical?m1=$S2&m2=$S6&$V&name=hierarchical 2+6 layers"
+           --drafter "hierarchical?name=hierarchical default (6- and 28-layer cuts, untrained)")
 for depth in 1 2 3 4 6 8; do
     DRAFTERS+=(--drafter "eagle:$EAGLE?depth=$depth&top_k=3&budget=12&name=eagle d$depth")
 done

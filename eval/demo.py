@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--results", default="results/demo", help="benchmark output folder")
     parser.add_argument("--train-minutes", type=float, default=None, help="training budget (default: the recipe's)")
     parser.add_argument("--per-category", type=int, default=1, help="MT-bench questions per category (8 categories)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per MT-bench question")
     parser.add_argument("--dtype", default="auto", help="target dtype for training and decoding")
     args, train_overrides = parser.parse_known_args(argv)
     overrides = ["--output_dir", args.out_dir, "--target.dtype", args.dtype, *train_overrides]

