@@ -122,17 +122,20 @@ def _our_spec(kind: str, source: str, depth: int):
 
 
 def position_rates(accepted_per_step: list[list[int]], drafted_per_step: list[list[int]], depth: int) -> list[float]:
-    """Per draft position, the share of drafting steps whose draft was accepted that far (vLLM's
-    ``num_accepted_tokens_per_pos / num_drafts``); ``accepted`` counts the target's bonus token."""
-    hits, drafts = [0] * depth, 0
+    """Per draft position, the share of drafts reaching that position that were accepted that far
+    (vLLM's ``num_accepted_tokens_per_pos / num_drafts``); ``accepted`` counts the target's bonus token.
+
+    draftsmith never drafts past ``max_new_tokens`` (a chain near the end is shorter), vLLM drafts
+    its full depth every step; so position p counts only the chains that reached it, or a
+    high-acceptance drafter would look worse here by its prompts' last steps.
+    """
+    hits, drafts = [0] * depth, [0] * depth
     for accepted, drafted in zip(accepted_per_step, drafted_per_step):
         for tokens, nodes in zip(accepted, drafted):
-            if nodes == 0:
-                continue
-            drafts += 1
-            for position in range(min(tokens - 1, depth)):
-                hits[position] += 1
-    return [h / drafts if drafts else 0.0 for h in hits]
+            for position in range(min(nodes, depth)):
+                drafts[position] += 1
+                hits[position] += tokens - 1 > position
+    return [h / d if d else 0.0 for h, d in zip(hits, drafts)]
 
 
 def _ours(target_folder: str, spec, prompts: list[list[int]], max_new_tokens: int, depth: int) -> dict:
