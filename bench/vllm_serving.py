@@ -20,13 +20,13 @@ import argparse
 import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 from draftsmith.data_prep.regenerate import main as regenerate_main
 from draftsmith.eval.pass_cost import measure_pass_cost
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.export.serve_check import prompt_ids, export_metadata, served_as
+from draftsmith.timing import clock
 from draftsmith.vllm_engine import engine_args, run_job
 
 
@@ -66,11 +66,11 @@ def regenerate(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for engine in ("vllm", "hf"):
             out = Path(tmp) / f"{engine}.jsonl"
-            began = time.perf_counter()
+            began = clock()
             stats = regenerate_main(["--target", args.target, "--dtype", args.dtype, "--limit", str(args.limit),
                                      "--max-new-tokens", str(args.max_new_tokens), "--max-turns", "1",
                                      "--batch-size", str(args.batch_size), "--engine", engine, "--out", str(out)])
-            seconds = time.perf_counter() - began
+            seconds = clock() - began
             lines = [json.loads(line) for line in out.read_text().splitlines()]
             tokens = sum(len(m["token_ids"]) for r in lines for m in r["messages"] if "token_ids" in m)
             rows[engine] = {"seconds": seconds, "conversations": stats["written"], "new_tokens": tokens,
