@@ -94,6 +94,7 @@ class TrainingConfig:
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"  # after warm-up
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # Accelerate autocast; auto: bf16 when target.dtype resolves to bf16
     num_workers: int = 0  # DataLoader workers
+    group_by_length: bool = True  # batch sequences of similar length (less padding); the batches' order stays random
     max_minutes: Optional[float] = None  # wall-clock budget of the training loop: the schedule runs to its end by then (null: none)
     stop_after_steps: Optional[int] = None  # end this invocation early (time-sliced jobs); resume later
     log_every: int = 10  # optimiser steps between logged training metrics

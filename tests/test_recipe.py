@@ -101,6 +101,8 @@ def test_every_shipped_recipe_loads_into_its_training_script(path):
     assert recipe.drafter.kind == kind
     if kind == "eagle3":  # the EAGLE-3 recipes learn the target's own replies
         assert recipe.data.regenerate.enabled and recipe.drafter.ttt_steps == 7
+    if kind == "eagle":  # EAGLE-1's input-feature noise is the paper's U(-0.1, 0.1)
+        assert recipe.drafter.feature_noise == 0.1
 
 
 CPU_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("smollm2-*.yaml"))

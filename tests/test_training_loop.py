@@ -133,6 +133,34 @@ def _last_bar(err: str) -> str:
     return [line.rstrip() for line in err.replace("\r", "\n").splitlines() if line.startswith("train:")][-1]
 
 
+class SlowFirstStepTask(MeanTask):
+    """:class:`MeanTask` whose first micro-batch takes ``seconds`` (start-up: caches, allocators)."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def loss(self, model, batch: dict, training: bool):
+        if training and not self.micro_batches:
+            time.sleep(self.seconds)
+        return super().loss(model, batch, training)
+
+
+def test_warmup_runs_on_real_steps_under_a_time_budget(tmp_path):
+    # The first step takes half of a 2.4 s budget: the warm-up still ramps over the first 4
+    # optimiser steps from the first one (not at lr 0, not jumped past), then time drives the decay.
+    recipe = _recipe(tmp_path, batch=1, accumulation=1, epochs=1)
+    recipe.training.max_minutes, recipe.training.warmup_steps, recipe.training.lr_schedule = 0.04, 4, "linear"
+    trainer = Trainer(recipe, SlowFirstStepTask(1.2), [{"x": float(i + 1)} for i in range(100)])
+    rates: list[float] = []
+    trainer.optimizer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: rates.append(opt.param_groups[0]["lr"]))
+    trainer.train()
+    peak = recipe.training.learning_rate
+    assert rates[:4] == pytest.approx([peak / 4, peak / 2, 3 * peak / 4, peak])
+    # Step 5 onwards: decayed by the larger of the step share and the time share (over half used).
+    assert all(rate <= peak * 0.5 for rate in rates[4:]) and rates[-1] < peak * 0.05
+
+
 def test_progress_bar_runs_over_the_time_budget_and_ends_with_the_run(tmp_path, capsys):
     # 0.1 s micro-batches under a 1.2 s budget: the deadline ends the run after ~12 of 400 steps,
     # and the bar counts the budget's seconds (a step bar stopped at ~3% with minutes "remaining").
@@ -158,3 +186,31 @@ def test_progress_bar_runs_over_the_time_budget_and_ends_with_the_run(tmp_path, 
     trainer, _ = _train(tmp_path / "plain", rows=4, batch=1, accumulation=1, epochs=1)
     bar = _last_bar(capsys.readouterr().err)
     assert bar.startswith("train: 100%|") and "| 4/4 [" in bar
+
+
+def test_length_grouped_batches_pad_less_and_keep_every_row_once():
+    from datasets import Dataset
+
+    from draftsmith.train.loop import epoch_order, sequence_lengths
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(20, 800, size=1000).tolist()
+    data = Dataset.from_dict({"input_ids": [[1] * n for n in lengths]}).train_test_split(test_size=0.1, seed=0)["train"]
+    lengths = sequence_lengths(data)
+    assert lengths == [len(row["input_ids"]) for row in data]  # through the split's index mapping
+    batch = 4
+
+    def padded(order):  # padded positions over real ones, batches of `batch` in `order`
+        rows = [order[i:i + batch] for i in range(0, len(order), batch)]
+        return sum(max(lengths[i] for i in r) * len(r) for r in rows) / sum(lengths) - 1
+
+    plain = epoch_order(len(data), batch, seed=3)
+    grouped = epoch_order(len(data), batch, seed=3, lengths=lengths)
+    assert sorted(grouped) == list(range(len(data))) and grouped == epoch_order(len(data), batch, 3, lengths)
+    assert grouped != epoch_order(len(data), batch, 4, lengths)  # another epoch, another order
+    assert padded(plain) > 0.5 and padded(grouped) < 0.05, (padded(plain), padded(grouped))
+    # 900 rows in batches of 4: no partial batch; 902 rows: the partial batch of 2 comes last.
+    odd_lengths = lengths + [5, 5]
+    odd = epoch_order(902, batch, seed=3, lengths=odd_lengths)
+    last_window = sorted(np.random.default_rng(3).permutation(902).tolist()[896:], key=lambda i: -odd_lengths[i])
+    assert sorted(odd) == list(range(902)) and odd[-2:] == last_window[-2:]

@@ -4,8 +4,9 @@ Loss at position i (head input ``[emb(t_{i+1}) ; f_i + noise]``, output the pred
 ``f_{i+1}``): Smooth-L1 against the target's ``f_{i+1}`` plus ``ce_weight`` x the cross-entropy
 between the target's distribution of token i+2 and the LM head applied to the prediction, on
 assistant tokens only. HASS (Zhang et al., 2025) is two options: ``ttt_steps > 1`` adds passes
-in which the head reads its own predicted features (context alignment, see
-:mod:`draftsmith.train.unroll`) and ``top_k_loss`` distils only the target's top-K tokens. Features come from the frozen target inside the step (``online``) or from
+in which the head reads its own (detached) predicted features, every pass weighted alike (context
+alignment, see :mod:`draftsmith.train.unroll`), and ``top_k_loss`` adds ``top_k_weight`` x a
+distillation term over the target's top-K tokens to the loss. Features come from the frozen target inside the step (``online``) or from
 an on-disk cache written by ``draftsmith.data_prep.features`` (``offline``).
 """
 
@@ -35,14 +36,16 @@ class EagleDrafterConfig(DrafterConfig):
     num_layers: int = 1  # decoder layers of the target's architecture in the head
     init: Literal["identity", "random"] = "identity"  # identity: the head starts as f_{i+1} = f_i; random: the paper's init
     draft_vocab_size: Optional[int] = None  # None: the full vocabulary; N: the N most frequent assistant tokens
-    feature_noise: float = 0.2  # uniform noise amplitude added to input features while training
+    feature_noise: float = 0.1  # amplitude a of the U(-a, a) noise added to input features while training (the paper: 0.1)
     regression_weight: float = 1.0  # weight of the Smooth-L1 loss on the next feature
     ce_weight: float = 0.1  # weight of the soft cross-entropy against the target's next-token distribution
     features: Literal["online", "offline"] = "online"  # target features computed in each step, or cached on disk first
     features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache)
     ttt_steps: int = 1  # HASS context alignment: passes over the head's own predicted features (1: off; HASS uses 3)
-    ttt_step_loss_decay: float = 0.8  # the loss of pass j is weighted decay ** j
-    top_k_loss: Optional[int] = None  # HASS distillation: only the target's K most likely tokens (null: its full distribution)
+    ttt_step_loss_decay: float = 1.0  # the loss of pass j is weighted decay ** j (HASS weighs the passes equally)
+    detach_feedback: bool = True  # HASS: no gradient through the predicted features fed back to later passes
+    top_k_loss: Optional[int] = None  # HASS distillation: add a term over the target's K most likely tokens (null: off)
+    top_k_weight: float = 1.0  # weight of the top-K term (HASS: 1.0, beside ce_weight x the full distribution)
 
     def validate(self) -> None:
         if self.num_layers < 1:
@@ -69,7 +72,7 @@ class EagleTask:
         self.model = head
         self.loss_config = UnrollLoss(steps=self.cfg.ttt_steps, decay=self.cfg.ttt_step_loss_decay,
                                       top_k=self.cfg.top_k_loss, ce_weight=self.cfg.ce_weight,
-                                      regression_weight=self.cfg.regression_weight)
+                                      top_k_weight=self.cfg.top_k_weight, regression_weight=self.cfg.regression_weight)
 
     collate = staticmethod(pad_batch)
 
@@ -88,7 +91,7 @@ class EagleTask:
         if training and self.cfg.feature_noise > 0:
             feats_in = feats_in + (torch.rand_like(feats_in) * 2 - 1) * self.cfg.feature_noise
         outputs = unroll(head, batch["input_ids"], feats_in, batch["attention_mask"], self.cfg.ttt_steps,
-                         self.model.feedback_input)
+                         self.model.feedback_input, detach=self.cfg.detach_feedback)
         return unrolled_loss(self.model, outputs, features, batch["loss_mask"], batch["attention_mask"],
                              self.loss_config, training)
 

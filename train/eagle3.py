@@ -38,7 +38,8 @@ class Eagle3DrafterConfig(DrafterConfig):
     norm_before_residual: bool = False  # residual from the normed hidden state (speculators' option of the same name)
     ttt_steps: int = 7  # passes of the training-time test (draft depths trained)
     ttt_step_loss_decay: float = 0.8  # the loss of pass j is weighted decay ** j
-    top_k_loss: Optional[int] = None  # distil only the target's K most likely tokens (HASS); null: its full distribution
+    top_k_loss: Optional[int] = None  # HASS: add a distillation term over the target's K most likely tokens (null: off)
+    top_k_weight: float = 1.0  # weight of the top-K term
     features: Literal["online", "offline"] = "online"  # target features computed in each step, or cached on disk first
     features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache)
 
@@ -72,7 +73,7 @@ class Eagle3Task:
         self.target = target
         self.model = head
         self.loss_config = UnrollLoss(steps=self.cfg.ttt_steps, decay=self.cfg.ttt_step_loss_decay,
-                                      top_k=self.cfg.top_k_loss)
+                                      top_k=self.cfg.top_k_loss, top_k_weight=self.cfg.top_k_weight)
 
     collate = staticmethod(pad_batch)
 

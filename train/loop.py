@@ -216,13 +216,60 @@ def _discarded(checkpoint: Path) -> Path:
     return old
 
 
-def _epoch_loader(dataset, task: TrainTask, recipe: Recipe, epoch: int) -> DataLoader:
-    order = np.random.default_rng(recipe.training.seed + epoch).permutation(len(dataset)).tolist()
+GROUP_WINDOW = 32  # batches whose sequences are sorted together by length (HF's length-grouped sampler uses 50)
+
+
+def sequence_lengths(dataset) -> list[int] | None:
+    """Token count of every row of a training set (tokenised ``datasets`` or feature caches), read
+    without decoding the rows; None for data without ``input_ids``."""
+    if hasattr(dataset, "lengths"):
+        return dataset.lengths()
+    if "input_ids" not in (getattr(dataset, "column_names", None) or []):
+        return None
+    import pyarrow.compute as pc
+
+    lengths: list[int] = []
+    for chunk in dataset.select_columns(["input_ids"]).with_format("arrow").iter(batch_size=65536):
+        lengths += pc.list_value_length(chunk["input_ids"]).to_pylist()
+    return lengths
+
+
+def epoch_order(size: int, batch: int, seed: int, lengths: list[int] | None = None) -> list[int]:
+    """The rows of an epoch in training order: a seeded permutation; with ``lengths``, every
+    window of ``GROUP_WINDOW`` batches is sorted by length before it is cut into batches and the
+    full batches are shuffled, so a batch pads its sequences to a similar length (a padded
+    position costs as much as a real one in every pass of the head). The partial batch, if any,
+    stays last."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(size).tolist()
+    if lengths is None:
+        return order
+    window = batch * GROUP_WINDOW
+    batches = []
+    for start in range(0, size, window):
+        chunk = sorted(order[start:start + window], key=lambda i: -lengths[i])
+        batches += [chunk[k:k + batch] for k in range(0, len(chunk), batch)]
+    partial = [batches.pop()] if len(batches[-1]) < batch else []
+    return [i for b in [batches[j] for j in rng.permutation(len(batches))] + partial for i in b]
+
+
+def _epoch_loader(dataset, task: TrainTask, recipe: Recipe, epoch: int, lengths: list[int] | None = None) -> DataLoader:
+    t = recipe.training
+    order = epoch_order(len(dataset), t.batch_size, t.seed + epoch, lengths if t.group_by_length else None)
     # Its own generator: creating an iterator then draws its worker seed from it, not from the
     # global RNG, so a resumed run consumes the global RNG exactly as an uninterrupted one.
     generator = torch.Generator().manual_seed(recipe.training.seed + epoch)
     return DataLoader(Subset(dataset, order), batch_size=recipe.training.batch_size, shuffle=False,
                       collate_fn=task.collate, num_workers=recipe.training.num_workers, generator=generator)
+
+
+def _warmed(schedule, warmup: int):
+    """``schedule`` with its warm-up counted from the first optimiser step: step s (0-based) runs
+    at (s + 1) / ``warmup`` of the peak. Transformers' schedules run step 0 at learning rate 0, a
+    wasted step."""
+    def factor(step: int) -> float:
+        return schedule(warmup) * (step + 1) / warmup if step < warmup else schedule(step)
+    return factor
 
 
 def _delayed(schedule, start: int, warmup: int):
@@ -279,15 +326,17 @@ class Trainer:
                                   num_training_steps=self.max_steps * world)
         self.state = TrainState()
         self._started = clock(self.accelerator.device)  # start of this invocation's loop (reset in train())
-        factors = [_delayed(f, start * world, t.warmup_steps * world) if start else f
+        warmup = t.warmup_steps * world
+        factors = [_delayed(f, start * world, warmup) if start else _warmed(f, warmup)
                    for f, start in zip(scheduler.lr_lambdas, starts)]
         self.budget = t.max_minutes * 60 if t.max_minutes else None
         if self.budget:  # the schedule runs to its end by the deadline, if that comes first
-            factors = [self._timed(f) for f in factors]
-        if any(starts) or self.budget:  # a new scheduler, so that step 0 already uses these factors
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+            factors = [self._timed(f, warmup) for f in factors]
+        # A new scheduler, so that the first optimiser step already uses these factors.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
         # DeepSpeed reads the micro-batch size from a prepared dataloader; give it one.
-        probe = _epoch_loader(train_data, task, recipe, 0)
+        self._lengths = sequence_lengths(train_data)
+        probe = _epoch_loader(train_data, task, recipe, 0, self._lengths)
         self.model, self.optimizer, self.scheduler, _ = self.accelerator.prepare(task.model, optimizer, scheduler, probe)
         self._pending_tokens = 0.0  # this process's loss tokens not yet summed into state.tokens
         self.history: list[dict] = []  # every logged metrics dict, with its step
@@ -371,7 +420,7 @@ class Trainer:
         bar = self._progress_bar(stop_at)
         self._started, out_of_time = clock(acc.device), False
         while self.state.step < stop_at and not out_of_time:
-            loader = acc.prepare(_epoch_loader(self.train_data, self.task, self.recipe, self.state.epoch))
+            loader = acc.prepare(_epoch_loader(self.train_data, self.task, self.recipe, self.state.epoch, self._lengths))
             micro_batches = len(loader)
             if self.state.batches_in_epoch:
                 loader = acc.skip_first_batches(loader, self.state.batches_in_epoch)
@@ -426,13 +475,18 @@ class Trainer:
         """Seconds in the training loop so far, earlier (resumed) runs included."""
         return self.state.seconds + clock(self.accelerator.device) - self._started
 
-    def _timed(self, factor):
-        """``factor`` of the schedule at the later of the step count and the share of
-        ``training.max_minutes`` used (scheduler steps count once per process)."""
+    def _timed(self, factor, warmup: int):
+        """``factor`` of the schedule, warmed up over the first ``warmup`` real steps whatever the
+        clock says (a slow first step must not skip the warm-up), then decayed at the later of the
+        step count and the share of ``training.max_minutes`` used, so that it ends by the deadline
+        (scheduler steps count once per process)."""
         total = self.max_steps * self.accelerator.num_processes
 
         def timed(step: int) -> float:
-            return factor(max(step, min(total, int(total * self._elapsed() / self.budget))))
+            if step < warmup:
+                return factor(step)
+            by_time = warmup + int((total - warmup) * self._elapsed() / self.budget)
+            return factor(max(step, min(total, by_time)))
         return timed
 
     def _budget_used(self) -> float | None:

@@ -1,0 +1,81 @@
+"""Cost of one EAGLE-3 training step against the number of training-time-test passes.
+
+    python bench/unroll_cost.py --out DIR [--recipe recipes/smollm2-eagle3.yaml] [--repeats 5]
+
+One optimiser step of the EAGLE-3 head (unrolled loss, backward, AdamW step) at the recipe's batch
+on its target, with the target's features computed once beforehand (as ``features: offline``
+does), for ``ttt_steps`` k = 1, 3 and 7, on the same batch: the median of ``--repeats`` timed
+steps after one warm-up. The batch is the first ``training.batch_size`` conversations of the
+recipe's data (ShareGPT's own replies: regeneration off, so nothing to generate first), at the
+recipe's precision. Writes ``DIR/unroll_cost.json``: ``step_s_k1``, ``step_s_k3``, ``step_s_k7``,
+``tokens_per_s_k1`` (real tokens a second at k = 1), ``ratio_k7_k1`` and what it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from draftsmith.timing import clock
+from draftsmith.train.cli import parse_training_args
+from draftsmith.train.eagle3 import Eagle3Recipe, build
+from draftsmith.train.loop import pad_batch
+
+PASSES = (1, 3, 7)
+
+
+def step_seconds(task, batch: dict, passes: int, repeats: int, precision: str) -> float:
+    """Median wall time of one optimiser step of ``task``'s head with ``passes`` unroll passes."""
+    head = task.model.train()
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+    task.cfg.ttt_steps = task.loss_config.steps = passes
+    device = next(head.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+    times = []
+    for _ in range(repeats + 1):  # the first step warms allocators and kernels up
+        start = clock(device)
+        with autocast:
+            loss, _ = task.loss(head, batch, training=True)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(clock(device) - start)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for unroll_cost.json")
+    parser.add_argument("--recipe", default="recipes/smollm2-eagle3.yaml")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    recipe, _ = parse_training_args(Eagle3Recipe, [args.recipe, "--data.regenerate.enabled", "false",
+                                                   "--data.limit", "64", "--drafter.features", "online",
+                                                   "--tracking.report_to", "none"])
+    task, train_set, _ = build(recipe)
+    rows = [{key: torch.as_tensor(value) for key, value in train_set[i].items()}
+            for i in range(recipe.training.batch_size)]
+    batch = pad_batch(rows)
+    with torch.no_grad():
+        batch["aux"], batch["hidden"] = task.target_features(batch)
+    tokens = int(batch["attention_mask"].sum())
+    result = {f"step_s_k{k}": step_seconds(task, batch, k, args.repeats, recipe.training.mixed_precision) for k in PASSES}
+    result.update({
+        "tokens_per_s_k1": tokens / result["step_s_k1"],
+        "ratio_k7_k1": result["step_s_k7"] / result["step_s_k1"],
+        "batch": list(batch["input_ids"].shape), "real_tokens": tokens, "repeats": args.repeats,
+        "precision": recipe.training.mixed_precision, "recipe": args.recipe, "threads": torch.get_num_threads(),
+    })
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "unroll_cost.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
