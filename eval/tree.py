@@ -328,11 +328,16 @@ def grow_tree(
     sampling,
     generator: torch.Generator | None = None,
     max_entropy: float | None = None,
+    vocab: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> TokenTree:
     """An EAGLE-2 dynamic tree: expand the ``top_k`` best nodes per depth, keep the best ``budget``.
 
     ``expand(frontier, builder)`` runs the drafter on the ``frontier`` nodes of ``builder`` and
-    returns their next-token logits ``[len(frontier), V]``. Each expanded node gets ``top_k``
+    returns their next-token logits ``[len(frontier), V]``: over the full vocabulary, or over a
+    draft vocabulary whose target ids are ``vocab`` (then ``vocab_size`` is the target's), chosen
+    from in that space (no scatter into the full vocabulary and no softmax over it; only a sampled
+    node's distribution is spread into the target's vocabulary for verification). Each expanded node gets ``top_k``
     candidates (top-k when greedy, drawn without replacement when sampling); nodes are scored
     by cumulative draft log-probability and the best ``budget`` form the tree. A node whose draft
     distribution has entropy above ``max_entropy`` gets no candidates (the entropy policy, see
@@ -348,7 +353,12 @@ def grow_tree(
             logits = expand(frontier, builder)
         tokens, probs = choose(logits, top_k, sampling, generator)
         log_q = probs.clamp_min(1e-30).log() if probs is not None else logits.float().log_softmax(-1)
-        packed = [log_q.gather(-1, tokens).double(), tokens.double()]
+        scores = log_q.gather(-1, tokens).double()
+        if vocab is not None:
+            tokens = vocab[tokens]
+            if probs is not None:
+                probs = probs.new_zeros(probs.shape[0], vocab_size).index_copy_(1, vocab, probs)
+        packed = [scores, tokens.double()]
         if max_entropy is not None:  # only the entropy policy pays for the entropies
             packed.append(torch.special.entr(log_q.exp()).sum(-1).double()[:, None])
         # One read-back per level: scores, tokens (exact in float64) and entropies together.

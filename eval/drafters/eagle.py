@@ -49,7 +49,7 @@ class EagleDrafter(Drafter):
                                   [builder.depths[n] - 1 for n in frontier], **{self.head.feedback_input: features[None]})
         for i, node in enumerate(frontier):
             self._row[node], self._predicted[node] = base + i, out[i]
-        return self.head.logits(out)
+        return self.head.draft_logits(out).float()
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
@@ -60,7 +60,9 @@ class EagleDrafter(Drafter):
         if depth < 1:
             return TokenTree()
         self._row, self._predicted = {ROOT: ROOT}, {ROOT: out[-1]}
-        tree = grow_tree(self.head.logits(out[-1]), self._expand, depth, self.top_k, self.budget,
-                         context.sampling, context.generator, context.max_entropy)
+        # Candidates are chosen over the head's draft vocabulary and mapped to target ids (d2t).
+        vocab = None if self.head.full_vocab else self.head.draft_vocab
+        tree = grow_tree(self.head.draft_logits(out[-1]).float(), self._expand, depth, self.top_k, self.budget,
+                         context.sampling, context.generator, context.max_entropy, vocab, self.head.config.vocab_size)
         self.runner.commit([])
         return tree
