@@ -13,14 +13,15 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.errors import CheckpointError, UsageError
 from draftsmith.heads.vocab import most_frequent
 from draftsmith.hub import check_hub_id
 
-TOKEN_COUNTS = "token_counts.safetensors"
+# JSON, not safetensors: vLLM loads every top-level *.safetensors of a model folder as weights and
+# refuses one holding no parameter of the model ("no module or parameter named 'counts'").
+TOKEN_COUNTS = "token_counts.json"
 
 
 def evenly_spaced(total: int, keep: int) -> list[int]:
@@ -90,7 +91,7 @@ def save_draft_lm(model: PreTrainedModel, path: str | Path, tokenizer: PreTraine
     """Save a plain Hugging Face causal LM (LoRA adapters merged into a copy first) that transformers,
     vLLM and ``generate(assistant_model=...)`` load as they are, in ``dtype`` (the target's, so it
     serves beside it; default: as trained); ``target_info`` goes to ``draftsmith_target.json`` beside it,
-    ``counts`` (training-response token frequencies) to ``token_counts.safetensors``, from which
+    ``counts`` (training-response token frequencies) to ``token_counts.json``, from which
     the engine takes a reduced draft vocabulary (``draft_lm:PATH?vocab=N``)."""
     path = Path(path)
     merge = hasattr(model, "merge_and_unload")  # a peft model: export the merged weights, keep training the adapter
@@ -107,7 +108,7 @@ def save_draft_lm(model: PreTrainedModel, path: str | Path, tokenizer: PreTraine
     if target_info is not None:
         (path / "draftsmith_target.json").write_text(json.dumps(target_info, indent=1))
     if counts is not None:
-        save_file({"counts": counts.detach().cpu().long().contiguous()}, path / TOKEN_COUNTS)
+        (path / TOKEN_COUNTS).write_text(json.dumps({"counts": counts.detach().cpu().long().tolist()}))
 
 
 def draft_vocab_from_counts(path: str | Path, size: int, model: PreTrainedModel) -> torch.Tensor:
@@ -117,7 +118,7 @@ def draft_vocab_from_counts(path: str | Path, size: int, model: PreTrainedModel)
     if not counts_file.is_file():
         raise CheckpointError(f"{path} has no {TOKEN_COUNTS} (written by train/distill.py): a reduced draft "
                          "vocabulary needs the training responses' token counts; leave out vocab=")
-    counts = load_file(counts_file)["counts"]
+    counts = torch.tensor(json.loads(counts_file.read_text())["counts"])
     vocab = model.get_output_embeddings().weight.shape[0]
     if counts.numel() != vocab:
         raise CheckpointError(f"{counts_file} counts {counts.numel()} token ids but the draft LM's vocabulary has {vocab}")

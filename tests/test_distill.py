@@ -226,7 +226,9 @@ def test_checkpoint_counts_response_tokens_for_a_reduced_draft_vocabulary(six_st
     from draftsmith.heads.draft_lm import TOKEN_COUNTS
 
     final = six_steps.last_checkpoint
-    counts = load_file(final / TOKEN_COUNTS)["counts"]
+    counts = torch.tensor(json.loads((final / TOKEN_COUNTS).read_text())["counts"])
+    # Nothing but the weights is a top-level *.safetensors: vLLM loads every one of them as weights.
+    assert [p.name for p in final.glob("*.safetensors")] == ["model.safetensors"]
     target = LlamaForCausalLM.from_pretrained(target_folder).eval()
     assert counts.numel() == target.config.vocab_size and counts.sum() > 0
     drafter = build_drafter(f"draft_lm:{final}?vocab=8&depth=2", target)

@@ -74,7 +74,9 @@ def trained(tmp_path_factory):
         for name, param in draft.named_parameters():
             if "norm" not in name and "embed" not in name:
                 param.add_(0.005 * torch.randn_like(param))
-    save_draft_lm(draft, root / "draft", tokenizer, target_record(target, str(target_dir)))
+    # Saved as train/distill.py saves it: with the training replies' token counts beside the weights.
+    counts = torch.bincount(torch.randint(0, target.config.vocab_size, (4096,)), minlength=target.config.vocab_size)
+    save_draft_lm(draft, root / "draft", tokenizer, target_record(target, str(target_dir)), counts=counts)
     checkpoints["draft_lm"] = root / "draft"
     prompts = root / "prompts.jsonl"
     with prompts.open("w") as out:  # the conversations the heads were trained on: they accept there
