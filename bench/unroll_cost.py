@@ -58,7 +58,7 @@ def main() -> None:
                                                    "--data.limit", "64", "--drafter.features", "online",
                                                    "--tracking.report_to", "none"])
     task, train_set, _ = build(recipe)
-    rows = [{key: torch.as_tensor(value) for key, value in train_set[i].items()}
+    rows = [{key: torch.as_tensor(train_set[i][key]) for key in ("input_ids", "loss_mask")}
             for i in range(recipe.training.batch_size)]
     batch = pad_batch(rows)
     with torch.no_grad():
