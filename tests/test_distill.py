@@ -188,7 +188,7 @@ def test_loss_scores_each_response_token_as_the_unpadded_target_does(target_fold
 
 
 def test_loss_decreases(recipe, tmp_path):
-    trainer = train(recipe, tmp_path / "run", "--training.max_steps", "16", "--training.log_every", "4",
+    trainer = train(recipe, tmp_path / "run", "--training.max_steps", "32", "--training.log_every", "8",
                     "--training.lr_schedule", "constant", "--training.save_every", "0")
     logs = [h for h in trainer.history if "train/loss" in h]
     losses = [h["train/loss"] for h in logs]
