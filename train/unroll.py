@@ -64,7 +64,7 @@ def unrolled_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     additive: causal over the real tokens) and to key t of each later pass, and to nothing else,
     which is what :func:`pass_mask` allows, computed without the masked-out scores.
     """
-    batch, heads, n, dim = query.shape
+    heads, n = query.shape[1], query.shape[2]
     kv_heads, passes = key.shape[1], key.shape[2] // n
     if passes == 1:  # pass 0 is plain causal attention: the fused kernel
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
