@@ -345,6 +345,7 @@ def grow_tree(
     early once no node is left to expand.
     """
     from draftsmith.eval.sampling import choose  # sampling is a leaf module; keeps this file standalone
+    from draftsmith.heads.vocab import scatter_to_vocab
 
     builder = TreeBuilder()
     frontier, logits = [ROOT], root_logits.view(1, -1)
@@ -357,7 +358,7 @@ def grow_tree(
         if vocab is not None:
             tokens = vocab[tokens]
             if probs is not None:
-                probs = probs.new_zeros(probs.shape[0], vocab_size).index_copy_(1, vocab, probs)
+                probs = scatter_to_vocab(probs, vocab, vocab_size, fill=0.0)
         packed = [scores, tokens.double()]
         if max_entropy is not None:  # only the entropy policy pays for the entropies
             packed.append(torch.special.entr(log_q.exp()).sum(-1).double()[:, None])

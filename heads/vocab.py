@@ -24,10 +24,12 @@ def most_frequent(counts: torch.Tensor, size: int, always: set[int]) -> torch.Te
     return torch.tensor(sorted(ranked))
 
 
-def scatter_to_vocab(small: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """fp32 full-vocabulary logits from logits over ``token_ids`` (``-inf`` elsewhere)."""
+def scatter_to_vocab(small: torch.Tensor, token_ids: torch.Tensor, vocab_size: int,
+                     fill: float = float("-inf")) -> torch.Tensor:
+    """fp32 full-vocabulary values from values over ``token_ids``, ``fill`` elsewhere (``-inf`` for
+    logits, 0 for probabilities)."""
     small = small.float()
-    full = small.new_full((*small.shape[:-1], vocab_size), float("-inf"))
+    full = small.new_full((*small.shape[:-1], vocab_size), fill)
     return full.index_copy_(-1, token_ids, small)
 
 

@@ -254,8 +254,8 @@ def epoch_order(size: int, batch: int, seed: int, lengths: list[int] | None = No
 
 
 def _epoch_loader(dataset, task: TrainTask, recipe: Recipe, epoch: int, lengths: list[int] | None = None) -> DataLoader:
-    t = recipe.training
-    order = epoch_order(len(dataset), t.batch_size, t.seed + epoch, lengths if t.group_by_length else None)
+    """The epoch's loader; with ``lengths`` (``training.group_by_length``), batches of similar lengths."""
+    order = epoch_order(len(dataset), recipe.training.batch_size, recipe.training.seed + epoch, lengths)
     # Its own generator: creating an iterator then draws its worker seed from it, not from the
     # global RNG, so a resumed run consumes the global RNG exactly as an uninterrupted one.
     generator = torch.Generator().manual_seed(recipe.training.seed + epoch)
@@ -263,21 +263,16 @@ def _epoch_loader(dataset, task: TrainTask, recipe: Recipe, epoch: int, lengths:
                       collate_fn=task.collate, num_workers=recipe.training.num_workers, generator=generator)
 
 
-def _warmed(schedule, warmup: int):
-    """``schedule`` with its warm-up counted from the first optimiser step: step s (0-based) runs
-    at (s + 1) / ``warmup`` of the peak. Transformers' schedules run step 0 at learning rate 0, a
-    wasted step."""
-    def factor(step: int) -> float:
-        return schedule(warmup) * (step + 1) / warmup if step < warmup else schedule(step)
-    return factor
-
-
-def _delayed(schedule, start: int, warmup: int):
-    """``schedule`` held at 0 until step ``start``, then warmed up again over ``warmup`` steps."""
+def _warmed(schedule, warmup: int, start: int = 0):
+    """``schedule`` held at 0 until step ``start``, then warmed up over ``warmup`` optimiser steps
+    counted from the first one: step ``start + s`` runs at (s + 1) / ``warmup`` of the schedule's
+    level (Transformers' schedules run step 0 at learning rate 0, a wasted step)."""
     def factor(step: int) -> float:
         if step < start:
             return 0.0
-        return schedule(step) * min(1.0, (step - start + 1) / max(1, warmup))
+        if step - start < warmup:
+            return schedule(max(step, warmup)) * (step - start + 1) / warmup
+        return schedule(step)
     return factor
 
 
@@ -327,15 +322,14 @@ class Trainer:
         self.state = TrainState()
         self._started = clock(self.accelerator.device)  # start of this invocation's loop (reset in train())
         warmup = t.warmup_steps * world
-        factors = [_delayed(f, start * world, warmup) if start else _warmed(f, warmup)
-                   for f, start in zip(scheduler.lr_lambdas, starts)]
+        factors = [_warmed(f, warmup, start * world) for f, start in zip(scheduler.lr_lambdas, starts)]
         self.budget = t.max_minutes * 60 if t.max_minutes else None
         if self.budget:  # the schedule runs to its end by the deadline, if that comes first
             factors = [self._timed(f, warmup) for f in factors]
         # A new scheduler, so that the first optimiser step already uses these factors.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
         # DeepSpeed reads the micro-batch size from a prepared dataloader; give it one.
-        self._lengths = sequence_lengths(train_data)
+        self._lengths = sequence_lengths(train_data) if t.group_by_length else None
         probe = _epoch_loader(train_data, task, recipe, 0, self._lengths)
         self.model, self.optimizer, self.scheduler, _ = self.accelerator.prepare(task.model, optimizer, scheduler, probe)
         self._pending_tokens = 0.0  # this process's loss tokens not yet summed into state.tokens
