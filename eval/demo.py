@@ -8,23 +8,18 @@ time of every stage.
 Training is bounded by wall-clock time (``training.max_minutes``), not by steps, so the job takes
 about as long on a slow CPU as on a fast one and the head gets what the machine can give it in
 that time. The dtype is chosen by measurement (``auto``): bf16 where it is fast, else fp32. So is
-the EAGLE tree: its depth maximises Leviathan et al.'s expected speedup for this head's held-out
-accuracy, this device's verification cost curve and draft-step cost, and it is widened while the
-verification pass stays within 10% of the chain's (:func:`~draftsmith.eval.pass_cost.plan_tree`).
+the EAGLE tree (``depth=auto``, :mod:`draftsmith.eval.tree_plan`): its depth maximises Leviathan et
+al.'s expected speedup for this head's held-out accuracy, this device's verification cost curve and
+draft-step cost, and it is widened while the verification pass stays within 10% of the chain's.
 """
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
-import torch
-
 from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.eval.pass_cost import measure_pass_cost, plan_tree
 from draftsmith.eval.run import main as eval_main
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.timing import clock, stage, stage_table
+from draftsmith.timing import stage_table
 from draftsmith.train.eagle import main as train_main
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-eagle-demo.yaml"
@@ -46,43 +41,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.train_minutes is not None:
         overrides += ["--training.max_minutes", str(args.train_minutes)]
     trainer = train_main([args.recipe, *overrides])
-    with stage("demo: plan the draft tree"):
-        depth, budget, why = _plan_tree(trainer)
-    print(why)
-    top_k = min(budget, max(3, -(-budget // depth)))  # wide enough to fill the budget within the depth
-    tree = f"depth={depth}&top_k={top_k}&budget={budget}"
     summary = eval_main(["--target", trainer.recipe.target.name, "--dtype", trainer.recipe.target.dtype,
                          "--bench", "mt_bench", "--per-category", str(args.per_category),
                          "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
-                         "--drafter", f"eagle:{trainer.last_checkpoint}?{tree}", "--drafter", "prompt_lookup",
+                         "--drafter", f"eagle:{trainer.last_checkpoint}", "--drafter", "prompt_lookup",
                          "--out", args.results])
     print(f"\nwall time per stage:\n{stage_table()}")
     return summary
-
-
-@torch.no_grad()
-def _plan_tree(trainer) -> tuple[int, int, str]:
-    """Depth and size of the EAGLE tree for this device and this head: the measured verification
-    cost curve, the measured cost of one draft step and the head's held-out top-1 accuracy as its
-    per-token acceptance, through :func:`~draftsmith.eval.pass_cost.plan_tree`."""
-    target, head = trainer.task.target, trainer.task.model.eval()
-    costs = measure_pass_cost(CausalLMRunner(target), prefix=200, sizes=tuple(range(1, 14)), repeats=3)
-    device = next(target.parameters()).device
-    ids = torch.tensor([[1]], device=device)
-    features = torch.zeros(1, 1, target.config.hidden_size, device=device, dtype=next(head.parameters()).dtype)
-    times = []
-    for _ in range(6):
-        start = clock(device)
-        head.logits(head(ids, features).last_hidden_state)
-        times.append(clock(device) - start)
-    draft_cost = statistics.median(times[1:])
-    acceptance = next(h["eval/top1"] for h in reversed(trainer.history) if "eval/top1" in h)
-    depth, budget, expected = plan_tree(costs, acceptance, draft_cost)
-    why = (f"draft tree: depth {depth}, {budget} nodes, for held-out top-1 {acceptance:.2f}, a draft step of "
-           f"{draft_cost / costs[1]:.2f} and verification passes of "
-           + ", ".join(f"{n}: {costs[n] / costs[1]:.2f}" for n in (2, 3, 5, 9, 13))
-           + f" one-token passes; expected speedup {expected:.2f}x (Leviathan et al., chain of {depth})")
-    return depth, budget, why
 
 
 if __name__ == "__main__":

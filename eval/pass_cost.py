@@ -9,6 +9,7 @@ settings: on a small CPU a 64-token pass costs several single-token passes.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 
 import torch
 
@@ -42,16 +43,27 @@ def measure_pass_cost(runner: CausalLMRunner, prefix: int = 200, sizes: tuple[in
     return costs
 
 
-def chain_speedup(costs: dict[int, float], depth: int, acceptance: float, draft_cost: float) -> float:
+def acceptance_at(acceptance: float | Sequence[float], depth: int) -> float:
+    """The per-token acceptance rate at draft ``depth`` (1-based): a constant, or a per-depth list
+    whose last value holds for deeper levels."""
+    if isinstance(acceptance, (int, float)):
+        return float(acceptance)
+    return float(acceptance[min(depth, len(acceptance)) - 1])
+
+
+def chain_speedup(costs: dict[int, float], depth: int, acceptance: float | Sequence[float], draft_cost: float) -> float:
     """Expected speedup of drafting ``depth`` tokens a step (Leviathan et al.): tokens per step
-    ``(1 - a^(d+1)) / (1 - a)`` for per-token acceptance ``a``, over the step's cost in one-token
-    passes: the measured pass over ``depth + 1`` tokens plus ``depth`` draft steps of ``draft_cost``
-    seconds."""
-    tau = (1 - acceptance ** (depth + 1)) / (1 - acceptance) if acceptance < 1 else depth + 1.0
+    ``1 + sum_d a_1 ... a_d`` for per-token acceptance ``a_d`` at depth d (a constant ``a`` gives
+    ``(1 - a^(depth+1)) / (1 - a)``), over the step's cost in one-token passes: the measured pass over
+    ``depth + 1`` tokens plus ``depth`` draft steps of ``draft_cost`` seconds."""
+    tau, reach = 1.0, 1.0
+    for d in range(1, depth + 1):
+        reach *= acceptance_at(acceptance, d)
+        tau += reach
     return tau * costs[1] / (costs[depth + 1] + depth * draft_cost)
 
 
-def plan_tree(costs: dict[int, float], acceptance: float, draft_cost: float, max_depth: int = 5,
+def plan_tree(costs: dict[int, float], acceptance: float | Sequence[float], draft_cost: float, max_depth: int = 5,
               max_budget: int = 12, widen: float = 1.1) -> tuple[int, int, float]:
     """``(depth, budget, expected speedup)`` of a draft tree for this device: the chain depth with
     the best :func:`chain_speedup`, then widened to the largest ``budget`` whose verification pass

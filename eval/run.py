@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         "drafters": args.drafter, "torch": torch.__version__, "machine": platform.machine(),
         "threads": torch.get_num_threads(), "compile": args.compile,
         "verified_by": {d.name: d.verifier_label or f"target {args.target}" for d in drafters},
+        "trees": {d.name: d.tree_label for d in drafters if d.tree_label},
     }
     model_lines = []
     if args.cost_model:

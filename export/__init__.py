@@ -22,15 +22,23 @@ FORMATS = {module.NAME: module for module in (speculators, sglang, vllm_medusa, 
 COPIED = ("tree.yaml", "adapter")  # Medusa: the calibrated tree and a Medusa-2 LoRA adapter travel along
 
 
-def _tree(kind: str, config: dict, draft_tokens: int | None) -> dict:
-    """The draft tree the serve command asks for: the engine's defaults for ``kind`` (``depth``,
-    ``top_k``, ``budget``), Medusa's depth its number of heads; ``draft_tokens`` overrides the depth."""
-    from draftsmith.eval.drafters import KINDS
+def _tree(source, target, draft_tokens: int | None) -> dict:
+    """The draft tree the export serves with: for EAGLE heads the tree planned for the head on this
+    machine (:mod:`draftsmith.eval.tree_plan`, with ``planned``: what it was planned for), else the
+    engine's defaults for the kind; Medusa's depth is its number of heads. ``draft_tokens``
+    overrides the depth."""
+    from draftsmith.eval.drafters import KINDS, PLAN_FALLBACK, build_drafter
+    from draftsmith.target import load_target
 
-    tree = {key: option.default for key, option in KINDS[kind].options.items()}
-    tree["depth"] = draft_tokens or tree.get("depth") or config["num_heads"]
-    if kind == "medusa":  # a Medusa head per drafted token
-        tree["depth"] = min(tree["depth"], config["num_heads"])
+    tree = {key: option.default for key, option in KINDS[source.kind].options.items()}
+    if source.kind in PLAN_FALLBACK:
+        model, _ = load_target(str(target.folder), "auto")
+        given = f"?depth={draft_tokens}" if draft_tokens else ""
+        drafter = build_drafter(f"{source.kind}:{source.path}{given}", model)
+        tree = {"depth": drafter.depth, "top_k": drafter.top_k, "budget": drafter.budget, "planned": drafter.tree_label}
+    tree["depth"] = draft_tokens or tree.get("depth") or source.config["num_heads"]
+    if source.kind == "medusa":  # a Medusa head per drafted token
+        tree["depth"] = min(tree["depth"], source.config["num_heads"])
     return tree
 
 
@@ -41,7 +49,8 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, target:
 
     ``target``: the target's local folder when the recorded name does not resolve offline;
     ``results``: an ``eval/run.py`` results.json whose acceptance lengths go into the model card;
-    ``draft_tokens``: tokens drafted per step in the serve command (default: the engine's default depth);
+    ``draft_tokens``: tokens drafted per step in the serve command (default: the depth planned for an
+    EAGLE head on this machine, else the engine's default depth);
     ``target_hub_id``: the hub id engines are told the target is (default: derived, see :class:`Target`).
     Returns the command lines that serve the export. Bad input raises a :class:`UserError`.
     """
@@ -55,18 +64,18 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, target:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out}: exists and is not an empty folder; choose a new folder")
     found = find_target(source, target, target_hub_id)
-    tree = _tree(source.kind, source.config, draft_tokens)
+    tree = _tree(source, found, draft_tokens)
     # Written beside ``out`` and renamed into place: a refused or interrupted export leaves nothing
     # (the rerun removes what a killed one left).
     with staged(out, folder=True) as tmp:
         serve = module.export(source, found, tmp, tree)
-        record_export(tmp, source, fmt, found, tree["depth"])
+        record_export(tmp, source, fmt, found, tree)
         for name in COPIED if source.kind == "medusa" else ():
             item = source.path / name
             if item.exists():
                 (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / name)
         serve = [line.replace(str(tmp), str(out)) for line in serve]
-        write_card(tmp, out, source, found, fmt, serve, Path(results) if results else None)
+        write_card(tmp, out, source, found, fmt, serve, Path(results) if results else None, tree.get("planned"))
     return serve
 
 

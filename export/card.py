@@ -39,8 +39,9 @@ def _recipe(source: Source) -> dict:
 
 
 def write_card(folder: Path, out: Path, source: Source, target: Target, fmt: str, serve: list[str],
-               results: Path | None) -> None:
-    """Write ``folder/README.md`` for the export that will live at ``out``."""
+               results: Path | None, planned: str | None = None) -> None:
+    """Write ``folder/README.md`` for the export that will live at ``out`` (``planned``: how its
+    draft tree was planned, :meth:`~draftsmith.eval.tree_plan.TreePlan.describe`)."""
     recipe = _recipe(source)
     state_file = source.path / "state" / "trainer_state.json"
     trained = json.loads(state_file.read_text()) if state_file.is_file() else {}
@@ -59,6 +60,8 @@ def write_card(folder: Path, out: Path, source: Source, target: Target, fmt: str
         "- **Measured acceptance length (tau)**: " + ("see below" if tau else "not recorded with the checkpoint "
                                                       "(run `eval/run.py` and pass its results.json with --results)"),
         *tau,
+        *([f"- **Draft tree** (the serve command's): {planned}. Planned on the exporting machine: on another "
+           "device, re-plan with `eval/run.py --drafter KIND:FOLDER` (depth=auto) or pass --draft-tokens"] if planned else []),
         *(["- **Medusa-2**: trained with a LoRA adapter on the target (`adapter/`, a peft adapter): serve the target "
             "with it merged (`merge_and_unload`), or verify with it attached"] if (source.path / "adapter").is_dir() else []),
         "",

@@ -196,12 +196,13 @@ def ascending_aux_layers(source: Source) -> tuple[dict, dict[str, torch.Tensor]]
     return {**source.config, "aux_layers": [aux[i] for i in order]}, tensors
 
 
-def record_export(out: Path, source: Source, fmt: str, target: Target, draft_tokens: int) -> None:
+def record_export(out: Path, source: Source, fmt: str, target: Target, tree: dict) -> None:
     """Add to the export's draftsmith record what only this machine knows: the target's local
-    folder (engines are told the hub id; the serve check and ``eval/run.py`` load this folder) and
-    the tokens drafted per step the export was made for. Formats whose config.json is the engine's
-    alone (``hf``) get the record as :data:`EXPORT_SIDECAR`."""
-    extra = {"target_folder": str(target.folder), "num_speculative_tokens": draft_tokens}
+    folder (engines are told the hub id; the serve check and ``eval/run.py`` load this folder), the
+    tokens drafted per step the export was made for and, for a planned tree, what it was planned
+    for. Formats whose config.json is the engine's alone (``hf``) get the record as :data:`EXPORT_SIDECAR`."""
+    extra = {"target_folder": str(target.folder), "num_speculative_tokens": tree["depth"],
+             **({"draft_tree": tree} if tree.get("planned") else {})}
     file = out / "config.json"
     config = json.loads(file.read_text()) if file.is_file() else {}
     if EXPORT_KEY in config:

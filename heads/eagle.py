@@ -49,6 +49,8 @@ class EagleHead(DraftVocabMixin, nn.Module):
         vocab = draft_vocab if draft_vocab is not None else torch.arange(config.vocab_size)
         self.register_buffer("draft_vocab", vocab.long(), persistent=True)
         self._target: tuple = ()
+        # Held-out top-1 at draft depths 1, 2, ... from training's last evaluation: what depth=auto plans from.
+        self.depth_accuracy: list[float] | None = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the full vocabulary (``-inf`` outside the draft vocabulary)."""
@@ -103,6 +105,7 @@ class EagleHead(DraftVocabMixin, nn.Module):
             "architectures": ["EagleHead"],
             "num_layers": len(self.layers),
             "draft_vocab_size": int(self.draft_vocab.numel()),
+            "depth_accuracy": self.depth_accuracy,
             "target": self.target_info,
             "target_config": self.config.to_dict(),
         }
@@ -114,6 +117,7 @@ class EagleHead(DraftVocabMixin, nn.Module):
         config, state, classes = load_head_parts(path, KIND, target)
         head = cls(AutoConfig.for_model(**config["target_config"]), config["num_layers"], state["draft_vocab"], config["target"], *classes)
         head.load_state_dict(state)
+        head.depth_accuracy = config.get("depth_accuracy")
         return bind_loaded(head, target)
 
 

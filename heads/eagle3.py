@@ -105,6 +105,8 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
         self.register_buffer("t2d", t2d, persistent=True)
         self.register_buffer("draft_vocab", draft_vocab, persistent=False)
         self._target: tuple = ()
+        # Held-out top-1 at draft depths 1, 2, ... from training's last evaluation: what depth=auto plans from.
+        self.depth_accuracy: list[float] | None = None
 
     # -- scoring -------------------------------------------------------------------------------
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -178,6 +180,7 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
             "aux_layers": self.aux_layers,
             "draft_vocab_size": int(self.d2t.numel()),
             "norm_before_residual": self.layers[0].norm_before_residual,
+            "depth_accuracy": self.depth_accuracy,
             "target": self.target_info,
             "target_config": self.config.to_dict(),
         }
@@ -190,4 +193,5 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
         head = cls(AutoConfig.for_model(**config["target_config"]), config["aux_layers"], state["d2t"], config["target"], *classes,
                    config.get("norm_before_residual", False))
         head.load_state_dict(state)
+        head.depth_accuracy = config.get("depth_accuracy")
         return bind_loaded(head, target)

@@ -282,6 +282,9 @@ def test_training_lowers_the_loss_and_logs_accuracy_per_depth(tiny_recipe, tmp_p
         assert "train/top1@4" not in h and "train/regression_loss" not in h
     head = Eagle3Head.from_pretrained(trainer.last_checkpoint)
     assert head.d2t.numel() == 512 and head.aux_layers == [0, 1, 2]
+    # The last evaluation's held-out accuracy per depth rides with the head (what depth=auto plans from).
+    last_eval = [h for h in trainer.history if "eval/top1@1" in h][-1]
+    assert head.depth_accuracy == [round(last_eval[f"eval/top1@{d}"], 4) for d in (1, 2, 3)]
 
 
 def test_aux_layers_out_of_range_is_a_one_line_error(tiny_recipe, tmp_path, capsys):
@@ -354,6 +357,60 @@ def test_hass_loss_adds_a_top_k_term_to_the_full_distillation_and_detaches_the_f
     torch.testing.assert_close(top1_only, 2 * manual_top1)
     torch.testing.assert_close(second, full)  # decay 0: later passes weigh nothing
     torch.testing.assert_close(two, full + 0.5 * pass1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_target_cross_entropy_equals_the_composite_form_and_its_gradient(dtype):
+    """The fused loss ``s lse(z) - c.z`` (gradient ``s softmax(z) - c``) equals autograd through
+    ``-(c * log_softmax(z)).sum(-1)`` for a soft target plus a top-K term (weights summing above 1)."""
+    from draftsmith.train.unroll import UnrollLoss, _loss_coefficients, soft_target_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 40, generator=generator) * 3).to(dtype).requires_grad_()
+    probs = (torch.randn(6, 40, generator=generator) * 2).softmax(-1)
+    coeff = _loss_coefficients(probs, UnrollLoss(top_k=3, ce_weight=0.1, top_k_weight=1.0))
+    top = probs.topk(3, dim=-1).indices
+    expected_coeff = 0.1 * probs + torch.zeros_like(probs).scatter(-1, top, probs.gather(-1, top))
+    torch.testing.assert_close(coeff, expected_coeff)
+    weights = torch.rand(6, generator=generator)  # an upstream gradient that differs per row
+    loss, lse = soft_target_cross_entropy(logits, coeff)
+    (loss * weights).sum().backward()
+    fused_grad, logits.grad = logits.grad, None
+    reference = -(coeff * logits.float().log_softmax(-1)).sum(-1)
+    (reference * weights).sum().backward()
+    torch.testing.assert_close(loss, reference.detach())
+    torch.testing.assert_close(lse, logits.detach().float().logsumexp(-1))
+    assert fused_grad.dtype == dtype
+    torch.testing.assert_close(fused_grad, logits.grad, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+
+
+def test_targets_outside_the_draft_vocabulary_get_no_token_loss_when_masked(make_tiny_llama):
+    """With ``mask_out_of_vocab`` a position whose target token (full-vocabulary argmax) the draft
+    vocabulary lacks adds nothing to the loss, as in the EAGLE-3 and SpecForge trainers; without
+    it, it is fitted to the target renormalised over the draft vocabulary. Metrics count both."""
+    from draftsmith.train.unroll import UnrollLoss, unrolled_loss
+
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    ids = [3, 9, 4, 17, 6, 11, 2, 30, 5, 12]
+    features = _features(target, ids, None).detach()
+    with torch.no_grad():
+        full_best = target.get_output_embeddings()(features[0, 1:-1]).argmax(-1)  # scores tokens 2..n-1
+    vocab = sorted(set(range(0, 48, 2)) - set(full_best[:4].tolist()) | set(full_best[4:].tolist()))
+    head = Eagle3Head.for_target(target, "tiny", [0, 1, 2], torch.tensor(vocab), init="random").eval()
+    missing = torch.tensor([t not in vocab for t in full_best.tolist()])
+    assert 0 < missing.sum() < len(missing)
+    mask, pad = torch.ones(1, len(ids), dtype=torch.bool), torch.ones(1, len(ids), dtype=torch.long)
+    with torch.no_grad():
+        out = head(torch.tensor([ids[1:]]), _features(target, ids, [0, 1, 2])[:, :-1]).last_hidden_state
+        masked, metrics = unrolled_loss(head, [out], features, mask, pad, UnrollLoss(mask_out_of_vocab=True), training=True)
+        renormalised, kept_all = unrolled_loss(head, [out], features, mask, pad, UnrollLoss(), training=True)
+        p = head.target_logits(features[0, 1:-1]).float().softmax(-1)
+        ce = -(p * head.draft_logits(out[0, :-1]).float().log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(masked, ce[~missing].mean())
+    torch.testing.assert_close(renormalised, ce.mean())
+    assert metrics["tokens"] == kept_all["tokens"] == len(ids) - 2
+    # Masked training scores against the exact target token: a position outside the vocabulary is a miss.
+    assert metrics["top1"] <= (~missing).sum()
 
 
 @pytest.mark.parametrize("features", ["online", "offline"])

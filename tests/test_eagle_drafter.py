@@ -210,3 +210,34 @@ def test_steps_without_a_draft_still_reach_the_heads_cache(tiny_target):
     pairs = drafter.runner.length + len(drafter._tokens)  # in the head's cache + waiting for the next proposal
     # One pair per token after the first (the last step may have produced a few past the limit).
     assert len(PROMPT) + len(gen.tokens) - 1 <= pairs <= len(PROMPT) + len(gen.tokens) - 1 + 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees planned for the head and the device (depth=auto, the default)
+
+
+def test_default_tree_is_planned_from_the_heads_recorded_accuracy(tiny_target, tmp_path, capsys):
+    """``eagle:PATH`` plans its tree from the checkpoint's held-out accuracy per depth and this
+    device's measured costs: a head that is never right drafts one token a step; counts given in
+    the spec win over the plan; a head without recorded accuracy drafts the fixed fallback tree
+    and says why."""
+    from draftsmith.eval.drafters import PLAN_FALLBACK
+
+    head = _tiny_head(tiny_target, "random")
+    head.save_pretrained(tmp_path / "unplanned")
+    head.depth_accuracy = [0.0, 0.0, 0.0]
+    head.save_pretrained(tmp_path / "hopeless")
+    assert EagleHead.from_pretrained(tmp_path / "hopeless").depth_accuracy == [0.0, 0.0, 0.0]
+
+    planned = build_drafter(f"eagle:{tmp_path / 'hopeless'}", tiny_target)
+    assert planned.depth == 1 and 1 <= planned.budget <= 16 and planned.top_k >= 1
+    assert "planned for held-out top-1 0.00 / 0.00 / 0.00 at depths 1-3" in planned.tree_label
+    given = build_drafter(f"eagle:{tmp_path / 'hopeless'}?depth=3&top_k=2", tiny_target)
+    assert (given.depth, given.top_k) == (3, 2) and given.budget >= 3
+    fixed = build_drafter(f"eagle:{tmp_path / 'hopeless'}?depth=2&top_k=2&budget=4", tiny_target)
+    assert (fixed.depth, fixed.top_k, fixed.budget, fixed.tree_label) == (2, 2, 4, "")
+    fallback = build_drafter(f"eagle:{tmp_path / 'unplanned'}", tiny_target)
+    assert (fallback.depth, fallback.top_k, fallback.budget) == tuple(PLAN_FALLBACK["eagle"].values())
+    assert "records no held-out accuracy per draft depth" in fallback.tree_label
+    out = capsys.readouterr().out
+    assert planned.tree_label in out and fallback.tree_label in out

@@ -150,6 +150,31 @@ def _assert_same_logits(head, theirs, target, ids: list[int], steps: int = 2) ->
     assert (logits[1][0, :n - 1] - logits[0][0, :n - 1]).abs().max() > 1e-2  # pass 1 is not pass 0 again
 
 
+def test_export_serves_the_tree_planned_for_the_head_and_records_what_it_was_planned_for(target, target_dir, tmp_path):
+    """A head with recorded held-out accuracy per depth is exported with the planned depth in
+    vLLM's proposal method and serve command, SGLang's steps / top-k / draft tokens, draftsmith's
+    record (with the device it was planned on) and the card; --draft-tokens overrides the depth."""
+    head = _eagle3(target, target_dir, tmp_path / "ckpt")
+    head.depth_accuracy = [0.0, 0.0]  # never right: one draft token a step pays best on any device
+    head.save_pretrained(tmp_path / "ckpt")
+    serve = export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out")
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 1
+    assert '"num_speculative_tokens": 1}' in serve[0]
+    record = raw["draftsmith_export"]
+    assert record["num_speculative_tokens"] == 1 and record["draft_tree"]["depth"] == 1
+    planned = record["draft_tree"]["planned"]
+    assert "planned for held-out top-1 0.00 / 0.00 at depths 1-2 on " in planned and "threads" in planned
+    assert f"- **Draft tree** (the serve command's): {planned}." in (tmp_path / "out" / "README.md").read_text()
+    sglang = export_checkpoint(tmp_path / "ckpt", "sglang", tmp_path / "sgl")
+    tree = json.loads((tmp_path / "sgl" / "config.json").read_text())["draftsmith_export"]["draft_tree"]
+    assert (f"--speculative-num-steps 1 --speculative-eagle-topk {tree['top_k']} "
+            f"--speculative-num-draft-tokens {tree['budget']}") in sglang[0]
+    export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "given", draft_tokens=4)
+    raw = json.loads((tmp_path / "given" / "config.json").read_text())
+    assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+
+
 @pytest.mark.parametrize("reduced", [True, False], ids=["draft-vocab", "full-vocab"])
 def test_speculators_eagle3_draft_logits_equal_ours(target, target_dir, tmp_path, reduced):
     pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")

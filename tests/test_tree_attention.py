@@ -366,3 +366,9 @@ def test_tree_plan_follows_the_measured_costs_and_acceptance():
     # A better head drafts deeper.
     depth, budget, expected = plan_tree(bf16, 0.6, 0.07)
     assert depth >= 3 and budget >= depth and expected == pytest.approx(chain_speedup(bf16, depth, 0.6, 0.07))
+    # Per-depth acceptance (a head's held-out top-1 at each depth): tokens a step are 1 + a1 + a1 a2 + ...,
+    # and a list's last rate holds deeper; a constant list is the constant.
+    assert chain_speedup(fp32, 3, [0.5, 0.4], 0.1) == pytest.approx((1 + 0.5 + 0.2 + 0.08) / (1.57 + 0.3))
+    assert chain_speedup(bf16, 4, [0.6] * 2, 0.07) == pytest.approx(chain_speedup(bf16, 4, 0.6, 0.07))
+    # A head strong at depth 1 and useless below it drafts one token however cheap the passes.
+    assert plan_tree(bf16, [0.9, 0.0], 0.07)[0] == 1

@@ -98,7 +98,9 @@ def test_every_numeric_drafter_option_has_a_range_and_help_shows_it(capsys):
     with pytest.raises(SystemExit):
         eval_main(["--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    for line in ["depth=6 tree depth (draft steps per verification) (an integer >= 1)",
+    for line in ["depth=auto tree depth (draft steps per verification): a count, or auto: planned from the head's "
+                 "held-out accuracy per depth and this device's measured pass costs (a head recording none: depth 6, "
+                 "top_k 3, budget 12) (an integer >= 1)",
                  "m1_tau=2.0 M1's initial entropy threshold (nats; then the mean M1 entropy of M2's rejections and M1's declines) (a number > 0)",
                  "confidence=0.5 confidence policy: draft only while the target's probability of its own token is >= this "
                  "(a number in (0, 1))", "lenience=1.0 LOSSY below 1", "(a number in (0, 1])"]:

@@ -24,7 +24,7 @@ from draftsmith.recipe import DataConfig, DrafterConfig, Recipe, RegenerateConfi
 from draftsmith.timing import stage
 from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.train.loop import Trainer, pad_batch
-from draftsmith.train.unroll import UnrollLoss, unroll, unrolled_loss
+from draftsmith.train.unroll import UnrollLoss, record_depth_accuracy, unroll, unrolled_loss
 
 
 @dataclass
@@ -40,6 +40,10 @@ class Eagle3DrafterConfig(DrafterConfig):
     ttt_step_loss_decay: float = 0.8  # the loss of pass j is weighted decay ** j
     top_k_loss: Optional[int] = None  # HASS: add a distillation term over the target's K most likely tokens (null: off)
     top_k_weight: float = 1.0  # weight of the top-K term
+    # mask: no token loss where the target's next token (full-vocabulary argmax) is outside the draft
+    # vocabulary, as the EAGLE-3 and SpecForge trainers do (one full LM-head pass over the batch a step);
+    # renormalise: fit the target's distribution renormalised over the draft vocabulary there too.
+    out_of_vocab_targets: Literal["mask", "renormalise"] = "mask"
     features: Literal["online", "offline"] = "online"  # target features computed in each step, or cached on disk first
     features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache)
 
@@ -73,7 +77,8 @@ class Eagle3Task:
         self.target = target
         self.model = head
         self.loss_config = UnrollLoss(steps=self.cfg.ttt_steps, decay=self.cfg.ttt_step_loss_decay,
-                                      top_k=self.cfg.top_k_loss, top_k_weight=self.cfg.top_k_weight)
+                                      top_k=self.cfg.top_k_loss, top_k_weight=self.cfg.top_k_weight,
+                                      mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask")
 
     collate = staticmethod(pad_batch)
 
@@ -95,6 +100,9 @@ class Eagle3Task:
                          self.cfg.ttt_steps, self.model.feedback_input)
         return unrolled_loss(self.model, outputs, last, batch["loss_mask"], batch["attention_mask"],
                              self.loss_config, training)
+
+    def on_evaluate(self, metrics: dict[str, float]) -> None:
+        record_depth_accuracy(self.model, metrics)
 
     def save_pretrained(self, model, path) -> None:
         model.save_pretrained(path)

@@ -37,6 +37,7 @@ from draftsmith.recipe import Recipe
 from draftsmith.timing import clock
 
 FINAL = "checkpoint-final"
+LOG_HISTORY = "log_history.jsonl"  # every logged metrics dict, a JSON line each
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -538,7 +539,8 @@ class Trainer:
             if hasattr(self.task, "on_evaluate"):  # e.g. Medusa heads record their accuracy in checkpoints
                 self.task.on_evaluate(metrics)
             self.accelerator.log(metrics, step=self.state.step)
-            self.history.append({"step": self.state.step, **metrics})
+            self._count_tokens()
+            self._record({"step": self.state.step, "tokens_seen": self.state.tokens, **metrics})
             if self.accelerator.is_main_process:
                 tqdm.write(f"step {self.state.step} held-out: { {k: round(v, 4) for k, v in metrics.items()} }")
 
@@ -554,10 +556,19 @@ class Trainer:
         self._count_tokens()
         logs["train/tokens_seen"] = self.state.tokens
         self.accelerator.log(logs, step=self.state.step)
-        self.history.append({"step": self.state.step, **logs})
+        self._record({"step": self.state.step, **logs})
         if self.accelerator.is_main_process:
             shown = {k.removeprefix("train/"): float(f"{v:.4g}") for k, v in logs.items()}  # small lrs stay visible
             tqdm.write(f"step {self.state.step}: {shown}")
+
+    def _record(self, entry: dict) -> None:
+        """Keep a logged metrics dict in ``history`` and append it to ``OUTPUT_DIR/log_history.jsonl``
+        (HF Trainer's ``log_history``, one line per log: learning curves without a tracker; a resumed
+        run appends, so the last line of a step wins)."""
+        self.history.append(entry)
+        if self.accelerator.is_main_process:
+            with open(self.output_dir / LOG_HISTORY, "a") as log:
+                log.write(json.dumps(entry) + "\n")
 
     def _replica_checksums(self) -> dict:
         """Every process's parameter checksum (``replica_checksums``, recorded in the final

@@ -38,6 +38,7 @@ class UnrollLoss:
     ce_weight: float = 1.0  # weight of the distillation term over the target's whole distribution
     top_k_weight: float = 1.0  # weight of the top-K term (HASS: 1.0, beside 0.1 x the full term for EAGLE-1)
     regression_weight: float = 0.0  # weight of Smooth-L1 on the target's next feature (EAGLE-1)
+    mask_out_of_vocab: bool = False  # no token loss where the target's argmax is outside the draft vocabulary
 
 
 UNROLLED_ATTENTION = "draftsmith_unrolled"
@@ -128,54 +129,110 @@ def unroll(head, input_ids: torch.Tensor, features: torch.Tensor, padding: torch
     return outputs
 
 
+def record_depth_accuracy(head, metrics: dict[str, float]) -> None:
+    """Keep an evaluation's held-out top-1 at every draft depth (``eval/top1@d``) on ``head``, which
+    saves it in its checkpoint: ``depth=auto`` plans the draft tree from it."""
+    depths = sorted(int(key.rsplit("@", 1)[1]) for key in metrics if key.startswith("eval/top1@"))
+    if depths:
+        head.depth_accuracy = [round(metrics[f"eval/top1@{d}"], 4) for d in depths]
+
+
+class _SoftTargetCrossEntropy(torch.autograd.Function):
+    """Per row, ``-sum_i c_i log softmax(z)_i = s lse(z) - c.z`` with ``s = sum_i c_i``, and its
+    gradient ``s softmax(z) - c``, in fp32. Only the logits (in their own dtype), ``c`` and the
+    row's log-sum-exp are kept for the backward pass: the composite form (cast, log_softmax, mul,
+    sum) wrote and reread fp32 ``[rows, vocab]`` tensors at each step and took ~40% of a 7-pass
+    training step on CPU (torch.profiler), where these ops are bound by memory bandwidth."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, coeff: torch.Tensor):
+        with torch.autocast(logits.device.type, enabled=False):
+            z = logits.float()
+            lse = z.logsumexp(-1)
+            total = coeff.sum(-1)
+            loss = total * lse - torch.bmm(coeff.unsqueeze(1), z.unsqueeze(2)).view(-1)
+        ctx.save_for_backward(logits, coeff, lse, total)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _grad_lse: torch.Tensor):
+        logits, coeff, lse, total = ctx.saved_tensors
+        with torch.autocast(logits.device.type, enabled=False):
+            # Out of place first: for fp32 logits .float() is the saved tensor itself.
+            grad_z = torch.sub(logits.float(), lse[:, None]).exp_().mul_((total * grad)[:, None])
+            grad_z.addcmul_(coeff, grad[:, None], value=-1.0)
+        return grad_z.to(logits.dtype), None
+
+
+def soft_target_cross_entropy(logits: torch.Tensor, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, lse)`` per row of ``logits`` ``[rows, V]``: ``-sum_i coeff_i log softmax(logits)_i``
+    (``coeff`` ``[rows, V]`` fp32: a distribution for soft cross-entropy, any non-negative weights
+    for sums of such terms) and the rows' fp32 log-sum-exp (no gradient)."""
+    return _SoftTargetCrossEntropy.apply(logits, coeff)
+
+
 def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor, loss_mask: torch.Tensor,
                   padding: torch.Tensor, cfg: UnrollLoss, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted loss over the passes and metrics: ``top1``/``top3`` (pass 0, as without unrolling)
     and ``top1@d`` for every draft depth d, all summed over the positions of pass 0.
 
     ``target_hidden`` ``[b, L, h]``: the target's last hidden states (what its LM head reads).
+    Metrics count every supervised position; with ``cfg.mask_out_of_vocab`` the loss skips those
+    whose target token (full-vocabulary argmax) the draft vocabulary lacks (``t2d`` false), as the
+    EAGLE-3 and SpecForge trainers do, instead of fitting the distribution renormalised over it.
     """
     valid = (loss_mask & padding.bool())
     total = outputs[0].new_zeros((), dtype=torch.float32)
-    # The target's distributions are the same for every pass, shifted: computed once for all positions.
+    # The target's distribution at index i of target_next scores token i + 2: it is needed where
+    # that token is supervised, by pass j at position i - j. Computed once for all passes, only there.
+    needed = torch.zeros_like(valid[:, 1:])
+    needed[:, :-1] = valid[:, 2:]
+    row_of = torch.cumsum(needed.flatten(), 0).view_as(needed) - 1  # row of each needed index in `coeff`
     with torch.no_grad():
-        target_next = target_hidden[:, 1:].to(outputs[0].dtype)
-        target_logits = head.target_logits(target_next).float()
-        target_probs = target_logits.softmax(-1)
-        best = _target_choice(head, target_next, target_logits, exact=not training)
+        target_next = target_hidden[:, 1:][needed].to(outputs[0].dtype)
+        target_probs = head.target_logits(target_next).float().softmax(-1)
+        best = _target_choice(head, target_next, target_probs, exact=not training or cfg.mask_out_of_vocab)
+        coeff = _loss_coefficients(target_probs, cfg)
+        if cfg.mask_out_of_vocab:
+            keep = head.to_draft_ids(best) >= 0
+            coeff[~keep] = 0.0
+        else:
+            keep = torch.ones_like(best, dtype=torch.bool)
+        if cfg.regression_weight:
+            next_feature = target_hidden[:, 1:][needed]
     sums: dict[str, torch.Tensor] = {}  # read back together at the end: one host sync for all metrics
     for step, pred in enumerate(outputs):
         n = pred.shape[1] - step
         # Position t scores token t + step + 2 with the target's distribution at t + step + 1.
-        mask = torch.zeros_like(valid[:, 1:])
-        mask[:, : n - 1] = valid[:, step + 2:]
-        mask = mask[:, :n]
+        mask = needed[:, step: step + n]
+        rows = row_of[:, step: step + n][mask]
         pred_t = pred[:, :n][mask]
         if step == 0:
             sums["tokens"] = mask.sum()
         if pred_t.shape[0] == 0:
             total = total + pred.sum() * 0.0
             continue
-        probs_t, best_t = target_probs[:, step: step + n][mask], best[:, step: step + n][mask]
-        log_q = head.draft_logits(pred_t).float().log_softmax(-1)
-        ce = -(probs_t * log_q).sum(-1)
-        per_token = cfg.ce_weight * ce
-        if cfg.top_k:
-            top = probs_t.topk(min(cfg.top_k, probs_t.shape[-1]), dim=-1).indices
-            per_token = per_token - cfg.top_k_weight * (probs_t.gather(-1, top) * log_q.gather(-1, top)).sum(-1)
+        logits = head.draft_logits(pred_t)
+        ce, lse = soft_target_cross_entropy(logits, coeff.index_select(0, rows))
+        kept = keep.index_select(0, rows)
+        loss = ce.sum() / kept.sum().clamp(min=1)
         if cfg.regression_weight:
-            target_t = target_next[:, step: step + n][mask]
+            target_t = next_feature.index_select(0, rows)
             regression = F.smooth_l1_loss(pred_t.float(), target_t.float(), reduction="none").mean(-1)
-            per_token = per_token + cfg.regression_weight * regression
-        total = total + cfg.decay ** step * per_token.mean()
+            loss = loss + cfg.regression_weight * regression.mean()
+        total = total + cfg.decay ** step * loss
         with torch.no_grad():
-            top3 = head.draft_vocab[log_q.topk(min(3, log_q.shape[-1]), dim=-1).indices]
+            best_t = best.index_select(0, rows)
+            top3 = head.draft_vocab[logits.topk(min(3, logits.shape[-1]), dim=-1).indices]
             hits = (top3[:, 0] == best_t).sum()
             sums[f"top1@{step + 1}"] = hits
             if step == 0:
                 sums["top1"] = hits
                 sums["top3"] = (top3 == best_t[:, None]).any(-1).sum()
-                sums["ce_loss"] = ce.detach().sum()
+                # The plain soft cross-entropy, whatever the loss's terms: lse - p.z (p sums to 1).
+                probs_t = target_probs.index_select(0, rows)
+                sums["ce_loss"] = (lse - torch.bmm(probs_t.unsqueeze(1), logits.float().unsqueeze(2)).view(-1)).sum()
                 if cfg.regression_weight:
                     sums["regression_loss"] = regression.detach().sum()
     sums["loss"] = total.detach() * sums["tokens"]
@@ -183,10 +240,24 @@ def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor
     return total, metrics
 
 
-def _target_choice(head, target_hidden: torch.Tensor, draft_logits: torch.Tensor, exact: bool) -> torch.Tensor:
-    """The target's next token ids: its argmax within the draft vocabulary, or (``exact``, with a
-    reduced vocabulary) over the full vocabulary, which costs a full LM-head pass."""
+def _loss_coefficients(probs: torch.Tensor, cfg: UnrollLoss) -> torch.Tensor:
+    """Weights ``c`` over the draft vocabulary with loss ``-sum_i c_i log q_i``: ``ce_weight`` x the
+    target's distribution, plus ``top_k_weight`` x its K most likely entries (HASS)."""
+    coeff = probs * cfg.ce_weight
+    if cfg.top_k:
+        top = probs.topk(min(cfg.top_k, probs.shape[-1]), dim=-1).indices
+        coeff.scatter_add_(-1, top, probs.gather(-1, top) * cfg.top_k_weight)
+    return coeff
+
+
+def _target_choice(head, target_hidden: torch.Tensor, draft_probs: torch.Tensor, exact: bool,
+                   chunk: int = 1024) -> torch.Tensor:
+    """The target's next token ids ``[rows]``: its argmax within the draft vocabulary, or (``exact``,
+    with a reduced vocabulary) over the full vocabulary, which costs a full LM-head pass (taken
+    ``chunk`` rows at a time: the full logits of a long batch of a 128k-vocabulary target would
+    not fit)."""
     if head.full_vocab or not exact:
-        return head.draft_vocab[draft_logits.argmax(-1)]
-    weight = head.target.get_output_embeddings().weight
-    return (target_hidden @ weight.to(target_hidden.dtype).T).argmax(-1)
+        return head.draft_vocab[draft_probs.argmax(-1)]
+    weight = head.target.get_output_embeddings().weight.to(target_hidden.dtype)
+    return torch.cat([(part @ weight.T).argmax(-1) for part in target_hidden.split(chunk)]) \
+        if target_hidden.shape[0] else target_hidden.new_zeros(0, dtype=torch.long)

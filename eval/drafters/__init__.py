@@ -84,6 +84,23 @@ class KindHelp:
     has_distribution: bool = False  # drafts from a distribution (policy=entropy applies)
 
 
+AUTO = "auto"
+# The trees of heads that record no held-out accuracy (trained without held-out data) under depth=auto.
+PLAN_FALLBACK = {"eagle": {"depth": 5, "top_k": 3, "budget": 12}, "eagle3": {"depth": 6, "top_k": 3, "budget": 12}}
+
+
+def _tree_options(fallback: dict[str, int]) -> dict[str, Option]:
+    """An EAGLE head's tree options: each a count, or ``auto`` (planned, :mod:`draftsmith.eval.tree_plan`)."""
+    unplanned = f"depth {fallback['depth']}, top_k {fallback['top_k']}, budget {fallback['budget']}"
+    return {
+        "depth": Option(AUTO, "tree depth (draft steps per verification): a count, or auto: planned from the head's "
+                        "held-out accuracy per depth and this device's measured pass costs (a head recording none: "
+                        f"{unplanned})", COUNT, text=True),
+        "top_k": Option(AUTO, "children expanded per node: a count, or auto (planned)", COUNT, text=True),
+        "budget": Option(AUTO, "tree nodes verified per step: a count, or auto (planned)", COUNT, text=True),
+    }
+
+
 KINDS: dict[str, KindHelp] = {
     "prompt_lookup": KindHelp("n-gram lookup in the prompt and the output so far (training-free)", "", {
         "num_tokens": Option(10, "tokens drafted per step", COUNT),
@@ -103,17 +120,11 @@ KINDS: dict[str, KindHelp] = {
                          text=True),
         "vocab": Option(None, "draft over the N most frequent tokens of a distill checkpoint's training replies", COUNT),
     }, has_distribution=True),
-    "eagle": KindHelp("a trained EAGLE head growing EAGLE-2 dynamic trees", "checkpoint or sglang export folder (required)", {
-        "depth": Option(5, "tree depth (draft steps per verification)", COUNT),
-        "top_k": Option(3, "children expanded per node", COUNT),
-        "budget": Option(12, "tree nodes verified per step", COUNT),
-    }, has_distribution=True),
+    "eagle": KindHelp("a trained EAGLE head growing EAGLE-2 dynamic trees", "checkpoint or sglang export folder (required)",
+                      _tree_options(PLAN_FALLBACK["eagle"]), has_distribution=True),
     "eagle3": KindHelp("a trained EAGLE-3 head (fused target layers, training-time test) growing EAGLE-2 dynamic trees",
-                       "checkpoint, speculators or sglang export folder (required)", {
-        "depth": Option(6, "tree depth (draft steps per verification)", COUNT),
-        "top_k": Option(3, "children expanded per node", COUNT),
-        "budget": Option(12, "tree nodes verified per step", COUNT),
-    }, has_distribution=True),
+                       "checkpoint, speculators or sglang export folder (required)",
+                       _tree_options(PLAN_FALLBACK["eagle3"]), has_distribution=True),
     "hierarchical": KindHelp(
         "HSDDW hierarchical drafting: draft LM M1 drafts under its entropy rule, a stronger draft LM M2 "
         "pre-verifies its tokens, the target verifies what M2 kept", "", {
@@ -280,17 +291,15 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
                     options[f"{m}_vocab"] = draft_vocab_from_counts(str(path), int(vocab), models[-1])
             drafter = HierarchicalDrafter(*models, **options)
         elif parsed.kind == "eagle":
-            from draftsmith.eval.drafters.eagle import EagleDrafter
             from draftsmith.heads.eagle import EagleHead
 
             head = EagleHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
-            drafter = EagleDrafter(head, **options)
+            drafter = _eagle_drafter(parsed, options, target, head)
         elif parsed.kind == "eagle3":
-            from draftsmith.eval.drafters.eagle import EagleDrafter
             from draftsmith.heads.eagle3 import Eagle3Head
 
             head = Eagle3Head.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
-            drafter = EagleDrafter(head, **options)
+            drafter = _eagle_drafter(parsed, options, target, head)
         elif parsed.kind == "medusa":
             from draftsmith.eval.drafters.medusa import MedusaDrafter
 
@@ -305,6 +314,37 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
         raise UsageError(f"bad option for drafter {parsed.kind!r}: {err}") from None
     drafter.name = parsed.name
     drafter.policy = parsed.policy
+    return drafter
+
+
+def _eagle_drafter(parsed: DrafterSpec, options: dict, target: PreTrainedModel, head) -> Drafter:
+    """An EAGLE drafter whose ``auto`` tree options (the default) come from the tree planned for
+    ``head`` on ``target``'s device (:func:`~draftsmith.eval.tree_plan.plan_head_tree`); counts given
+    in the spec win over the plan."""
+    from draftsmith.eval.drafters.eagle import EagleDrafter
+    from draftsmith.eval.tree_plan import plan_head_tree
+
+    tree = {key: options.pop(key, AUTO) for key in ("depth", "top_k", "budget")}
+    for key, value in tree.items():
+        if isinstance(value, str) and value != AUTO:
+            raise UsageError(f"--drafter {parsed.kind}:{parsed.path}: {key}={value} is not allowed: give a count or auto")
+    label = ""
+    if AUTO in tree.values():
+        plan = plan_head_tree(target, head)
+        if plan is None:
+            planned = PLAN_FALLBACK[parsed.kind]
+            label = (f"{parsed.path} records no held-out accuracy per draft depth (trained without held-out data): "
+                     f"unplanned tree depth {planned['depth']}, top_k {planned['top_k']}, budget {planned['budget']}")
+        else:
+            planned = {"depth": plan.depth, "top_k": plan.top_k, "budget": plan.budget}
+            label = plan.describe()
+        given = {key: value for key, value in tree.items() if value != AUTO}
+        tree = {key: given.get(key, planned[key]) for key in tree}
+        if "budget" not in given:  # a depth given deeper than the plan's still gets a node per level
+            tree["budget"] = max(tree["budget"], tree["depth"])
+        print(f"{parsed.name}: {label}" + (f" (given: {given})" if given else ""))
+    drafter = EagleDrafter(head, **tree, **options)
+    drafter.tree_label = label
     return drafter
 
 

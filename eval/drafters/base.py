@@ -50,6 +50,7 @@ class Drafter(ABC):
     # drafter trained jointly with a tuned copy of the target, e.g. Medusa-2); None: the target.
     verifier = None
     verifier_label = ""  # what ``verifier`` is, for tables
+    tree_label = ""  # how its draft tree was chosen (depth=auto: the plan), for tables
     policy = None  # the PolicyConfig the engine applies with this drafter (None: fixed drafting)
 
     def verifying(self):
