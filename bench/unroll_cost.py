@@ -1,13 +1,14 @@
 """Cost of one EAGLE-3 training step against the number of training-time-test passes.
 
-    python bench/unroll_cost.py --out DIR [--recipe recipes/smollm2-eagle3.yaml] [--repeats 5]
+    python bench/unroll_cost.py --out DIR [--recipe recipes/smollm2-eagle3.yaml] [--repeats 5] [--key value ...]
 
 One optimiser step of the EAGLE-3 head (unrolled loss, backward, AdamW step) at the recipe's batch
 on its target, with the target's features computed once beforehand (as ``features: offline``
 does), for ``ttt_steps`` k = 1, 3 and 7, on the same batch: the median of ``--repeats`` timed
 steps after one warm-up. The batch is the first ``training.batch_size`` conversations of the
 recipe's data (ShareGPT's own replies: regeneration off, so nothing to generate first), at the
-recipe's precision. Writes ``DIR/unroll_cost.json``: ``step_s_k1``, ``step_s_k3``, ``step_s_k7``,
+recipe's precision; further ``--key value`` pairs override the recipe (e.g.
+``--drafter.out_of_vocab_targets renormalise``). Writes ``DIR/unroll_cost.json``: ``step_s_k1``, ``step_s_k3``, ``step_s_k7``,
 ``tokens_per_s_k1`` (real tokens a second at k = 1), ``ratio_k7_k1`` and what it ran on.
 """
 
@@ -53,10 +54,10 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="folder for unroll_cost.json")
     parser.add_argument("--recipe", default="recipes/smollm2-eagle3.yaml")
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()
     recipe, _ = parse_training_args(Eagle3Recipe, [args.recipe, "--data.regenerate.enabled", "false",
                                                    "--data.limit", "64", "--drafter.features", "online",
-                                                   "--tracking.report_to", "none"])
+                                                   "--tracking.report_to", "none", *overrides])
     task, train_set, _ = build(recipe)
     rows = [{key: torch.as_tensor(train_set[i][key]) for key in ("input_ids", "loss_mask")}
             for i in range(recipe.training.batch_size)]
@@ -69,7 +70,8 @@ def main() -> None:
         "tokens_per_s_k1": tokens / result["step_s_k1"],
         "ratio_k7_k1": result["step_s_k7"] / result["step_s_k1"],
         "batch": list(batch["input_ids"].shape), "real_tokens": tokens, "repeats": args.repeats,
-        "precision": recipe.training.mixed_precision, "recipe": args.recipe, "threads": torch.get_num_threads(),
+        "precision": recipe.training.mixed_precision, "recipe": args.recipe, "overrides": overrides,
+        "threads": torch.get_num_threads(),
     })
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
