@@ -79,6 +79,8 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
 
     # The input that carries the head's own output into its next draft step (the drafter uses it).
     feedback_input = "hidden_states"
+    kind = KIND
+    extra_config: tuple[str, ...] = ()  # constructor arguments a subclass adds: saved in config.json, given back on load
 
     def __init__(self, target_config: PretrainedConfig, aux_layers: list[int], d2t: torch.Tensor,
                  target_info: dict | None = None, layer_class: type | None = None, rotary_class: type | None = None,
@@ -129,7 +131,7 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
         """
         if (features is None) == (hidden_states is None):
             raise ValueError("give exactly one of features (target layers) or hidden_states (the head's own)")
-        embeds = self.target.get_input_embeddings()(input_ids)
+        embeds = self.embed(input_ids)
         hidden = self.fc(features.to(self.fc.weight.dtype)) if features is not None else hidden_states
         embeds = embeds.to(hidden.dtype)
         batch, n = input_ids.shape
@@ -144,11 +146,15 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
                            position_embeddings=position_embeddings)
         return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: the target's (by reference)."""
+        return self.target.get_input_embeddings()(input_ids)
+
     # -- construction and checkpoints ------------------------------------------------------------
     @classmethod
     def for_target(cls, target: PreTrainedModel, target_name: str, aux_layers: list[int] | None = None,
                    draft_vocab: torch.Tensor | None = None, init: str = "identity",
-                   norm_before_residual: bool = False) -> "Eagle3Head":
+                   norm_before_residual: bool = False, **extra) -> "Eagle3Head":
         """A fresh head for ``target``; ``draft_vocab`` (sorted target ids) or None for the full vocabulary.
 
         The LM head starts as the target's rows for the draft vocabulary and the norm as the
@@ -160,7 +166,7 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
         aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(num_layers), num_layers)
         vocab = draft_vocab if draft_vocab is not None else torch.arange(target.config.vocab_size)
         head = cls(target.config, aux, vocab.long() - torch.arange(vocab.numel()), target_record(target, target_name),
-                   *decoder_classes(target), norm_before_residual)
+                   *decoder_classes(target), norm_before_residual, **extra)
         with torch.no_grad():
             head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab].float())
             final_norm = getattr(target.get_decoder(), "norm", None)
@@ -175,7 +181,7 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""
         config = {
-            "architectures": ["Eagle3Head"],
+            "architectures": [type(self).__name__],
             "num_layers": len(self.layers),
             "aux_layers": self.aux_layers,
             "draft_vocab_size": int(self.d2t.numel()),
@@ -183,15 +189,17 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
             "depth_accuracy": self.depth_accuracy,
             "target": self.target_info,
             "target_config": self.config.to_dict(),
+            **{key: getattr(self, key) for key in self.extra_config},
         }
-        save_head(self, path, KIND, config)
+        save_head(self, path, self.kind, config)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> "Eagle3Head":
         """Load a head; with ``target`` it is checked against the recorded target and bound to it."""
-        config, state, classes = load_head_parts(path, KIND, target)
+        config, state, classes = load_head_parts(path, cls.kind, target)
+        extra = {key: config[key] for key in cls.extra_config}
         head = cls(AutoConfig.for_model(**config["target_config"]), config["aux_layers"], state["d2t"], config["target"], *classes,
-                   config.get("norm_before_residual", False))
+                   config.get("norm_before_residual", False), **extra)
         head.load_state_dict(state)
         head.depth_accuracy = config.get("depth_accuracy")
         return bind_loaded(head, target)

@@ -94,13 +94,15 @@ def test_every_shipped_recipe_loads_into_its_training_script(path):
     from draftsmith.train.eagle import EagleRecipe
     from draftsmith.train.eagle3 import Eagle3Recipe
     from draftsmith.train.medusa import MedusaRecipe
+    from draftsmith.train.peagle import PEagleRecipe
 
-    classes = {"eagle": EagleRecipe, "eagle3": Eagle3Recipe, "medusa": MedusaRecipe, "distill": DistillRecipe}
+    classes = {"eagle": EagleRecipe, "eagle3": Eagle3Recipe, "peagle": PEagleRecipe, "medusa": MedusaRecipe,
+               "distill": DistillRecipe}
     kind = yaml.safe_load(path.read_text())["drafter"]["kind"]
     recipe = load_recipe(classes[kind], path)
     assert recipe.drafter.kind == kind
-    if kind == "eagle3":  # the EAGLE-3 recipes learn the target's own replies
-        assert recipe.data.regenerate.enabled and recipe.drafter.ttt_steps == 7
+    if kind in ("eagle3", "peagle"):  # the EAGLE-3 and P-EAGLE recipes learn the target's own replies
+        assert recipe.data.regenerate.enabled and recipe.drafter.ttt_steps == (7 if "smollm2" in path.name or kind == "eagle3" else 8)
     if kind == "eagle":  # EAGLE-1's input-feature noise is the paper's U(-0.1, 0.1)
         assert recipe.drafter.feature_noise == 0.1
 

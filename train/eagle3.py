@@ -72,6 +72,14 @@ class Eagle3Recipe(Recipe):
 class Eagle3Task:
     """The training-time-test loss of an EAGLE-3 head over a frozen target."""
 
+    head_class = Eagle3Head
+    parallel = False  # passes j > 0 read the head's own outputs (P-EAGLE's read mask inputs)
+
+    @staticmethod
+    def head_options(recipe, tokenizer, train_set) -> dict:
+        """Constructor arguments of ``head_class`` beyond EAGLE-3's (a subclass's)."""
+        return {}
+
     def __init__(self, recipe: Eagle3Recipe, target, head: Eagle3Head):
         self.cfg = recipe.drafter
         self.target = target
@@ -97,7 +105,7 @@ class Eagle3Task:
         aux, last = self.target_features(batch)
         dtype = next(self.model.parameters()).dtype
         outputs = unroll(head, batch["input_ids"], aux[:, :-1].to(dtype), batch["attention_mask"],
-                         self.cfg.ttt_steps, self.model.feedback_input)
+                         self.cfg.ttt_steps, self.model.feedback_input, parallel=self.parallel)
         return unrolled_loss(self.model, outputs, last, batch["loss_mask"], batch["attention_mask"],
                              self.loss_config, training)
 
@@ -108,19 +116,20 @@ class Eagle3Task:
         model.save_pretrained(path)
 
 
-def build(recipe: Eagle3Recipe):
-    """Target, tokenised data (or features), head and task for ``recipe``."""
+def build(recipe: Eagle3Recipe, task_class: type = Eagle3Task):
+    """Target, tokenised data (or features), head and task (a ``task_class``) for ``recipe``."""
     target, tokenizer, data = target_and_data(recipe)
     num_layers = target.config.num_hidden_layers
     if recipe.drafter.aux_layers is not None:
         recipe.drafter.aux_layers = check_aux_layers(recipe.drafter.aux_layers, num_layers)
     draft_vocab = draft_vocab_for(recipe.drafter.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
     torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
-    head = Eagle3Head.for_target(target, recipe.target.name, recipe.drafter.aux_layers, draft_vocab,
-                                 recipe.drafter.init, recipe.drafter.norm_before_residual)
+    head = task_class.head_class.for_target(target, recipe.target.name, recipe.drafter.aux_layers, draft_vocab,
+                                            recipe.drafter.init, recipe.drafter.norm_before_residual,
+                                            **task_class.head_options(recipe, tokenizer, data["train"]))
     with stage(f"train: {recipe.drafter.features} feature sets"):
         train_set, eval_set = training_sets(recipe, target, data, head.aux_layers)
-    return Eagle3Task(recipe, target, head), train_set, eval_set
+    return task_class(recipe, target, head), train_set, eval_set
 
 
 def main(argv: list[str] | None = None) -> Trainer:

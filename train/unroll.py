@@ -99,7 +99,7 @@ def _attention_implementation(config, name: str):
 
 
 def unroll(head, input_ids: torch.Tensor, features: torch.Tensor, padding: torch.Tensor, steps: int,
-           feedback: str = "features", detach: bool = False) -> list[torch.Tensor]:
+           feedback: str = "features", detach: bool = False, parallel: bool = False) -> list[torch.Tensor]:
     """The head's outputs ``[b, n, h]`` for passes ``0..steps-1``.
 
     ``input_ids`` ``[b, L]`` and ``features`` ``[b, L - 1, d]`` (the target's, paired with the
@@ -108,7 +108,8 @@ def unroll(head, input_ids: torch.Tensor, features: torch.Tensor, padding: torch
     DDP) with the tokens shifted j places left; ``detach`` stops gradients through the fed-back
     outputs (HASS), else later passes also train the earlier ones (EAGLE-3's training-time test). Attention runs as :func:`unrolled_attention`,
     except for heads whose layers soft-cap attention logits (Gemma-2: eager attention over the
-    dense :func:`pass_mask`).
+    dense :func:`pass_mask`). With ``parallel`` (P-EAGLE) pass j>0 reads the head's mask token and
+    mask feature instead, so no pass depends on another's output: the layout one drafting pass sees.
     """
     tokens, padding = input_ids[:, 1:], padding[:, 1:]
     batch, n = tokens.shape
@@ -121,7 +122,12 @@ def unroll(head, input_ids: torch.Tensor, features: torch.Tensor, padding: torch
     implementation = UNROLLED_ATTENTION if blockwise else config._attn_implementation
     with _attention_implementation(config, implementation):
         for step in range(steps):
-            shifted = torch.cat([tokens[:, step:], tokens.new_zeros(batch, step)], dim=1) if step else tokens
+            if parallel and step:
+                shifted, inputs = torch.full_like(tokens, getattr(head, "module", head).mask_token_id), {}
+            elif step:
+                shifted = torch.cat([tokens[:, step:], tokens.new_zeros(batch, step)], dim=1)
+            else:
+                shifted = tokens
             out = head(shifted, position_ids=positions + step, past_key_values=cache, use_cache=True,
                        attention_mask=pass_mask(padding, 0 if blockwise else step), **inputs).last_hidden_state
             outputs.append(out)

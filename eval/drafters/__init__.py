@@ -125,6 +125,11 @@ KINDS: dict[str, KindHelp] = {
     "eagle3": KindHelp("a trained EAGLE-3 head (fused target layers, training-time test) growing EAGLE-2 dynamic trees",
                        "checkpoint, speculators or sglang export folder (required)",
                        _tree_options(PLAN_FALLBACK["eagle3"]), has_distribution=True),
+    "peagle": KindHelp("a trained P-EAGLE head drafting a chain of depth tokens in one forward pass (parallel drafting)",
+                       "checkpoint folder (required)", {
+        "depth": Option(None, "tokens drafted per step, in one pass (default: the depths the head was trained for)",
+                        COUNT),
+    }, has_distribution=True),
     "hierarchical": KindHelp(
         "HSDDW hierarchical drafting: draft LM M1 drafts under its entropy rule, a stronger draft LM M2 "
         "pre-verifies its tokens, the target verifies what M2 kept", "", {
@@ -300,6 +305,12 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
 
             head = Eagle3Head.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
             drafter = _eagle_drafter(parsed, options, target, head)
+        elif parsed.kind == "peagle":
+            from draftsmith.eval.drafters.peagle import PEagleDrafter
+            from draftsmith.heads.peagle import PEagleHead
+
+            head = PEagleHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
+            drafter = PEagleDrafter(head, depth=options.pop("depth", None) or head.num_depths, **options)
         elif parsed.kind == "medusa":
             from draftsmith.eval.drafters.medusa import MedusaDrafter
 

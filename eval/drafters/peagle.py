@@ -1,0 +1,44 @@
+"""P-EAGLE drafting: one head pass over ``[pending tokens, MASK x (K - 1)]`` drafts a chain of K tokens.
+
+The head's cache and its (token, target feature) pairing are the EAGLE drafter's
+(:class:`~draftsmith.eval.drafters.eagle.EagleDrafter`). Each proposal runs the pending pairs and
+K - 1 mask positions as one tree forward of the head (a chain of rows after the committed prefix),
+keeps the real rows in the cache and drops the mask rows: the cache only ever holds rows of real
+target features, as vLLM's parallel drafting overwrites its mask slots. The last real row and the
+mask rows give the draft distributions of depths 1..K, from which the chain is chosen (greedy, or
+sampled for lossless verification) by the same code as every tree drafter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.eval.drafters.base import DraftContext
+from draftsmith.eval.drafters.eagle import EagleDrafter
+from draftsmith.eval.tree import TokenTree, grow_tree
+
+
+class PEagleDrafter(EagleDrafter):
+    """A :class:`~draftsmith.heads.peagle.PEagleHead` drafting ``depth`` tokens in one pass."""
+
+    def __init__(self, head, depth: int, name: str = "peagle"):
+        super().__init__(head, depth=depth, top_k=1, budget=depth, name=name)
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> TokenTree:
+        dtype = next(self.head.parameters()).dtype
+        depth = min(self.depth, context.max_tokens)
+        pending, masks = len(self._tokens), max(depth - 1, 0)
+        features = torch.cat([self._features.to(dtype), self.head.mask_hidden[0].to(dtype).expand(masks, -1)])
+        rows = list(range(pending + masks))
+        out = self.runner.forward(self._tokens + [self.head.mask_token_id] * masks, [r - 1 for r in rows], rows,
+                                  features=features[None])
+        self.runner.commit(rows[:pending])  # the mask rows never stay in the cache
+        self._tokens, self._features = [], None
+        if depth < 1:
+            return TokenTree()
+        logits = self.head.draft_logits(out[pending - 1:]).float()  # depth d's distribution in row d - 1
+        vocab = None if self.head.full_vocab else self.head.draft_vocab
+        return grow_tree(logits[0], lambda frontier, builder: logits[builder.depths[frontier[0]]][None], depth, 1,
+                         depth, context.sampling, context.generator, context.max_entropy, vocab,
+                         self.head.config.vocab_size)

@@ -1,0 +1,87 @@
+"""The P-EAGLE head: an EAGLE-3 head that drafts a whole chain of K tokens in one forward pass.
+
+Drafting K tokens with EAGLE-3 takes K sequential head passes, each fed the previous one's output.
+P-EAGLE feeds the K - 1 positions after the last known token with stand-ins instead: a mask token
+(its embedding ``mask_embedding``, learned) and a mask feature (``mask_hidden``, a learned vector
+in the fused target-layer space that goes through ``fc`` like real features). Position k attends
+to the context and to the mask positions before it, so one pass over ``[token, MASK x (K - 1)]``
+yields all K drafts; training runs the same layout (:func:`draftsmith.train.unroll.unroll` with
+``parallel=True``), so pass j of training is draft depth j + 1.
+
+SmolLM2's tokenizer fills its whole embedding table, so there is no spare row for a mask token:
+the head picks a token id that never occurs in its training data (``mask_token_id``) and keeps
+its own embedding for it; exports write the target's embedding table with that row replaced,
+which vLLM then uses for the draft (it keeps a draft embedding that differs from the target's).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from draftsmith.heads.eagle3 import Eagle3Head
+
+KIND = "peagle"
+
+
+class PEagleHead(Eagle3Head):
+    """:class:`~draftsmith.heads.eagle3.Eagle3Head` plus a mask token embedding and a mask feature."""
+
+    kind = KIND
+    extra_config = ("mask_token_id", "num_depths")
+
+    def __init__(self, target_config: PretrainedConfig, aux_layers: list[int], d2t: torch.Tensor,
+                 target_info: dict | None = None, layer_class: type | None = None, rotary_class: type | None = None,
+                 norm_before_residual: bool = False, mask_token_id: int = 0, num_depths: int = 1):
+        super().__init__(target_config, aux_layers, d2t, target_info, layer_class, rotary_class, norm_before_residual)
+        if not 0 <= mask_token_id < target_config.vocab_size:
+            raise ValueError(f"mask_token_id {mask_token_id} is outside the vocabulary [0, {target_config.vocab_size})")
+        self.mask_token_id = int(mask_token_id)
+        self.num_depths = int(num_depths)  # tokens a pass was trained to draft (the drafter's default)
+        hidden = self.config.hidden_size
+        # speculators' shape: [1, 1, len(aux_layers) * hidden], in the space fc reads.
+        self.mask_hidden = nn.Parameter(torch.zeros(1, 1, len(self.aux_layers) * hidden))
+        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+
+    @classmethod
+    def for_target(cls, target, target_name: str, aux_layers: list[int] | None = None,
+                   draft_vocab: torch.Tensor | None = None, init: str = "identity",
+                   norm_before_residual: bool = False, mask_token_id: int = 0, num_depths: int = 1) -> "PEagleHead":
+        """A fresh head (see :meth:`Eagle3Head.for_target`) whose mask embedding starts as the
+        target's row for ``mask_token_id`` and whose mask feature starts small and random."""
+        head = super().for_target(target, target_name, aux_layers, draft_vocab, init, norm_before_residual,
+                                  mask_token_id=mask_token_id, num_depths=num_depths)
+        with torch.no_grad():
+            head.mask_embedding.copy_(target.get_input_embeddings().weight[mask_token_id].float())
+            head.mask_hidden.normal_(std=0.02)
+        return head
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's embeddings, with the head's own at ``mask_token_id``."""
+        embeds = super().embed(input_ids)
+        return torch.where((input_ids == self.mask_token_id).unsqueeze(-1), self.mask_embedding.to(embeds.dtype), embeds)
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None,
+                hidden_states: torch.Tensor | None = None, **kwargs):
+        """As :meth:`Eagle3Head.forward`; without ``features`` and ``hidden_states`` every position
+        reads the mask feature (the positions of not-yet-drafted tokens)."""
+        if features is None and hidden_states is None:
+            features = self.mask_hidden.expand(*input_ids.shape, -1)
+        return super().forward(input_ids, features, hidden_states, **kwargs)
+
+
+def unused_token_id(tokenizer, dataset, vocab_size: int) -> int | None:
+    """A token id for the mask: the tokenizer's mask token if it has one, else its highest special
+    (or added special) token that is not BOS, EOS, PAD or UNK and never occurs in ``dataset``'s
+    ``input_ids`` (None if there is none)."""
+    if tokenizer.mask_token_id is not None:
+        return int(tokenizer.mask_token_id)
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for row in dataset:
+        seen[torch.as_tensor(row["input_ids"])] = True
+    # Added special tokens (SmolLM2's <repo_name> ... <empty_output>) are not all in all_special_ids.
+    special = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    candidates = [i for i in special if i is not None and i not in reserved and i < vocab_size and not seen[i]]
+    return max(candidates) if candidates else None

@@ -1,0 +1,141 @@
+"""P-EAGLE: training's parallel unroll is exactly what one drafting pass computes, drafting is
+lossless (greedy identical, sampling distributed as the target), and training learns.
+
+Tiny random-weight targets (built from a config) keep these fast; the parallel unroll is checked
+against the engine's one-pass drafting position by position, as EAGLE-3's unroll is.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from stats_helpers import chi_square, exact_joint
+from training_helpers import save_tiny_target, write_recipe
+
+from draftsmith.eval.decode import SpeculativeDecoder
+from draftsmith.eval.drafters import build_drafter
+from draftsmith.eval.drafters.peagle import PEagleDrafter
+from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.heads.peagle import PEagleHead, unused_token_id
+from draftsmith.target import load_tokenizer
+from draftsmith.train.unroll import unroll
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT = [3, 5, 2, 7, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(make_tiny_llama):
+    """8 tokens, peaked (weights x 15), 3 layers for the head's 3 aux layers. With no spare token,
+    the mask is token 7: the head then reads a real 7 as a mask (weaker drafts, still lossless)."""
+    return make_tiny_llama(vocab_size=8, hidden_size=32, layers=3, seed=0, scale=15.0)
+
+
+def _head(target, mask: int, draft_vocab=None, init: str = "random", seed: int = 1) -> PEagleHead:
+    torch.manual_seed(seed)
+    vocab = torch.tensor(draft_vocab) if draft_vocab is not None else None
+    head = PEagleHead.for_target(target, "tiny", [0, 1, 2], vocab, init, mask_token_id=mask, num_depths=4)
+    with torch.no_grad():  # move every weight off its start so the test sees the head's own
+        for param in head.parameters():
+            param.add_(torch.randn_like(param) * 0.3)
+    return head.eval()
+
+
+def _features(target, ids: list[int]) -> torch.Tensor:
+    out = target.get_decoder()(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    return torch.cat([out.hidden_states[layer] for layer in (0, 1, 2)], dim=-1)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, [0, 1, 2, 3, 5, 8, 13, 21, 34, 40]], ids=["full_vocab", "reduced_vocab"])
+def test_parallel_unroll_equals_one_drafting_pass(make_tiny_llama, draft_vocab):
+    """Pass j at position t of the parallel unroll is the draft at depth j + 1 after token t + 1:
+    what the drafter's one pass over ``[..., token t + 1, MASK x j]`` gives in its row j."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = _head(target, mask=47, draft_vocab=draft_vocab)
+    ids = [3, 9, 4, 17, 6, 11, 2, 30, 8, 5, 14, 22]
+    steps = 4
+    with torch.no_grad():
+        features = _features(target, ids)
+        outputs = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long),
+                         steps, head.feedback_input, parallel=True)
+        assert (outputs[2] - outputs[1]).abs().max() > 1e-3  # later passes are not the same pass again
+        for t in (2, 5, 7):
+            runner = CausalLMRunner(decoder=head, lm_head=head.logits, config=head.config)
+            runner.reset()
+            runner.forward(ids[1:t + 1], features=features[:, :t])  # the context before token t + 1
+            masks = head.mask_hidden[0].expand(steps - 1, -1)
+            rows = runner.forward([ids[t + 1]] + [head.mask_token_id] * (steps - 1), list(range(-1, steps - 1)),
+                                  list(range(steps)), features=torch.cat([features[0, t:t + 1], masks])[None])
+            for j in range(steps):
+                torch.testing.assert_close(head.draft_logits(rows[j]), head.draft_logits(outputs[j][0, t]),
+                                           atol=1e-5, rtol=1e-4)
+
+
+def test_greedy_peagle_is_lossless_and_drafts_in_one_pass(tiny_target, tmp_path):
+    """Greedy decoding with P-EAGLE gives plain decoding's tokens; a checkpoint loads through the
+    registry with its trained depth; one head forward per step whatever the depth."""
+    head = _head(tiny_target, mask=7, init="identity")
+    head.save_pretrained(tmp_path / "ckpt")
+    drafter = build_drafter(f"peagle:{tmp_path / 'ckpt'}", tiny_target)
+    assert isinstance(drafter, PEagleDrafter) and drafter.depth == 4 and drafter.head.mask_token_id == 7
+    calls = []
+    drafter.head.register_forward_hook(lambda *args: calls.append(1))
+    plain = SpeculativeDecoder(tiny_target, None, None, eos_ids=set())
+    spec = SpeculativeDecoder(tiny_target, drafter, None, eos_ids=set())
+    produced = steps = 0
+    for prompt in (PROMPT, [1, 1, 6], list(range(8)) * 3):
+        want = plain.generate(prompt, 40)
+        got = spec.generate(prompt, 40)
+        assert got.tokens == want.tokens
+        produced, steps = produced + sum(got.accepted), steps + got.steps
+    assert len(calls) == steps  # one pass a step
+    assert produced / steps > 1.1  # drafts were accepted along the way
+
+
+def test_sampling_with_peagle_matches_exact_distribution(tiny_target):
+    length, samples = 4, 3000
+    drafter = PEagleDrafter(_head(tiny_target, mask=7, draft_vocab=[0, 2, 3, 5, 6, 7], init="identity"), depth=3)
+    sampling = SamplingConfig(temperature=1.0)
+    decoder = SpeculativeDecoder(tiny_target, drafter, None, sampling, eos_ids=set())
+    counts, accepted = collections.Counter(), collections.Counter()
+    for i in range(samples):
+        gen = decoder.generate(PROMPT, length, seed=i)
+        counts[tuple(gen.tokens)] += 1
+        accepted[tuple(gen.accepted)] += 1
+    statistic, threshold, _ = chi_square(counts, exact_joint(tiny_target, PROMPT, length, sampling), samples)
+    print(f"chi2 {statistic:.1f} (threshold {threshold:.1f}); accepted {accepted.most_common(4)}")
+    assert statistic < threshold
+    assert sum(n for a, n in accepted.items() if max(a) > 1) > 100, accepted  # drafts were accepted, often
+
+
+@pytest.fixture(scope="module")
+def tiny_recipe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peagle")
+    target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
+    drafter = {"kind": "peagle", "aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 512}
+    return write_recipe(root, target, drafter, data={"regenerate": {"enabled": False}},
+                        learning_rate=3e-3, lr_schedule="constant", max_steps=16, log_every=4, eval_every=8)
+
+
+def test_training_lowers_the_loss_and_saves_a_head_the_engine_drafts_with(tiny_recipe, tmp_path):
+    """Training picks a mask token the data never uses (SmolLM2's tokenizer has no spare one),
+    lowers the loss, records held-out accuracy per depth and saves a head that loads and drafts."""
+    from draftsmith.train.peagle import main
+
+    trainer = main([str(tiny_recipe), "--output_dir", str(tmp_path / "run")])
+    losses = [h["train/loss"] for h in trainer.history if "train/loss" in h]
+    assert losses[-1] < losses[0] - 0.05, losses
+    tokenizer = load_tokenizer("default")
+    mask = trainer.task.model.mask_token_id
+    assert mask == unused_token_id(tokenizer, trainer.train_data, len(tokenizer))
+    assert tokenizer.added_tokens_decoder[mask].special and mask not in (tokenizer.eos_token_id, tokenizer.bos_token_id)
+    assert all(mask not in row["input_ids"] for row in trainer.train_data)
+    head = PEagleHead.from_pretrained(trainer.last_checkpoint)
+    assert (head.mask_token_id, head.num_depths, len(head.depth_accuracy)) == (mask, 3, 3)
+    trained = trainer.task.model.state_dict()
+    assert all(torch.equal(value, trained[key].to(value.dtype)) for key, value in head.state_dict().items())

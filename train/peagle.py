@@ -1,0 +1,72 @@
+"""Train a P-EAGLE head: ``accelerate launch train/peagle.py recipes/smollm2-peagle.yaml [--resume] [--key value]``.
+
+The head (:mod:`draftsmith.heads.peagle`) is an EAGLE-3 head that drafts ``ttt_steps`` tokens in one
+forward pass: the positions after the last known token read a learned mask token and mask feature.
+Training unrolls the same layout (:func:`draftsmith.train.unroll.unroll` with ``parallel``): pass
+0 reads the target's fused layers, pass j > 0 the mask inputs at position offset j, attending to
+the real context and to the mask positions before it; the loss of pass j is the cross-entropy
+between the target's distribution over the draft vocabulary at depth j + 1 and the head's,
+weighted ``ttt_step_loss_decay ** j``. Everything else (data, regenerated replies, draft
+vocabulary, online or offline features, the out-of-vocabulary mask) is EAGLE-3's
+(:mod:`draftsmith.train.eagle3`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from draftsmith.config import RecipeError
+from draftsmith.heads.peagle import PEagleHead, unused_token_id
+from draftsmith.train.cli import run_training
+from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
+from draftsmith.train.eagle3 import build as build_eagle3
+from draftsmith.train.loop import Trainer
+
+
+@dataclass
+class PEagleDrafterConfig(Eagle3DrafterConfig):
+    """The P-EAGLE head: EAGLE-3's options, its drafted block and its mask token."""
+
+    kind: str = "peagle"
+    ttt_steps: int = 7  # tokens drafted in one pass (draft depths trained, a pass each)
+    mask_token_id: Optional[int] = None  # null: the tokenizer's mask token, else a special token absent from the data
+
+
+@dataclass
+class PEagleRecipe(Eagle3Recipe):
+    drafter: PEagleDrafterConfig = field(default_factory=PEagleDrafterConfig)
+
+
+class PEagleTask(Eagle3Task):
+    """EAGLE-3's loss over the parallel (mask-fed) unroll of a P-EAGLE head."""
+
+    head_class = PEagleHead
+    parallel = True
+
+    @staticmethod
+    def head_options(recipe: PEagleRecipe, tokenizer, train_set) -> dict:
+        mask = recipe.drafter.mask_token_id
+        vocab_size = len(tokenizer)
+        if mask is None:
+            mask = unused_token_id(tokenizer, train_set, vocab_size)
+            if mask is None:
+                raise RecipeError("drafter.mask_token_id: the tokenizer has no mask token and every special token "
+                                  "occurs in the data; set drafter.mask_token_id to an id the data never uses")
+        elif not 0 <= mask < vocab_size:
+            raise RecipeError(f"drafter.mask_token_id = {mask}: give a token id in [0, {vocab_size})")
+        return {"mask_token_id": int(mask), "num_depths": recipe.drafter.ttt_steps}
+
+
+def build(recipe: PEagleRecipe):
+    """Target, tokenised data (or features), head and task for ``recipe``."""
+    return build_eagle3(recipe, PEagleTask)
+
+
+def main(argv: list[str] | None = None) -> Trainer:
+    """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
+    return run_training(PEagleRecipe, build, argv, __doc__)
+
+
+if __name__ == "__main__":
+    main()
