@@ -190,9 +190,11 @@ def ascending_aux_layers(source: Source) -> tuple[dict, dict[str, torch.Tensor]]
     order = sorted(range(len(aux)), key=aux.__getitem__)
     tensors = dict(source.state)
     if order != list(range(len(aux))):
-        weight = tensors["fc.weight"]
-        width = weight.shape[1] // len(aux)
-        tensors["fc.weight"] = torch.cat([weight[:, i * width:(i + 1) * width] for i in order], dim=1)
+        # fc's columns and P-EAGLE's mask feature both live in the concatenated aux-layer space.
+        for name in ("fc.weight", "mask_hidden"):
+            if name in tensors:
+                blocks = tensors[name].chunk(len(aux), dim=-1)
+                tensors[name] = torch.cat([blocks[i] for i in order], dim=-1)
     return {**source.config, "aux_layers": [aux[i] for i in order]}, tensors
 
 

@@ -36,6 +36,7 @@ class Served:
 
     method: str
     num_speculative_tokens: int
+    parallel_drafting: bool = False  # P-EAGLE: the whole chain in one draft pass
 
 
 @dataclass
@@ -85,7 +86,7 @@ def served_as(meta: dict, folder: Path, draft_tokens: int | None) -> Served:
     fmt, kind = meta.get("format"), meta.get("kind")
     depth = draft_tokens or meta.get("num_speculative_tokens") or 3
     if fmt == "speculators":
-        return Served("eagle3", depth)
+        return Served("eagle3", depth, parallel_drafting=kind == "peagle")
     if fmt == "vllm-medusa":
         if (folder / "adapter").is_dir():
             raise UsageError(f"{folder}: Medusa-2 heads verify with their LoRA-tuned target, which vLLM does not "
@@ -118,6 +119,8 @@ def _our_spec(kind: str, source: str, depth: int):
         return DrafterSpec("medusa", source, {"choices": json.dumps(chain)}, "ours")
     if kind == "draft_lm":
         return DrafterSpec("draft_lm", source, {"depth": depth, "top_k": 1}, "ours")
+    if kind == "peagle":  # a chain already
+        return DrafterSpec("peagle", source, {"depth": depth}, "ours")
     return DrafterSpec(kind, source, {"depth": depth, "top_k": 1, "budget": depth}, "ours")
 
 
@@ -229,7 +232,8 @@ def serve_check(folder: str | Path, engine: str = "vllm", prompts: str | None = 
     job = {"task": "generate", "prompts": ids, "max_new_tokens": max_new_tokens, "stop_token_ids": ours["eos"]}
     plain = _plain_vllm({**job, "engine": engine_args(target)}, f"vLLM plain decoding of {target}")
     failures: list[str] = []
-    spec_config = {"method": served.method, "model": str(folder), "num_speculative_tokens": depth}
+    spec_config = {"method": served.method, "model": str(folder), "num_speculative_tokens": depth,
+                   **({"parallel_drafting": True} if served.parallel_drafting else {})}
     try:
         spec = run_job({**job, "engine": engine_args(target, speculative_config=spec_config)},
                        f"vLLM serving {folder}")

@@ -1,4 +1,4 @@
-"""EAGLE-3 heads in the format of vLLM's ``speculators`` library (0.9.0), which vLLM loads directly.
+"""EAGLE-3 and P-EAGLE heads in the format of vLLM's ``speculators`` library (0.9.0), which vLLM loads directly.
 
 Every field and weight name below is read by ``speculators`` 0.9.0 (``config.py``,
 ``models/eagle3/{config,core}.py``, ``model.py``) or by vLLM 0.33.0's bridge
@@ -17,8 +17,16 @@ Every field and weight name below is read by ``speculators`` 0.9.0 (``config.py`
   target id = draft id + d2t[draft id]) and ``t2d`` (bool over the target vocabulary) are written
   only for a reduced draft vocabulary: with a full one neither library registers them.
 
+P-EAGLE heads (``PEagleSpeculatorConfig``, ``models/peagle/{config,core}.py``; vLLM's
+``update_peagle``) are EAGLE-3's layout plus ``speculators_model_type: peagle``, a required
+``mask_token_id`` and a ``mask_hidden`` weight (``[1, 1, len(aux) * hidden]``, in ``fc``'s input
+space, so its blocks follow the aux layers' order as ``fc``'s columns do); ``embed_tokens.weight``
+is the target's with the mask token's row replaced by the head's own mask embedding (vLLM keeps a
+draft embedding that differs from the target's). vLLM serves them as ``eagle3`` with
+``parallel_drafting: true``.
+
 speculators 0.9.0 has no EAGLE-1 or Medusa model (its EAGLE family is ``eagle3`` and ``peagle``), so
-only EAGLE-3 heads export here; EAGLE-1 heads serve through ``--format sglang``.
+EAGLE-1 heads serve through ``--format sglang``.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from draftsmith.export.common import (Source, Target, ascending_aux_layers, expo
                                       write_weights)
 
 NAME = "speculators"
-KINDS = ("eagle3",)
+KINDS = ("eagle3", "peagle")
 VERSION = "0.9.0"
 LAYER_TYPES = ("llama", "qwen3")  # speculators 0.9.0 models/eagle3/model_definitions.model_classes
 EMBED = "embed_tokens.weight"
@@ -74,9 +82,14 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         for name in VOCAB_MAPS:
             tensors.pop(name)
     tensors[EMBED] = target.model.get_input_embeddings().weight.detach().to(target.dtype)
+    parallel = source.kind == "peagle"
+    if parallel:
+        tensors[EMBED] = tensors[EMBED].clone()
+        tensors[EMBED][config["mask_token_id"]] = tensors.pop("mask_embedding").to(target.dtype)
     write_config(out, {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
+        "speculators_model_type": source.kind,
+        **({"mask_token_id": config["mask_token_id"]} if parallel else {}),
         "speculators_version": VERSION,
         "transformer_layer_config": layer,
         "draft_vocab_size": config["draft_vocab_size"],
@@ -88,7 +101,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         "norm_output": False,
         "embed_requires_grad": False,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": source.kind,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tree["depth"],
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -97,14 +110,17 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         **export_block(source, NAME, config),
     })
     write_weights(out, tensors, NAME)
-    spec = f'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
+    extra = ', "parallel_drafting": true' if parallel else ""
+    spec = f'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {tree["depth"]}{extra}}}'
     return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
 
 
 def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
     """The head's weights under draftsmith names from an exported folder."""
     tensors = load_file(str(folder / "model.safetensors"))
-    tensors.pop(EMBED)  # the target's, used by reference
+    embed = tensors.pop(EMBED)  # the target's, used by reference
+    if config.get("speculators_model_type") == "peagle":  # but for the mask token's row
+        tensors["mask_embedding"] = embed[config["mask_token_id"]].float()
     if "d2t" not in tensors:  # full draft vocabulary: the identity maps
         vocab = config["transformer_layer_config"]["vocab_size"]
         tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)

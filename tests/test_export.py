@@ -150,6 +150,50 @@ def _assert_same_logits(head, theirs, target, ids: list[int], steps: int = 2) ->
     assert (logits[1][0, :n - 1] - logits[0][0, :n - 1]).abs().max() > 1e-2  # pass 1 is not pass 0 again
 
 
+def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(target, target_dir, tmp_path):
+    """A P-EAGLE head exports as speculators' ``peagle`` (its config class validates it, its model
+    loads every weight): EAGLE-3's layout with the mask token id, ``mask_hidden`` permuted with
+    ``fc``'s column blocks into ascending aux order, the mask embedding in the mask token's
+    ``embed_tokens`` row; vLLM is told to draft in parallel; the export loads back into draftsmith's
+    engine as the same head."""
+    pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
+
+    from draftsmith.eval.drafters import build_drafter
+    from draftsmith.heads.peagle import PEagleHead
+
+    torch.manual_seed(1)
+    head = PEagleHead.for_target(target, str(target_dir), [2, 0, 1], _draft_vocab(target), "random",
+                                 mask_token_id=16, num_depths=5)
+    _perturb(head)
+    head.save_pretrained(tmp_path / "ckpt")
+    serve = export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out")
+    assert '"num_speculative_tokens": 5, "parallel_drafting": true}' in serve[0]
+    config = PEagleSpeculatorConfig.from_pretrained(tmp_path / "out")
+    assert (config.speculators_model_type, config.mask_token_id) == ("peagle", 16)
+    assert config.eagle_aux_hidden_state_layer_ids == [0, 1, 2]
+    assert config.speculators_config.proposal_methods[0].speculative_tokens == 5
+    config.transformer_layer_config._attn_implementation = "eager"
+    config.speculators_config.verifier.name_or_path = str(target_dir)
+    theirs = PEagleDraftModel.from_pretrained(tmp_path / "out", config=config).eval()
+    blocks = [head.mask_hidden.chunk(3, dim=-1)[i] for i in (1, 2, 0)]  # ours: layers 2, 0, 1
+    assert torch.equal(theirs.mask_hidden, torch.cat(blocks, dim=-1))
+    assert torch.equal(theirs.embed_tokens.weight[16], head.mask_embedding.detach())
+    assert torch.equal(theirs.embed_tokens.weight[15], target.get_input_embeddings().weight[15])
+    assert torch.equal(theirs.fc.weight, torch.cat([head.fc.weight.chunk(3, dim=1)[i] for i in (1, 2, 0)], dim=1))
+    back = build_drafter(f"peagle:{tmp_path / 'out'}", target)
+    assert back.depth == 5 and back.head.mask_token_id == 16 and back.head.aux_layers == [0, 1, 2]
+    features = torch.randn(1, 4, 3 * target.config.hidden_size)
+    ids = torch.tensor([[3, 16, 16, 16]])
+    with torch.no_grad():
+        ours = head.draft_logits(head(ids, features).last_hidden_state)
+        permuted = torch.cat([features.chunk(3, dim=-1)[i] for i in (1, 2, 0)], dim=-1)
+        again = back.head.draft_logits(back.head(ids, permuted).last_hidden_state)
+        torch.testing.assert_close(again, ours)
+        masked = head.draft_logits(head(ids).last_hidden_state)  # every position reads the mask feature
+        torch.testing.assert_close(back.head.draft_logits(back.head(ids).last_hidden_state), masked)
+
+
 def test_export_serves_the_tree_planned_for_the_head_and_records_what_it_was_planned_for(target, target_dir, tmp_path):
     """A head with recorded held-out accuracy per depth is exported with the planned depth in
     vLLM's proposal method and serve command, SGLang's steps / top-k / draft tokens, draftsmith's
