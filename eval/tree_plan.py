@@ -90,7 +90,7 @@ def draft_step_cost(head, width: int, context: int = 200, repeats: int = 6) -> f
         start = clock(param.device)
         head.draft_logits(head(ids, past_key_values=cache, use_cache=True, **level).last_hidden_state)
         times.append(clock(param.device) - start)
-        cache.crop(context)
+        cache.crop(-width)
     return statistics.median(times[1:])
 
 

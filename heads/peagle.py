@@ -70,18 +70,3 @@ class PEagleHead(Eagle3Head):
             features = self.mask_hidden.expand(*input_ids.shape, -1)
         return super().forward(input_ids, features, hidden_states, **kwargs)
 
-
-def unused_token_id(tokenizer, dataset, vocab_size: int) -> int | None:
-    """A token id for the mask: the tokenizer's mask token if it has one, else its highest special
-    (or added special) token that is not BOS, EOS, PAD or UNK and never occurs in ``dataset``'s
-    ``input_ids`` (None if there is none)."""
-    if tokenizer.mask_token_id is not None:
-        return int(tokenizer.mask_token_id)
-    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    seen = torch.zeros(vocab_size, dtype=torch.bool)
-    for row in dataset:
-        seen[torch.as_tensor(row["input_ids"])] = True
-    # Added special tokens (SmolLM2's <repo_name> ... <empty_output>) are not all in all_special_ids.
-    special = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-    candidates = [i for i in special if i is not None and i not in reserved and i < vocab_size and not seen[i]]
-    return max(candidates) if candidates else None

@@ -33,6 +33,16 @@ def scatter_to_vocab(small: torch.Tensor, token_ids: torch.Tensor, vocab_size: i
     return full.index_copy_(-1, token_ids, small)
 
 
+def vocab_maps(d2t: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d2t, t2d, draft_vocab)``: speculators' maps of a draft vocabulary (target id = draft id +
+    ``d2t[draft id]``; ``t2d`` marks the drafted target ids) and its target ids, from ``d2t``."""
+    d2t = d2t.long()
+    draft_vocab = torch.arange(d2t.numel()) + d2t
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_vocab] = True
+    return d2t, t2d, draft_vocab
+
+
 def frequent_tokens(dataset, size: int, always: set[int], vocab_size: int = 0) -> torch.Tensor:
     """``size`` token ids, sorted: ``always`` and then the most frequent assistant tokens of ``dataset``."""
     return most_frequent(token_counts(dataset, vocab_size), size, always)
@@ -108,3 +118,34 @@ class DraftVocabMixin:
             lookup[self.draft_vocab.to(tokens.device)] = torch.arange(self.draft_vocab.numel(), device=tokens.device)
             self._draft_lookup, self._draft_lookup_key = lookup, key
         return self._draft_lookup[tokens]
+
+
+def unused_token_id(tokenizer, dataset, vocab_size: int) -> int | None:
+    """A token id for the mask: the tokenizer's mask token if it has one, else its highest special
+    (or added special) token that is not BOS, EOS, PAD or UNK and never occurs in ``dataset``'s
+    ``input_ids`` (None if there is none)."""
+    if tokenizer.mask_token_id is not None:
+        return int(tokenizer.mask_token_id)
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for row in dataset:
+        seen[torch.as_tensor(row["input_ids"])] = True
+    # Added special tokens (SmolLM2's <repo_name> ... <empty_output>) are not all in all_special_ids.
+    special = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    candidates = [i for i in special if i is not None and i not in reserved and i < vocab_size and not seen[i]]
+    return max(candidates) if candidates else None
+
+
+def mask_token_for(given: int | None, tokenizer, dataset, vocab_size: int) -> int:
+    """The mask token of a parallel drafter: ``given`` (checked), else :func:`unused_token_id`; a
+    one-line recipe error when there is none."""
+    from draftsmith.config import RecipeError
+
+    if given is None:
+        given = unused_token_id(tokenizer, dataset, vocab_size)
+        if given is None:
+            raise RecipeError("drafter.mask_token_id: the tokenizer has no mask token and every special token "
+                              "occurs in the data; set drafter.mask_token_id to an id the data never uses")
+    elif not 0 <= given < vocab_size:
+        raise RecipeError(f"drafter.mask_token_id = {given}: give a token id in [0, {vocab_size})")
+    return int(given)

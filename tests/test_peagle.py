@@ -20,7 +20,8 @@ from draftsmith.eval.drafters import build_drafter
 from draftsmith.eval.drafters.peagle import PEagleDrafter
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.eval.sampling import SamplingConfig
-from draftsmith.heads.peagle import PEagleHead, unused_token_id
+from draftsmith.heads.peagle import PEagleHead
+from draftsmith.heads.vocab import unused_token_id
 from draftsmith.target import load_tokenizer
 from draftsmith.train.unroll import unroll
 

@@ -94,10 +94,11 @@ def test_every_shipped_recipe_loads_into_its_training_script(path):
     from draftsmith.train.eagle import EagleRecipe
     from draftsmith.train.eagle3 import Eagle3Recipe
     from draftsmith.train.medusa import MedusaRecipe
+    from draftsmith.train.dflash import DFlashRecipe
     from draftsmith.train.peagle import PEagleRecipe
 
-    classes = {"eagle": EagleRecipe, "eagle3": Eagle3Recipe, "peagle": PEagleRecipe, "medusa": MedusaRecipe,
-               "distill": DistillRecipe}
+    classes = {"eagle": EagleRecipe, "eagle3": Eagle3Recipe, "peagle": PEagleRecipe, "dflash": DFlashRecipe,
+               "medusa": MedusaRecipe, "distill": DistillRecipe}
     kind = yaml.safe_load(path.read_text())["drafter"]["kind"]
     recipe = load_recipe(classes[kind], path)
     assert recipe.drafter.kind == kind

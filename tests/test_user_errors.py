@@ -45,7 +45,7 @@ def test_counts_below_one_are_refused(capsys, flag, value):
 
 
 @pytest.mark.parametrize("spec,pattern", [
-    ("foo", r"unknown drafter kind 'foo'; choose from prompt_lookup, oracle, draft_lm, eagle, eagle3, peagle, hierarchical, medusa"),
+    ("foo", r"unknown drafter kind 'foo'; choose from prompt_lookup, oracle, draft_lm, eagle, eagle3, peagle, dflash, hierarchical, medusa"),
     ("eagle", r"the eagle drafter needs a checkpoint: eagle:PATH"),
     ("eagle:/nonexistent/run?depth=3", r"/nonexistent/run is not a drafter checkpoint"),
     ("prompt_lookup?num_token=3", r"unknown option\(s\) num_token for prompt_lookup; its options: num_tokens"),

@@ -80,6 +80,13 @@ class Eagle3Task:
         """Constructor arguments of ``head_class`` beyond EAGLE-3's (a subclass's)."""
         return {}
 
+    @classmethod
+    def new_head(cls, recipe, target, draft_vocab, tokenizer, train_set):
+        """A fresh head for ``target`` as ``recipe.drafter`` describes it."""
+        drafter = recipe.drafter
+        return cls.head_class.for_target(target, recipe.target.name, drafter.aux_layers, draft_vocab, drafter.init,
+                                         drafter.norm_before_residual, **cls.head_options(recipe, tokenizer, train_set))
+
     def __init__(self, recipe: Eagle3Recipe, target, head: Eagle3Head):
         self.cfg = recipe.drafter
         self.target = target
@@ -124,9 +131,7 @@ def build(recipe: Eagle3Recipe, task_class: type = Eagle3Task):
         recipe.drafter.aux_layers = check_aux_layers(recipe.drafter.aux_layers, num_layers)
     draft_vocab = draft_vocab_for(recipe.drafter.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
     torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
-    head = task_class.head_class.for_target(target, recipe.target.name, recipe.drafter.aux_layers, draft_vocab,
-                                            recipe.drafter.init, recipe.drafter.norm_before_residual,
-                                            **task_class.head_options(recipe, tokenizer, data["train"]))
+    head = task_class.new_head(recipe, target, draft_vocab, tokenizer, data["train"])
     with stage(f"train: {recipe.drafter.features} feature sets"):
         train_set, eval_set = training_sets(recipe, target, data, head.aux_layers)
     return task_class(recipe, target, head), train_set, eval_set

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from draftsmith.config import RecipeError
-from draftsmith.heads.peagle import PEagleHead, unused_token_id
+from draftsmith.heads.peagle import PEagleHead
+from draftsmith.heads.vocab import mask_token_for
 from draftsmith.train.cli import run_training
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
 from draftsmith.train.eagle3 import build as build_eagle3
@@ -46,16 +46,8 @@ class PEagleTask(Eagle3Task):
 
     @staticmethod
     def head_options(recipe: PEagleRecipe, tokenizer, train_set) -> dict:
-        mask = recipe.drafter.mask_token_id
-        vocab_size = len(tokenizer)
-        if mask is None:
-            mask = unused_token_id(tokenizer, train_set, vocab_size)
-            if mask is None:
-                raise RecipeError("drafter.mask_token_id: the tokenizer has no mask token and every special token "
-                                  "occurs in the data; set drafter.mask_token_id to an id the data never uses")
-        elif not 0 <= mask < vocab_size:
-            raise RecipeError(f"drafter.mask_token_id = {mask}: give a token id in [0, {vocab_size})")
-        return {"mask_token_id": int(mask), "num_depths": recipe.drafter.ttt_steps}
+        mask = mask_token_for(recipe.drafter.mask_token_id, tokenizer, train_set, len(tokenizer))
+        return {"mask_token_id": mask, "num_depths": recipe.drafter.ttt_steps}
 
 
 def build(recipe: PEagleRecipe):

@@ -130,6 +130,10 @@ KINDS: dict[str, KindHelp] = {
         "depth": Option(None, "tokens drafted per step, in one pass (default: the depths the head was trained for)",
                         COUNT),
     }, has_distribution=True),
+    "dflash": KindHelp("a trained DFlash drafter: Qwen3 layers over [last token, MASK x depth] with the target's "
+                       "features injected as context, drafting the block in one forward pass", "checkpoint folder (required)", {
+        "depth": Option(None, "tokens drafted per step, in one pass (default and most: the block size - 1)", COUNT),
+    }, has_distribution=True),
     "hierarchical": KindHelp(
         "HSDDW hierarchical drafting: draft LM M1 drafts under its entropy rule, a stronger draft LM M2 "
         "pre-verifies its tokens, the target verifies what M2 kept", "", {
@@ -311,6 +315,12 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
 
             head = PEagleHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
             drafter = PEagleDrafter(head, depth=options.pop("depth", None) or head.num_depths, **options)
+        elif parsed.kind == "dflash":
+            from draftsmith.eval.drafters.dflash import DFlashDrafter
+            from draftsmith.heads.dflash import DFlashHead
+
+            head = DFlashHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
+            drafter = DFlashDrafter(head, **options)
         elif parsed.kind == "medusa":
             from draftsmith.eval.drafters.medusa import MedusaDrafter
 

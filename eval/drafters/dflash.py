@@ -1,0 +1,61 @@
+"""DFlash drafting: one pass of the drafter over ``[last token, MASK x depth]`` drafts a chain of ``depth`` tokens.
+
+The drafter's cache holds the injected context: the keys and values of the target's fused layers
+at every verified position (added as the target verifies them, through
+:meth:`~draftsmith.heads.dflash.DFlashHead.add_context`). A proposal appends the pending
+positions' context, runs the block (anchor = the last token, which the target has not run yet,
+at the next position) attending to all of the context and to the whole block, and crops the
+block's keys off again, so the cache only ever holds context rows, as z-lab's reference does.
+Slots 1..depth give the draft distributions of depths 1..depth, from which the chain is chosen
+(greedy, or sampled for lossless verification) by the same code as every tree drafter.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.tree import TokenTree, grow_tree
+
+
+class DFlashDrafter(Drafter):
+    """A :class:`~draftsmith.heads.dflash.DFlashHead` drafting ``depth`` (< its block size) tokens a pass."""
+
+    needs_hidden = True
+
+    def __init__(self, head, depth: int | None = None, name: str = "dflash"):
+        self.head = head.eval()
+        self.feature_layers = head.aux_layers
+        self.depth = min(depth or head.block_size - 1, head.block_size - 1)
+        self.name = name
+        self._cache, self._length, self._features = DynamicCache(), 0, None
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        self._cache, self._length, self._features = DynamicCache(), 0, hidden
+
+    def accept(self, result: StepResult) -> None:
+        self._features = result.hidden if self._features is None else torch.cat([self._features, result.hidden])
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> TokenTree:
+        param = next(self.head.parameters())
+        if self._features is not None and len(self._features):
+            n = len(self._features)
+            positions = torch.arange(self._length, self._length + n, device=param.device)[None]
+            self.head.add_context(self._cache, self._features.to(param.dtype)[None], positions)
+            self._length, self._features = self._length + n, None
+        depth = min(self.depth, context.max_tokens)
+        if depth < 1:
+            return TokenTree()
+        ids = torch.full((1, depth + 1), self.head.mask_token_id, dtype=torch.long, device=param.device)
+        ids[0, 0] = context.tokens[-1]  # the anchor sits right after the context
+        positions = torch.arange(self._length, self._length + depth + 1, device=param.device)[None]
+        everything = torch.ones(1, 1, depth + 1, self._length + depth + 1, dtype=torch.bool, device=param.device)
+        hidden = self.head(ids, positions, self._cache, everything)
+        self._cache.crop(-(depth + 1))  # the block's keys: the cache keeps the context only
+        logits = self.head.draft_logits(hidden[0, 1:]).float()  # depth d's distribution in row d - 1
+        vocab = None if self.head.full_vocab else self.head.draft_vocab
+        return grow_tree(logits[0], lambda frontier, builder: logits[builder.depths[frontier[0]]][None], depth, 1,
+                         depth, context.sampling, context.generator, context.max_entropy, vocab,
+                         self.head.config.vocab_size)

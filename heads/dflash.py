@@ -1,0 +1,155 @@
+"""The DFlash drafter (z-lab's DFlash; ``speculators``' and vLLM's ``dflash``): a block of tokens in one pass.
+
+A small stack of Qwen3 decoder layers (the speculators / z-lab design uses Qwen3 layers, q/k norms
+included, whatever the target) reads a block ``[anchor token, MASK x (b - 1)]`` at positions
+``anchor .. anchor + b - 1``: its queries attend to each other in both directions and to the
+context, which is not run through the layers but injected: the target's fused ``aux_layers``
+states of every earlier position, through ``fc`` and ``hidden_norm``, become each layer's keys and
+values by that layer's own ``k_proj`` (with ``k_norm`` and RoPE at the context's positions) and
+``v_proj`` (:meth:`DFlashHead.add_context`). Slot k of the block, after the final norm and the
+head's LM head (over a reduced draft vocabulary), scores the token at ``anchor + k``. The drafter
+keeps the context keys in its cache and drops the block's after each pass.
+
+Parameter names are speculators' ``DFlashDraftModel``'s (``fc``, ``hidden_norm``, ``layers.N.*``,
+``norm``, ``lm_head``, ``d2t``, ``t2d``); the token embedding (mask row included) is the target's,
+used by reference and never saved, as speculators does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding,
+                                                      apply_rotary_pos_emb)
+
+from draftsmith.heads.common import bind_loaded, load_head_parts, save_head, target_record
+from draftsmith.heads.eagle3 import check_aux_layers, default_aux_layers
+from draftsmith.heads.vocab import DraftVocabMixin, vocab_maps
+
+KIND = "dflash"
+
+
+def draft_config(target_config: PretrainedConfig, num_layers: int) -> Qwen3Config:
+    """Qwen3 layers of the target's width, heads, head size, MLP, norm epsilon and RoPE, all full
+    attention (Qwen3Config's own defaults, e.g. head_dim 128, would not fit a SmolLM2 target)."""
+    heads = target_config.num_attention_heads
+    config = Qwen3Config(
+        vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
+        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads, hidden_act="silu",
+        max_position_embeddings=target_config.max_position_embeddings, rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters=dict(target_config.rope_parameters), attention_bias=False, tie_word_embeddings=False,
+        use_sliding_window=False,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+class DFlashHead(DraftVocabMixin, nn.Module):
+    """``fc`` + ``hidden_norm`` over fused target layers (the injected context), Qwen3 layers over the
+    block, the final norm and a draft LM head."""
+
+    kind = KIND
+
+    def __init__(self, target_config: PretrainedConfig, aux_layers: list[int], num_layers: int, block_size: int,
+                 mask_token_id: int, d2t: torch.Tensor, target_info: dict | None = None):
+        super().__init__()
+        self.config = config = draft_config(target_config, num_layers)
+        self.target_config = target_config  # recorded: the layers are built from it
+        self.aux_layers, self.block_size, self.mask_token_id = list(aux_layers), int(block_size), int(mask_token_id)
+        self.target_info = target_info or {}
+        hidden = config.hidden_size
+        self.fc = nn.Linear(len(self.aux_layers) * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(num_layers))
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, d2t.numel(), bias=False)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        d2t, t2d, draft_vocab = vocab_maps(d2t, config.vocab_size)
+        self.register_buffer("d2t", d2t, persistent=True)
+        self.register_buffer("t2d", t2d, persistent=True)
+        self.register_buffer("draft_vocab", draft_vocab, persistent=False)
+        self._target: tuple = ()
+        self.depth_accuracy: list[float] | None = None  # held-out top-1 of block slots 1, 2, ...
+
+    # -- scoring -------------------------------------------------------------------------------
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary ``[..., N]``."""
+        return self.lm_head(self.norm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the full vocabulary (``-inf`` outside the draft vocabulary)."""
+        return self.to_full_vocab(self.draft_logits(hidden))
+
+    # -- forward -------------------------------------------------------------------------------
+    def add_context(self, cache, features: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Append the context's keys and values to ``cache``: ``features`` ``[b, n, len(aux) * h]``
+        (the target's fused layers at positions ``position_ids`` ``[b, n]``) through ``fc`` and
+        ``hidden_norm``, then each layer's ``k_proj`` + ``k_norm`` + RoPE and ``v_proj``."""
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary_emb(context, position_ids)
+        for layer in self.layers:
+            attention = layer.self_attn
+            shape = (*context.shape[:-1], -1, attention.head_dim)
+            keys = attention.k_norm(attention.k_proj(context).view(shape)).transpose(1, 2)
+            values = attention.v_proj(context).view(shape).transpose(1, 2)
+            keys = apply_rotary_pos_emb(keys, keys, cos, sin)[1]
+            cache.update(keys, values, attention.layer_idx)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values,
+                attention_mask: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[b, q, h]`` of the block queries ``input_ids`` at ``position_ids``, over
+        the context in ``past_key_values`` and themselves as ``attention_mask`` (4D: additive, or
+        boolean with True = attend) allows; their keys are appended to the cache."""
+        hidden = self.target.get_input_embeddings()(input_ids).to(self.fc.weight.dtype)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=past_key_values, use_cache=True, position_embeddings=position_embeddings)
+        return hidden
+
+    # -- construction and checkpoints ------------------------------------------------------------
+    @classmethod
+    def for_target(cls, target: PreTrainedModel, target_name: str, aux_layers: list[int] | None, num_layers: int,
+                   block_size: int, mask_token_id: int, draft_vocab: torch.Tensor | None = None) -> "DFlashHead":
+        """A fresh head for ``target``: random layers, the LM head starting as the target's rows for
+        the draft vocabulary (None: the full vocabulary) and the final norm as the target's."""
+        layers = target.config.num_hidden_layers
+        aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(layers), layers)
+        vocab = draft_vocab if draft_vocab is not None else torch.arange(target.config.vocab_size)
+        head = cls(target.config, aux, num_layers, block_size, mask_token_id, vocab.long() - torch.arange(vocab.numel()),
+                   target_record(target, target_name))
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab].float())
+            final_norm = getattr(target.get_decoder(), "norm", None)
+            if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+                head.norm.weight.copy_(final_norm.weight.float())
+        return bind_loaded(head, target)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""
+        save_head(self, path, KIND, {
+            "architectures": ["DFlashHead"],
+            "aux_layers": self.aux_layers,
+            "num_layers": len(self.layers),
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "draft_vocab_size": int(self.d2t.numel()),
+            "depth_accuracy": self.depth_accuracy,
+            "target": self.target_info,
+            "target_config": self.target_config.to_dict(),
+        })
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> "DFlashHead":
+        """Load a head; with ``target`` it is checked against the recorded target and bound to it."""
+        config, state, _ = load_head_parts(path, KIND, target)
+        head = cls(AutoConfig.for_model(**config["target_config"]), config["aux_layers"], config["num_layers"],
+                   config["block_size"], config["mask_token_id"], state["d2t"], config["target"])
+        head.load_state_dict(state)
+        head.depth_accuracy = config.get("depth_accuracy")
+        return bind_loaded(head, target)

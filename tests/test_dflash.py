@@ -1,0 +1,154 @@
+"""DFlash: the training pass over many blocks is exactly what one drafting pass computes for each,
+drafting is lossless (greedy identical, sampling distributed as the target), slot weights are
+DFlash's decay and D-PACE, and training learns.
+
+Tiny random-weight targets (built from a config) keep these fast.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from stats_helpers import chi_square, exact_joint
+from training_helpers import save_tiny_target, write_recipe
+
+from draftsmith.eval.decode import SpeculativeDecoder
+from draftsmith.eval.drafters import build_drafter
+from draftsmith.eval.drafters.dflash import DFlashDrafter
+from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.heads.dflash import DFlashHead
+from draftsmith.target import load_tokenizer
+from draftsmith.train.dflash import DFlashDrafterConfig, block_attention, sample_anchors, slot_weights
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT = [3, 5, 2, 7, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(make_tiny_llama):
+    """8 tokens, peaked (weights x 15), 3 layers for the 3 aux layers; token 7 is also the mask."""
+    return make_tiny_llama(vocab_size=8, hidden_size=32, layers=3, seed=0, scale=15.0)
+
+
+def _head(target, mask: int, block: int = 4, draft_vocab=None, seed: int = 1) -> DFlashHead:
+    torch.manual_seed(seed)
+    vocab = torch.tensor(draft_vocab) if draft_vocab is not None else None
+    head = DFlashHead.for_target(target, "tiny", [0, 1, 2], 2, block, mask, vocab)
+    with torch.no_grad():  # q/k norms and the norms start at 1: move every weight so the test sees them all
+        for param in head.parameters():
+            param.add_(torch.randn_like(param) * 0.2)
+    return head.eval()
+
+
+def _features(target, ids: list[int]) -> torch.Tensor:
+    out = target.get_decoder()(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    return torch.cat([out.hidden_states[layer] for layer in (0, 1, 2)], dim=-1)
+
+
+def test_one_training_pass_over_many_blocks_equals_a_drafting_pass_for_each(make_tiny_llama):
+    """Blocks trained together see the context before their own anchor and their own block only:
+    each block's slot logits equal a drafting pass with the context cut at its anchor."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    block = 4
+    head = _head(target, mask=47, block=block, draft_vocab=[0, 1, 2, 3, 5, 8, 13, 21, 34, 40, 47])
+    ids = [3, 9, 4, 17, 6, 11, 2, 30, 8, 5, 14, 22]
+    anchors, valid = torch.tensor([[2, 6, 9, 0]]), torch.tensor([[True, True, True, False]])
+    with torch.no_grad():
+        features = _features(target, ids)
+        cache = DynamicCache()
+        head.add_context(cache, features, torch.arange(len(ids))[None])
+        positions = anchors[:, :, None] + torch.arange(block)
+        tokens = torch.full_like(positions, 47)
+        tokens[:, :, 0] = torch.tensor([ids])[0, anchors[0]]
+        mask = block_attention(anchors, valid, torch.ones(1, len(ids), dtype=torch.long), block)
+        trained = head(tokens.flatten(1), positions.flatten(1), cache, mask).view(1, 4, block, -1)
+        for i, a in enumerate([2, 6, 9]):
+            alone = DynamicCache()
+            head.add_context(alone, features[:, :a], torch.arange(a)[None])
+            drafted = head(tokens[:, i], positions[:, i], alone, torch.ones(1, 1, block, a + block, dtype=torch.bool))
+            torch.testing.assert_close(head.draft_logits(trained[0, i]), head.draft_logits(drafted[0]),
+                                       atol=1e-5, rtol=1e-4)
+        assert (trained[0, 0, 1] - trained[0, 1, 1]).abs().max() > 1e-3
+
+
+def test_anchors_are_distinct_supervised_positions_and_slot_weights_follow_dflash():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 0, 0, 0, 0, 0, 0]])
+    padding = torch.tensor([[1] * 8, [1, 1, 1, 1, 0, 0, 0, 0]])
+    anchors, valid = sample_anchors(loss_mask, padding, 4, torch.Generator().manual_seed(0))
+    supervised_next = {0: {1, 2, 3, 5, 6}, 1: {0}}  # a where token a + 1 is supervised
+    for row in range(2):
+        chosen = anchors[row][valid[row]].tolist()
+        assert chosen == sorted(set(chosen)) and set(chosen) <= supervised_next[row]
+        assert len(chosen) == min(4, len(supervised_next[row]))
+    supervised = torch.tensor([[[True, True, False, True]]])
+    decay = slot_weights(torch.zeros(1, 1, 4), supervised, DFlashDrafterConfig(decay_gamma=2.0))
+    torch.testing.assert_close(decay, torch.tensor([[[1.0, math.exp(-0.5), 0.0, math.exp(-1.5)]]]))
+    losses = torch.tensor([[[0.0, math.log(2), 0.0, 0.0]]])
+    cfg = DFlashDrafterConfig(weighting="dpace", dpace_alpha=0.5)
+    # survival s = 0.5 exp(-loss) + 0.5 where supervised (1, 0.75, -, 1), reach P = cumprod (1, 0.75, 0.75, 0.75),
+    # weight = sum of later supervised reaches: (1 + 0.75 + 0.75, 0.75 + 0.75, 0, 0.75).
+    torch.testing.assert_close(slot_weights(losses, supervised, cfg), torch.tensor([[[2.5, 1.5, 0.0, 0.75]]]))
+
+
+def test_greedy_dflash_is_lossless_and_drafts_in_one_pass(tiny_target, tmp_path):
+    head = _head(tiny_target, mask=7, block=5)
+    head.save_pretrained(tmp_path / "ckpt")
+    drafter = build_drafter(f"dflash:{tmp_path / 'ckpt'}", tiny_target)
+    assert isinstance(drafter, DFlashDrafter) and drafter.depth == 4 and drafter.feature_layers == [0, 1, 2]
+    calls = []
+    drafter.head.register_forward_hook(lambda *args: calls.append(1))
+    plain = SpeculativeDecoder(tiny_target, None, None, eos_ids=set())
+    spec = SpeculativeDecoder(tiny_target, drafter, None, eos_ids=set())
+    produced = steps = drafting = 0
+    for prompt in (PROMPT, [1, 1, 6], list(range(8)) * 3):
+        want = plain.generate(prompt, 40)
+        got = spec.generate(prompt, 40)
+        assert got.tokens == want.tokens
+        produced, steps = produced + sum(got.accepted), steps + got.steps
+        drafting += sum(1 for n in got.drafted if n)
+    assert len(calls) == drafting  # one pass a step that drafts (the last step, with one token left, does not)
+    assert produced / steps > 1.05  # some drafts were accepted along the way
+
+
+def test_sampling_with_dflash_matches_exact_distribution(tiny_target):
+    length, samples = 4, 3000
+    drafter = DFlashDrafter(_head(tiny_target, mask=7, block=3, draft_vocab=[0, 2, 3, 5, 6, 7]))
+    sampling = SamplingConfig(temperature=1.0)
+    decoder = SpeculativeDecoder(tiny_target, drafter, None, sampling, eos_ids=set())
+    counts, accepted = collections.Counter(), collections.Counter()
+    for i in range(samples):
+        gen = decoder.generate(PROMPT, length, seed=i)
+        counts[tuple(gen.tokens)] += 1
+        accepted[tuple(gen.accepted)] += 1
+    statistic, threshold, _ = chi_square(counts, exact_joint(tiny_target, PROMPT, length, sampling), samples)
+    print(f"chi2 {statistic:.1f} (threshold {threshold:.1f}); accepted {accepted.most_common(4)}")
+    assert statistic < threshold
+    assert sum(n for a, n in accepted.items() if max(a) > 1) > 100, accepted  # drafts were accepted, often
+
+
+def test_training_lowers_the_loss_and_records_accuracy_per_slot(tmp_path_factory, tmp_path):
+    from draftsmith.train.dflash import main
+
+    root = tmp_path_factory.mktemp("dflash")
+    target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
+    drafter = {"kind": "dflash", "aux_layers": [0, 1, 2], "num_layers": 1, "block_size": 4, "anchors_per_sequence": 16,
+               "draft_vocab_size": 512}
+    recipe = write_recipe(root, target, drafter, data={"regenerate": {"enabled": False}},
+                          learning_rate=3e-3, lr_schedule="constant", max_steps=16, log_every=4, eval_every=8)
+    trainer = main([str(recipe), "--output_dir", str(tmp_path / "run")])
+    logs = [h for h in trainer.history if "train/loss" in h]
+    assert logs[-1]["train/loss"] < logs[0]["train/loss"] - 0.05, [h["train/loss"] for h in logs]
+    for h in logs:
+        slots = [h[f"train/top1@{k}"] for k in (1, 2, 3)]
+        assert all(0.0 <= a <= 1.0 for a in slots) and h["train/top1"] == slots[0] and "train/top1@4" not in h
+    head = DFlashHead.from_pretrained(trainer.last_checkpoint)
+    assert (head.block_size, len(head.layers), len(head.depth_accuracy)) == (4, 1, 3)
+    tokenizer = load_tokenizer("default")
+    assert tokenizer.added_tokens_decoder[head.mask_token_id].special
+    assert all(head.mask_token_id not in row["input_ids"] for row in trainer.train_data)

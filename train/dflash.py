@@ -1,0 +1,207 @@
+"""Train a DFlash drafter: ``accelerate launch train/dflash.py recipes/smollm2-dflash.yaml [--resume] [--key value]``.
+
+The drafter (:mod:`draftsmith.heads.dflash`) drafts a block in one pass. Each step samples up to
+``anchors_per_sequence`` anchor positions a in every conversation's supervised spans (where token
+a + 1 is supervised), builds the block ``[token a, MASK x (block_size - 1)]`` at positions
+``a .. a + block_size - 1`` for each, and runs all blocks of a conversation in one pass: a block's
+queries attend to the injected context at positions before a and to their own block, both ways.
+Slot k is scored against the target's distribution (over the draft vocabulary) for token a + k,
+where that token is supervised, weighted ``exp(-(k - 1) / decay_gamma)`` (DFlash) or by D-PACE
+(``weighting: dpace``: the chance the block's earlier slots were all accepted, from the slots' own
+detached losses). Data, regenerated replies, the draft vocabulary, online or offline features and
+the out-of-vocabulary mask are EAGLE-3's (:mod:`draftsmith.train.eagle3`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+from transformers import DynamicCache
+
+from draftsmith.heads.dflash import DFlashHead
+from draftsmith.heads.vocab import mask_token_for
+from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
+from draftsmith.train.cli import run_training
+from draftsmith.train.eagle3 import Eagle3Task, _regenerated_data
+from draftsmith.train.eagle3 import build as build_eagle3
+from draftsmith.train.loop import Trainer
+from draftsmith.train.unroll import UnrollLoss, _loss_coefficients, _target_choice, soft_target_cross_entropy
+
+
+@dataclass
+class DFlashDrafterConfig(DrafterConfig):
+    """The DFlash drafter, its blocks and its loss."""
+
+    kind: str = "dflash"
+    aux_layers: Optional[list[int]] = None  # target layers fused as the context (HF hidden_states ids); null: [2, N/2, N-3]
+    num_layers: int = 2  # Qwen3 decoder layers (speculators' default: 5)
+    block_size: int = 8  # anchor + block_size - 1 drafted tokens (speculators' default: 16)
+    anchors_per_sequence: int = 64  # blocks trained per conversation and step (speculators: up to 512)
+    weighting: Literal["decay", "dpace"] = "decay"  # slot k's weight: exp(-(k-1)/decay_gamma), or D-PACE
+    decay_gamma: float = 4.0  # DFlash's gamma (speculators' default)
+    dpace_alpha: float = 0.5  # D-PACE: a slot's survival is (1 - alpha) exp(-loss) + alpha
+    draft_vocab_size: Optional[int] = 8192  # the N most frequent tokens of the training replies; null: all
+    mask_token_id: Optional[int] = None  # null: the tokenizer's mask token, else a special token absent from the data
+    out_of_vocab_targets: Literal["mask", "renormalise"] = "mask"  # as EAGLE-3's
+    features: Literal["online", "offline"] = "online"
+    features_dir: Optional[str] = None
+
+    def validate(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
+        if self.block_size < 2:
+            raise ValueError(f"drafter.block_size must be >= 2 (an anchor and a drafted token), got {self.block_size}")
+        if self.anchors_per_sequence < 1:
+            raise ValueError(f"drafter.anchors_per_sequence must be >= 1, got {self.anchors_per_sequence}")
+        if self.decay_gamma <= 0:
+            raise ValueError(f"drafter.decay_gamma must be > 0, got {self.decay_gamma}")
+        if not 0 <= self.dpace_alpha <= 1:
+            raise ValueError(f"drafter.dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
+
+
+@dataclass
+class DFlashRecipe(Recipe):
+    data: DataConfig = field(default_factory=_regenerated_data)
+    drafter: DFlashDrafterConfig = field(default_factory=DFlashDrafterConfig)
+
+
+def sample_anchors(loss_mask: torch.Tensor, padding: torch.Tensor, count: int,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(anchors, valid)`` ``[b, count]``: per row up to ``count`` distinct positions a (sorted)
+    whose next token is supervised, drawn uniformly; rows with fewer fill up with invalid ones."""
+    candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
+    candidate[:, :-1] = loss_mask[:, 1:].bool() & padding[:, 1:].bool()
+    scores = torch.rand(loss_mask.shape, generator=generator).to(loss_mask.device)  # a CPU generator: any device
+    scores = scores.masked_fill(~candidate, -1.0)
+    top = scores.topk(min(count, loss_mask.shape[1]), dim=-1)
+    anchors, valid = top.indices, top.values >= 0
+    order = anchors.masked_fill(~valid, loss_mask.shape[1]).argsort(-1)  # valid anchors first, ascending
+    return anchors.gather(-1, order), valid.gather(-1, order)
+
+
+def block_attention(anchors: torch.Tensor, valid: torch.Tensor, padding: torch.Tensor, block: int) -> torch.Tensor:
+    """Boolean ``[b, 1, A * block, L + A * block]`` mask: a block's queries see the real context
+    before its anchor and their own block, in both directions (an invalid anchor's block sees only itself)."""
+    batch, length = padding.shape
+    count = anchors.shape[1]
+    context = torch.arange(length, device=anchors.device)[None, None, :] < anchors[:, :, None]  # [b, A, L]
+    context = context & padding.bool()[:, None, :] & valid[:, :, None]
+    own = torch.eye(count, dtype=torch.bool, device=anchors.device)  # [A, A]: block a sees block a
+    blocks = own[None, :, :, None].expand(batch, count, count, block).reshape(batch, count, count * block)
+    rows = torch.cat([context, blocks], dim=-1)  # [b, A, L + A * block]
+    return rows.repeat_interleave(block, dim=1)[:, None]
+
+
+def slot_weights(losses: torch.Tensor, supervised: torch.Tensor, cfg: DFlashDrafterConfig) -> torch.Tensor:
+    """Weights ``[b, A, block - 1]`` of the drafted slots: DFlash's decay, or D-PACE's expected
+    reach (``losses``: the slots' detached losses; unsupervised slots weigh 0 and pass through)."""
+    slots = losses.shape[-1]
+    if cfg.weighting == "decay":
+        decay = torch.exp(-torch.arange(slots, device=losses.device, dtype=torch.float32) / cfg.decay_gamma)
+        return decay * supervised
+    survive = torch.where(supervised, (1 - cfg.dpace_alpha) * torch.exp(-losses) + cfg.dpace_alpha, 1.0)
+    reach = torch.cumprod(survive, dim=-1) * supervised
+    return reach.flip(-1).cumsum(-1).flip(-1) * supervised
+
+
+class DFlashTask(Eagle3Task):
+    """The DFlash block loss over a frozen target (EAGLE-3's features and vocabulary)."""
+
+    head_class = DFlashHead
+
+    def __init__(self, recipe: DFlashRecipe, target, head: DFlashHead):
+        self.cfg = recipe.drafter
+        self.target = target
+        self.model = head
+        self.loss_config = UnrollLoss(mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask")
+        self.generator = torch.Generator().manual_seed(recipe.training.seed)
+
+    @classmethod
+    def new_head(cls, recipe: DFlashRecipe, target, draft_vocab, tokenizer, train_set) -> DFlashHead:
+        drafter = recipe.drafter
+        mask = mask_token_for(drafter.mask_token_id, tokenizer, train_set, len(tokenizer))
+        return DFlashHead.for_target(target, recipe.target.name, drafter.aux_layers, drafter.num_layers,
+                                     drafter.block_size, mask, draft_vocab)
+
+    def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        aux, last = self.target_features(batch)
+        model, block = self.model, self.cfg.block_size
+        ids, padding, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        batch_size, length = ids.shape
+        # Held-out evaluations score the same blocks every time.
+        generator = self.generator if training else torch.Generator().manual_seed(0)
+        anchors, valid = sample_anchors(loss_mask, padding, self.cfg.anchors_per_sequence, generator)
+        count = anchors.shape[1]
+        offsets = torch.arange(block, device=ids.device)
+        positions = anchors[:, :, None] + offsets  # [b, A, block]
+        tokens = torch.full_like(positions, model.mask_token_id)
+        tokens[:, :, 0] = ids.gather(1, anchors)
+        cache = DynamicCache()
+        model.add_context(cache, aux.to(next(model.parameters()).dtype), torch.arange(length, device=ids.device)
+                          .expand(batch_size, length))
+        hidden = head(tokens.flatten(1), positions.flatten(1), cache,
+                      block_attention(anchors, valid, padding, block)).view(batch_size, count, block, -1)
+        # Slot k >= 1 drafts token a + k, scored with the target's distribution at a + k - 1.
+        labels = positions[:, :, 1:]
+        inside = labels < length
+        clamped = labels.clamp(max=length - 1)
+        supervised = inside & valid[:, :, None] & (loss_mask.bool() & padding.bool()).gather(
+            1, clamped.flatten(1)).view_as(labels)
+        with torch.no_grad():
+            source = (clamped - 1)[supervised]
+            rows = torch.arange(batch_size, device=ids.device)[:, None, None].expand_as(labels)[supervised]
+            target_next = last[rows, source].to(hidden.dtype)
+            target_probs = model.target_logits(target_next).float().softmax(-1)
+            best = _target_choice(model, target_next, target_probs, exact=not training or self.loss_config.mask_out_of_vocab)
+            coeff = _loss_coefficients(target_probs, self.loss_config)
+            if self.loss_config.mask_out_of_vocab:
+                coeff[model.to_draft_ids(best) < 0] = 0.0
+        logits = model.draft_logits(hidden[:, :, 1:][supervised])
+        ce, lse = soft_target_cross_entropy(logits, coeff)
+        with torch.no_grad():
+            losses = torch.zeros(labels.shape, device=ids.device)
+            losses[supervised] = ce.detach().float()
+            weights = slot_weights(losses, supervised, self.cfg)[supervised]
+        total = (weights * ce).sum() / supervised.sum().clamp(min=1)
+        with torch.no_grad():
+            slot = offsets[1:].expand_as(labels)[supervised]
+            hits = model.draft_vocab[logits.argmax(-1)] == best
+            sums = {"tokens": supervised.sum(), "ce_loss": (lse - torch.bmm(target_probs.unsqueeze(1),
+                                                                             logits.float().unsqueeze(2)).view(-1)).sum()}
+            for k in range(1, block):
+                at = slot == k
+                sums[f"top1@{k}"] = (hits & at).sum()
+                sums[f"slot_tokens@{k}"] = at.sum()
+            sums["loss"] = total.detach() * sums["tokens"]
+        metrics = dict(zip(sums, torch.stack([v.float() for v in sums.values()]).tolist()))
+        return total, metrics
+
+    @staticmethod
+    def finalise_metrics(logs: dict[str, float]) -> dict[str, float]:
+        """Slot k's accuracy over slot k's supervised tokens (the loop divides every sum by all
+        slots' tokens: the ratio of the two is the slot's own), and ``top1`` = slot 1's."""
+        out = {key: value for key, value in logs.items() if "/slot_tokens@" not in key}
+        for key, value in logs.items():
+            prefix, _, name = key.rpartition("/")
+            if name.startswith("top1@"):
+                share = logs[f"{prefix}/slot_tokens@{name[5:]}"]
+                out[key] = value / share if share else 0.0
+        for prefix in {key.rpartition("/")[0] for key in out if key.endswith("/top1@1")}:
+            out[f"{prefix}/top1"] = out[f"{prefix}/top1@1"]
+        return out
+
+
+def build(recipe: DFlashRecipe):
+    """Target, tokenised data (or features), drafter and task for ``recipe``."""
+    return build_eagle3(recipe, DFlashTask)
+
+
+def main(argv: list[str] | None = None) -> Trainer:
+    """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
+    return run_training(DFlashRecipe, build, argv, __doc__)
+
+
+if __name__ == "__main__":
+    main()
