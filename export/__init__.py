@@ -26,7 +26,7 @@ def _tree(source, target, draft_tokens: int | None) -> dict:
     """The draft tree the export serves with: for EAGLE heads the tree planned for the head on this
     machine (:mod:`draftsmith.eval.tree_plan`, with ``planned``: what it was planned for), else the
     engine's defaults for the kind; Medusa's depth is its number of heads, P-EAGLE's the depths it
-    was trained for. ``draft_tokens`` overrides the depth."""
+    was trained for, DFlash's its block size - 1. ``draft_tokens`` overrides the depth."""
     from draftsmith.eval.drafters import KINDS, PLAN_FALLBACK, build_drafter
     from draftsmith.target import load_target
 
@@ -36,7 +36,8 @@ def _tree(source, target, draft_tokens: int | None) -> dict:
         given = f"?depth={draft_tokens}" if draft_tokens else ""
         drafter = build_drafter(f"{source.kind}:{source.path}{given}", model)
         tree = {"depth": drafter.depth, "top_k": drafter.top_k, "budget": drafter.budget, "planned": drafter.tree_label}
-    trained = {"medusa": source.config.get("num_heads"), "peagle": source.config.get("num_depths")}.get(source.kind)
+    trained = {"medusa": source.config.get("num_heads"), "peagle": source.config.get("num_depths"),
+               "dflash": source.config.get("block_size", 1) - 1}.get(source.kind)
     tree["depth"] = draft_tokens or tree.get("depth") or trained
     if source.kind == "medusa":  # a Medusa head per drafted token
         tree["depth"] = min(tree["depth"], source.config["num_heads"])

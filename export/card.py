@@ -9,7 +9,7 @@ import yaml
 
 from draftsmith.export.common import Source, Target
 
-TITLES = {"eagle": "EAGLE-1 head", "eagle3": "EAGLE-3 head", "peagle": "P-EAGLE head (parallel drafting)", "medusa": "Medusa heads", "draft_lm": "draft LM"}
+TITLES = {"eagle": "EAGLE-1 head", "eagle3": "EAGLE-3 head", "peagle": "P-EAGLE head (parallel drafting)", "dflash": "DFlash drafter", "medusa": "Medusa heads", "draft_lm": "draft LM"}
 
 
 def measured_tau(source: Source, results: Path | None) -> list[str]:

@@ -85,6 +85,8 @@ def served_as(meta: dict, folder: Path, draft_tokens: int | None) -> Served:
     """How vLLM serves this export, or a one-line refusal saying why it cannot and what to use."""
     fmt, kind = meta.get("format"), meta.get("kind")
     depth = draft_tokens or meta.get("num_speculative_tokens") or 3
+    if fmt == "speculators" and kind == "dflash":
+        return Served("dflash", depth)  # vLLM drafts DFlash blocks in parallel by itself
     if fmt == "speculators":
         return Served("eagle3", depth, parallel_drafting=kind == "peagle")
     if fmt == "vllm-medusa":
@@ -119,8 +121,8 @@ def _our_spec(kind: str, source: str, depth: int):
         return DrafterSpec("medusa", source, {"choices": json.dumps(chain)}, "ours")
     if kind == "draft_lm":
         return DrafterSpec("draft_lm", source, {"depth": depth, "top_k": 1}, "ours")
-    if kind == "peagle":  # a chain already
-        return DrafterSpec("peagle", source, {"depth": depth}, "ours")
+    if kind in ("peagle", "dflash"):  # chains already
+        return DrafterSpec(kind, source, {"depth": depth}, "ours")
     return DrafterSpec(kind, source, {"depth": depth, "top_k": 1, "budget": depth}, "ours")
 
 

@@ -40,7 +40,7 @@ from draftsmith.export.common import (Source, Target, ascending_aux_layers, expo
                                       write_weights)
 
 NAME = "speculators"
-KINDS = ("eagle3", "peagle")
+KINDS = ("eagle3", "peagle", "dflash")
 VERSION = "0.9.0"
 LAYER_TYPES = ("llama", "qwen3")  # speculators 0.9.0 models/eagle3/model_definitions.model_classes
 EMBED = "embed_tokens.weight"
@@ -61,18 +61,36 @@ def matches(config: dict) -> bool:
 
 def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     """Write the speculators folder; returns the vLLM command that serves it."""
-    config, tensors = ascending_aux_layers(source)
-    layer = target.engine_layer_config(config["target_config"])
-    if layer.get("model_type") not in LAYER_TYPES:
-        raise refuse(NAME, source.kind, f"its layer is a {layer.get('model_type')!r} layer and speculators {VERSION} "
-                                        f"builds EAGLE-3 layers of {' and '.join(LAYER_TYPES)} only")
+    _check_aux_layers(source)
+    return (_export_dflash if source.kind == "dflash" else _export_eagle3)(source, target, out, tree)
+
+
+def _check_aux_layers(source: Source) -> None:
     num_layers = source.record.get("num_hidden_layers")
-    if num_layers in config["aux_layers"]:
+    if num_layers in source.config["aux_layers"]:
         # HF's hidden_states[N] is the last layer's output after the final norm; vLLM's capture at
         # layer N is the residual stream before it: the head would be served other features.
         raise refuse(NAME, source.kind, f"it reads aux layer {num_layers}, the target's last layer output after its "
                                         f"final norm, which vLLM captures before the norm; train with aux layers "
                                         f"below {num_layers} (default [2, N/2, N-3])")
+
+
+def _speculators_config(source: Source, target: Target, tokens: int) -> dict:
+    return {
+        "algorithm": source.kind,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
+                              "accept_tolerance": 0.0}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": target.verifier_name, "architectures": target.architectures},
+    }
+
+
+def _export_eagle3(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
+    config, tensors = ascending_aux_layers(source)
+    layer = target.engine_layer_config(config["target_config"])
+    if layer.get("model_type") not in LAYER_TYPES:
+        raise refuse(NAME, source.kind, f"its layer is a {layer.get('model_type')!r} layer and speculators {VERSION} "
+                                        f"builds EAGLE-3 layers of {' and '.join(LAYER_TYPES)} only")
     layer["num_hidden_layers"] = config["num_layers"]
     layer["tie_word_embeddings"] = False  # the head's LM head is its own, never the embedding
     # vLLM builds its EAGLE-3 layer config from this dict and sizes fc from num_aux_hidden_states
@@ -100,13 +118,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         "fc_norm": False,
         "norm_output": False,
         "embed_requires_grad": False,
-        "speculators_config": {
-            "algorithm": source.kind,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tree["depth"],
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target.verifier_name, "architectures": target.architectures},
-        },
+        "speculators_config": _speculators_config(source, target, tree["depth"]),
         **export_block(source, NAME, config),
     })
     write_weights(out, tensors, NAME)
@@ -115,10 +127,48 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
 
 
+def _export_dflash(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
+    """speculators' ``dflash``: Qwen3 layers (whatever the target), every layer full attention and
+    ``sliding_window_non_causal: true`` so vLLM serves the block bidirectionally as it was trained
+    (vLLM applies that flag to every layer and serves causally without it); no embedding (the
+    target's, mask row included); the reduced-vocabulary LM head with ``d2t``/``t2d``."""
+    from transformers import AutoConfig
+
+    from draftsmith.heads.dflash import draft_config
+
+    config, tensors = ascending_aux_layers(source)
+    vocab = config["target_config"]["vocab_size"]
+    if config["draft_vocab_size"] == vocab:
+        raise refuse(NAME, source.kind, "its draft vocabulary is the full one: vLLM then scores DFlash drafts with the "
+                                        "target's LM head and the drafter's own would be dropped; train with "
+                                        "drafter.draft_vocab_size below the vocabulary size")
+    layer = draft_config(AutoConfig.for_model(**config["target_config"]), config["num_layers"]).to_dict()
+    layer = {key: value for key, value in layer.items() if key not in ("torch_dtype", "_attn_implementation_autoset")}
+    layer.update(dtype=target.dtype_name, layer_types=["full_attention"] * config["num_layers"])
+    write_config(out, {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config["draft_vocab_size"],
+        "block_size": config["block_size"],
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": list(config["aux_layers"]),
+        "mask_token_id": config["mask_token_id"],
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+        "speculators_config": _speculators_config(source, target, tree["depth"]),
+        **export_block(source, NAME, config),
+    })
+    write_weights(out, tensors, NAME)
+    spec = f'{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
+    return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
+
+
 def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
     """The head's weights under draftsmith names from an exported folder."""
     tensors = load_file(str(folder / "model.safetensors"))
-    embed = tensors.pop(EMBED)  # the target's, used by reference
+    embed = tensors.pop(EMBED, None)  # the target's, used by reference (a DFlash export has none)
     if config.get("speculators_model_type") == "peagle":  # but for the mask token's row
         tensors["mask_embedding"] = embed[config["mask_token_id"]].float()
     if "d2t" not in tensors:  # full draft vocabulary: the identity maps

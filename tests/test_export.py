@@ -194,6 +194,46 @@ def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(
         torch.testing.assert_close(back.head.draft_logits(back.head(ids).last_hidden_state), masked)
 
 
+def test_dflash_exports_as_speculators_dflash_and_loads_in_speculators_and_back(target, target_dir, tmp_path):
+    """A DFlash drafter exports as speculators' ``dflash``: its config class validates it (Qwen3
+    layers of the target's sizes and RoPE, every layer full attention and served non-causally,
+    the mask token, sorted aux layers with fc's column blocks permuted), its model loads every
+    weight; vLLM is told method dflash; the export loads back into the engine as the same drafter."""
+    pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+
+    from draftsmith.eval.drafters import build_drafter
+    from draftsmith.heads.dflash import DFlashHead
+
+    torch.manual_seed(1)
+    head = DFlashHead.for_target(target, str(target_dir), [2, 0, 1], 2, 6, 16, _draft_vocab(target))
+    _perturb(head)
+    head.save_pretrained(tmp_path / "ckpt")
+    serve = export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out")
+    assert '{"method": "dflash", "model": "' in serve[0] and '"num_speculative_tokens": 5}' in serve[0]
+    config = DFlashSpeculatorConfig.from_pretrained(tmp_path / "out")
+    assert (config.mask_token_id, config.block_size, config.sliding_window_non_causal) == (16, 6, True)
+    assert config.aux_hidden_state_layer_ids == [0, 1, 2] and not config.sample_from_anchor
+    layer = config.transformer_layer_config
+    assert (layer.model_type, layer.num_hidden_layers, layer.head_dim, layer.layer_types) == (
+        "qwen3", 2, target.config.hidden_size // target.config.num_attention_heads, ["full_attention"] * 2)
+    assert layer.rope_parameters["rope_theta"] == target.config.rope_parameters["rope_theta"]
+    layer._attn_implementation = "eager"
+    config.speculators_config.verifier.name_or_path = str(target_dir)
+    theirs = DFlashDraftModel.from_pretrained(tmp_path / "out", config=config).eval()
+    ours = head.state_dict()
+    assert torch.equal(theirs.fc.weight, torch.cat([head.fc.weight.chunk(3, dim=1)[i] for i in (1, 2, 0)], dim=1))
+    for name, value in theirs.state_dict().items():
+        if name in ours and name != "fc.weight":
+            assert torch.equal(value, ours[name]), name
+    assert {n for n in ours if n not in theirs.state_dict()} == set()  # every weight of ours is one of theirs
+    back = build_drafter(f"dflash:{tmp_path / 'out'}", target)
+    assert back.depth == 5 and back.head.mask_token_id == 16 and back.head.aux_layers == [0, 1, 2]
+    for name, value in back.head.state_dict().items():
+        expected = theirs.state_dict()[name] if name == "fc.weight" else ours[name]
+        assert torch.equal(value, expected), name
+
+
 def test_export_serves_the_tree_planned_for_the_head_and_records_what_it_was_planned_for(target, target_dir, tmp_path):
     """A head with recorded held-out accuracy per depth is exported with the planned depth in
     vLLM's proposal method and serve command, SGLang's steps / top-k / draft tokens, draftsmith's
