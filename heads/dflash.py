@@ -27,7 +27,7 @@ from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RM
 
 from draftsmith.heads.common import bind_loaded, load_head_parts, save_head, target_record
 from draftsmith.heads.eagle3 import check_aux_layers, default_aux_layers
-from draftsmith.heads.vocab import DraftVocabMixin, vocab_maps
+from draftsmith.heads.vocab import DraftVocabMixin, register_vocab_maps
 
 KIND = "dflash"
 
@@ -69,10 +69,7 @@ class DFlashHead(DraftVocabMixin, nn.Module):
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, d2t.numel(), bias=False)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        d2t, t2d, draft_vocab = vocab_maps(d2t, config.vocab_size)
-        self.register_buffer("d2t", d2t, persistent=True)
-        self.register_buffer("t2d", t2d, persistent=True)
-        self.register_buffer("draft_vocab", draft_vocab, persistent=False)
+        register_vocab_maps(self, d2t, config.vocab_size)
         self._target: tuple = ()
         self.depth_accuracy: list[float] | None = None  # held-out top-1 of block slots 1, 2, ...
 

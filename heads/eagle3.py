@@ -26,7 +26,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from draftsmith.config import RecipeError
 from draftsmith.heads.common import bind_loaded, decoder_classes, load_head_parts, save_head, target_record
 from draftsmith.heads.eagle import _architecture, _rotary_kwargs, attention_4d, head_config, pass_last_feature_through
-from draftsmith.heads.vocab import DraftVocabMixin, vocab_maps
+from draftsmith.heads.vocab import DraftVocabMixin, register_vocab_maps
 
 KIND = "eagle3"
 
@@ -98,10 +98,7 @@ class Eagle3Head(DraftVocabMixin, nn.Module):
         self.lm_head = nn.Linear(hidden, d2t.numel(), bias=False)
         self.rotary_emb = rotary_class(config)
         self._rotary_kwargs = _rotary_kwargs(rotary_class)
-        d2t, t2d, draft_vocab = vocab_maps(d2t, config.vocab_size)
-        self.register_buffer("d2t", d2t, persistent=True)
-        self.register_buffer("t2d", t2d, persistent=True)
-        self.register_buffer("draft_vocab", draft_vocab, persistent=False)
+        register_vocab_maps(self, d2t, config.vocab_size)
         self._target: tuple = ()
         # Held-out top-1 at draft depths 1, 2, ... from training's last evaluation: what depth=auto plans from.
         self.depth_accuracy: list[float] | None = None

@@ -33,14 +33,17 @@ def scatter_to_vocab(small: torch.Tensor, token_ids: torch.Tensor, vocab_size: i
     return full.index_copy_(-1, token_ids, small)
 
 
-def vocab_maps(d2t: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(d2t, t2d, draft_vocab)``: speculators' maps of a draft vocabulary (target id = draft id +
-    ``d2t[draft id]``; ``t2d`` marks the drafted target ids) and its target ids, from ``d2t``."""
+def register_vocab_maps(module: torch.nn.Module, d2t: torch.Tensor, vocab_size: int) -> None:
+    """Give ``module`` speculators' maps of its draft vocabulary as buffers: ``d2t`` (target id =
+    draft id + ``d2t[draft id]``) and ``t2d`` (marks the drafted target ids), both saved, and the
+    draft vocabulary's target ids ``draft_vocab`` (derived, not saved)."""
     d2t = d2t.long()
     draft_vocab = torch.arange(d2t.numel()) + d2t
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[draft_vocab] = True
-    return d2t, t2d, draft_vocab
+    module.register_buffer("d2t", d2t, persistent=True)
+    module.register_buffer("t2d", t2d, persistent=True)
+    module.register_buffer("draft_vocab", draft_vocab, persistent=False)
 
 
 def frequent_tokens(dataset, size: int, always: set[int], vocab_size: int = 0) -> torch.Tensor:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from scipy import stats
 
+from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.sampling import SamplingConfig, probabilities
 
 QUANTILE = 0.999
@@ -58,3 +59,15 @@ def chi_square(counts: collections.Counter, joint: dict, n: int) -> tuple[float,
     observed, expected = np.array(observed, float), np.array(expected)
     statistic = float(((observed - expected) ** 2 / expected).sum())
     return statistic, float(stats.chi2.ppf(QUANTILE, len(observed) - 1)), len(observed)
+
+
+def assert_distributed_as_target(target, drafter, prompt: list[int], length: int, n: int,
+                                 sampling: SamplingConfig = SamplingConfig(temperature=1.0)) -> collections.Counter:
+    """``n`` seeded generations of ``length`` tokens with ``drafter`` follow ``target``'s exact joint
+    distribution (chi-square below its ``QUANTILE``); returns the Counter of per-step acceptances."""
+    decoder = SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set())
+    counts, accepted, _ = generate_counts(decoder, prompt, length, n)
+    statistic, threshold, _ = chi_square(counts, exact_joint(target, prompt, length, sampling), n)
+    print(f"chi2 {statistic:.1f} (threshold {threshold:.1f}); accepted {accepted.most_common(4)}")
+    assert statistic < threshold
+    return accepted

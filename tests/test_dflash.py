@@ -7,20 +7,18 @@ Tiny random-weight targets (built from a config) keep these fast.
 
 from __future__ import annotations
 
-import collections
 import math
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from stats_helpers import chi_square, exact_joint
+from stats_helpers import assert_distributed_as_target
 from training_helpers import save_tiny_target, write_recipe
 
 from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters import build_drafter
 from draftsmith.eval.drafters.dflash import DFlashDrafter
-from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.target import load_tokenizer
 from draftsmith.train.dflash import DFlashDrafterConfig, block_attention, sample_anchors, slot_weights
@@ -119,16 +117,7 @@ def test_greedy_dflash_is_lossless_and_drafts_in_one_pass(tiny_target, tmp_path)
 def test_sampling_with_dflash_matches_exact_distribution(tiny_target):
     length, samples = 4, 3000
     drafter = DFlashDrafter(_head(tiny_target, mask=7, block=3, draft_vocab=[0, 2, 3, 5, 6, 7]))
-    sampling = SamplingConfig(temperature=1.0)
-    decoder = SpeculativeDecoder(tiny_target, drafter, None, sampling, eos_ids=set())
-    counts, accepted = collections.Counter(), collections.Counter()
-    for i in range(samples):
-        gen = decoder.generate(PROMPT, length, seed=i)
-        counts[tuple(gen.tokens)] += 1
-        accepted[tuple(gen.accepted)] += 1
-    statistic, threshold, _ = chi_square(counts, exact_joint(tiny_target, PROMPT, length, sampling), samples)
-    print(f"chi2 {statistic:.1f} (threshold {threshold:.1f}); accepted {accepted.most_common(4)}")
-    assert statistic < threshold
+    accepted = assert_distributed_as_target(tiny_target, drafter, PROMPT, length, samples)
     assert sum(n for a, n in accepted.items() if max(a) > 1) > 100, accepted  # drafts were accepted, often
 
 
