@@ -377,3 +377,37 @@ def grow_tree(
         if not frontier:
             break
     return builder.build(budget)
+
+
+def grow_chain(
+    logits: torch.Tensor,
+    sampling,
+    generator: torch.Generator | None = None,
+    max_entropy: float | None = None,
+    vocab: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+) -> TokenTree:
+    """A chain drafted in one pass (P-EAGLE, DFlash): row d of ``logits`` ``[K, V]`` is depth d + 1's
+    distribution, which does not depend on the tokens chosen above it, so every depth's token is
+    chosen at once and read back together (one host sync, where :func:`grow_tree` takes one per
+    level). ``vocab``/``vocab_size`` and ``max_entropy`` as in :func:`grow_tree`: the chain ends
+    above the first depth less certain than ``max_entropy``.
+    """
+    from draftsmith.eval.sampling import choose
+    from draftsmith.heads.vocab import scatter_to_vocab
+
+    tokens, probs = choose(logits, 1, sampling, generator)
+    log_q = probs.clamp_min(1e-30).log() if probs is not None else logits.float().log_softmax(-1)
+    packed = [log_q.gather(-1, tokens).double(), (vocab[tokens] if vocab is not None else tokens).double()]
+    if max_entropy is not None:
+        packed.append(torch.special.entr(log_q.exp()).sum(-1).double()[:, None])
+    if probs is not None and vocab is not None:
+        probs = scatter_to_vocab(probs, vocab, vocab_size, fill=0.0)
+    builder, parent = TreeBuilder(), ROOT
+    for depth, row in enumerate(torch.cat(packed, 1).tolist()):
+        spread = row[2] if max_entropy is not None else None
+        if spread is not None and spread > max_entropy:
+            builder.entropy[parent] = spread
+            break
+        parent = builder.add(parent, [int(row[1])], [row[0]], probs[depth] if probs is not None else None, spread)[0]
+    return builder.build()

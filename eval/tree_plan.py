@@ -101,7 +101,7 @@ def plan_head_tree(target, head, max_budget: int = MAX_BUDGET) -> TreePlan | Non
     if not acceptance:
         return None
     costs = pass_costs(target, max_budget)
-    max_depth = len(acceptance) if len(acceptance) > 1 else UNROLLED_DEPTHS
+    max_depth = min(len(acceptance) if len(acceptance) > 1 else UNROLLED_DEPTHS, max_budget)
     draft = draft_step_cost(head, width=3)
     depth, budget, expected = plan_tree(costs, acceptance, draft, max_depth=max_depth, max_budget=max_budget)
     top_k = min(budget, max(3, -(-budget // depth)))  # wide enough to fill the budget within the depth

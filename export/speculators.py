@@ -139,8 +139,8 @@ def _export_dflash(source: Source, target: Target, out: Path, tree: dict) -> lis
     config, tensors = ascending_aux_layers(source)
     vocab = config["target_config"]["vocab_size"]
     if config["draft_vocab_size"] == vocab:
-        raise refuse(NAME, source.kind, "its draft vocabulary is the full one: vLLM then scores DFlash drafts with the "
-                                        "target's LM head and the drafter's own would be dropped; train with "
+        raise refuse(NAME, source.kind, "its draft vocabulary is the full one: speculators' DFlash model then takes "
+                                        "the verifier's LM head in place of the drafter's trained one; train with "
                                         "drafter.draft_vocab_size below the vocabulary size")
     layer = draft_config(AutoConfig.for_model(**config["target_config"]), config["num_layers"]).to_dict()
     layer = {key: value for key, value in layer.items() if key not in ("torch_dtype", "_attn_implementation_autoset")}

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding,
-                                                      apply_rotary_pos_emb)
+                                                      rotate_half)
 
 from draftsmith.heads.common import bind_loaded, load_head_parts, save_head, target_record
 from draftsmith.heads.eagle3 import check_aux_layers, default_aux_layers
@@ -94,7 +94,7 @@ class DFlashHead(DraftVocabMixin, nn.Module):
             shape = (*context.shape[:-1], -1, attention.head_dim)
             keys = attention.k_norm(attention.k_proj(context).view(shape)).transpose(1, 2)
             values = attention.v_proj(context).view(shape).transpose(1, 2)
-            keys = apply_rotary_pos_emb(keys, keys, cos, sin)[1]
+            keys = keys * cos.unsqueeze(1) + rotate_half(keys) * sin.unsqueeze(1)
             cache.update(keys, values, attention.layer_idx)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values,

@@ -140,8 +140,8 @@ def unused_token_id(tokenizer, dataset, vocab_size: int) -> int | None:
 
 
 def mask_token_for(given: int | None, tokenizer, dataset, vocab_size: int) -> int:
-    """The mask token of a parallel drafter: ``given`` (checked), else :func:`unused_token_id`; a
-    one-line recipe error when there is none."""
+    """The mask token of a parallel drafter: ``given`` (in the vocabulary and absent from the data),
+    else :func:`unused_token_id`; a one-line recipe error when it cannot be."""
     from draftsmith.config import RecipeError
 
     if given is None:
@@ -149,6 +149,12 @@ def mask_token_for(given: int | None, tokenizer, dataset, vocab_size: int) -> in
         if given is None:
             raise RecipeError("drafter.mask_token_id: the tokenizer has no mask token and every special token "
                               "occurs in the data; set drafter.mask_token_id to an id the data never uses")
-    elif not 0 <= given < vocab_size:
+        return int(given)
+    if not 0 <= given < vocab_size:
         raise RecipeError(f"drafter.mask_token_id = {given}: give a token id in [0, {vocab_size})")
+    # A mask that is also a real token makes the drafter read that token as "not yet drafted".
+    used = next((i for i, row in enumerate(dataset) if given in row["input_ids"]), None)
+    if used is not None:
+        raise RecipeError(f"drafter.mask_token_id = {given}: token {given} occurs in the training data (row {used}); "
+                          "choose an id the data never uses, or null to pick one")
     return int(given)

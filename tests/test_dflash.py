@@ -18,7 +18,9 @@ from training_helpers import save_tiny_target, write_recipe
 
 from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters import build_drafter
+from draftsmith.eval.drafters.base import DraftContext
 from draftsmith.eval.drafters.dflash import DFlashDrafter
+from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.target import load_tokenizer
 from draftsmith.train.dflash import DFlashDrafterConfig, block_attention, sample_anchors, slot_weights
@@ -75,6 +77,31 @@ def test_one_training_pass_over_many_blocks_equals_a_drafting_pass_for_each(make
         assert (trained[0, 0, 1] - trained[0, 1, 1]).abs().max() > 1e-3
 
 
+def test_the_drafter_proposes_what_the_training_pass_scores(make_tiny_llama):
+    """Through the engine's protocol (begin with the prompt's features, propose after the root),
+    the drafter's greedy chain is the training pass's argmax at every slot of the anchor's block,
+    also when it drafts fewer tokens than the block holds."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    block, vocab = 4, [0, 1, 2, 3, 5, 8, 13, 21, 34, 40, 47]
+    head = _head(target, mask=47, block=block, draft_vocab=vocab)
+    ids = [3, 9, 4, 17, 6, 11, 2, 30]
+    a = 6
+    with torch.no_grad():
+        features = _features(target, ids)
+        cache = DynamicCache()
+        head.add_context(cache, features, torch.arange(len(ids))[None])
+        anchors, valid = torch.tensor([[a]]), torch.tensor([[True]])
+        tokens = torch.tensor([[ids[a]] + [47] * (block - 1)])
+        trained = head(tokens, anchors + torch.arange(block), cache,
+                       block_attention(anchors, valid, torch.ones(1, len(ids), dtype=torch.long), block))
+        want = head.draft_vocab[head.draft_logits(trained[0, 1:]).argmax(-1)].tolist()
+    for depth in (block - 1, 2):
+        drafter = DFlashDrafter(head, depth)
+        drafter.begin(ids[:a + 1], features[0, :a])
+        tree = drafter.propose(DraftContext(ids[:a + 1], SamplingConfig(), None, max_tokens=10))
+        assert tree.tokens == want[:depth] and tree.parents == list(range(-1, depth - 1))
+
+
 def test_anchors_are_distinct_supervised_positions_and_slot_weights_follow_dflash():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 0, 0, 0, 0, 0, 0]])
     padding = torch.tensor([[1] * 8, [1, 1, 1, 1, 0, 0, 0, 0]])
@@ -87,11 +114,11 @@ def test_anchors_are_distinct_supervised_positions_and_slot_weights_follow_dflas
     supervised = torch.tensor([[[True, True, False, True]]])
     decay = slot_weights(torch.zeros(1, 1, 4), supervised, DFlashDrafterConfig(decay_gamma=2.0))
     torch.testing.assert_close(decay, torch.tensor([[[1.0, math.exp(-0.5), 0.0, math.exp(-1.5)]]]))
-    losses = torch.tensor([[[0.0, math.log(2), 0.0, 0.0]]])
+    accept = torch.tensor([[[1.0, 0.5, 0.3, 1.0]]])
     cfg = DFlashDrafterConfig(weighting="dpace", dpace_alpha=0.5)
-    # survival s = 0.5 exp(-loss) + 0.5 where supervised (1, 0.75, -, 1), reach P = cumprod (1, 0.75, 0.75, 0.75),
+    # survival s = 0.5 accept + 0.5 where supervised (1, 0.75, -, 1), reach P = cumprod (1, 0.75, 0.75, 0.75),
     # weight = sum of later supervised reaches: (1 + 0.75 + 0.75, 0.75 + 0.75, 0, 0.75).
-    torch.testing.assert_close(slot_weights(losses, supervised, cfg), torch.tensor([[[2.5, 1.5, 0.0, 0.75]]]))
+    torch.testing.assert_close(slot_weights(accept, supervised, cfg), torch.tensor([[[2.5, 1.5, 0.0, 0.75]]]))
 
 
 def test_greedy_dflash_is_lossless_and_drafts_in_one_pass(tiny_target, tmp_path):

@@ -16,7 +16,9 @@ from training_helpers import save_tiny_target, write_recipe
 
 from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters import build_drafter
+from draftsmith.eval.drafters.base import DraftContext
 from draftsmith.eval.drafters.peagle import PEagleDrafter
+from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.heads.vocab import unused_token_id
@@ -73,6 +75,24 @@ def test_parallel_unroll_equals_one_drafting_pass(make_tiny_llama, draft_vocab):
             for j in range(steps):
                 torch.testing.assert_close(head.draft_logits(rows[j]), head.draft_logits(outputs[j][0, t]),
                                            atol=1e-5, rtol=1e-4)
+
+
+def test_the_drafter_proposes_what_the_parallel_unroll_scores(make_tiny_llama):
+    """Through the engine's protocol, the drafter's greedy chain after token t + 1 is the parallel
+    unroll's argmax of pass j at position t for every depth j + 1."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = _head(target, mask=47, draft_vocab=[0, 1, 2, 3, 5, 8, 13, 21, 34, 40, 47])
+    ids = [3, 9, 4, 17, 6, 11, 2, 30, 8, 5, 14, 22]
+    t = 5
+    with torch.no_grad():
+        features = _features(target, ids)
+        outputs = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long),
+                         4, head.feedback_input, parallel=True)
+    want = [int(head.draft_vocab[head.draft_logits(out[0, t]).argmax()]) for out in outputs]
+    drafter = PEagleDrafter(head)
+    drafter.begin(ids[:t + 2], features[0, :t + 1])  # the root is token t + 1
+    tree = drafter.propose(DraftContext(ids[:t + 2], SamplingConfig(), None, max_tokens=10))
+    assert drafter.depth == 4 and tree.tokens == want and tree.parents == [-1, 0, 1, 2]
 
 
 def test_greedy_peagle_is_lossless_and_drafts_in_one_pass(tiny_target, tmp_path):

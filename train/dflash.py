@@ -7,8 +7,8 @@ a + 1 is supervised), builds the block ``[token a, MASK x (block_size - 1)]`` at
 queries attend to the injected context at positions before a and to their own block, both ways.
 Slot k is scored against the target's distribution (over the draft vocabulary) for token a + k,
 where that token is supervised, weighted ``exp(-(k - 1) / decay_gamma)`` (DFlash) or by D-PACE
-(``weighting: dpace``: the chance the block's earlier slots were all accepted, from the slots' own
-detached losses). Data, regenerated replies, the draft vocabulary, online or offline features and
+(``weighting: dpace``: the chance the block's earlier slots were all accepted, from each slot's
+detached probability of the target's token). Data, regenerated replies, the draft vocabulary, online or offline features and
 the out-of-vocabulary mask are EAGLE-3's (:mod:`draftsmith.train.eagle3`).
 """
 
@@ -94,14 +94,15 @@ def block_attention(anchors: torch.Tensor, valid: torch.Tensor, padding: torch.T
     return rows.repeat_interleave(block, dim=1)[:, None]
 
 
-def slot_weights(losses: torch.Tensor, supervised: torch.Tensor, cfg: DFlashDrafterConfig) -> torch.Tensor:
+def slot_weights(accept: torch.Tensor, supervised: torch.Tensor, cfg: DFlashDrafterConfig) -> torch.Tensor:
     """Weights ``[b, A, block - 1]`` of the drafted slots: DFlash's decay, or D-PACE's expected
-    reach (``losses``: the slots' detached losses; unsupervised slots weigh 0 and pass through)."""
-    slots = losses.shape[-1]
+    reach (``accept``: each slot's detached chance of drafting the target's token; unsupervised
+    slots weigh 0 and pass through)."""
+    slots = accept.shape[-1]
     if cfg.weighting == "decay":
-        decay = torch.exp(-torch.arange(slots, device=losses.device, dtype=torch.float32) / cfg.decay_gamma)
+        decay = torch.exp(-torch.arange(slots, device=accept.device, dtype=torch.float32) / cfg.decay_gamma)
         return decay * supervised
-    survive = torch.where(supervised, (1 - cfg.dpace_alpha) * torch.exp(-losses) + cfg.dpace_alpha, 1.0)
+    survive = torch.where(supervised, (1 - cfg.dpace_alpha) * accept + cfg.dpace_alpha, 1.0)
     reach = torch.cumprod(survive, dim=-1) * supervised
     return reach.flip(-1).cumsum(-1).flip(-1) * supervised
 
@@ -139,8 +140,7 @@ class DFlashTask(Eagle3Task):
         tokens = torch.full_like(positions, model.mask_token_id)
         tokens[:, :, 0] = ids.gather(1, anchors)
         cache = DynamicCache()
-        model.add_context(cache, aux.to(next(model.parameters()).dtype), torch.arange(length, device=ids.device)
-                          .expand(batch_size, length))
+        model.add_context(cache, aux, torch.arange(length, device=ids.device).expand(batch_size, length))
         hidden = head(tokens.flatten(1), positions.flatten(1), cache,
                       block_attention(anchors, valid, padding, block)).view(batch_size, count, block, -1)
         # Slot k >= 1 drafts token a + k, scored with the target's distribution at a + k - 1.
@@ -156,15 +156,20 @@ class DFlashTask(Eagle3Task):
             target_probs = model.target_logits(target_next).float().softmax(-1)
             best = _target_choice(model, target_next, target_probs, exact=not training or self.loss_config.mask_out_of_vocab)
             coeff = _loss_coefficients(target_probs, self.loss_config)
-            if self.loss_config.mask_out_of_vocab:
-                coeff[model.to_draft_ids(best) < 0] = 0.0
+            draft_ids = model.to_draft_ids(best)
+            kept = draft_ids >= 0 if self.loss_config.mask_out_of_vocab else torch.ones_like(best, dtype=torch.bool)
+            coeff[~kept] = 0.0
         logits = model.draft_logits(hidden[:, :, 1:][supervised])
         ce, lse = soft_target_cross_entropy(logits, coeff)
         with torch.no_grad():
-            losses = torch.zeros(labels.shape, device=ids.device)
-            losses[supervised] = ce.detach().float()
-            weights = slot_weights(losses, supervised, self.cfg)[supervised]
-        total = (weights * ce).sum() / supervised.sum().clamp(min=1)
+            # D-PACE's per-slot acceptance: the draft's probability of the target's token (0 where
+            # the draft vocabulary lacks it), not exp(-soft cross-entropy), which entropy caps.
+            chosen = logits.gather(-1, draft_ids.clamp(min=0)[:, None])[:, 0].float()
+            hit = torch.where(kept, chosen - lse, -torch.inf)
+            accept = torch.zeros(labels.shape, device=ids.device)
+            accept[supervised] = hit.exp()
+            weights = slot_weights(accept, supervised, self.cfg)[supervised]
+        total = (weights * ce).sum() / kept.sum().clamp(min=1)
         with torch.no_grad():
             slot = offsets[1:].expand_as(labels)[supervised]
             hits = model.draft_vocab[logits.argmax(-1)] == best

@@ -404,6 +404,8 @@ class Trainer:
             self.resume()
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            if not resume:  # a fresh run in a reused folder starts its own log
+                (self.output_dir / LOG_HISTORY).unlink(missing_ok=True)
         if track.report_to == "wandb" and track.mode != "disabled":
             acc.init_trackers(track.project, config=to_dict(self.recipe),
                               init_kwargs={"wandb": {"name": track.run_name, "dir": str(self.output_dir)}})

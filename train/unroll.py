@@ -256,14 +256,14 @@ def _loss_coefficients(probs: torch.Tensor, cfg: UnrollLoss) -> torch.Tensor:
     return coeff
 
 
-def _target_choice(head, target_hidden: torch.Tensor, draft_probs: torch.Tensor, exact: bool,
+def _target_choice(head, target_hidden: torch.Tensor, target_probs: torch.Tensor, exact: bool,
                    chunk: int = 1024) -> torch.Tensor:
     """The target's next token ids ``[rows]``: its argmax within the draft vocabulary, or (``exact``,
     with a reduced vocabulary) over the full vocabulary, which costs a full LM-head pass (taken
     ``chunk`` rows at a time: the full logits of a long batch of a 128k-vocabulary target would
     not fit)."""
     if head.full_vocab or not exact:
-        return head.draft_vocab[draft_probs.argmax(-1)]
+        return head.draft_vocab[target_probs.argmax(-1)]
     weight = head.target.get_output_embeddings().weight.to(target_hidden.dtype)
     return torch.cat([(part @ weight.T).argmax(-1) for part in target_hidden.split(chunk)]) \
         if target_hidden.shape[0] else target_hidden.new_zeros(0, dtype=torch.long)

@@ -126,12 +126,13 @@ KINDS: dict[str, KindHelp] = {
                        "checkpoint, speculators or sglang export folder (required)",
                        _tree_options(PLAN_FALLBACK["eagle3"]), has_distribution=True),
     "peagle": KindHelp("a trained P-EAGLE head drafting a chain of depth tokens in one forward pass (parallel drafting)",
-                       "checkpoint folder (required)", {
-        "depth": Option(None, "tokens drafted per step, in one pass (default: the depths the head was trained for)",
-                        COUNT),
+                       "checkpoint or speculators export folder (required)", {
+        "depth": Option(None, "tokens drafted per step, in one pass (default and most: the depths the head was "
+                        "trained for)", COUNT),
     }, has_distribution=True),
-    "dflash": KindHelp("a trained DFlash drafter: Qwen3 layers over [last token, MASK x depth] with the target's "
-                       "features injected as context, drafting the block in one forward pass", "checkpoint folder (required)", {
+    "dflash": KindHelp("a trained DFlash drafter: Qwen3 layers over [last token, MASK...] with the target's "
+                       "features injected as context, drafting the block in one forward pass",
+                       "checkpoint or speculators export folder (required)", {
         "depth": Option(None, "tokens drafted per step, in one pass (default and most: the block size - 1)", COUNT),
     }, has_distribution=True),
     "hierarchical": KindHelp(
@@ -314,7 +315,7 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
             from draftsmith.heads.peagle import PEagleHead
 
             head = PEagleHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
-            drafter = PEagleDrafter(head, depth=options.pop("depth", None) or head.num_depths, **options)
+            drafter = PEagleDrafter(head, **options)
         elif parsed.kind == "dflash":
             from draftsmith.eval.drafters.dflash import DFlashDrafter
             from draftsmith.heads.dflash import DFlashHead

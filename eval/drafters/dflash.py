@@ -1,4 +1,4 @@
-"""DFlash drafting: one pass of the drafter over ``[last token, MASK x depth]`` drafts a chain of ``depth`` tokens.
+"""DFlash drafting: one pass over ``[last token, MASK x (block_size - 1)]`` drafts a chain of up to block_size - 1 tokens.
 
 The drafter's cache holds the injected context: the keys and values of the target's fused layers
 at every verified position (added as the target verifies them, through
@@ -7,7 +7,7 @@ positions' context, runs the block (anchor = the last token, which the target ha
 at the next position) attending to all of the context and to the whole block, and crops the
 block's keys off again, so the cache only ever holds context rows, as z-lab's reference does.
 Slots 1..depth give the draft distributions of depths 1..depth, from which the chain is chosen
-(greedy, or sampled for lossless verification) by the same code as every tree drafter.
+(greedy, or sampled for lossless verification) all at once (:func:`~draftsmith.eval.tree.grow_chain`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
-from draftsmith.eval.tree import TokenTree, grow_tree
+from draftsmith.eval.tree import TokenTree, grow_chain
 
 
 class DFlashDrafter(Drafter):
@@ -48,14 +48,16 @@ class DFlashDrafter(Drafter):
         depth = min(self.depth, context.max_tokens)
         if depth < 1:
             return TokenTree()
-        ids = torch.full((1, depth + 1), self.head.mask_token_id, dtype=torch.long, device=param.device)
+        # The whole trained block even when fewer tokens are drafted: its slots attend to each other
+        # both ways, so a shorter block would change every slot's output.
+        block = self.head.block_size
+        ids = torch.full((1, block), self.head.mask_token_id, dtype=torch.long, device=param.device)
         ids[0, 0] = context.tokens[-1]  # the anchor sits right after the context
-        positions = torch.arange(self._length, self._length + depth + 1, device=param.device)[None]
-        everything = torch.ones(1, 1, depth + 1, self._length + depth + 1, dtype=torch.bool, device=param.device)
+        positions = torch.arange(self._length, self._length + block, device=param.device)[None]
+        everything = torch.ones(1, 1, block, self._length + block, dtype=torch.bool, device=param.device)
         hidden = self.head(ids, positions, self._cache, everything)
-        self._cache.crop(-(depth + 1))  # the block's keys: the cache keeps the context only
-        logits = self.head.draft_logits(hidden[0, 1:]).float()  # depth d's distribution in row d - 1
+        self._cache.crop(-block)  # the block's keys: the cache keeps the context only
+        logits = self.head.draft_logits(hidden[0, 1:depth + 1]).float()  # depth d's distribution in row d - 1
         vocab = None if self.head.full_vocab else self.head.draft_vocab
-        return grow_tree(logits[0], lambda frontier, builder: logits[builder.depths[frontier[0]]][None], depth, 1,
-                         depth, context.sampling, context.generator, context.max_entropy, vocab,
-                         self.head.config.vocab_size)
+        return grow_chain(logits, context.sampling, context.generator, context.max_entropy, vocab,
+                          self.head.config.vocab_size)

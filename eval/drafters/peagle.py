@@ -6,7 +6,7 @@ K - 1 mask positions as one tree forward of the head (a chain of rows after the 
 keeps the real rows in the cache and drops the mask rows: the cache only ever holds rows of real
 target features, as vLLM's parallel drafting overwrites its mask slots. The last real row and the
 mask rows give the draft distributions of depths 1..K, from which the chain is chosen (greedy, or
-sampled for lossless verification) by the same code as every tree drafter.
+sampled for lossless verification) all at once (:func:`~draftsmith.eval.tree.grow_chain`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ import torch
 
 from draftsmith.eval.drafters.base import DraftContext
 from draftsmith.eval.drafters.eagle import EagleDrafter
-from draftsmith.eval.tree import TokenTree, grow_tree
+from draftsmith.eval.tree import TokenTree, grow_chain
 
 
 class PEagleDrafter(EagleDrafter):
-    """A :class:`~draftsmith.heads.peagle.PEagleHead` drafting ``depth`` tokens in one pass."""
+    """A :class:`~draftsmith.heads.peagle.PEagleHead` drafting ``depth`` tokens in one pass (at most
+    the depths it was trained for: deeper mask positions were never trained)."""
 
-    def __init__(self, head, depth: int, name: str = "peagle"):
+    def __init__(self, head, depth: int | None = None, name: str = "peagle"):
+        depth = min(depth or head.num_depths, head.num_depths)
         super().__init__(head, depth=depth, top_k=1, budget=depth, name=name)
 
     @torch.no_grad()
@@ -39,6 +41,5 @@ class PEagleDrafter(EagleDrafter):
             return TokenTree()
         logits = self.head.draft_logits(out[pending - 1:]).float()  # depth d's distribution in row d - 1
         vocab = None if self.head.full_vocab else self.head.draft_vocab
-        return grow_tree(logits[0], lambda frontier, builder: logits[builder.depths[frontier[0]]][None], depth, 1,
-                         depth, context.sampling, context.generator, context.max_entropy, vocab,
-                         self.head.config.vocab_size)
+        return grow_chain(logits, context.sampling, context.generator, context.max_entropy, vocab,
+                          self.head.config.vocab_size)
