@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from draftsmith.config import dump_recipe, to_dict
+from draftsmith.atomic import staged
 from draftsmith.recipe import Recipe
 from draftsmith.timing import clock
 
@@ -373,11 +374,29 @@ class Trainer:
         """Load the newest checkpoint under ``output_dir``; False when there is none."""
         found = checkpoints(self.output_dir)
         if not found:
+            self._trim_log(0)  # killed before its first checkpoint: the rerun starts the log again
             return False
         self.accelerator.load_state(str(found[-1] / "state"))
         self.state = TrainState(**json.loads((found[-1] / "state" / "trainer_state.json").read_text()))
+        self._trim_log(self.state.step)
         self.accelerator.print(f"resumed from {found[-1]} at step {self.state.step}")
         return True
+
+    def _trim_log(self, step: int) -> None:
+        """Drop ``log_history.jsonl``'s lines past ``step`` (and a line the interruption cut short):
+        the resumed run logs those steps again, so the log reads as one uninterrupted run's."""
+        log = self.output_dir / LOG_HISTORY
+        if not self.accelerator.is_main_process or not log.is_file():
+            return
+        kept = []
+        for line in log.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line + "\n")
+            except json.JSONDecodeError:
+                continue
+        with staged(log) as tmp:
+            tmp.write_text("".join(kept))
 
     # -- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
