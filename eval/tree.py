@@ -319,6 +319,25 @@ def device_tree(tree: TokenTree, device: torch.device) -> DeviceTree:
     return result
 
 
+def _choose_packed(logits: torch.Tensor, k: int, sampling, generator, max_entropy: float | None,
+                   vocab: torch.Tensor | None, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``k`` candidates per row of ``logits`` packed for one read-back, ``[rows, 2k (+1)]`` float64:
+    their draft log-probabilities, their target ids (exact in float64) and, for the entropy
+    policy, each row's entropy; with the sampled distributions spread into the target's
+    vocabulary (None when greedy)."""
+    from draftsmith.eval.sampling import choose  # sampling is a leaf module; keeps this file standalone
+    from draftsmith.heads.vocab import scatter_to_vocab
+
+    tokens, probs = choose(logits, k, sampling, generator)
+    log_q = probs.clamp_min(1e-30).log() if probs is not None else logits.float().log_softmax(-1)
+    packed = [log_q.gather(-1, tokens).double(), (vocab[tokens] if vocab is not None else tokens).double()]
+    if max_entropy is not None:  # only the entropy policy pays for the entropies
+        packed.append(torch.special.entr(log_q.exp()).sum(-1).double()[:, None])
+    if probs is not None and vocab is not None:
+        probs = scatter_to_vocab(probs, vocab, vocab_size, fill=0.0)
+    return torch.cat(packed, 1), probs
+
+
 def grow_tree(
     root_logits: torch.Tensor,
     expand,
@@ -344,27 +363,15 @@ def grow_tree(
     :mod:`draftsmith.eval.policies`), only its entropy in the tree's ``entropy``; drafting stops
     early once no node is left to expand.
     """
-    from draftsmith.eval.sampling import choose  # sampling is a leaf module; keeps this file standalone
-    from draftsmith.heads.vocab import scatter_to_vocab
-
     builder = TreeBuilder()
     frontier, logits = [ROOT], root_logits.view(1, -1)
     for level in range(depth):
         if level:
             logits = expand(frontier, builder)
-        tokens, probs = choose(logits, top_k, sampling, generator)
-        log_q = probs.clamp_min(1e-30).log() if probs is not None else logits.float().log_softmax(-1)
-        scores = log_q.gather(-1, tokens).double()
-        if vocab is not None:
-            tokens = vocab[tokens]
-            if probs is not None:
-                probs = scatter_to_vocab(probs, vocab, vocab_size, fill=0.0)
-        packed = [scores, tokens.double()]
-        if max_entropy is not None:  # only the entropy policy pays for the entropies
-            packed.append(torch.special.entr(log_q.exp()).sum(-1).double()[:, None])
+        packed, probs = _choose_packed(logits, top_k, sampling, generator, max_entropy, vocab, vocab_size)
         # One read-back per level: scores, tokens (exact in float64) and entropies together.
-        rows = torch.cat(packed, 1).tolist()
-        k = tokens.shape[-1]  # sampling may draw fewer than top_k (a distribution with a smaller support)
+        rows = packed.tolist()
+        k = (packed.shape[-1] - (max_entropy is not None)) // 2  # sampling may draw fewer than top_k (a distribution with a smaller support)
         added: list[int] = []
         for i, parent in enumerate(frontier):
             spread = rows[i][2 * k] if max_entropy is not None else None
@@ -393,18 +400,9 @@ def grow_chain(
     level). ``vocab``/``vocab_size`` and ``max_entropy`` as in :func:`grow_tree`: the chain ends
     above the first depth less certain than ``max_entropy``.
     """
-    from draftsmith.eval.sampling import choose
-    from draftsmith.heads.vocab import scatter_to_vocab
-
-    tokens, probs = choose(logits, 1, sampling, generator)
-    log_q = probs.clamp_min(1e-30).log() if probs is not None else logits.float().log_softmax(-1)
-    packed = [log_q.gather(-1, tokens).double(), (vocab[tokens] if vocab is not None else tokens).double()]
-    if max_entropy is not None:
-        packed.append(torch.special.entr(log_q.exp()).sum(-1).double()[:, None])
-    if probs is not None and vocab is not None:
-        probs = scatter_to_vocab(probs, vocab, vocab_size, fill=0.0)
+    packed, probs = _choose_packed(logits, 1, sampling, generator, max_entropy, vocab, vocab_size)
     builder, parent = TreeBuilder(), ROOT
-    for depth, row in enumerate(torch.cat(packed, 1).tolist()):
+    for depth, row in enumerate(packed.tolist()):
         spread = row[2] if max_entropy is not None else None
         if spread is not None and spread > max_entropy:
             builder.entropy[parent] = spread

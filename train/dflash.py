@@ -27,7 +27,7 @@ from draftsmith.train.cli import run_training
 from draftsmith.train.eagle3 import Eagle3Task, _regenerated_data
 from draftsmith.train.eagle3 import build as build_eagle3
 from draftsmith.train.loop import Trainer
-from draftsmith.train.unroll import UnrollLoss, _loss_coefficients, _target_choice, soft_target_cross_entropy
+from draftsmith.train.unroll import UnrollLoss, soft_target_cross_entropy, target_terms
 
 
 @dataclass
@@ -152,13 +152,9 @@ class DFlashTask(Eagle3Task):
         with torch.no_grad():
             source = (clamped - 1)[supervised]
             rows = torch.arange(batch_size, device=ids.device)[:, None, None].expand_as(labels)[supervised]
-            target_next = last[rows, source].to(hidden.dtype)
-            target_probs = model.target_logits(target_next).float().softmax(-1)
-            best = _target_choice(model, target_next, target_probs, exact=not training or self.loss_config.mask_out_of_vocab)
-            coeff = _loss_coefficients(target_probs, self.loss_config)
+            target_probs, best, coeff, kept = target_terms(model, last[rows, source].to(hidden.dtype),
+                                                           self.loss_config, training)
             draft_ids = model.to_draft_ids(best)
-            kept = draft_ids >= 0 if self.loss_config.mask_out_of_vocab else torch.ones_like(best, dtype=torch.bool)
-            coeff[~kept] = 0.0
         logits = model.draft_logits(hidden[:, :, 1:][supervised])
         ce, lse = soft_target_cross_entropy(logits, coeff)
         with torch.no_grad():

@@ -196,15 +196,8 @@ def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor
     needed[:, :-1] = valid[:, 2:]
     row_of = torch.cumsum(needed.flatten(), 0).view_as(needed) - 1  # row of each needed index in `coeff`
     with torch.no_grad():
-        target_next = target_hidden[:, 1:][needed].to(outputs[0].dtype)
-        target_probs = head.target_logits(target_next).float().softmax(-1)
-        best = _target_choice(head, target_next, target_probs, exact=not training or cfg.mask_out_of_vocab)
-        coeff = _loss_coefficients(target_probs, cfg)
-        if cfg.mask_out_of_vocab:
-            keep = head.to_draft_ids(best) >= 0
-            coeff[~keep] = 0.0
-        else:
-            keep = torch.ones_like(best, dtype=torch.bool)
+        target_probs, best, coeff, keep = target_terms(head, target_hidden[:, 1:][needed].to(outputs[0].dtype),
+                                                       cfg, training)
         if cfg.regression_weight:
             next_feature = target_hidden[:, 1:][needed]
     sums: dict[str, torch.Tensor] = {}  # read back together at the end: one host sync for all metrics
@@ -244,6 +237,20 @@ def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor
     sums["loss"] = total.detach() * sums["tokens"]
     metrics = dict(zip(sums, torch.stack([v.float() for v in sums.values()]).tolist()))
     return total, metrics
+
+
+@torch.no_grad()
+def target_terms(head, target_next: torch.Tensor, cfg: UnrollLoss, training: bool):
+    """``(probs, best, coeff, kept)`` for rows of the target's last hidden states ``target_next``:
+    its distribution over the draft vocabulary, its next token (exact, over the full vocabulary, in
+    evaluation or when masking), the loss weights ``c`` (:func:`_loss_coefficients`, zeroed where
+    ``cfg.mask_out_of_vocab`` drops the row) and which rows keep a token loss."""
+    probs = head.target_logits(target_next).float().softmax(-1)
+    best = _target_choice(head, target_next, probs, exact=not training or cfg.mask_out_of_vocab)
+    coeff = _loss_coefficients(probs, cfg)
+    kept = head.to_draft_ids(best) >= 0 if cfg.mask_out_of_vocab else torch.ones_like(best, dtype=torch.bool)
+    coeff[~kept] = 0.0
+    return probs, best, coeff, kept
 
 
 def _loss_coefficients(probs: torch.Tensor, cfg: UnrollLoss) -> torch.Tensor:
