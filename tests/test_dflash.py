@@ -148,16 +148,20 @@ def test_sampling_with_dflash_matches_exact_distribution(tiny_target):
     assert sum(n for a, n in accepted.items() if max(a) > 1) > 100, accepted  # drafts were accepted, often
 
 
-def test_training_lowers_the_loss_and_records_accuracy_per_slot(tmp_path_factory, tmp_path):
-    from draftsmith.train.dflash import main
-
+@pytest.fixture(scope="module")
+def dflash_recipe(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash")
     target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
     drafter = {"kind": "dflash", "aux_layers": [0, 1, 2], "num_layers": 1, "block_size": 4, "anchors_per_sequence": 16,
                "draft_vocab_size": 512}
-    recipe = write_recipe(root, target, drafter, data={"regenerate": {"enabled": False}},
-                          learning_rate=3e-3, lr_schedule="constant", max_steps=16, log_every=4, eval_every=8)
-    trainer = main([str(recipe), "--output_dir", str(tmp_path / "run")])
+    return write_recipe(root, target, drafter, data={"regenerate": {"enabled": False}},
+                        learning_rate=3e-3, lr_schedule="constant", max_steps=16, log_every=4, eval_every=8)
+
+
+def test_training_lowers_the_loss_and_records_accuracy_per_slot(dflash_recipe, tmp_path):
+    from draftsmith.train.dflash import main
+
+    trainer = main([str(dflash_recipe), "--output_dir", str(tmp_path / "run")])
     logs = [h for h in trainer.history if "train/loss" in h]
     assert logs[-1]["train/loss"] < logs[0]["train/loss"] - 0.05, [h["train/loss"] for h in logs]
     for h in logs:
@@ -168,3 +172,22 @@ def test_training_lowers_the_loss_and_records_accuracy_per_slot(tmp_path_factory
     tokenizer = load_tokenizer("default")
     assert tokenizer.added_tokens_decoder[head.mask_token_id].special
     assert all(head.mask_token_id not in row["input_ids"] for row in trainer.train_data)
+
+
+def test_a_resumed_run_draws_the_anchors_an_uninterrupted_one_draws(dflash_recipe, tmp_path):
+    """Anchors come from the random state the checkpoint holds: the resumed steps' losses and the
+    final weights are the uninterrupted run's, bit for bit."""
+    from safetensors.torch import load_file
+
+    from draftsmith.train.dflash import main
+
+    args = ["--training.max_steps", "6", "--training.save_every", "3", "--training.log_every", "1",
+            "--training.eval_every", "0"]
+    whole = main([str(dflash_recipe), "--output_dir", str(tmp_path / "whole"), *args])
+    main([str(dflash_recipe), "--output_dir", str(tmp_path / "cut"), *args, "--training.stop_after_steps", "3"])
+    resumed = main([str(dflash_recipe), "--output_dir", str(tmp_path / "cut"), *args, "--resume"])
+    losses = [{h["step"]: h["train/loss"] for h in run.history if "train/loss" in h} for run in (whole, resumed)]
+    assert sorted(losses[1]) == [4, 5, 6] and all(losses[1][k] == losses[0][k] for k in (4, 5, 6)), losses
+    expected = load_file(str(whole.last_checkpoint / "model.safetensors"))
+    got = load_file(str(resumed.last_checkpoint / "model.safetensors"))
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)

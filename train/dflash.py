@@ -70,10 +70,17 @@ class DFlashRecipe(Recipe):
 def sample_anchors(loss_mask: torch.Tensor, padding: torch.Tensor, count: int,
                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(anchors, valid)`` ``[b, count]``: per row up to ``count`` distinct positions a (sorted)
-    whose next token is supervised, drawn uniformly; rows with fewer fill up with invalid ones."""
+    whose next token is supervised, drawn uniformly; rows with fewer fill up with invalid ones.
+
+    ``generator``: a CPU generator (the same anchors on any device); None draws from the device's
+    default generator, whose state the trainer's checkpoints hold, so a resumed run draws what an
+    uninterrupted one would."""
     candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
     candidate[:, :-1] = loss_mask[:, 1:].bool() & padding[:, 1:].bool()
-    scores = torch.rand(loss_mask.shape, generator=generator).to(loss_mask.device)  # a CPU generator: any device
+    if generator is None:
+        scores = torch.rand(loss_mask.shape, device=loss_mask.device)
+    else:
+        scores = torch.rand(loss_mask.shape, generator=generator).to(loss_mask.device)
     scores = scores.masked_fill(~candidate, -1.0)
     top = scores.topk(min(count, loss_mask.shape[1]), dim=-1)
     anchors, valid = top.indices, top.values >= 0
@@ -117,7 +124,6 @@ class DFlashTask(Eagle3Task):
         self.target = target
         self.model = head
         self.loss_config = UnrollLoss(mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask")
-        self.generator = torch.Generator().manual_seed(recipe.training.seed)
 
     @classmethod
     def new_head(cls, recipe: DFlashRecipe, target, draft_vocab, tokenizer, train_set) -> DFlashHead:
@@ -132,7 +138,7 @@ class DFlashTask(Eagle3Task):
         ids, padding, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         batch_size, length = ids.shape
         # Held-out evaluations score the same blocks every time.
-        generator = self.generator if training else torch.Generator().manual_seed(0)
+        generator = None if training else torch.Generator().manual_seed(0)
         anchors, valid = sample_anchors(loss_mask, padding, self.cfg.anchors_per_sequence, generator)
         count = anchors.shape[1]
         offsets = torch.arange(block, device=ids.device)
