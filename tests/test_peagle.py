@@ -23,7 +23,7 @@ from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.heads.vocab import unused_token_id
 from draftsmith.target import load_tokenizer
-from draftsmith.train.unroll import unroll
+from draftsmith.train.unroll import chain_sample, supervised_next, unroll
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,6 +75,54 @@ def test_parallel_unroll_equals_one_drafting_pass(make_tiny_llama, draft_vocab):
             for j in range(steps):
                 torch.testing.assert_close(head.draft_logits(rows[j]), head.draft_logits(outputs[j][0, t]),
                                            atol=1e-5, rtol=1e-4)
+
+
+def test_chain_sampling_keeps_a_decaying_share_of_nested_supervised_chains():
+    """Depth d >= 2 keeps floor(max(0.7 ** (d - 1), 0.2) x its supervised positions) (fewer only
+    where chains ran out), every kept chain was kept one depth up, and none is unsupervised."""
+    torch.manual_seed(0)
+    loss_mask = torch.zeros(3, 200, dtype=torch.long)
+    loss_mask[0, 20:180] = loss_mask[1, 50:] = loss_mask[2, 5:40] = 1
+    padding = torch.ones_like(loss_mask)
+    padding[2, 60:] = 0
+    supervised = supervised_next(loss_mask, padding)
+    chains = chain_sample(supervised, 7, 0.7, 0.2)
+    kept = torch.ones_like(supervised)
+    for j, chain in enumerate(chains, start=1):
+        rows = chain.rows(supervised.shape[1])
+        need = torch.cat([supervised[:, j:], supervised.new_zeros(3, j)], dim=1)
+        assert not (rows & ~need).any() and not (rows & ~kept).any(), j
+        want = (need.sum(-1) * max(0.7 ** j, 0.2)).floor()
+        assert (rows.sum(-1) <= want).all() and (rows.sum(-1) >= want - j).all(), (j, rows.sum(-1), want)
+        assert torch.equal(chain.valid.sum(-1), rows.sum(-1))  # distinct positions
+        kept = rows
+    assert [c.positions.shape[1] for c in chains] == [112, 78, 54, 38, 32, 32]  # row 0's 160 supervised positions
+
+
+def test_a_sampled_pass_computes_what_the_full_unroll_does_at_its_chains(make_tiny_llama):
+    """Training on sampled chains changes which drafts are scored, not their values: every sampled
+    row of pass j equals the full parallel unroll's (the ancestors it attends to were computed)."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = _head(target, mask=47)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 47, (2, 40))
+    padding = torch.ones_like(ids)
+    padding[1, 31:] = 0
+    loss_mask = padding.clone()
+    loss_mask[:, :6] = 0
+    steps = 5
+    with torch.no_grad():
+        features = torch.cat([_features(target, row.tolist()) for row in ids])
+        full = unroll(head, ids, features[:, :-1], padding, steps, head.feedback_input, parallel=True)
+        chains = chain_sample(supervised_next(loss_mask, padding), steps, 0.5, 0.25)
+        sampled = unroll(head, ids, features[:, :-1], padding, steps, head.feedback_input, parallel=True,
+                         chains=chains)
+    torch.testing.assert_close(sampled[0], full[0], atol=1e-5, rtol=1e-4)
+    for j, chain in enumerate(chains, start=1):
+        rows = chain.rows(ids.shape[1] - 1)
+        assert rows.sum() > 0
+        torch.testing.assert_close(sampled[j][rows], full[j][rows], atol=1e-5, rtol=1e-4)
+        assert not sampled[j][~rows].any()
 
 
 def test_the_drafter_proposes_what_the_parallel_unroll_scores(make_tiny_llama):

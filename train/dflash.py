@@ -27,7 +27,7 @@ from draftsmith.train.cli import run_training
 from draftsmith.train.eagle3 import Eagle3Task, _regenerated_data
 from draftsmith.train.eagle3 import build as build_eagle3
 from draftsmith.train.loop import Trainer
-from draftsmith.train.unroll import UnrollLoss, soft_target_cross_entropy, target_terms
+from draftsmith.train.unroll import UnrollLoss, depth_rates, soft_target_cross_entropy, target_terms
 
 
 @dataclass
@@ -180,24 +180,12 @@ class DFlashTask(Eagle3Task):
             for k in range(1, block):
                 at = slot == k
                 sums[f"top1@{k}"] = (hits & at).sum()
-                sums[f"slot_tokens@{k}"] = at.sum()
+                sums[f"rows@{k}"] = at.sum()
             sums["loss"] = total.detach() * sums["tokens"]
         metrics = dict(zip(sums, torch.stack([v.float() for v in sums.values()]).tolist()))
         return total, metrics
 
-    @staticmethod
-    def finalise_metrics(logs: dict[str, float]) -> dict[str, float]:
-        """Slot k's accuracy over slot k's supervised tokens (the loop divides every sum by all
-        slots' tokens: the ratio of the two is the slot's own), and ``top1`` = slot 1's."""
-        out = {key: value for key, value in logs.items() if "/slot_tokens@" not in key}
-        for key, value in logs.items():
-            prefix, _, name = key.rpartition("/")
-            if name.startswith("top1@"):
-                share = logs[f"{prefix}/slot_tokens@{name[5:]}"]
-                out[key] = value / share if share else 0.0
-        for prefix in {key.rpartition("/")[0] for key in out if key.endswith("/top1@1")}:
-            out[f"{prefix}/top1"] = out[f"{prefix}/top1@1"]
-        return out
+    finalise_metrics = staticmethod(depth_rates)
 
 
 def build(recipe: DFlashRecipe):

@@ -25,7 +25,7 @@ from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.timing import stage
 from draftsmith.train.loop import Trainer, pad_batch
-from draftsmith.train.unroll import UnrollLoss, record_depth_accuracy, unroll, unrolled_loss
+from draftsmith.train.unroll import UnrollLoss, depth_rates, record_depth_accuracy, unroll, unrolled_loss
 
 
 @dataclass
@@ -94,6 +94,8 @@ class EagleTask:
                          self.model.feedback_input, detach=self.cfg.detach_feedback)
         return unrolled_loss(self.model, outputs, features, batch["loss_mask"], batch["attention_mask"],
                              self.loss_config, training)
+
+    finalise_metrics = staticmethod(depth_rates)
 
     def on_evaluate(self, metrics: dict[str, float]) -> None:
         record_depth_accuracy(self.model, metrics)

@@ -24,7 +24,7 @@ from draftsmith.recipe import DataConfig, DrafterConfig, Recipe, RegenerateConfi
 from draftsmith.timing import stage
 from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.train.loop import Trainer, pad_batch
-from draftsmith.train.unroll import UnrollLoss, record_depth_accuracy, unroll, unrolled_loss
+from draftsmith.train.unroll import UnrollLoss, depth_rates, record_depth_accuracy, unroll, unrolled_loss
 
 
 @dataclass
@@ -111,10 +111,17 @@ class Eagle3Task:
     def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
         aux, last = self.target_features(batch)
         dtype = next(self.model.parameters()).dtype
+        chains = self.sample_chains(batch) if training else None
         outputs = unroll(head, batch["input_ids"], aux[:, :-1].to(dtype), batch["attention_mask"],
-                         self.cfg.ttt_steps, self.model.feedback_input, parallel=self.parallel)
+                         self.cfg.ttt_steps, self.model.feedback_input, parallel=self.parallel, chains=chains)
         return unrolled_loss(self.model, outputs, last, batch["loss_mask"], batch["attention_mask"],
-                             self.loss_config, training)
+                             self.loss_config, training, chains)
+
+    def sample_chains(self, batch: dict):
+        """The draft chains each training pass j > 0 trains (P-EAGLE's sampling); None: all of them."""
+        return None
+
+    finalise_metrics = staticmethod(depth_rates)
 
     def on_evaluate(self, metrics: dict[str, float]) -> None:
         record_depth_accuracy(self.model, metrics)

@@ -6,7 +6,10 @@ Training unrolls the same layout (:func:`draftsmith.train.unroll.unroll` with ``
 0 reads the target's fused layers, pass j > 0 the mask inputs at position offset j, attending to
 the real context and to the mask positions before it; the loss of pass j is the cross-entropy
 between the target's distribution over the draft vocabulary at depth j + 1 and the head's,
-weighted ``ttt_step_loss_decay ** j``. Everything else (data, regenerated replies, draft
+weighted ``ttt_step_loss_decay ** j``. Training samples draft chains as the P-EAGLE trainers do
+(:func:`draftsmith.train.unroll.chain_sample`: depth d trains a ``down_sample_ratio ** (d - 1)``
+share of the positions, at least ``down_sample_ratio_min``), so deep passes cost a fraction of a
+full one; held-out evaluation scores every chain. Everything else (data, regenerated replies, draft
 vocabulary, online or offline features, the out-of-vocabulary mask) is EAGLE-3's
 (:mod:`draftsmith.train.eagle3`).
 """
@@ -22,6 +25,7 @@ from draftsmith.train.cli import run_training
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
 from draftsmith.train.eagle3 import build as build_eagle3
 from draftsmith.train.loop import Trainer
+from draftsmith.train.unroll import Chains, chain_sample, supervised_next
 
 
 @dataclass
@@ -31,6 +35,15 @@ class PEagleDrafterConfig(Eagle3DrafterConfig):
     kind: str = "peagle"
     ttt_steps: int = 7  # tokens drafted in one pass (draft depths trained, a pass each)
     mask_token_id: Optional[int] = None  # null: the tokenizer's mask token, else a special token absent from the data
+    # Chain sampling: depth d >= 2 trains max(ratio ** (d - 1), ratio_min) of the positions (ratio 1: all of them).
+    down_sample_ratio: float = 0.7
+    down_sample_ratio_min: float = 0.2
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("down_sample_ratio", "down_sample_ratio_min"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"drafter.{name} must be in (0, 1], got {getattr(self, name)}")
 
 
 @dataclass
@@ -43,6 +56,12 @@ class PEagleTask(Eagle3Task):
 
     head_class = PEagleHead
     parallel = True
+
+    def sample_chains(self, batch: dict) -> list[Chains] | None:
+        if self.cfg.down_sample_ratio == 1:
+            return None
+        return chain_sample(supervised_next(batch["loss_mask"], batch["attention_mask"]), self.cfg.ttt_steps,
+                            self.cfg.down_sample_ratio, self.cfg.down_sample_ratio_min)
 
     @staticmethod
     def head_options(recipe: PEagleRecipe, tokenizer, train_set) -> dict:

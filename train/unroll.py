@@ -99,7 +99,8 @@ def _attention_implementation(config, name: str):
 
 
 def unroll(head, input_ids: torch.Tensor, features: torch.Tensor, padding: torch.Tensor, steps: int,
-           feedback: str = "features", detach: bool = False, parallel: bool = False) -> list[torch.Tensor]:
+           feedback: str = "features", detach: bool = False, parallel: bool = False,
+           chains: list[Chains] | None = None) -> list[torch.Tensor]:
     """The head's outputs ``[b, n, h]`` for passes ``0..steps-1``.
 
     ``input_ids`` ``[b, L]`` and ``features`` ``[b, L - 1, d]`` (the target's, paired with the
@@ -110,6 +111,8 @@ def unroll(head, input_ids: torch.Tensor, features: torch.Tensor, padding: torch
     except for heads whose layers soft-cap attention logits (Gemma-2: eager attention over the
     dense :func:`pass_mask`). With ``parallel`` (P-EAGLE) pass j>0 reads the head's mask token and
     mask feature instead, so no pass depends on another's output: the layout one drafting pass sees.
+    ``chains`` (P-EAGLE's chain sampling, :func:`chain_sample`) runs pass j>0 on pass j's sampled
+    positions only; the other rows of its output are zeros (no loss may read them).
     """
     tokens, padding = input_ids[:, 1:], padding[:, 1:]
     batch, n = tokens.shape
@@ -118,10 +121,14 @@ def unroll(head, input_ids: torch.Tensor, features: torch.Tensor, padding: torch
     outputs: list[torch.Tensor] = []
     inputs = {"features": features}
     config = getattr(head, "module", head).config
-    blockwise = not getattr(config, "attn_logit_softcapping", None)
+    # Sampled passes hold fewer keys than n: their masks are dense (a chain's ancestors are not on a diagonal).
+    blockwise = not getattr(config, "attn_logit_softcapping", None) and chains is None
     implementation = UNROLLED_ATTENTION if blockwise else config._attn_implementation
     with _attention_implementation(config, implementation):
         for step in range(steps):
+            if chains is not None and step:
+                outputs.append(_sampled_pass(head, chains[:step], padding, step, cache))
+                continue
             if parallel and step:
                 shifted, inputs = torch.full_like(tokens, getattr(head, "module", head).mask_token_id), {}
             elif step:
@@ -133,6 +140,89 @@ def unroll(head, input_ids: torch.Tensor, features: torch.Tensor, padding: torch
             outputs.append(out)
             inputs = {feedback: out.detach() if detach else out}
     return outputs
+
+
+@dataclass
+class Chains:
+    """Pass j's sampled draft chains: ``positions`` ``[b, m]`` (the position t whose draft at depth
+    j + 1 is trained; rows padded with unsampled positions) and ``valid`` ``[b, m]`` (False on padding)."""
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+    def rows(self, n: int) -> torch.Tensor:
+        """Boolean ``[b, n]``: the sampled positions."""
+        return torch.zeros(self.valid.shape[0], n, dtype=torch.bool, device=self.valid.device).scatter(
+            1, self.positions, self.valid)
+
+
+def chain_sample(supervised: torch.Tensor, steps: int, ratio: float, floor: float) -> list[Chains]:
+    """P-EAGLE's chain (COD) sampling for passes ``1..steps-1``: pass j trains the drafts at depth
+    j + 1 of a random ``max(ratio ** j, floor)`` share of the positions whose depth-(j + 1) token is
+    supervised, drawn among the chains pass j - 1 kept (so every sampled draft's ancestors are
+    computed), as speculators' and SpecForge's P-EAGLE trainers sample. Draws from the device's
+    default generator (checkpointed with the run); reads back the largest row count once.
+
+    ``supervised`` ``[b, n]``: whether position i's target (the token two places on) is supervised
+    (:func:`supervised_next`); pass j's position t is scored there at ``t + j``.
+    """
+    batch, n = supervised.shape
+    shares = [max(ratio ** j, floor) for j in range(1, steps)]
+    shifted = [torch.cat([supervised[:, j:], supervised.new_zeros(batch, j)], dim=1) for j in range(1, steps)]
+    counts = torch.stack([(s.sum(-1) * share).floor().long() for s, share in zip(shifted, shares)])  # [steps-1, b]
+    widths = counts.amax(-1).clamp(min=1).tolist()  # the one host sync: each pass's row width
+    chains, kept = [], torch.ones_like(supervised)
+    for need, count, width in zip(shifted, counts, widths):
+        candidate = kept & need
+        score = torch.rand(batch, n, device=supervised.device).masked_fill(~candidate, -1.0)
+        top = score.topk(min(width, n), dim=-1)
+        valid = (top.values >= 0) & (torch.arange(top.indices.shape[1], device=supervised.device) < count[:, None])
+        chains.append(Chains(top.indices, valid))
+        kept = chains[-1].rows(n)
+    return chains
+
+
+def _sampled_pass(head, chains: list[Chains], padding: torch.Tensor, step: int, cache) -> torch.Tensor:
+    """Pass ``step`` (> 0, parallel) over its sampled chains, scattered back to ``[b, n, h]``: each
+    query reads the mask inputs at its position + step and attends to the real context up to its
+    position and to its own chain's keys in passes 1..step."""
+    own = chains[-1]
+    batch, n = padding.shape
+    context = torch.arange(n, device=padding.device)[None, None, :] <= own.positions[:, :, None]
+    blocks = [context & padding.bool()[:, None, :]]
+    for earlier in chains[:-1]:
+        blocks.append((earlier.positions[:, None, :] == own.positions[:, :, None]) & earlier.valid[:, None, :]
+                      & own.valid[:, :, None])
+    blocks.append(torch.eye(own.positions.shape[1], dtype=torch.bool, device=padding.device).expand(batch, -1, -1))
+    mask_id = getattr(head, "module", head).mask_token_id
+    out = head(torch.full_like(own.positions, mask_id), position_ids=own.positions + step, past_key_values=cache,
+               use_cache=True, attention_mask=torch.cat(blocks, dim=-1)[:, None]).last_hidden_state
+    index = own.positions[:, :, None].expand_as(out)
+    return out.new_zeros(batch, n, out.shape[-1]).scatter(1, index, out * own.valid[:, :, None])
+
+
+def supervised_next(loss_mask: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[b, L - 1]``: index i is True where token i + 2 is supervised (the target's
+    distribution at i + 1, which scores it, is needed)."""
+    valid = loss_mask.bool() & padding.bool()
+    needed = torch.zeros_like(valid[:, 1:])
+    needed[:, :-1] = valid[:, 2:]
+    return needed
+
+
+def depth_rates(logs: dict[str, float]) -> dict[str, float]:
+    """Each depth's ``top1@d`` over that depth's own scored rows (``rows@d``, dropped): the loop
+    divides every sum by one token count, and depths score different numbers of rows (sequence
+    ends; sampled chains). ``top1`` defaults to depth 1's."""
+    out = {key: value for key, value in logs.items() if "rows@" not in key.rpartition("/")[2]}
+    for key, value in logs.items():
+        prefix, _, name = key.rpartition("/")
+        if name.startswith("top1@") and f"{prefix}/rows@{name[5:]}" in logs:
+            rows = logs[f"{prefix}/rows@{name[5:]}"]
+            out[key] = value / rows if rows else 0.0
+    for prefix in {key.rpartition("/")[0] for key in out if key.endswith("/top1@1")}:
+        out.setdefault(f"{prefix}/top1", out[f"{prefix}/top1@1"])
+    return out
 
 
 def record_depth_accuracy(head, metrics: dict[str, float]) -> None:
@@ -179,7 +269,8 @@ def soft_target_cross_entropy(logits: torch.Tensor, coeff: torch.Tensor) -> tupl
 
 
 def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor, loss_mask: torch.Tensor,
-                  padding: torch.Tensor, cfg: UnrollLoss, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+                  padding: torch.Tensor, cfg: UnrollLoss, training: bool,
+                  chains: list[Chains] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted loss over the passes and metrics: ``top1``/``top3`` (pass 0, as without unrolling)
     and ``top1@d`` for every draft depth d, all summed over the positions of pass 0.
 
@@ -187,13 +278,12 @@ def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor
     Metrics count every supervised position; with ``cfg.mask_out_of_vocab`` the loss skips those
     whose target token (full-vocabulary argmax) the draft vocabulary lacks (``t2d`` false), as the
     EAGLE-3 and SpecForge trainers do, instead of fitting the distribution renormalised over it.
+    With ``chains`` pass j > 0 scores its sampled positions only (each depth's mean over them).
     """
-    valid = (loss_mask & padding.bool())
     total = outputs[0].new_zeros((), dtype=torch.float32)
     # The target's distribution at index i of target_next scores token i + 2: it is needed where
     # that token is supervised, by pass j at position i - j. Computed once for all passes, only there.
-    needed = torch.zeros_like(valid[:, 1:])
-    needed[:, :-1] = valid[:, 2:]
+    needed = supervised_next(loss_mask, padding)
     row_of = torch.cumsum(needed.flatten(), 0).view_as(needed) - 1  # row of each needed index in `coeff`
     with torch.no_grad():
         target_probs, best, coeff, keep = target_terms(head, target_hidden[:, 1:][needed].to(outputs[0].dtype),
@@ -205,6 +295,8 @@ def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor
         n = pred.shape[1] - step
         # Position t scores token t + step + 2 with the target's distribution at t + step + 1.
         mask = needed[:, step: step + n]
+        if chains is not None and step:
+            mask = mask & chains[step - 1].rows(pred.shape[1])[:, :n]
         rows = row_of[:, step: step + n][mask]
         pred_t = pred[:, :n][mask]
         if step == 0:
@@ -226,6 +318,7 @@ def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor
             top3 = head.draft_vocab[logits.topk(min(3, logits.shape[-1]), dim=-1).indices]
             hits = (top3[:, 0] == best_t).sum()
             sums[f"top1@{step + 1}"] = hits
+            sums[f"rows@{step + 1}"] = mask.sum()
             if step == 0:
                 sums["top1"] = hits
                 sums["top3"] = (top3 == best_t[:, None]).any(-1).sum()
