@@ -24,6 +24,23 @@ class TargetMismatchError(CheckpointError):
     """A drafter checkpoint loaded against a target it was not trained for."""
 
 
+class Fp32RotaryMixin:
+    """Keeps the head's ``rotary_emb`` buffers (``inv_freq``) in fp32 when the head is cast, as a
+    target loaded with ``dtype=bfloat16`` keeps its own: ``.to(bfloat16)`` would round the
+    frequencies, and the angle error grows with the position (0.4 in cos at position 1,000), so a
+    bf16 head would attend to positions other than the ones it was trained (and vLLM serves) with."""
+
+    def _apply(self, fn, recurse=True):
+        rotary = getattr(self, "rotary_emb", None)
+        kept = {name: buf for name, buf in rotary.named_buffers(recurse=False)} if rotary is not None else {}
+        super()._apply(fn, recurse)
+        for name, buf in kept.items():
+            moved = rotary._buffers[name]
+            if buf.is_floating_point() and moved.dtype != buf.dtype:
+                rotary._buffers[name] = buf.to(moved.device)
+        return self
+
+
 def target_record(target: PreTrainedModel, name: str) -> dict:
     """Identity of ``target``: its name, shape and an embedding checksum (dtype independent)."""
     embedding = target.get_input_embeddings().weight

@@ -25,7 +25,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, Qwen3Con
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       rotate_half)
 
-from draftsmith.heads.common import bind_loaded, load_head_parts, save_head, target_record
+from draftsmith.heads.common import Fp32RotaryMixin, bind_loaded, load_head_parts, save_head, target_record
 from draftsmith.heads.eagle3 import check_aux_layers, default_aux_layers
 from draftsmith.heads.vocab import DraftVocabMixin, register_vocab_maps
 
@@ -49,7 +49,7 @@ def draft_config(target_config: PretrainedConfig, num_layers: int) -> Qwen3Confi
     return config
 
 
-class DFlashHead(DraftVocabMixin, nn.Module):
+class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
     """``fc`` + ``hidden_norm`` over fused target layers (the injected context), Qwen3 layers over the
     block, the final norm and a draft LM head."""
 

@@ -18,14 +18,15 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from draftsmith.heads.common import bind_loaded, decoder_classes, load_head_parts, save_head, target_record
+from draftsmith.heads.common import (Fp32RotaryMixin, bind_loaded, decoder_classes, load_head_parts, save_head,
+                                     target_record)
 from draftsmith.heads.vocab import DraftVocabMixin
 
 KIND = "eagle"
 FULL = "full_attention"
 
 
-class EagleHead(DraftVocabMixin, nn.Module):
+class EagleHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
     """``fc`` over ``[embedding ; feature]`` then decoder layers of the target's architecture."""
 
     # The input that carries the head's own output into its next draft step: a predicted feature.

@@ -24,7 +24,8 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.config import RecipeError
-from draftsmith.heads.common import bind_loaded, decoder_classes, load_head_parts, save_head, target_record
+from draftsmith.heads.common import (Fp32RotaryMixin, bind_loaded, decoder_classes, load_head_parts, save_head,
+                                     target_record)
 from draftsmith.heads.eagle import _architecture, _rotary_kwargs, attention_4d, head_config, pass_last_feature_through
 from draftsmith.heads.vocab import DraftVocabMixin, register_vocab_maps
 
@@ -74,7 +75,7 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Eagle3Head(DraftVocabMixin, nn.Module):
+class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
     """``fc`` over fused target layers, one EAGLE-3 decoder layer, its own norm and draft LM head."""
 
     # The input that carries the head's own output into its next draft step (the drafter uses it).

@@ -419,3 +419,24 @@ def test_too_few_conversations_for_a_held_out_split_train_without_one(tiny_recip
     assert trainer.state.step == 2 and trainer.state.tokens > 0
     assert trainer.last_checkpoint.name == "checkpoint-final"
     assert not [key for h in trainer.history for key in h if key.startswith("eval/")]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "peagle", "dflash"])
+def test_a_head_cast_to_bf16_keeps_its_rotary_frequencies_in_fp32(tiny_target, kind):
+    """Cast to bf16 for the engine, a head still rotates position 1,000 as its fp32 self does (to
+    bf16 rounding of cos and sin): rounded frequencies would be off by ~0.4 there."""
+    from draftsmith.heads.dflash import DFlashHead
+    from draftsmith.heads.peagle import PEagleHead
+
+    build = {"eagle": lambda: EagleHead.for_target(tiny_target, "tiny", 1),
+             "eagle3": lambda: Eagle3Head.for_target(tiny_target, "tiny", [0, 1, 2]),
+             "peagle": lambda: PEagleHead.for_target(tiny_target, "tiny", [0, 1, 2], mask_token_id=V - 1, num_depths=3),
+             "dflash": lambda: DFlashHead.for_target(tiny_target, "tiny", [0, 1, 2], 1, 4, V - 1)}[kind]
+    head = build()
+    positions = torch.tensor([[1000, 4321]])
+    x = torch.zeros(1, 2, head.rotary_emb.inv_freq.shape[0] * 2)
+    want = [t.to(torch.bfloat16) for t in head.rotary_emb(x, positions)]
+    head.to(torch.bfloat16)
+    assert head.rotary_emb.inv_freq.dtype == torch.float32
+    got = head.rotary_emb(x.to(torch.bfloat16), positions)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
