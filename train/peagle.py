@@ -6,7 +6,7 @@ Training unrolls the same layout (:func:`draftsmith.train.unroll.unroll` with ``
 0 reads the target's fused layers, pass j > 0 the mask inputs at position offset j, attending to
 the real context and to the mask positions before it; the loss of pass j is the cross-entropy
 between the target's distribution over the draft vocabulary at depth j + 1 and the head's,
-weighted ``ttt_step_loss_decay ** j``. Training samples draft chains as the P-EAGLE trainers do
+weighted ``ttt_step_loss_decay ** j`` (default 1, as speculators weighs depths). Training samples draft chains as the P-EAGLE trainers do
 (:func:`draftsmith.train.unroll.chain_sample`: depth d trains a ``down_sample_ratio ** (d - 1)``
 share of the positions, at least ``down_sample_ratio_min``), so deep passes cost a fraction of a
 full one; held-out evaluation scores every chain. Everything else (data, regenerated replies, draft
@@ -34,6 +34,7 @@ class PEagleDrafterConfig(Eagle3DrafterConfig):
 
     kind: str = "peagle"
     ttt_steps: int = 7  # tokens drafted in one pass (draft depths trained, a pass each)
+    ttt_step_loss_decay: float = 1.0  # every depth weighs the same (speculators): chain sampling thins deep ones
     mask_token_id: Optional[int] = None  # null: the tokenizer's mask token, else a special token absent from the data
     # Chain sampling: depth d >= 2 trains max(ratio ** (d - 1), ratio_min) of the positions (ratio 1: all of them).
     down_sample_ratio: float = 0.7
