@@ -112,6 +112,12 @@ def served_as(meta: dict, folder: Path, draft_tokens: int | None) -> Served:
                      "export --format vllm-medusa and check that")
 
 
+def speculative_config(served: Served, folder: str | Path) -> dict:
+    """vLLM's ``speculative_config`` for the export in ``folder``, served as ``served``."""
+    return {"method": served.method, "model": str(folder), "num_speculative_tokens": served.num_speculative_tokens,
+            **({"parallel_drafting": True} if served.parallel_drafting else {})}
+
+
 def _our_spec(kind: str, source: str, depth: int):
     """The drafter spec that makes draftsmith draft the chain vLLM drafts: ``depth`` tokens, top-1 each."""
     from draftsmith.eval.drafters import DrafterSpec
@@ -177,16 +183,19 @@ def _ours(target_folder: str, spec, prompts: list[list[int]], max_new_tokens: in
     return result
 
 
-def prompt_ids(target_folder: str, prompts: str | None, limit: int | None) -> list[list[int]]:
+def prompt_ids(target_folder: str, prompts: str | None, limit: int | None,
+               per_category: int | None = None) -> list[list[int]]:
+    """The first turns of ``prompts`` (a JSONL file; default MT-bench, one per category), rendered
+    with the target's chat template: the first ``per_category`` of each category, then ``limit``."""
     from draftsmith.data_prep.chat import render_prompt
     from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
     from draftsmith.target import load_tokenizer
 
     tokenizer = load_tokenizer(target_folder)
     if prompts:
-        chosen = load_prompts(prompts, limit or DEFAULT_LIMIT)
+        chosen = load_prompts(prompts, limit or (None if per_category else DEFAULT_LIMIT), per_category)
     else:
-        chosen = load_prompts(MT_BENCH, limit, per_category=None if limit else 1)
+        chosen = load_prompts(MT_BENCH, limit, per_category=per_category or (None if limit else 1))
     if not chosen:
         raise UsageError(f"{prompts or MT_BENCH}: no prompts to check with")
     return [render_prompt(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in chosen]
@@ -234,8 +243,7 @@ def serve_check(folder: str | Path, engine: str = "vllm", prompts: str | None = 
     job = {"task": "generate", "prompts": ids, "max_new_tokens": max_new_tokens, "stop_token_ids": ours["eos"]}
     plain = _plain_vllm({**job, "engine": engine_args(target)}, f"vLLM plain decoding of {target}")
     failures: list[str] = []
-    spec_config = {"method": served.method, "model": str(folder), "num_speculative_tokens": depth,
-                   **({"parallel_drafting": True} if served.parallel_drafting else {})}
+    spec_config = speculative_config(served, folder)
     try:
         spec = run_job({**job, "engine": engine_args(target, speculative_config=spec_config)},
                        f"vLLM serving {folder}")
