@@ -98,10 +98,15 @@ class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
             cache.update(keys, values, attention.layer_idx)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values,
-                attention_mask: torch.Tensor) -> torch.Tensor:
+                attention_mask: torch.Tensor, context: torch.Tensor | None = None,
+                context_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states ``[b, q, h]`` of the block queries ``input_ids`` at ``position_ids``, over
         the context in ``past_key_values`` and themselves as ``attention_mask`` (4D: additive, or
-        boolean with True = attend) allows; their keys are appended to the cache."""
+        boolean with True = attend) allows; their keys are appended to the cache. ``context``
+        (fused target layers at ``context_positions``) is first appended as :meth:`add_context`
+        does, inside this call, so a wrapped head (DDP, ZeRO-3) gathers and reduces ``fc``."""
+        if context is not None:
+            self.add_context(past_key_values, context, context_positions)
         hidden = self.target.get_input_embeddings()(input_ids).to(self.fc.weight.dtype)
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:

@@ -146,9 +146,9 @@ class DFlashTask(Eagle3Task):
         tokens = torch.full_like(positions, model.mask_token_id)
         tokens[:, :, 0] = ids.gather(1, anchors)
         cache = DynamicCache()
-        model.add_context(cache, aux, torch.arange(length, device=ids.device).expand(batch_size, length))
-        hidden = head(tokens.flatten(1), positions.flatten(1), cache,
-                      block_attention(anchors, valid, padding, block)).view(batch_size, count, block, -1)
+        hidden = head(tokens.flatten(1), positions.flatten(1), cache, block_attention(anchors, valid, padding, block),
+                      context=aux, context_positions=torch.arange(length, device=ids.device).expand(batch_size, length)
+                      ).view(batch_size, count, block, -1)
         # Slot k >= 1 drafts token a + k, scored with the target's distribution at a + k - 1.
         labels = positions[:, :, 1:]
         inside = labels < length
