@@ -1,4 +1,4 @@
-"""Cost of one EAGLE-3 training step against the number of training-time-test passes.
+"""Cost of one EAGLE-3 (or P-EAGLE) training step against the number of training-time-test passes.
 
     python bench/unroll_cost.py --out DIR [--recipe recipes/smollm2-eagle3.yaml] [--repeats 5] [--key value ...]
 
@@ -9,7 +9,9 @@ steps after one warm-up. The batch is the first ``training.batch_size`` conversa
 recipe's data (ShareGPT's own replies: regeneration off, so nothing to generate first), at the
 recipe's precision; further ``--key value`` pairs override the recipe (e.g.
 ``--drafter.out_of_vocab_targets renormalise``). Writes ``DIR/unroll_cost.json``: ``step_s_k1``, ``step_s_k3``, ``step_s_k7``,
-``tokens_per_s_k1`` (real tokens a second at k = 1), ``ratio_k7_k1`` and what it ran on.
+``tokens_per_s_k1`` (real tokens a second at k = 1), ``ratio_k7_k1`` and what it ran on. A P-EAGLE
+recipe (``--recipe recipes/smollm2-peagle.yaml``) times its parallel passes, chain-sampled as the
+recipe says (``--drafter.down_sample_ratio 1``: every position).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import yaml
 
 from draftsmith.timing import clock
 from draftsmith.train.cli import parse_training_args
-from draftsmith.train.eagle3 import Eagle3Recipe, build
+from draftsmith.train import eagle3, peagle
 from draftsmith.train.loop import pad_batch
 
 PASSES = (1, 3, 7)
@@ -55,7 +58,12 @@ def main() -> None:
     parser.add_argument("--recipe", default="recipes/smollm2-eagle3.yaml")
     parser.add_argument("--repeats", type=int, default=5)
     args, overrides = parser.parse_known_args()
-    recipe, _ = parse_training_args(Eagle3Recipe, [args.recipe, "--data.regenerate.enabled", "false",
+    kind = yaml.safe_load(Path(args.recipe).read_text())["drafter"]["kind"]
+    module = {"eagle3": (eagle3.Eagle3Recipe, eagle3.build), "peagle": (peagle.PEagleRecipe, peagle.build)}
+    if kind not in module:
+        parser.error(f"{args.recipe}: drafter.kind {kind!r}: this bench times eagle3 and peagle recipes")
+    recipe_class, build = module[kind]
+    recipe, _ = parse_training_args(recipe_class, [args.recipe, "--data.regenerate.enabled", "false",
                                                    "--data.limit", "64", "--drafter.features", "online",
                                                    "--tracking.report_to", "none", *overrides])
     task, train_set, _ = build(recipe)
