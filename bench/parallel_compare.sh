@@ -3,7 +3,8 @@
 # regenerated replies to ShareGPT first turns, cached), the same minutes of training each on this
 # machine, then MT-bench and MT-bench's coding questions in draftsmith's engine (held-out accuracy
 # per position from each run's log_history.jsonl, acceptance length, draft time per step, speedup
-# against plain decoding and prompt lookup in the same run) and each export through the vLLM gate.
+# against plain decoding and prompt lookup in the same run), each export through the vLLM gate, and the
+# three exports served side by side in vLLM with its plain decoding and prompt lookup.
 #
 #   MINUTES=10 OUT=runs/parallel bash bench/parallel_compare.sh
 #
@@ -41,4 +42,10 @@ for kind in eagle3 peagle dflash; do
   draftsmith-export "$OUT/$kind/checkpoint-final" --format speculators --out "$OUT/$kind-speculators" --check vllm \
     > "$OUT/gate_$kind.log" 2>&1 || echo "gate $kind: exit $?" >> "$OUT/gate_$kind.log"
 done
-echo "done: $OUT (curves.md, mt_bench.log, code.log, gate_*.log)"
+# vLLM: the three exports beside its plain decoding and its prompt lookup, on the same prompts.
+EXPORTS=("$OUT/eagle3-speculators" "$OUT/peagle-speculators" "$OUT/dflash-speculators")
+python bench/vllm_serving.py compare "${EXPORTS[@]}" --per-category "$PER_CATEGORY" --max-new-tokens "$TOKENS" \
+  --out "$OUT/vllm_mt.json" > "$OUT/vllm_mt.md"
+python bench/vllm_serving.py compare "${EXPORTS[@]}" --prompts "$OUT/code.jsonl" --max-new-tokens "$TOKENS" \
+  --out "$OUT/vllm_code.json" > "$OUT/vllm_code.md"
+echo "done: $OUT (curves.md, mt_bench.log, code.log, gate_*.log, vllm_mt.md, vllm_code.md)"

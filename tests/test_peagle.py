@@ -97,6 +97,7 @@ def test_chain_sampling_keeps_a_decaying_share_of_nested_supervised_chains():
         assert torch.equal(chain.valid.sum(-1), rows.sum(-1))  # distinct positions
         kept = rows
     assert [c.positions.shape[1] for c in chains] == [112, 78, 54, 38, 32, 32]  # row 0's 160 supervised positions
+    assert chain_sample(supervised, 1, 0.7, 0.2) == []  # one depth: nothing to sample
 
 
 def test_a_sampled_pass_computes_what_the_full_unroll_does_at_its_chains(make_tiny_llama):

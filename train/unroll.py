@@ -167,6 +167,8 @@ def chain_sample(supervised: torch.Tensor, steps: int, ratio: float, floor: floa
     (:func:`supervised_next`); pass j's position t is scored there at ``t + j``.
     """
     batch, n = supervised.shape
+    if steps < 2:
+        return []
     shares = [max(ratio ** j, floor) for j in range(1, steps)]
     shifted = [torch.cat([supervised[:, j:], supervised.new_zeros(batch, j)], dim=1) for j in range(1, steps)]
     counts = torch.stack([(s.sum(-1) * share).floor().long() for s, share in zip(shifted, shares)])  # [steps-1, b]
