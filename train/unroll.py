@@ -274,7 +274,8 @@ def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor
                   padding: torch.Tensor, cfg: UnrollLoss, training: bool,
                   chains: list[Chains] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted loss over the passes and metrics: ``top1``/``top3`` (pass 0, as without unrolling)
-    and ``top1@d`` for every draft depth d, all summed over the positions of pass 0.
+    and ``top1@d`` with ``rows@d`` for every draft depth d (hits and scored positions: the task's
+    :func:`depth_rates` divides them).
 
     ``target_hidden`` ``[b, L, h]``: the target's last hidden states (what its LM head reads).
     Metrics count every supervised position; with ``cfg.mask_out_of_vocab`` the loss skips those
