@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from draftsmith.data_prep.regenerate import main as regenerate_main
+from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.eval.pass_cost import measure_pass_cost
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.export.serve_check import export_metadata, prompt_ids, served_as, speculative_config
@@ -66,7 +67,11 @@ def serve(args) -> dict:
             "pass_cost_seconds": {str(n): c for n, c in costs.items()}}
 
 
-PROMPT_LOOKUP = {"method": "ngram", "num_speculative_tokens": 10, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+def prompt_lookup_config() -> dict:
+    """vLLM's ``ngram`` drafting as draftsmith's ``prompt_lookup`` drafts by default."""
+    ours = PromptLookupDrafter()
+    return {"method": "ngram", "num_speculative_tokens": ours.num_tokens, "prompt_lookup_max": ours.max_ngram,
+            "prompt_lookup_min": ours.min_ngram}
 
 
 def compare(args) -> dict:
@@ -80,7 +85,7 @@ def compare(args) -> dict:
     target = targets.pop()
     ids = prompt_ids(target, args.prompts, args.limit, args.per_category)
     job = {"task": "generate", "prompts": ids, "max_new_tokens": args.max_new_tokens}
-    configs = [("plain", None), ("prompt lookup (ngram)", PROMPT_LOOKUP)]
+    configs = [("plain", None), ("prompt lookup (ngram)", prompt_lookup_config())]
     for folder, meta in zip(folders, metas):
         served = served_as(meta, folder, None)
         configs.append((f"{meta['kind']} ({folder.name}, {served.num_speculative_tokens} drafted)",

@@ -320,11 +320,12 @@ def device_tree(tree: TokenTree, device: torch.device) -> DeviceTree:
 
 
 def _choose_packed(logits: torch.Tensor, k: int, sampling, generator, max_entropy: float | None,
-                   vocab: torch.Tensor | None, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``k`` candidates per row of ``logits`` packed for one read-back, ``[rows, 2k (+1)]`` float64:
+                   vocab: torch.Tensor | None, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``k`` candidates per row of ``logits`` packed for one read-back, ``[rows, 2k' (+1)]`` float64:
     their draft log-probabilities, their target ids (exact in float64) and, for the entropy
     policy, each row's entropy; with the sampled distributions spread into the target's
-    vocabulary (None when greedy)."""
+    vocabulary (None when greedy) and ``k'``, the candidates drawn (sampling may draw fewer than
+    ``k``: a distribution with a smaller support)."""
     from draftsmith.eval.sampling import choose  # sampling is a leaf module; keeps this file standalone
     from draftsmith.heads.vocab import scatter_to_vocab
 
@@ -335,7 +336,18 @@ def _choose_packed(logits: torch.Tensor, k: int, sampling, generator, max_entrop
         packed.append(torch.special.entr(log_q.exp()).sum(-1).double()[:, None])
     if probs is not None and vocab is not None:
         probs = scatter_to_vocab(probs, vocab, vocab_size, fill=0.0)
-    return torch.cat(packed, 1), probs
+    return torch.cat(packed, 1), probs, tokens.shape[-1]
+
+
+def _add_candidates(builder: TreeBuilder, parent: int, row: list[float], k: int, probs, max_entropy: float | None):
+    """Add one read-back ``row`` of :func:`_choose_packed` (``k`` candidates) under ``parent``; None
+    when the node is less certain than ``max_entropy`` (it keeps its entropy, which hierarchical
+    drafting learns from, and gets no children)."""
+    spread = row[2 * k] if max_entropy is not None else None
+    if spread is not None and spread > max_entropy:
+        builder.entropy[parent] = spread
+        return None
+    return builder.add(parent, [int(t) for t in row[k:2 * k]], row[:k], probs, spread)
 
 
 def grow_tree(
@@ -368,18 +380,12 @@ def grow_tree(
     for level in range(depth):
         if level:
             logits = expand(frontier, builder)
-        packed, probs = _choose_packed(logits, top_k, sampling, generator, max_entropy, vocab, vocab_size)
-        # One read-back per level: scores, tokens (exact in float64) and entropies together.
-        rows = packed.tolist()
-        k = (packed.shape[-1] - (max_entropy is not None)) // 2  # sampling may draw fewer than top_k (a distribution with a smaller support)
+        packed, probs, k = _choose_packed(logits, top_k, sampling, generator, max_entropy, vocab, vocab_size)
+        rows = packed.tolist()  # one read-back per level: scores, tokens and entropies together
         added: list[int] = []
         for i, parent in enumerate(frontier):
-            spread = rows[i][2 * k] if max_entropy is not None else None
-            if spread is not None and spread > max_entropy:
-                builder.entropy[parent] = spread  # a declined node keeps its entropy (hierarchical drafting learns from it)
-                continue
-            added += builder.add(parent, [int(t) for t in rows[i][k:2 * k]], rows[i][:k],
-                                 probs[i] if probs is not None else None, spread)
+            added += _add_candidates(builder, parent, rows[i], k, probs[i] if probs is not None else None,
+                                     max_entropy) or []
         frontier = sorted(added, key=lambda n: -builder.scores[n])[:top_k]
         if not frontier:
             break
@@ -400,12 +406,11 @@ def grow_chain(
     level). ``vocab``/``vocab_size`` and ``max_entropy`` as in :func:`grow_tree`: the chain ends
     above the first depth less certain than ``max_entropy``.
     """
-    packed, probs = _choose_packed(logits, 1, sampling, generator, max_entropy, vocab, vocab_size)
+    packed, probs, k = _choose_packed(logits, 1, sampling, generator, max_entropy, vocab, vocab_size)
     builder, parent = TreeBuilder(), ROOT
     for depth, row in enumerate(packed.tolist()):
-        spread = row[2] if max_entropy is not None else None
-        if spread is not None and spread > max_entropy:
-            builder.entropy[parent] = spread
+        added = _add_candidates(builder, parent, row, k, probs[depth] if probs is not None else None, max_entropy)
+        if added is None:
             break
-        parent = builder.add(parent, [int(row[1])], [row[0]], probs[depth] if probs is not None else None, spread)[0]
+        parent = added[0]
     return builder.build()

@@ -32,7 +32,7 @@ class Fp32RotaryMixin:
 
     def _apply(self, fn, recurse=True):
         rotary = getattr(self, "rotary_emb", None)
-        kept = {name: buf for name, buf in rotary.named_buffers(recurse=False)} if rotary is not None else {}
+        kept = dict(rotary.named_buffers(recurse=False)) if rotary is not None else {}
         super()._apply(fn, recurse)
         for name, buf in kept.items():
             moved = rotary._buffers[name]

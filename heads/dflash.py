@@ -94,6 +94,7 @@ class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
             shape = (*context.shape[:-1], -1, attention.head_dim)
             keys = attention.k_norm(attention.k_proj(context).view(shape)).transpose(1, 2)
             values = attention.v_proj(context).view(shape).transpose(1, 2)
+            # RoPE on the keys alone: apply_rotary_pos_emb would rotate a query too, every drafting step.
             keys = keys * cos.unsqueeze(1) + rotate_half(keys) * sin.unsqueeze(1)
             cache.update(keys, values, attention.layer_idx)
 

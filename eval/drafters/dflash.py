@@ -40,16 +40,13 @@ class DFlashDrafter(Drafter):
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
         param = next(self.head.parameters())
-        new = new_positions = None  # context features not yet in the cache
         if self._features is not None and len(self._features):
             n = len(self._features)
-            new_positions = torch.arange(self._length, self._length + n, device=param.device)[None]
-            new = self._features.to(param.dtype)[None]
+            positions = torch.arange(self._length, self._length + n, device=param.device)[None]
+            self.head.add_context(self._cache, self._features.to(param.dtype)[None], positions)
             self._length, self._features = self._length + n, None
         depth = min(self.depth, context.max_tokens)
         if depth < 1:
-            if new is not None:
-                self.head.add_context(self._cache, new, new_positions)
             return TokenTree()
         # The whole trained block even when fewer tokens are drafted: its slots attend to each other
         # both ways, so a shorter block would change every slot's output.
@@ -58,7 +55,7 @@ class DFlashDrafter(Drafter):
         ids[0, 0] = context.tokens[-1]  # the anchor sits right after the context
         positions = torch.arange(self._length, self._length + block, device=param.device)[None]
         everything = torch.ones(1, 1, block, self._length + block, dtype=torch.bool, device=param.device)
-        hidden = self.head(ids, positions, self._cache, everything, new, new_positions)
+        hidden = self.head(ids, positions, self._cache, everything)
         self._cache.crop(-block)  # the block's keys: the cache keeps the context only
         logits = self.head.draft_logits(hidden[0, 1:depth + 1]).float()  # depth d's distribution in row d - 1
         vocab = None if self.head.full_vocab else self.head.draft_vocab
