@@ -5,7 +5,7 @@ PER_CATEGORY ?= 1
 MAX_NEW_TOKENS ?= 64
 DEMO_DIR ?= runs/demo
 
-.PHONY: install install-core demo test
+.PHONY: install install-core demo lint test
 
 install:
 	PYTHON=$(PYTHON) bash scripts/install.sh
@@ -21,5 +21,10 @@ demo: install-core
 	$(PYTHON) eval/demo.py --out-dir $(DEMO_DIR) --train-minutes $(TRAIN_MINUTES) \
 		--per-category $(PER_CATEGORY) --max-new-tokens $(MAX_NEW_TOKENS) --results results/demo
 
-test: install
+# Style and layering: ruff (lint and format) and import-linter's contracts in pyproject.toml.
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+test: install lint
 	$(PYTHON) -m pytest

@@ -17,7 +17,6 @@ import statistics
 from pathlib import Path
 
 import torch
-
 from overhead import FixedTreeDrafter, tiny_target
 
 from draftsmith.errors import ArgumentParser, at_least, report_user_errors
@@ -49,8 +48,9 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = len(load_tokenizer())
     model = tiny_target(vocab, device)
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(vocab, (args.prompt_tokens - 3 * i,), generator=generator).tolist()
-               for i in range(max(batches))]
+    prompts = [
+        torch.randint(vocab, (args.prompt_tokens - 3 * i,), generator=generator).tolist() for i in range(max(batches))
+    ]
     tree, n = FixedTreeDrafter(), args.new_tokens
     batch_decoder = BatchDecoder(model, eos_ids=set())
     methods = {
@@ -70,9 +70,18 @@ def main(argv: list[str] | None = None) -> dict:
     report = {f"{name}_tok_s": round(statistics.median(values), 1) for name, values in rates.items()}
     for kind in ("plain", "tree12"):
         for b in batches:
-            report[f"batch{b}_{kind}_vs_single"] = round(report[f"batch{b}_{kind}_tok_s"] / report[f"single_{kind}_tok_s"], 2)
-    report["setup"] = {"prompt_tokens": args.prompt_tokens, "new_tokens": n, "repeats": args.repeats,
-                       "device": str(device), "threads": torch.get_num_threads(), "vocab": vocab, "torch": torch.__version__}
+            report[f"batch{b}_{kind}_vs_single"] = round(
+                report[f"batch{b}_{kind}_tok_s"] / report[f"single_{kind}_tok_s"], 2
+            )
+    report["setup"] = {
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": n,
+        "repeats": args.repeats,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "vocab": vocab,
+        "torch": torch.__version__,
+    }
     print(json.dumps(report, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

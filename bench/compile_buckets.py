@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch._dynamo.utils
-
 from overhead import StepTimer, tiny_target
 
 from draftsmith.errors import ArgumentParser, at_least, report_user_errors
@@ -92,14 +91,31 @@ def main(argv: list[str] | None = None) -> dict:
         start = clock(device)
         with torch.no_grad():
             decoder.generate(prompt, args.new_tokens)
-        print(json.dumps({"seconds": clock(device) - start, "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}))
+        print(
+            json.dumps(
+                {"seconds": clock(device) - start, "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+            )
+        )
         return {}
     first = {}
     for name in VARIANTS[1:]:
         with tempfile.TemporaryDirectory() as cache:
-            probe = subprocess.run([sys.executable, __file__, "--first-only", name, "--prompt-tokens", str(args.prompt_tokens),
-                                    "--new-tokens", str(args.new_tokens)], capture_output=True, text=True, check=True,
-                                   env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+            probe = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--first-only",
+                    name,
+                    "--prompt-tokens",
+                    str(args.prompt_tokens),
+                    "--new-tokens",
+                    str(args.new_tokens),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache},
+            )
         first[name] = json.loads(probe.stdout.strip().splitlines()[-1])
     decoders = {name: SpeculativeDecoder(variant(name, vocab, device), drafter, eos_ids=set()) for name in VARIANTS}
     steps: dict[str, list[float]] = {name: [] for name in decoders}
@@ -117,8 +133,14 @@ def main(argv: list[str] | None = None) -> dict:
     report["compiled_vs_eager"] = round(report["compiled_us"] / report["eager_us"], 2)
     report["compiled_buckets_vs_eager"] = round(report["compiled_buckets_us"] / report["eager_us"], 2)
     report["same_tokens"] = len({tuple(tokens) for tokens in outputs.values()}) == 1
-    report["setup"] = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                       "buckets": TREE_BUCKETS, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    report["setup"] = {
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "buckets": TREE_BUCKETS,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
     print(json.dumps(report, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

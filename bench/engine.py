@@ -25,7 +25,9 @@ from draftsmith.target import load_target
 @report_user_errors
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32")
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32"
+    )
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--oracle-tokens", type=int, default=8)
@@ -35,18 +37,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="results/engine")
     args = parser.parse_args(argv)
     k = args.oracle_tokens
-    summary = run_eval([
-        "--dtype", args.dtype, "--bench", "mt_bench", "--limit", str(args.limit),
-        "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
-        "--drafter", args.lookup, "--drafter", f"oracle?num_tokens={k}", "--drafter", args.draft_lm,
-        *[arg for spec in args.extra for arg in ("--drafter", spec)],
-        "--hf-baseline", "hf_plain", "--hf-baseline", "hf_prompt_lookup", "--hf-baseline", "hf_assisted",
-        "--out", args.out,
-    ])
+    summary = run_eval(
+        [
+            "--dtype",
+            args.dtype,
+            "--bench",
+            "mt_bench",
+            "--limit",
+            str(args.limit),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--temperature",
+            "0",
+            "--drafter",
+            args.lookup,
+            "--drafter",
+            f"oracle?num_tokens={k}",
+            "--drafter",
+            args.draft_lm,
+            *[arg for spec in args.extra for arg in ("--drafter", spec)],
+            "--hf-baseline",
+            "hf_plain",
+            "--hf-baseline",
+            "hf_prompt_lookup",
+            "--hf-baseline",
+            "hf_assisted",
+            "--out",
+            args.out,
+        ]
+    )
     m = summary["methods"]
     model, tokenizer = load_target("default", args.dtype)
     prompts = load_prompts("mt_bench", args.limit)
-    mean_prompt = sum(len(render_prompt(tokenizer, [{"role": "user", "content": p.turns[0]}])) for p in prompts) / len(prompts)
+    mean_prompt = sum(len(render_prompt(tokenizer, [{"role": "user", "content": p.turns[0]}])) for p in prompts) / len(
+        prompts
+    )
     mean_new = m["baseline"]["new_tokens"] / m["baseline"]["num_prompts"]
     context = int(mean_prompt + mean_new / 2)  # the average context a decoding step sees
     costs = measure_pass_cost(CausalLMRunner(model), context, tuple(sorted({1, 2, 4, k + 1, 16, 32})), repeats=20)

@@ -46,9 +46,12 @@ def main() -> None:
             key = f"eval/top1@{depth}"
             xs = [p["tokens_seen"] for p in points if key in p]
             axes.plot(xs, [100 * p[key] for p in points if key in p], marker="o", label=f"{label}, depth {depth}")
-        rows += [f"| {label} | {p['step']} | {p['tokens_seen']:,} | "
-                 + " | ".join(f"{100 * p.get(f'eval/top1@{d}', float('nan')):.1f}" for d in args.depths) + " |"
-                 for p in points]
+        rows += [
+            f"| {label} | {p['step']} | {p['tokens_seen']:,} | "
+            + " | ".join(f"{100 * p.get(f'eval/top1@{d}', float('nan')):.1f}" for d in args.depths)
+            + " |"
+            for p in points
+        ]
     axes.set_xlabel("training loss tokens seen")
     axes.set_ylabel("held-out top-1 (%)")
     axes.grid(alpha=0.3)

@@ -43,11 +43,19 @@ def tiny_case(vocab: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Target and draft next-token distributions after every 3-token context of a tiny vocabulary:
     the pair the statistical tests use (random Llamas whose weights, norms aside, are scaled by 15
     and 8 so that their distributions are peaked and context-dependent)."""
+
     def model(seed: int, scale: float) -> LlamaForCausalLM:
         torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                             tie_word_embeddings=True)
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            tie_word_embeddings=True,
+        )
         model = LlamaForCausalLM(config).eval()
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -57,7 +65,9 @@ def tiny_case(vocab: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
     contexts = torch.tensor(list(itertools.product(range(vocab), repeat=3)))
     with torch.no_grad():
-        return tuple(model(seed, scale)(contexts).logits[:, -1].double().softmax(-1) for seed, scale in ((0, 15.0), (1, 8.0)))
+        return tuple(
+            model(seed, scale)(contexts).logits[:, -1].double().softmax(-1) for seed, scale in ((0, 15.0), (1, 8.0))
+        )
 
 
 @torch.no_grad()
@@ -79,8 +89,11 @@ def real_case(target, tokenizer, draft, prompts, max_new_tokens: int, sampling: 
 @report_user_errors
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--draft", default=None, help="draft LM folder (e.g. a train/distill.py checkpoint); "
-                                                      "without it only the tiny case runs")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="draft LM folder (e.g. a train/distill.py checkpoint); without it only the tiny case runs",
+    )
     parser.add_argument("--target", default="default")
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -94,14 +107,18 @@ def main(argv: list[str] | None = None) -> None:
         draft = load_draft_lm(args.draft, torch.float32, "cpu")
         prompts = load_prompts(MT_BENCH, per_category=args.per_category)
         cases[f"bundled target + {args.draft}, T={args.temperature:g}"] = real_case(
-            target, tokenizer, draft, prompts, args.max_new_tokens, SamplingConfig(args.temperature))
+            target, tokenizer, draft, prompts, args.max_new_tokens, SamplingConfig(args.temperature)
+        )
     print("| case | lenience | P(accept a drafted token) | gain over lossless | TV(emitted, target) |")
     print("|---|---|---|---|---|")
     for name, (p, q) in cases.items():
         lossless, _ = shift(p, q, 1.0)
         for lenience in values:
             accepted, tv = shift(p, q, lenience)
-            print(f"| {name} ({len(p)} positions) | {lenience:g} | {accepted:.3f} | {accepted / lossless:.2f}x | {tv:.4f} |")
+            print(
+                f"| {name} ({len(p)} positions) | {lenience:g} | {accepted:.3f} | "
+                f"{accepted / lossless:.2f}x | {tv:.4f} |"
+            )
 
 
 if __name__ == "__main__":

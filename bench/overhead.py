@@ -47,9 +47,19 @@ def tiny_target(vocab_size: int, device: torch.device, scale: float = 32.0) -> L
     ~90% of it); scaled, it is peaked and context-dependent like a real model's.
     """
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(config).eval().requires_grad_(False)
     for name, param in model.named_parameters():
         if "norm" not in name:
@@ -133,7 +143,8 @@ def ours(model, drafter, sampling, prompt, new_tokens, device, seed=0) -> list[f
     """Per-step seconds of one generation with our engine."""
     timer = StepTimer(device)
     SpeculativeDecoder(model, drafter, None, sampling, eos_ids=set()).generate(
-        prompt, new_tokens, streamer=timer, seed=seed)
+        prompt, new_tokens, streamer=timer, seed=seed
+    )
     return timer.deltas()
 
 
@@ -161,7 +172,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="generations per method (interleaved)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--scale", type=float, default=32.0, help="weight scale of the random target (1: flat distributions)")
+    parser.add_argument(
+        "--scale", type=float, default=32.0, help="weight scale of the random target (1: flat distributions)"
+    )
     parser.add_argument("--out", default="results/overhead")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -176,12 +189,14 @@ def main(argv: list[str] | None = None) -> dict:
         "ours_sampling_us": lambda seed: ours(model, tree, TOP_P, prompt, n, device, seed),
         "ours_sampling_plain_us": lambda seed: ours(model, None, TOP_P, prompt, n, device, seed),
         "hf_plain_us": lambda seed: hf(model, prompt, n, device, do_sample=False),
-        "hf_sampling_us": lambda seed: hf(model, prompt, n, device, do_sample=True, temperature=1.0, top_p=0.9, top_k=0),
+        "hf_sampling_us": lambda seed: hf(
+            model, prompt, n, device, do_sample=True, temperature=1.0, top_p=0.9, top_k=0
+        ),
         "hf_assisted_us": lambda seed: hf(model, prompt, n, device, do_sample=False, prompt_lookup_num_tokens=10),
     }
     steps: dict[str, list[float]] = {name: [] for name in methods}
     with torch.no_grad():
-        for name, run in methods.items():  # warm-up
+        for run in methods.values():  # warm-up
             run(0)
         for seed in range(args.repeats):
             for name, run in methods.items():
@@ -196,18 +211,28 @@ def main(argv: list[str] | None = None) -> dict:
     report["model_tree12_us"] = round(model_tree * 1e6, 1)
     report["ours_plain_overhead_us"] = round(report["ours_plain_us"] - report["model_plain_us"], 1)
     report["ours_tree12_overhead_us"] = round(report["ours_tree12_us"] - report["model_tree12_us"], 1)
-    report.update({
-        "syncs_per_step_greedy": statistics.median(syncs_greedy),
-        "syncs_per_step_sampling": statistics.median(syncs_sampling),
-        "syncs_per_step_plain": statistics.median(syncs_plain),
-        "max_syncs_per_step_greedy": max(syncs_greedy),
-        "max_syncs_per_step_sampling": max(syncs_sampling),
-        "tree12_vs_plain": round(report["ours_tree12_us"] / report["ours_plain_us"], 2),
-        "plain_vs_hf_plain": round(report["ours_plain_us"] / report["hf_plain_us"], 2),
-        "steps_per_method": {name: len(values) for name, values in steps.items()},
-        "setup": {"prompt_tokens": args.prompt_tokens, "new_tokens": n, "repeats": args.repeats,
-                  "scale": args.scale, "device": str(device), "threads": torch.get_num_threads(), "vocab": vocab, "torch": torch.__version__},
-    })
+    report.update(
+        {
+            "syncs_per_step_greedy": statistics.median(syncs_greedy),
+            "syncs_per_step_sampling": statistics.median(syncs_sampling),
+            "syncs_per_step_plain": statistics.median(syncs_plain),
+            "max_syncs_per_step_greedy": max(syncs_greedy),
+            "max_syncs_per_step_sampling": max(syncs_sampling),
+            "tree12_vs_plain": round(report["ours_tree12_us"] / report["ours_plain_us"], 2),
+            "plain_vs_hf_plain": round(report["ours_plain_us"] / report["hf_plain_us"], 2),
+            "steps_per_method": {name: len(values) for name, values in steps.items()},
+            "setup": {
+                "prompt_tokens": args.prompt_tokens,
+                "new_tokens": n,
+                "repeats": args.repeats,
+                "scale": args.scale,
+                "device": str(device),
+                "threads": torch.get_num_threads(),
+                "vocab": vocab,
+                "torch": torch.__version__,
+            },
+        }
+    )
     print(json.dumps(report, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

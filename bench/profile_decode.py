@@ -1,10 +1,9 @@
 """Profile one speculative decode with torch.profiler and print where the time goes.
 
-    python bench/profile_decode.py --drafter prompt_lookup --dtype bfloat16 --max-new-tokens 128
+python bench/profile_decode.py --drafter prompt_lookup --dtype bfloat16 --max-new-tokens 128
 """
 
 from __future__ import annotations
-
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -21,7 +20,9 @@ from draftsmith.target import load_target
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafter", default="prompt_lookup")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32")
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=0, help="MT-bench question index")
     parser.add_argument("--rows", type=int, default=15)
@@ -35,8 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("generate"):
             gen = decoder.generate(ids, args.max_new_tokens)
-    print(f"{len(gen.tokens)} tokens, {gen.steps} target passes, tau {gen.acceptance_length:.2f}, "
-          f"{gen.decode_seconds:.2f} s decoding")
+    print(
+        f"{len(gen.tokens)} tokens, {gen.steps} target passes, tau {gen.acceptance_length:.2f}, "
+        f"{gen.decode_seconds:.2f} s decoding"
+    )
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.rows))
 
 

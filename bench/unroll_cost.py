@@ -8,7 +8,8 @@ does), for ``ttt_steps`` k = 1, 3 and 7, on the same batch: the median of ``--re
 steps after one warm-up. The batch is the first ``training.batch_size`` conversations of the
 recipe's data (ShareGPT's own replies: regeneration off, so nothing to generate first), at the
 recipe's precision; further ``--key value`` pairs override the recipe (e.g.
-``--drafter.out_of_vocab_targets renormalise``). Writes ``DIR/unroll_cost.json``: ``step_s_k1``, ``step_s_k3``, ``step_s_k7``,
+``--drafter.out_of_vocab_targets renormalise``). Writes ``DIR/unroll_cost.json``: ``step_s_k1``, ``step_s_k3``,
+``step_s_k7``,
 ``tokens_per_s_k1`` (real tokens a second at k = 1), ``ratio_k7_k1`` and what it ran on. A P-EAGLE
 recipe (``--recipe recipes/smollm2-peagle.yaml``) times its parallel passes, chain-sampled as the
 recipe says (``--drafter.down_sample_ratio 1``: every position).
@@ -26,8 +27,8 @@ import torch
 import yaml
 
 from draftsmith.timing import clock
-from draftsmith.train.cli import parse_training_args
 from draftsmith.train import eagle3, peagle
+from draftsmith.train.cli import parse_training_args
 from draftsmith.train.loop import pad_batch
 
 PASSES = (1, 3, 7)
@@ -63,24 +64,46 @@ def main() -> None:
     if kind not in module:
         parser.error(f"{args.recipe}: drafter.kind {kind!r}: this bench times eagle3 and peagle recipes")
     recipe_class, build = module[kind]
-    recipe, _ = parse_training_args(recipe_class, [args.recipe, "--data.regenerate.enabled", "false",
-                                                   "--data.limit", "64", "--drafter.features", "online",
-                                                   "--tracking.report_to", "none", *overrides])
+    recipe, _ = parse_training_args(
+        recipe_class,
+        [
+            args.recipe,
+            "--data.regenerate.enabled",
+            "false",
+            "--data.limit",
+            "64",
+            "--drafter.features",
+            "online",
+            "--tracking.report_to",
+            "none",
+            *overrides,
+        ],
+    )
     task, train_set, _ = build(recipe)
-    rows = [{key: torch.as_tensor(train_set[i][key]) for key in ("input_ids", "loss_mask")}
-            for i in range(recipe.training.batch_size)]
+    rows = [
+        {key: torch.as_tensor(train_set[i][key]) for key in ("input_ids", "loss_mask")}
+        for i in range(recipe.training.batch_size)
+    ]
     batch = pad_batch(rows)
     with torch.no_grad():
         batch["aux"], batch["hidden"] = task.target_features(batch)
     tokens = int(batch["attention_mask"].sum())
-    result = {f"step_s_k{k}": step_seconds(task, batch, k, args.repeats, recipe.training.mixed_precision) for k in PASSES}
-    result.update({
-        "tokens_per_s_k1": tokens / result["step_s_k1"],
-        "ratio_k7_k1": result["step_s_k7"] / result["step_s_k1"],
-        "batch": list(batch["input_ids"].shape), "real_tokens": tokens, "repeats": args.repeats,
-        "precision": recipe.training.mixed_precision, "recipe": args.recipe, "overrides": overrides,
-        "threads": torch.get_num_threads(),
-    })
+    result = {
+        f"step_s_k{k}": step_seconds(task, batch, k, args.repeats, recipe.training.mixed_precision) for k in PASSES
+    }
+    result.update(
+        {
+            "tokens_per_s_k1": tokens / result["step_s_k1"],
+            "ratio_k7_k1": result["step_s_k7"] / result["step_s_k1"],
+            "batch": list(batch["input_ids"].shape),
+            "real_tokens": tokens,
+            "repeats": args.repeats,
+            "precision": recipe.training.mixed_precision,
+            "recipe": args.recipe,
+            "overrides": overrides,
+            "threads": torch.get_num_threads(),
+        }
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "unroll_cost.json").write_text(json.dumps(result, indent=1))

@@ -13,9 +13,9 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 SUFFIX = ".tmp"
 
@@ -35,7 +35,7 @@ def remove_stale_stages(path: Path) -> list[Path]:
     returns what was removed."""
     prefix, host, removed = f".{path.name}.", socket.gethostname(), []
     for stage in path.parent.glob(f"{prefix}*{SUFFIX}") if path.parent.is_dir() else []:
-        writer_host, _, rest = stage.name[len(prefix):-len(SUFFIX)].rpartition(".")[0].rpartition(".")
+        writer_host, _, rest = stage.name[len(prefix) : -len(SUFFIX)].rpartition(".")[0].rpartition(".")
         if writer_host != host or not rest.isdigit() or _running(int(rest)):
             continue
         if stage.is_dir() and not stage.is_symlink():

@@ -34,7 +34,8 @@ _Yaml12Loader.yaml_implicit_resolvers = {
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 _BOOL_WORDS = {"yes": True, "on": True, "y": True, "no": False, "off": False, "n": False}
 
 
@@ -113,7 +114,8 @@ def _build(cls: type[T], data: dict, where: str) -> T:
             raise RecipeError(f"unknown key {prefix}{key}{hint}")
     kwargs = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
     missing = [
-        name for name, f in fields.items()
+        name
+        for name, f in fields.items()
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
@@ -184,7 +186,9 @@ def merge(base: dict, update: dict) -> dict:
 
 
 def load_recipe(
-    cls: type[T], path: str | Path | None, overrides: list[str] | dict | None = None,
+    cls: type[T],
+    path: str | Path | None,
+    overrides: list[str] | dict | None = None,
     aliases: dict[str, str] | None = None,
 ) -> T:
     """Read the YAML recipe at ``path`` into ``cls``, applying command-line ``overrides``.
@@ -224,7 +228,13 @@ def dump_recipe(obj: Any, path: str | Path) -> None:
 
 
 __all__ = [
-    "RecipeError", "from_dict", "to_dict", "parse_overrides", "merge", "load_recipe", "dump_recipe",
+    "RecipeError",
+    "from_dict",
+    "to_dict",
+    "parse_overrides",
+    "merge",
+    "load_recipe",
+    "dump_recipe",
 ]
 
 

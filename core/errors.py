@@ -13,7 +13,8 @@ import argparse
 import functools
 import os
 import sys
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 EXIT_USER_ERROR = 2
 DEBUG_FLAG = "--debug"
@@ -54,6 +55,7 @@ def report_user_errors(main: F) -> F:
 
     ``--debug`` is taken out of ``argv`` (or ``sys.argv``) before ``main`` sees it.
     """
+
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None, *args, **kwargs):
         given = sys.argv[1:] if argv is None else list(argv)
@@ -71,6 +73,7 @@ def report_user_errors(main: F) -> F:
             prog = os.path.basename(sys.argv[0]) or "draftsmith"
             print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
             raise SystemExit(EXIT_USER_ERROR) from None
+
     return wrapper  # type: ignore[return-value]
 
 
@@ -80,8 +83,9 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)
-        self.add_argument(DEBUG_FLAG, action="store_true",
-                          help=f"show the traceback of user errors too (or set {DEBUG_ENV}=1)")
+        self.add_argument(
+            DEBUG_FLAG, action="store_true", help=f"show the traceback of user errors too (or set {DEBUG_ENV}=1)"
+        )
 
     def error(self, message: str):
         print(f"{self.prog}: error: {one_line(message)} (see --help)", file=sys.stderr)
@@ -90,6 +94,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def at_least(minimum: int) -> Callable[[str], int]:
     """An argparse ``type`` for integers ``>= minimum``."""
+
     def parse(raw: str) -> int:
         try:
             value = int(raw)
@@ -98,5 +103,6 @@ def at_least(minimum: int) -> Callable[[str], int]:
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         return value
+
     parse.__name__ = f"integer >= {minimum}"
     return parse

@@ -22,7 +22,9 @@ _PROBE_FILE = {"model": "config.json", "dataset": None}
 
 def hub_offline() -> bool:
     """True when ``HF_HUB_OFFLINE`` (or the older ``TRANSFORMERS_OFFLINE``) asks for no network."""
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def _cached(repo_id: str, repo_type: RepoType) -> bool:
@@ -39,8 +41,10 @@ def _cached(repo_id: str, repo_type: RepoType) -> bool:
 
 def _local_hint(repo_id: str, field: str, repo_type: RepoType) -> str:
     kind = " --repo-type dataset" if repo_type == "dataset" else ""
-    return (f"download it where the hub is reachable (`hf download {repo_id}{kind} --local-dir DIR`) "
-            f"and set {field} to that folder")
+    return (
+        f"download it where the hub is reachable (`hf download {repo_id}{kind} --local-dir DIR`) "
+        f"and set {field} to that folder"
+    )
 
 
 def check_hub_id(repo_id: str, field: str, repo_type: RepoType = "model") -> None:
@@ -58,8 +62,10 @@ def check_hub_id(repo_id: str, field: str, repo_type: RepoType = "model") -> Non
     if hub_offline():
         if _cached(repo_id, repo_type):
             return
-        raise HubError(f"{field}: {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
-                       + _local_hint(repo_id, field, repo_type))
+        raise HubError(
+            f"{field}: {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+            + _local_hint(repo_id, field, repo_type)
+        )
     from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
@@ -70,15 +76,19 @@ def check_hub_id(repo_id: str, field: str, repo_type: RepoType = "model") -> Non
         else:
             HfApi().repo_info(repo_id, repo_type=repo_type, timeout=10)
     except GatedRepoError:
-        raise HubError(f"{field}: {repo_id!r} is a gated {repo_type} on the Hugging Face hub: accept its licence on "
-                       f"its hub page and log in (`hf auth login` or HF_TOKEN), or "
-                       + _local_hint(repo_id, field, repo_type)) from None
+        raise HubError(
+            f"{field}: {repo_id!r} is a gated {repo_type} on the Hugging Face hub: accept its licence on "
+            f"its hub page and log in (`hf auth login` or HF_TOKEN), or " + _local_hint(repo_id, field, repo_type)
+        ) from None
     except RepositoryNotFoundError:
-        raise HubError(f"{field}: no {repo_type} {repo_id!r} on the Hugging Face hub (or it is private and you are "
-                       "not logged in); check the id, or give a local folder") from None
+        raise HubError(
+            f"{field}: no {repo_type} {repo_id!r} on the Hugging Face hub (or it is private and you are "
+            "not logged in); check the id, or give a local folder"
+        ) from None
     except HfHubHTTPError as err:
-        raise HubError(f"{field}: the Hugging Face hub refused {repo_id!r} ({err}); "
-                       + _local_hint(repo_id, field, repo_type)) from None
+        raise HubError(
+            f"{field}: the Hugging Face hub refused {repo_id!r} ({err}); " + _local_hint(repo_id, field, repo_type)
+        ) from None
     except Exception as err:  # no network: DNS, connection, timeout, proxy errors of whichever HTTP client
         if _cached(repo_id, repo_type):
             import huggingface_hub.constants
@@ -87,7 +97,10 @@ def check_hub_id(repo_id: str, field: str, repo_type: RepoType = "model") -> Non
             huggingface_hub.constants.HF_HUB_OFFLINE = True  # read by the loaders of this process
             print(f"the Hugging Face hub is unreachable ({type(err).__name__}); using the cached copy of {repo_id}")
             return
-        raise HubError(f"{field}: cannot reach the Hugging Face hub to fetch {repo_id!r} ({type(err).__name__}: "
-                       f"{err}) and it is not in the local cache; " + _local_hint(repo_id, field, repo_type)
-                       + " (gated repos, such as Llama models, also need their licence accepted on the hub and "
-                       "`hf auth login` first)") from None
+        raise HubError(
+            f"{field}: cannot reach the Hugging Face hub to fetch {repo_id!r} ({type(err).__name__}: "
+            f"{err}) and it is not in the local cache; "
+            + _local_hint(repo_id, field, repo_type)
+            + " (gated repos, such as Llama models, also need their licence accepted on the hub and "
+            "`hf auth login` first)"
+        ) from None

@@ -7,7 +7,7 @@ Defaults live here and nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 
 @dataclass
@@ -15,8 +15,9 @@ class TargetConfig:
     """The frozen model the drafter is trained for and verified by."""
 
     name: str = "default"  # "default" (bundled SmolLM2-135M-Instruct), hub id, local folder or .gguf
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPUs and on CPUs where a measured bf16 matmul is faster, else fp32
-    chat_template: Optional[str] = None  # a .jinja file or template text, for targets that ship none
+    # auto: bf16 on GPUs and on CPUs where a measured bf16 matmul is faster, else fp32
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    chat_template: str | None = None  # a .jinja file or template text, for targets that ship none
 
 
 @dataclass
@@ -25,15 +26,17 @@ class RegenerateConfig:
 
     enabled: bool = False  # rewrite the data's assistant replies with the target before training
     max_new_tokens: int = 512  # longest rewritten reply, in tokens
-    max_turns: Optional[int] = 1  # assistant turns rewritten per conversation (None: all; later ones are dropped)
+    max_turns: int | None = 1  # assistant turns rewritten per conversation (None: all; later ones are dropped)
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # nucleus sampling when temperature > 0 (1.0: off)
     batch_size: int = 16  # conversations per generate call
-    max_prompt_tokens: Optional[int] = None  # longer first prompts are left out (counted); None: data.max_length
-    seed: Optional[int] = 0  # sampling seed (null: unseeded)
-    output: Optional[str] = None  # JSONL file; default: under the draftsmith cache, keyed by its inputs
-    engine: Literal["auto", "vllm", "hf"] = "auto"  # vllm: the serving engine (child process); hf: transformers generate; auto: vllm where importable
-    on_length: Literal["keep", "drop"] = "keep"  # a reply cut off at max_new_tokens: keep it open (no end-of-turn token; the conversation ends there) or drop it
+    max_prompt_tokens: int | None = None  # longer first prompts are left out (counted); None: data.max_length
+    seed: int | None = 0  # sampling seed (null: unseeded)
+    output: str | None = None  # JSONL file; default: under the draftsmith cache, keyed by its inputs
+    # vllm: the serving engine (child process); hf: transformers generate; auto: vllm where importable
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    # a reply cut off at max_new_tokens: keep it open (no end-of-turn token; the conversation ends there) or drop it
+    on_length: Literal["keep", "drop"] = "keep"
     tensor_parallel_size: int = 1  # vLLM: GPUs per model replica
     data_parallel_size: int = 1  # vLLM: model replicas
 
@@ -56,8 +59,8 @@ class DataConfig:
     split: str = "train"  # split name when `path` is a hub id
     max_length: int = 2048  # tokens per rendered conversation; longer ones are truncated
     held_out_fraction: float = 0.02  # deterministic by conversation id
-    limit: Optional[int] = None  # use only the first N valid conversations
-    cache_dir: Optional[str] = None  # tokenised-set cache; defaults to the draftsmith cache
+    limit: int | None = None  # use only the first N valid conversations
+    cache_dir: str | None = None  # tokenised-set cache; defaults to the draftsmith cache
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
     def validate(self) -> None:
@@ -87,16 +90,18 @@ class TrainingConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
     max_grad_norm: float = 0.5  # gradient clipping norm
     warmup_steps: int = 0  # linear warm-up, in optimiser steps
-    max_steps: Optional[int] = None  # optimiser steps; None means num_epochs over the data
+    max_steps: int | None = None  # optimiser steps; None means num_epochs over the data
     num_epochs: int = 1  # passes over the training set when max_steps is null
     batch_size: int = 1  # per device, in sequences
     gradient_accumulation_steps: int = 1  # micro-batches per optimiser step
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"  # after warm-up
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # Accelerate autocast; auto: bf16 when target.dtype resolves to bf16
+    # Accelerate autocast; auto: bf16 when target.dtype resolves to bf16
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     num_workers: int = 0  # DataLoader workers
     group_by_length: bool = True  # batch sequences of similar length (less padding); the batches' order stays random
-    max_minutes: Optional[float] = None  # wall-clock budget of the training loop: the schedule runs to its end by then (null: none)
-    stop_after_steps: Optional[int] = None  # end this invocation early (time-sliced jobs); resume later
+    # wall-clock budget of the training loop: the schedule runs to its end by then (null: none)
+    max_minutes: float | None = None
+    stop_after_steps: int | None = None  # end this invocation early (time-sliced jobs); resume later
     log_every: int = 10  # optimiser steps between logged training metrics
     eval_every: int = 0  # 0: only at the end
     save_every: int = 0  # 0: only at the end
@@ -132,7 +137,7 @@ class TrackingConfig:
 
     report_to: Literal["wandb", "none"] = "wandb"  # tracker (none: console only)
     project: str = "draftsmith"  # W&B project
-    run_name: Optional[str] = None  # W&B run name (null: W&B picks one)
+    run_name: str | None = None  # W&B run name (null: W&B picks one)
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: offline without a key
 
 
@@ -141,7 +146,7 @@ class EvalConfig:
     """Acceptance measurement with the shared decoding engine."""
 
     bench: str = "mt_bench"  # "mt_bench" or a .jsonl prompt file
-    limit: Optional[int] = None  # first N prompts (null: all)
+    limit: int | None = None  # first N prompts (null: all)
     max_new_tokens: int = 256  # tokens generated per prompt
     temperature: float = 0.0  # 0: greedy
 

@@ -78,8 +78,9 @@ def resolve_target(name_or_path: str, field: str = "target") -> str:
     return str(out_dir)
 
 
-def load_tokenizer(name_or_path: str = DEFAULT_TARGET, chat_template: str | None = None,
-                   field: str = "target") -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    name_or_path: str = DEFAULT_TARGET, chat_template: str | None = None, field: str = "target"
+) -> PreTrainedTokenizerBase:
     """The tokenizer of a target (same names as :func:`load_target`).
 
     ``chat_template``: a Jinja file or template text replacing the tokenizer's own (for models

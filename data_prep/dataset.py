@@ -70,8 +70,13 @@ def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
 def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
     """Hash of everything the tokenised set depends on."""
     parts = [
-        FORMAT_VERSION, _source_identity(cfg.path), cfg.split, _tokenizer_identity(tokenizer),
-        cfg.max_length, cfg.limit, cfg.held_out_fraction,
+        FORMAT_VERSION,
+        _source_identity(cfg.path),
+        cfg.split,
+        _tokenizer_identity(tokenizer),
+        cfg.max_length,
+        cfg.limit,
+        cfg.held_out_fraction,
     ]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
@@ -91,25 +96,31 @@ def _tokenize(conversations: list[dict], tokenizer, cfg: DataConfig) -> tuple[da
         rows[split].append({"id": conv["id"], "input_ids": encoded["input_ids"], "loss_mask": encoded["loss_mask"]})
     if not rows[TRAIN]:
         kept = f"{len(rows[HELD_OUT])} held out, " if rows[HELD_OUT] else ""
-        raise DataError(f"{cfg.path}: no training conversation left after tokenising {len(conversations)} "
-                        f"({kept}{dropped['no_assistant_tokens_within_max_length']} with no assistant token "
-                        f"within data.max_length={cfg.max_length}); raise data.max_length or data.limit, "
-                        "or lower data.held_out_fraction")
-    features = datasets.Features({
-        "id": datasets.Value("string"),
-        "input_ids": datasets.Sequence(datasets.Value("int32")),
-        "loss_mask": datasets.Sequence(datasets.Value("int8")),
-    })
+        raise DataError(
+            f"{cfg.path}: no training conversation left after tokenising {len(conversations)} "
+            f"({kept}{dropped['no_assistant_tokens_within_max_length']} with no assistant token "
+            f"within data.max_length={cfg.max_length}); raise data.max_length or data.limit, "
+            "or lower data.held_out_fraction"
+        )
+    features = datasets.Features(
+        {
+            "id": datasets.Value("string"),
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        }
+    )
     for split, items in rows.items():
         summary.conversations[split] = len(items)
         summary.tokens[split] = sum(len(r["input_ids"]) for r in items)
         summary.assistant_tokens[split] = sum(sum(r["loss_mask"]) for r in items)
     summary.dropped = dict(dropped)
     # Column-wise, so an empty split (no held-out conversation) keeps its features.
-    dataset = datasets.DatasetDict({
-        split: datasets.Dataset.from_dict({k: [r[k] for r in items] for k in features}, features=features)
-        for split, items in rows.items()
-    })
+    dataset = datasets.DatasetDict(
+        {
+            split: datasets.Dataset.from_dict({k: [r[k] for r in items] for k in features}, features=features)
+            for split, items in rows.items()
+        }
+    )
     return dataset, summary
 
 
@@ -152,6 +163,8 @@ def _load(folder: Path, cfg: DataConfig, verbose: bool) -> datasets.DatasetDict:
         train = dataset[TRAIN]
         dataset[HELD_OUT] = datasets.Dataset.from_dict({k: [] for k in train.features}, features=train.features)
         if verbose:
-            print(f"note: no held-out conversation among {len(train)} (data.held_out_fraction={cfg.held_out_fraction}): "
-                  "training without held-out metrics; raise data.limit or data.held_out_fraction to get them")
+            print(
+                f"note: no held-out conversation among {len(train)} (data.held_out_fraction={cfg.held_out_fraction}): "
+                "training without held-out metrics; raise data.limit or data.held_out_fraction to get them"
+            )
     return dataset

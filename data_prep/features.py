@@ -38,8 +38,9 @@ def features_dir(recipe, data, layers: list[int] | None = None) -> Path:
 
 
 @torch.no_grad()
-def extract_features(target, data, root: Path, shard_size: int = SHARD_SIZE, show: bool = True,
-                     layers: list[int] | None = None) -> dict:
+def extract_features(
+    target, data, root: Path, shard_size: int = SHARD_SIZE, show: bool = True, layers: list[int] | None = None
+) -> dict:
     """Write the target's last hidden states (and with ``layers`` those layers' states, fused, as
     ``aux``) for every split of ``data`` under ``root``; resumable."""
     root = Path(root)
@@ -55,7 +56,7 @@ def extract_features(target, data, root: Path, shard_size: int = SHARD_SIZE, sho
             path = out / f"shard-{number:05d}.safetensors"
             if path.is_file():
                 continue
-            chunk = rows[start:start + shard_size]
+            chunk = rows[start : start + shard_size]
             hidden, aux = [], []
             for ids in chunk["input_ids"]:
                 states = decoder(input_ids=torch.tensor([ids], device=device), output_hidden_states=bool(layers))

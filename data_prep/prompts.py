@@ -45,8 +45,9 @@ def load_prompts(bench: str = MT_BENCH, limit: int | None = None, per_category: 
                 raise DataError(f"{where}: expected an object with 'turns' or 'prompt'")
             turns = record.get("turns", [record["prompt"]] if "prompt" in record else None)
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-                raise DataError(f"{where}: 'turns' must be a non-empty list of non-empty strings "
-                                 "(or give one 'prompt' string)")
+                raise DataError(
+                    f"{where}: 'turns' must be a non-empty list of non-empty strings (or give one 'prompt' string)"
+                )
             prompt_id = str(record.get("question_id", record.get("id", lineno)))
             prompts.append(Prompt(id=prompt_id, turns=turns, category=str(record.get("category", "all"))))
     if per_category is not None:

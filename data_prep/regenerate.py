@@ -25,9 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -109,19 +109,29 @@ def hf_generator(target, tokenizer, cfg: RegenerateConfig) -> Generate:
         pad = tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
-        sampling = {"do_sample": False} if cfg.temperature == 0 else {"do_sample": True, "temperature": cfg.temperature,
-                                                                       "top_p": cfg.top_p}
+        sampling = (
+            {"do_sample": False}
+            if cfg.temperature == 0
+            else {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
+        )
         if seeds:  # one seed per batch: HF samples a batch from one generator
             torch.manual_seed(seeds[0])
-        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad,
-                              eos_token_id=sorted(eos), **sampling)
+        out = target.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=cfg.max_new_tokens,
+            pad_token_id=pad,
+            eos_token_id=sorted(eos),
+            **sampling,
+        )
         return [_reply(row.tolist(), eos) for row in out[:, width:]]
 
     return generate
 
 
-def regenerate(generate: Generate, tokenizer, conversations: list[dict], out: str | Path, cfg: RegenerateConfig,
-               show: bool = True) -> dict:
+def regenerate(
+    generate: Generate, tokenizer, conversations: list[dict], out: str | Path, cfg: RegenerateConfig, show: bool = True
+) -> dict:
     """Write ``conversations`` with assistant turns written by ``generate`` (:func:`hf_generator`, or
     vLLM's in :func:`run_vllm_regeneration`) to ``out`` (JSONL); resumable.
 
@@ -134,21 +144,29 @@ def regenerate(generate: Generate, tokenizer, conversations: list[dict], out: st
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out)
     todo = list(conversations)  # done ones too: the batches are those of an uninterrupted run
-    stats = {"written": 0, "skipped": sum(c["id"] in done for c in todo), "turns": 0, "empty": 0, "cut_off": 0,
-             "prompt_too_long": 0}
+    stats = {
+        "written": 0,
+        "skipped": sum(c["id"] in done for c in todo),
+        "turns": 0,
+        "empty": 0,
+        "cut_off": 0,
+        "prompt_too_long": 0,
+    }
     # Longest first prompt per conversation: batches of similar lengths waste little on padding.
     first_prompt = {c["id"]: len(render_prompt(tokenizer, _through_first_user(c["messages"]))) for c in todo}
     if cfg.max_prompt_tokens:
         long = [c for c in todo if first_prompt[c["id"]] > cfg.max_prompt_tokens]
         stats["prompt_too_long"] = len(long)
         if long and show:
-            print(f"regenerate: {len(long)} conversations whose first prompt exceeds {cfg.max_prompt_tokens} "
-                  f"tokens are left out (e.g. {', '.join(c['id'] for c in long[:3])})")
+            print(
+                f"regenerate: {len(long)} conversations whose first prompt exceeds {cfg.max_prompt_tokens} "
+                f"tokens are left out (e.g. {', '.join(c['id'] for c in long[:3])})"
+            )
         todo = [c for c in todo if first_prompt[c["id"]] <= cfg.max_prompt_tokens]
     todo.sort(key=lambda c: first_prompt[c["id"]])
     bar = tqdm(total=len(todo) - stats["skipped"], desc="regenerate", disable=not show)
     for start in range(0, len(todo), cfg.batch_size):
-        chunk = todo[start:start + cfg.batch_size]
+        chunk = todo[start : start + cfg.batch_size]
         if all(c["id"] in done for c in chunk):
             continue
         # A batch half written before an interruption is generated whole again (its rows then
@@ -174,8 +192,14 @@ def regenerate(generate: Generate, tokenizer, conversations: list[dict], out: st
                     results[i].pop()
                     stats["empty" if not reply.token_ids else "cut_off"] += 1
                     continue
-                results[i].append({"role": "assistant", "content": tokenizer.decode(reply.token_ids),
-                                   "token_ids": reply.token_ids, "finished": reply.finished})
+                results[i].append(
+                    {
+                        "role": "assistant",
+                        "content": tokenizer.decode(reply.token_ids),
+                        "token_ids": reply.token_ids,
+                        "finished": reply.finished,
+                    }
+                )
                 stats["turns"] += 1
                 if reply.finished:
                     still.append(i)
@@ -212,10 +236,19 @@ def regenerated_path(data: DataConfig, target_name: str, tokenizer, target_ident
     depends on: the data, the target's weights, the engine and every generation option)."""
     if data.regenerate.output:
         return Path(data.regenerate.output)
-    key = hashlib.sha256(json.dumps([
-        _source_identity(data.path), data.split, data.limit, target_name, target_identity,
-        _tokenizer_identity(tokenizer), asdict(data.regenerate),
-    ]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                _source_identity(data.path),
+                data.split,
+                data.limit,
+                target_name,
+                target_identity,
+                _tokenizer_identity(tokenizer),
+                asdict(data.regenerate),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     return cache_root() / "regenerated" / f"{key}.jsonl"
 
 
@@ -235,7 +268,9 @@ def prepare_data_config(data: DataConfig, target, target_name: str, tokenizer) -
     data = replace(data, regenerate=cfg)
     path = regenerated_path(data, target_name, tokenizer, _identity(target))
     if cfg.engine == "vllm":
-        stats = regenerate_with_vllm(resolve_target(target_name), dtype_name(next(target.parameters()).dtype), data, path)
+        stats = regenerate_with_vllm(
+            resolve_target(target_name), dtype_name(next(target.parameters()).dtype), data, path
+        )
     else:
         conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
         stats = regenerate(hf_generator(target, tokenizer, cfg), tokenizer, conversations, path, cfg)
@@ -248,8 +283,15 @@ def regenerate_with_vllm(model: str, dtype: str, data: DataConfig, out: Path) ->
     from draftsmith.vllm_engine import run_job
 
     cfg = data.regenerate
-    job = {"task": "regenerate", "model": model, "dtype": dtype, "data": asdict(data), "out": str(out),
-           "tensor_parallel_size": cfg.tensor_parallel_size, "data_parallel_size": cfg.data_parallel_size}
+    job = {
+        "task": "regenerate",
+        "model": model,
+        "dtype": dtype,
+        "data": asdict(data),
+        "out": str(out),
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "data_parallel_size": cfg.data_parallel_size,
+    }
     return run_job(job, f"regenerating {data.path} with vLLM", echo=True)
 
 
@@ -268,17 +310,31 @@ def run_vllm_regeneration(job: dict) -> dict:
     longest = getattr(config, "max_position_embeddings", None) or 1 << 20
     # The context vLLM reserves per sequence: the longest prompt kept plus a reply, within the model's.
     context = min(longest, (cfg.max_prompt_tokens or longest) + cfg.max_new_tokens)
-    llm = LLM(**engine_args(job["model"], job["dtype"], max_model_len=context,
-                            tensor_parallel_size=job["tensor_parallel_size"],
-                            data_parallel_size=job["data_parallel_size"]))
+    llm = LLM(
+        **engine_args(
+            job["model"],
+            job["dtype"],
+            max_model_len=context,
+            tensor_parallel_size=job["tensor_parallel_size"],
+            data_parallel_size=job["data_parallel_size"],
+        )
+    )
     eos = _eos_ids(config, _generation_config(job["model"]), tokenizer)
 
     def generate(histories: list[list[dict]], seeds: list[int]) -> list[Reply]:
         prompts = [TokensPrompt(prompt_token_ids=render_prompt(tokenizer, h)) for h in histories]
         # A seed per request: what a conversation samples does not depend on its batch.
-        params = [SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
-                                 stop_token_ids=sorted(eos), seed=seeds[i] if seeds else None, detokenize=False)
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                max_tokens=cfg.max_new_tokens,
+                stop_token_ids=sorted(eos),
+                seed=seeds[i] if seeds else None,
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [_reply(list(o.outputs[0].token_ids), eos) for o in outputs]
 
@@ -290,9 +346,15 @@ def run_vllm_regeneration(job: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="default")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32")
-    parser.add_argument("--engine", default=RegenerateConfig.engine, choices=("auto", "vllm", "hf"),
-                        help="vllm (the serving engine), hf (transformers generate); auto: vllm where importable")
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32"
+    )
+    parser.add_argument(
+        "--engine",
+        default=RegenerateConfig.engine,
+        choices=("auto", "vllm", "hf"),
+        help="vllm (the serving engine), hf (transformers generate); auto: vllm where importable",
+    )
     parser.add_argument("--data", default="sharegpt", help="'sharegpt' (bundled), a .json/.jsonl file or a hub id")
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=RegenerateConfig.max_new_tokens)
@@ -300,19 +362,36 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--temperature", type=float, default=RegenerateConfig.temperature)
     parser.add_argument("--top-p", type=float, default=RegenerateConfig.top_p)
     parser.add_argument("--seed", type=int, default=RegenerateConfig.seed)
-    parser.add_argument("--on-length", default=RegenerateConfig.on_length, choices=("keep", "drop"),
-                        help="a reply cut off at --max-new-tokens: keep it open (the conversation ends there) or drop it")
+    parser.add_argument(
+        "--on-length",
+        default=RegenerateConfig.on_length,
+        choices=("keep", "drop"),
+        help="a reply cut off at --max-new-tokens: keep it open (the conversation ends there) or drop it",
+    )
     parser.add_argument("--batch-size", type=int, default=RegenerateConfig.batch_size)
     parser.add_argument("--max-prompt-tokens", type=int, default=None, help="leave out longer first prompts (counted)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=RegenerateConfig.tensor_parallel_size, help="vLLM, GPUs")
-    parser.add_argument("--data-parallel-size", type=int, default=RegenerateConfig.data_parallel_size, help="vLLM, GPUs")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=RegenerateConfig.tensor_parallel_size, help="vLLM, GPUs"
+    )
+    parser.add_argument(
+        "--data-parallel-size", type=int, default=RegenerateConfig.data_parallel_size, help="vLLM, GPUs"
+    )
     parser.add_argument("--out", required=True, help="output JSONL (appended to and resumed)")
     args = parser.parse_args(argv)
-    cfg = RegenerateConfig(enabled=True, engine=resolve_engine(args.engine), max_new_tokens=args.max_new_tokens,
-                           max_turns=args.max_turns, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                           on_length=args.on_length, batch_size=args.batch_size,
-                           max_prompt_tokens=args.max_prompt_tokens,
-                           tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+    cfg = RegenerateConfig(
+        enabled=True,
+        engine=resolve_engine(args.engine),
+        max_new_tokens=args.max_new_tokens,
+        max_turns=args.max_turns,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        on_length=args.on_length,
+        batch_size=args.batch_size,
+        max_prompt_tokens=args.max_prompt_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+    )
     try:
         cfg.validate()
     except ValueError as err:
@@ -320,8 +399,9 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.engine == "vllm":
         data = DataConfig(path=args.data, limit=args.limit, regenerate=cfg)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        stats = regenerate_with_vllm(resolve_target(args.target), dtype_name(resolve_dtype(args.dtype, device)), data,
-                                     Path(args.out))
+        stats = regenerate_with_vllm(
+            resolve_target(args.target), dtype_name(resolve_dtype(args.dtype, device)), data, Path(args.out)
+        )
     else:
         target, tokenizer = load_target(args.target, args.dtype)
         conversations, _ = load_conversations(args.data, limit=args.limit)

@@ -33,7 +33,7 @@ from draftsmith.eval.policies import PolicyConfig
 from draftsmith.eval.runner import UnsupportedTargetError, _attention_layout
 from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
 from draftsmith.eval.stopping import StopChecker
-from draftsmith.eval.tree import TokenTree, ancestor_mask, upload
+from draftsmith.eval.tree import ancestor_mask, upload
 from draftsmith.eval.verify import read_verdict, verify
 from draftsmith.timing import clock
 
@@ -49,8 +49,10 @@ class BatchRunner:
         param = next(self.decoder.parameters())
         self.device, self.dtype = param.device, param.dtype
         if _attention_layout(self.config)[1] is not None:
-            raise UnsupportedTargetError(f"{self.config.model_type}: batched decoding supports full attention only "
-                                         f"(this model has a sliding window); decode its prompts one at a time")
+            raise UnsupportedTargetError(
+                f"{self.config.model_type}: batched decoding supports full attention only "
+                f"(this model has a sliding window); decode its prompts one at a time"
+            )
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.cache: SlotCache | None = None
         self.valid: torch.Tensor | None = None  # [batch, capacity]: slots a row may attend to
@@ -60,7 +62,7 @@ class BatchRunner:
         """Grow the validity mask (doubling) to ``rows`` slots; the cache grows on its own."""
         if rows > self.valid.shape[1]:
             grown = self.valid.new_zeros(self.valid.shape[0], max(rows, 2 * self.valid.shape[1]))
-            grown[:, :self.width] = self.valid[:, :self.width]
+            grown[:, : self.width] = self.valid[:, : self.width]
             self.valid = grown
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -68,11 +70,16 @@ class BatchRunner:
         to the new rows ``allowed`` ``[batch, n, n]`` says; returns the last hidden states ``[batch, n, H]``."""
         batch, n = ids.shape
         self._room(self.width + n)
-        keys = torch.cat([self.valid[:, None, :self.width].expand(batch, n, self.width), allowed], -1)
+        keys = torch.cat([self.valid[:, None, : self.width].expand(batch, n, self.width), allowed], -1)
         mask = torch.zeros(keys.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~keys, torch.finfo(self.dtype).min)
-        out = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask[:, None],
-                           past_key_values=self.cache, use_cache=True)
+        out = self.decoder(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -98,8 +105,9 @@ class BatchRunner:
         return hidden.gather(1, (lengths - 1)[:, None, None].expand(batch, 1, hidden.shape[-1]))[:, 0]
 
     @torch.no_grad()
-    def forward_trees(self, ids: torch.Tensor, parents: torch.Tensor, positions: torch.Tensor,
-                      levels: int) -> torch.Tensor:
+    def forward_trees(
+        self, ids: torch.Tensor, parents: torch.Tensor, positions: torch.Tensor, levels: int
+    ) -> torch.Tensor:
         """Rows ``[batch, n]`` (row 0 of each: its last token; ``parents`` row-local, -1 at the
         root and the padding) scored in one pass and left pending until :meth:`keep`."""
         return self._forward(ids, positions, ancestor_mask(parents, levels))
@@ -114,7 +122,7 @@ class BatchRunner:
             return
         n = order.shape[1]
         self.cache.compact(self.width, order, most)
-        self.valid[:, self.width:self.width + n] = torch.arange(n, device=self.device) < counts[:, None]
+        self.valid[:, self.width : self.width + n] = torch.arange(n, device=self.device) < counts[:, None]
         self.width += most
 
 
@@ -128,16 +136,27 @@ def _pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Gener
 class BatchDecoder:
     """Generate for several prompts at once with the target and one drafter per prompt (or none)."""
 
-    def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None,
-                 sampling: SamplingConfig = SamplingConfig(), eos_ids: set[int] | None = None):
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        sampling: SamplingConfig = SamplingConfig(),
+        eos_ids: set[int] | None = None,
+    ):
         self.runner = BatchRunner(target)
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.eos_ids = eos_ids if eos_ids is not None else eos_token_ids(target, tokenizer)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, drafters: list[Drafter | None] | None = None,
-                 stop_strings: tuple[str, ...] = (), seeds: list[int] | None = None) -> list[Generation]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        drafters: list[Drafter | None] | None = None,
+        stop_strings: tuple[str, ...] = (),
+        seeds: list[int] | None = None,
+    ) -> list[Generation]:
         """Continue every prompt by up to ``max_new_tokens`` tokens; one :class:`Generation` per prompt.
 
         ``drafters[i]`` drafts for prompt i (None: plain decoding for that row); a drafter keeps
@@ -148,17 +167,25 @@ class BatchDecoder:
         batch = len(prompts)
         drafters = list(drafters) if drafters is not None else [None] * batch
         if len(drafters) != batch or (seeds is not None and len(seeds) != batch):
-            raise UsageError(f"{batch} prompts need as many drafters and seeds, got {len(drafters)} and "
-                             f"{len(seeds) if seeds is not None else 'no'} seeds")
+            raise UsageError(
+                f"{batch} prompts need as many drafters and seeds, got {len(drafters)} and "
+                f"{len(seeds) if seeds is not None else 'no'} seeds"
+            )
         for drafter in drafters:
             if drafter is not None and (drafter.needs_hidden or drafter.verifier is not None):
-                raise UsageError(f"drafter {drafter.name} reads the target's features or verifies with its own "
-                                 f"model; batched decoding supports feature-free drafters (prompt lookup, draft LMs, ...)")
+                raise UsageError(
+                    f"drafter {drafter.name} reads the target's features or verifies with its own "
+                    f"model; batched decoding supports feature-free drafters (prompt lookup, draft LMs, ...)"
+                )
             if drafter is not None and getattr(drafter, "policy", None) not in (None, PolicyConfig()):
-                raise UsageError(f"drafter {drafter.name} has a draft-length policy or lenience; batched decoding "
-                                 f"drafts at fixed length and verifies losslessly: decode its prompts one at a time")
+                raise UsageError(
+                    f"drafter {drafter.name} has a draft-length policy or lenience; batched decoding "
+                    f"drafts at fixed length and verifies losslessly: decode its prompts one at a time"
+                )
         device = self.runner.device
-        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds] if seeds is not None else [None] * batch
+        generators = (
+            [torch.Generator(device=device).manual_seed(s) for s in seeds] if seeds is not None else [None] * batch
+        )
         for drafter, prompt in zip(drafters, prompts):
             if drafter is not None:
                 drafter.prepare(prompt, max_new_tokens)
@@ -177,7 +204,7 @@ class BatchDecoder:
             cut, results[i].stop_reason = stops.check(sequences[i], lengths[i], 0)
             active.append(cut is None and max_new_tokens > 1)
             if cut is not None:
-                del sequences[i][lengths[i] + cut:]
+                del sequences[i][lengths[i] + cut :]
         prefill = clock(device) - start
         start = clock(device)
         while any(active):
@@ -193,7 +220,7 @@ class BatchDecoder:
             most = offset = 0
             for i in range(batch):
                 size = len(trees[i]) + 1 if trees[i] is not None else 1
-                row, offset = values[offset:offset + size], offset + size
+                row, offset = values[offset : offset + size], offset + size
                 path, last = read_verdict(row) if trees[i] is not None else ([], row[0])
                 most = max(most, len(path) + 1)
                 lengths[i] += len(path) + 1
@@ -206,7 +233,7 @@ class BatchDecoder:
             self.runner.keep(order, counts, most)
         decode = clock(device) - start
         for result, sequence, prompt in zip(results, sequences, prompts):
-            result.tokens = sequence[len(prompt):]
+            result.tokens = sequence[len(prompt) :]
             result.prefill_seconds, result.decode_seconds = prefill, decode
         return results
 
@@ -231,14 +258,18 @@ class BatchDecoder:
         outcomes, kept = [], []
         best = logits[:, 0].argmax(-1) if self.sampling.greedy else None  # every row's plain pick at once
         if n == 1:  # no trees: nothing to verify or compact
-            picks = [_pick(logits[i, 0], self.sampling, generators[i]) for i in range(batch)] if best is None else [best]
+            picks = (
+                [_pick(logits[i, 0], self.sampling, generators[i]) for i in range(batch)] if best is None else [best]
+            )
             return picks, None, None
         for i, tree in enumerate(trees):
             if tree is None:
-                outcomes.append(best[i:i + 1] if best is not None else _pick(logits[i, 0], self.sampling, generators[i]))
+                outcomes.append(
+                    best[i : i + 1] if best is not None else _pick(logits[i, 0], self.sampling, generators[i])
+                )
                 kept.append(torch.ones(1, dtype=torch.bool, device=logits.device))
             else:
-                outcomes.append(verify(tree, logits[i, :len(tree) + 1], self.sampling, generators[i]))
+                outcomes.append(verify(tree, logits[i, : len(tree) + 1], self.sampling, generators[i]))
                 kept.append(torch.cat([outcomes[-1].new_ones(1), outcomes[-1][:-1]]).bool())
         kept = torch.nn.utils.rnn.pad_sequence(kept, batch_first=True, padding_value=False)
         kept = torch.nn.functional.pad(kept, (0, n - kept.shape[1]))
@@ -246,8 +277,15 @@ class BatchDecoder:
         order = torch.argsort(torch.where(kept, slots, slots + n), dim=-1)
         return outcomes, order, kept.sum(-1)
 
-    def _advance(self, result: Generation, sequence: list[int], base: int, accepted: list[int],
-                 stops: StopChecker, max_new_tokens: int) -> bool:
+    def _advance(
+        self,
+        result: Generation,
+        sequence: list[int],
+        base: int,
+        accepted: list[int],
+        stops: StopChecker,
+        max_new_tokens: int,
+    ) -> bool:
         """Append a step's accepted tokens to ``sequence`` (cut at a stop or the budget, as
         ``SpeculativeDecoder`` does) and record the step; whether the row goes on."""
         scanned = len(sequence) - base
@@ -258,7 +296,7 @@ class BatchDecoder:
             cut = None
         end = min(cut or len(sequence) - base, max_new_tokens)
         result.accepted.append(end - scanned)
-        del sequence[base + end:]
+        del sequence[base + end :]
         if cut is not None:
             result.stop_reason = reason
         return cut is None and end < max_new_tokens

@@ -31,10 +31,16 @@ HF_BASELINES = ("hf_plain", "hf_prompt_lookup", "hf_assisted", "hf_assisted_dyna
 # a threshold that it re-fits after every step from the assistant's probabilities and the target's
 # matches; the re-fit needs scikit-learn).
 ASSISTED = {
-    "hf_assisted": lambda length: {"num_assistant_tokens": length, "num_assistant_tokens_schedule": "constant",
-                                   "assistant_confidence_threshold": 0.0},
-    "hf_assisted_dynamic": lambda length: {"num_assistant_tokens": None, "num_assistant_tokens_schedule": None,
-                                           "assistant_confidence_threshold": None},
+    "hf_assisted": lambda length: {
+        "num_assistant_tokens": length,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.0,
+    },
+    "hf_assisted_dynamic": lambda length: {
+        "num_assistant_tokens": None,
+        "num_assistant_tokens_schedule": None,
+        "assistant_confidence_threshold": None,
+    },
 }
 
 
@@ -58,7 +64,9 @@ class Run:
     draft_seconds: float | None = None  # drafting time, when timed for the cost model
 
 
-def _hf_generate(model, tokenizer, prompt, max_new_tokens, sampling, eos, seed, **kwargs) -> tuple[list[int], int, float]:
+def _hf_generate(
+    model, tokenizer, prompt, max_new_tokens, sampling, eos, seed, **kwargs
+) -> tuple[list[int], int, float]:
     calls = 0
 
     def count(*_):
@@ -68,21 +76,31 @@ def _hf_generate(model, tokenizer, prompt, max_new_tokens, sampling, eos, seed, 
     handle = model.register_forward_hook(count)
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], device=device)
-    gen = dict(do_sample=False) if sampling.greedy else dict(
-        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+    gen = (
+        dict(do_sample=False)
+        if sampling.greedy
+        else dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+    )
     if seed is not None:
         torch.manual_seed(seed)
     try:
         start = clock(device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id, **gen, **kwargs)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(eos),
+            pad_token_id=tokenizer.pad_token_id,
+            **gen,
+            **kwargs,
+        )
         seconds = clock(device) - start
     finally:
         handle.remove()
     # Plain generate prefills in a call of its own; assisted generation and prompt lookup draft
     # from the prompt first, so their first target call is prefill and verification at once.
     speculative = "assistant_model" in kwargs or "prompt_lookup_num_tokens" in kwargs
-    return out[0, len(prompt):].tolist(), calls if speculative else calls - 1, seconds
+    return out[0, len(prompt) :].tolist(), calls if speculative else calls - 1, seconds
 
 
 def run_bench(
@@ -115,8 +133,11 @@ def run_bench(
         # on only while it decodes) is verified by it; plain decoding stays the baseline.
         verifier = drafter.verifier or target
         decoders[drafter.name] = SpeculativeDecoder(verifier, drafter, tokenizer, sampling, eos, time_drafting)
-    hf_kwargs = {name: kwargs for name, kwargs in (("hf_plain", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10}))
-                 if name in hf_baselines}
+    hf_kwargs = {
+        name: kwargs
+        for name, kwargs in (("hf_plain", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10}))
+        if name in hf_baselines
+    }
     assistant_config = {}  # method -> (assistant model, its generation config for that method)
     for baseline in (b for b in ASSISTED if b in hf_baselines):
         if not assistants:
@@ -142,9 +163,21 @@ def run_bench(
                     bar.set_postfix_str(f"{prompt.id}/{turn} {name}")
                     gen = decoder.generate(ids, max_new_tokens, seed=seed + index)
                     reference = reference or gen
-                    runs.append(Run(name, prompt.id, prompt.category, turn, len(gen.tokens), gen.steps,
-                                    gen.seconds, gen.accepted, *_agreement(gen.tokens, reference.tokens, sampling.greedy),
-                                    gen.drafted, gen.draft_seconds))
+                    runs.append(
+                        Run(
+                            name,
+                            prompt.id,
+                            prompt.category,
+                            turn,
+                            len(gen.tokens),
+                            gen.steps,
+                            gen.seconds,
+                            gen.accepted,
+                            *_agreement(gen.tokens, reference.tokens, sampling.greedy),
+                            gen.drafted,
+                            gen.draft_seconds,
+                        )
+                    )
                     bar.update()
                 for name, kwargs in hf_kwargs.items():
                     bar.set_postfix_str(f"{prompt.id}/{turn} {name}")
@@ -152,10 +185,22 @@ def run_bench(
                         model, settings = assistant_config[name]
                         for key, value in settings.items():
                             setattr(model.generation_config, key, value)
-                    tokens, steps, seconds = _hf_generate(target, tokenizer, ids, max_new_tokens, sampling,
-                                                          eos, seed + index, **kwargs)
-                    runs.append(Run(name, prompt.id, prompt.category, turn, len(tokens), steps, seconds,
-                                    [], *_agreement(tokens, reference.tokens, sampling.greedy)))
+                    tokens, steps, seconds = _hf_generate(
+                        target, tokenizer, ids, max_new_tokens, sampling, eos, seed + index, **kwargs
+                    )
+                    runs.append(
+                        Run(
+                            name,
+                            prompt.id,
+                            prompt.category,
+                            turn,
+                            len(tokens),
+                            steps,
+                            seconds,
+                            [],
+                            *_agreement(tokens, reference.tokens, sampling.greedy),
+                        )
+                    )
                     bar.update()
                 answer = [t for t in reference.tokens if t not in eos]
                 history.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})

@@ -49,8 +49,10 @@ def measure_head_accuracy(task: MedusaTask, rows, batch_size: int = 1) -> list[l
         _, metrics = task.loss(task.heads, batch, training=False)
         for key, value in metrics.items():
             totals[key] = totals.get(key, 0.0) + value
-    return [[totals[f"head{k + 1}/top{r}"] / max(totals[f"head{k + 1}/tokens"], 1.0)
-             for r in range(1, TOP_K_RECORDED + 1)] for k in range(task.cfg.num_heads)]
+    return [
+        [totals[f"head{k + 1}/top{r}"] / max(totals[f"head{k + 1}/tokens"], 1.0) for r in range(1, TOP_K_RECORDED + 1)]
+        for k in range(task.cfg.num_heads)
+    ]
 
 
 @torch.no_grad()
@@ -79,8 +81,15 @@ def calibrate(rank_acc: list[list[float]], costs: dict[int, float], draft_cost: 
         choices = optimal_choices(rank_acc, n)
         tau = expected_acceptance(choices, rank_acc)
         step = interpolate(costs, n + 1) + draft_cost
-        curve.append({"budget": n, "expected_acceptance": tau, "step_ms": step * 1e3,
-                      "estimated_speedup": tau * costs[1] / step, "choices": choices})
+        curve.append(
+            {
+                "budget": n,
+                "expected_acceptance": tau,
+                "step_ms": step * 1e3,
+                "estimated_speedup": tau * costs[1] / step,
+                "choices": choices,
+            }
+        )
     return curve
 
 
@@ -89,12 +98,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a Medusa checkpoint folder")
     parser.add_argument("--target", default=None, help="default: the target named in the checkpoint's recipe")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32")
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32"
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument("--limit", type=int, default=None, help="held-out conversations to measure accuracy on")
     parser.add_argument("--max-budget", type=int, default=64, help="largest tree (nodes) considered")
-    parser.add_argument("--sizes", default="1,2,3,4,6,8,12,16,24,32,48,64,80",
-                        help="pass sizes (tokens) measured; others are interpolated")
+    parser.add_argument(
+        "--sizes",
+        default="1,2,3,4,6,8,12,16,24,32,48,64,80",
+        help="pass sizes (tokens) measured; others are interpolated",
+    )
     parser.add_argument("--out", default=None, help="default: CHECKPOINT/tree.yaml")
     args = parser.parse_args(argv)
 
@@ -109,13 +123,18 @@ def main(argv: list[str] | None = None) -> dict:
     data_cfg = prepare_data_config(recipe.data, verifier, recipe.target.name, tokenizer)
     held_out = build_dataset(data_cfg, tokenizer)[0]["held_out"]
     if not len(held_out):
-        raise DataError(f"{checkpoint / 'recipe.yaml'}: its data section (data.limit={recipe.data.limit}, "
-                        f"data.held_out_fraction={recipe.data.held_out_fraction}) holds no held-out conversation to "
-                        "measure the heads on; raise either there, or give the drafter a tree with medusa:PATH?choices=FILE")
+        raise DataError(
+            f"{checkpoint / 'recipe.yaml'}: its data section (data.limit={recipe.data.limit}, "
+            f"data.held_out_fraction={recipe.data.held_out_fraction}) holds no held-out conversation to "
+            "measure the heads on; raise either there, or give the drafter a tree with medusa:PATH?choices=FILE"
+        )
     if args.limit:
         held_out = held_out.select(range(min(args.limit, len(held_out))))
-    task = MedusaTask(replace(recipe, drafter=replace(recipe.drafter, lora=replace(recipe.drafter.lora, enabled=False))),
-                      verifier, heads)
+    task = MedusaTask(
+        replace(recipe, drafter=replace(recipe.drafter, lora=replace(recipe.drafter.lora, enabled=False))),
+        verifier,
+        heads,
+    )
     accuracy = measure_head_accuracy(task, held_out)
     rank_acc = rank_accuracy(accuracy)
 
@@ -129,7 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"held-out top-k accuracy per head ({len(held_out)} conversations):")
     for k, row in enumerate(accuracy):
         print(f"  head {k + 1}: top-1 {row[0]:.3f}  top-5 {row[4]:.3f}  top-10 {row[9]:.3f}")
-    print(f"\nverification pass cost on {next(verifier.parameters()).device} ({dtype_name(next(verifier.parameters()).dtype)}), draft step {draft_cost * 1e3:.2f} ms")
+    print(
+        f"\nverification pass cost on {next(verifier.parameters()).device} "
+        f"({dtype_name(next(verifier.parameters()).dtype)}), draft step {draft_cost * 1e3:.2f} ms"
+    )
     print("| tokens | ms per pass | x single-token pass |\n|---|---|---|")
     for n, seconds in costs.items():
         print(f"| {n} | {seconds * 1e3:.1f} | {seconds / costs[1]:.2f} |")
@@ -137,25 +159,34 @@ def main(argv: list[str] | None = None) -> dict:
     for row in curve:
         if row["budget"] in (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63, 64) or row is best:
             mark = "  <- chosen" if row is best else ""
-            print(f"| {row['budget']} | {row['expected_acceptance']:.2f} | {row['step_ms']:.1f} | {row['estimated_speedup']:.2f}{mark} |")
+            print(
+                f"| {row['budget']} | {row['expected_acceptance']:.2f} | {row['step_ms']:.1f} | "
+                f"{row['estimated_speedup']:.2f}{mark} |"
+            )
 
     result = {
         "choices": [list(c) for c in best["choices"]],
         "budget": best["budget"],
         "expected_acceptance": round(best["expected_acceptance"], 4),
         "estimated_speedup": round(best["estimated_speedup"], 4),
-        "measured_on": {"device": str(next(verifier.parameters()).device), "dtype": dtype_name(next(verifier.parameters()).dtype),
-                        "torch_threads": torch.get_num_threads()},
+        "measured_on": {
+            "device": str(next(verifier.parameters()).device),
+            "dtype": dtype_name(next(verifier.parameters()).dtype),
+            "torch_threads": torch.get_num_threads(),
+        },
         "head_accuracy": [[round(v, 4) for v in row] for row in accuracy],
         "pass_cost_ms": {n: round(s * 1e3, 3) for n, s in costs.items()},
         "draft_cost_ms": round(draft_cost * 1e3, 3),
-        "curve": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "choices"}
-                  for row in curve],
+        "curve": [
+            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "choices"} for row in curve
+        ],
     }
     out = Path(args.out) if args.out else checkpoint / "tree.yaml"
     out.write_text(yaml.safe_dump(result, sort_keys=False, default_flow_style=None))
-    print(f"\nchose {best['budget']} nodes (expected acceptance {best['expected_acceptance']:.2f}, "
-          f"estimated {best['estimated_speedup']:.2f}x); wrote {out}")
+    print(
+        f"\nchose {best['budget']} nodes (expected acceptance {best['expected_acceptance']:.2f}, "
+        f"estimated {best['estimated_speedup']:.2f}x); wrote {out}"
+    )
     return result
 
 

@@ -68,7 +68,10 @@ def cost_model_lines(summary: dict, runs: list[Run], costs: dict[int, float]) ->
         drafted = [a for r in own for a, n in zip(r.accepted, r.drafted) if n]
         acceptance = sum(a > 1 for a in drafted) / len(drafted)
         depth, speedup = best_depth(acceptance, draft_cost, costs)
-        lines.append(f"cost model, {method}: first draft token accepted in {acceptance:.0%} of drafting steps, a draft node costs "
-                     f"{draft_cost / costs[1]:.2f} target steps: best fixed chain depth {depth} (predicted {speedup:.2f}x); "
-                     f"drafting pays only above {break_even_acceptance(costs, draft_cost):.0%} acceptance")
+        lines.append(
+            f"cost model, {method}: first draft token accepted in {acceptance:.0%} of drafting steps, a "
+            f"draft node costs "
+            f"{draft_cost / costs[1]:.2f} target steps: best fixed chain depth {depth} (predicted {speedup:.2f}x); "
+            f"drafting pays only above {break_even_acceptance(costs, draft_cost):.0%} acceptance"
+        )
     return lines

@@ -17,9 +17,9 @@ tree stops growing (the entropy threshold it passes in the context); verificatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch.profiler import record_function
@@ -73,9 +73,15 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | N
 class SpeculativeDecoder:
     """Generate with a target and any drafter (``None`` gives plain autoregressive decoding)."""
 
-    def __init__(self, target: PreTrainedModel, drafter: Drafter | None = None,
-                 tokenizer: PreTrainedTokenizerBase | None = None, sampling: SamplingConfig = SamplingConfig(),
-                 eos_ids: set[int] | None = None, time_drafting: bool = False):
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: Drafter | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        sampling: SamplingConfig = SamplingConfig(),
+        eos_ids: set[int] | None = None,
+        time_drafting: bool = False,
+    ):
         """``time_drafting``: also measure the drafter's share of each step for the cost model
         (a device synchronisation around every proposal: for diagnosis, not for speed runs)."""
         self.runner = CausalLMRunner(target, capture_layers=getattr(drafter, "feature_layers", None))
@@ -155,8 +161,9 @@ class SpeculativeDecoder:
     def _generate(self, prompt, max_new_tokens, stop_strings, streamer, seed) -> Generation:
         # Drafts never reach past the last new token (their depth is capped by the remaining
         # budget), and that token is never fed back: prompt + max_new_tokens - 1 positions.
-        self.runner.check_context(len(prompt) + max_new_tokens - 1,
-                                  f"a prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens}")
+        self.runner.check_context(
+            len(prompt) + max_new_tokens - 1, f"a prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens}"
+        )
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -191,8 +198,9 @@ class SpeculativeDecoder:
                 if self.time_drafting:
                     drafting = clock(device)
                 with record_function("draft"):
-                    tree = drafter.propose(DraftContext(tokens, self.sampling, generator, remaining - 1,
-                                                        policy.max_entropy))
+                    tree = drafter.propose(
+                        DraftContext(tokens, self.sampling, generator, remaining - 1, policy.max_entropy)
+                    )
                 if self.time_drafting:
                     result.draft_seconds += clock(device) - drafting
             hidden, outcome, order = self._step(root, tree, generator)
@@ -201,7 +209,7 @@ class SpeculativeDecoder:
             confident = None
             if policy.config.confidence is not None:
                 confident, values = bool(values[-1]), values[:-1]
-            root = outcome[len(values) - 1:len(values)]
+            root = outcome[len(values) - 1 : len(values)]
             kept = self._features(hidden) if drafter is not None and drafter.needs_hidden else None
             path: list[int] = []
             if order is None:
@@ -211,7 +219,7 @@ class SpeculativeDecoder:
                 with record_function("commit"):
                     self.runner.keep(order, len(path) + 1)
                 accepted_tokens = [tree.tokens[node] for node in path] + [last]
-                kept = kept[order[:len(path) + 1]] if kept is not None else None
+                kept = kept[order[: len(path) + 1]] if kept is not None else None
             policy.observe(tree, path, confident)
             scanned = len(tokens) - base
             tokens += accepted_tokens
@@ -226,10 +234,10 @@ class SpeculativeDecoder:
             end = min(cut or len(tokens) - base, max_new_tokens)
             result.accepted.append(end - scanned)
             if streamer:
-                streamer(tokens[base + scanned:base + end])
-            del tokens[base + end:]
+                streamer(tokens[base + scanned : base + end])
+            del tokens[base + end :]
         result.decode_seconds = clock(device) - start
-        result.tokens = tokens[base:base + (cut or max_new_tokens)]
+        result.tokens = tokens[base : base + (cut or max_new_tokens)]
         result.stop_reason = reason if cut is not None else "length"
         return result
 

@@ -41,11 +41,28 @@ def main(argv: list[str] | None = None) -> dict:
     if args.train_minutes is not None:
         overrides += ["--training.max_minutes", str(args.train_minutes)]
     trainer = train_main([args.recipe, *overrides])
-    summary = eval_main(["--target", trainer.recipe.target.name, "--dtype", trainer.recipe.target.dtype,
-                         "--bench", "mt_bench", "--per-category", str(args.per_category),
-                         "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
-                         "--drafter", f"eagle:{trainer.last_checkpoint}", "--drafter", "prompt_lookup",
-                         "--out", args.results])
+    summary = eval_main(
+        [
+            "--target",
+            trainer.recipe.target.name,
+            "--dtype",
+            trainer.recipe.target.dtype,
+            "--bench",
+            "mt_bench",
+            "--per-category",
+            str(args.per_category),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--temperature",
+            "0",
+            "--drafter",
+            f"eagle:{trainer.last_checkpoint}",
+            "--drafter",
+            "prompt_lookup",
+            "--out",
+            args.results,
+        ]
+    )
     print(f"\nwall time per stage:\n{stage_table()}")
     return summary
 

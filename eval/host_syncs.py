@@ -39,6 +39,7 @@ def count_host_syncs():
                 return original(self, *args, **kwargs)
             finally:
                 counter._depth -= 1
+
         return counted
 
     for name, original in originals.items():

@@ -25,7 +25,7 @@ class SlotLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, cache: "SlotCache", index: int):
+    def __init__(self, cache: SlotCache, index: int):
         super().__init__()
         self.cache, self.index, self.length = cache, index, 0
 
@@ -40,14 +40,14 @@ class SlotLayer(CacheLayerMixin):
         n = key_states.shape[-2]
         self.cache.ensure(self.length + n)
         buffer = self.cache.buffer[self.index]
-        buffer[0, :, :, self.length:self.length + n].copy_(key_states)
-        buffer[1, :, :, self.length:self.length + n].copy_(value_states)
+        buffer[0, :, :, self.length : self.length + n].copy_(key_states)
+        buffer[1, :, :, self.length : self.length + n].copy_(value_states)
         self.length += n
-        return buffer[0, :, :, :self.length], buffer[1, :, :, :self.length]
+        return buffer[0, :, :, : self.length], buffer[1, :, :, : self.length]
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if self.cache.buffer is None else self.cache.buffer[self.index, 0, :, :, :self.length]
+        return None if self.cache.buffer is None else self.cache.buffer[self.index, 0, :, :, : self.length]
 
     @keys.setter
     def keys(self, value) -> None:  # the base class initialises it; the buffer is the storage
@@ -55,7 +55,7 @@ class SlotLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:
-        return None if self.cache.buffer is None else self.cache.buffer[self.index, 1, :, :, :self.length]
+        return None if self.cache.buffer is None else self.cache.buffer[self.index, 1, :, :, : self.length]
 
     @values.setter
     def values(self, value) -> None:
@@ -93,8 +93,10 @@ class SlotCache(Cache):
             batch, heads, _, dim = key_states.shape
             self.buffer = key_states.new_empty(len(self.layers), 2, batch, heads, self.capacity, dim)
         elif self.buffer.shape[2:4] + self.buffer.shape[-1:] != key_states.shape[:2] + key_states.shape[-1:]:
-            raise ValueError(f"SlotCache needs one KV shape for all layers; got {tuple(key_states.shape)} "
-                             f"after {tuple(self.buffer.shape)}")
+            raise ValueError(
+                f"SlotCache needs one KV shape for all layers; got {tuple(key_states.shape)} "
+                f"after {tuple(self.buffer.shape)}"
+            )
 
     def ensure(self, rows: int) -> None:
         """Grow the buffer (doubling) so it holds ``rows`` rows."""
@@ -120,7 +122,7 @@ class SlotCache(Cache):
         ``order`` is ``[n]`` (the same for every batch row) or ``[batch, n]`` (one order per row)."""
         n = order.shape[-1]
         if self.buffer is not None and n:
-            window = self.buffer[..., start:start + n, :]
+            window = self.buffer[..., start : start + n, :]
             if order.dim() == 1:
                 moved = self.buffer.index_select(-2, order + start)
             else:  # [layers, 2, batch, heads, n, dim] index from [batch, n], expanded without a copy

@@ -21,8 +21,14 @@ from draftsmith.timing import clock
 
 
 @torch.no_grad()
-def measure_pass_cost(runner: CausalLMRunner, prefix: int = 200, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
-                      repeats: int = 10, vocab: int | None = None, seed: int = 0) -> dict[int, float]:
+def measure_pass_cost(
+    runner: CausalLMRunner,
+    prefix: int = 200,
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    repeats: int = 10,
+    vocab: int | None = None,
+    seed: int = 0,
+) -> dict[int, float]:
     """Median seconds of one pass of ``n`` chain-shaped tree tokens (LM head included) after ``prefix`` tokens."""
     generator = torch.Generator().manual_seed(seed)
     vocab = vocab or runner.config.vocab_size
@@ -63,8 +69,14 @@ def chain_speedup(costs: dict[int, float], depth: int, acceptance: float | Seque
     return tau * costs[1] / (costs[depth + 1] + depth * draft_cost)
 
 
-def plan_tree(costs: dict[int, float], acceptance: float | Sequence[float], draft_cost: float, max_depth: int = 5,
-              max_budget: int = 12, widen: float = 1.1) -> tuple[int, int, float]:
+def plan_tree(
+    costs: dict[int, float],
+    acceptance: float | Sequence[float],
+    draft_cost: float,
+    max_depth: int = 5,
+    max_budget: int = 12,
+    widen: float = 1.1,
+) -> tuple[int, int, float]:
     """``(depth, budget, expected speedup)`` of a draft tree for this device: the chain depth with
     the best :func:`chain_speedup`, then widened to the largest ``budget`` whose verification pass
     costs at most ``widen`` times the chain's (extra branches raise acceptance at no extra draft
@@ -83,14 +95,18 @@ def ceiling_speedup(costs: dict[int, float], tokens_per_pass: int) -> float:
 def main(argv: list[str] | None = None) -> dict[int, float]:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="default")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32")
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32"
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument("--prefix", type=int, default=200)
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
     model, _ = load_target(args.target, args.dtype, args.device)
-    costs = measure_pass_cost(CausalLMRunner(model), args.prefix, tuple(int(s) for s in args.sizes.split(",")), args.repeats)
+    costs = measure_pass_cost(
+        CausalLMRunner(model), args.prefix, tuple(int(s) for s in args.sizes.split(",")), args.repeats
+    )
     print("| tree tokens | ms per pass | x single-token pass |\n|---|---|---|")
     for n, seconds in costs.items():
         print(f"| {n} | {seconds * 1e3:.1f} | {seconds / costs[1]:.2f} |")

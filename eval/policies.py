@@ -65,14 +65,16 @@ class PolicyConfig:
     lenience: float = 1.0  # 1: lossless verification
 
     @classmethod
-    def from_options(cls, spec: str, options: dict) -> "PolicyConfig":
+    def from_options(cls, spec: str, options: dict) -> PolicyConfig:
         """Pop the policy options out of a spec's ``options`` (numbers already range-checked by
         :func:`draftsmith.eval.drafters.parse_spec`) and check the policy names (one-line errors)."""
         names = [n for n in str(options.pop("policy", "fixed")).split(",") if n]
         unknown = sorted(set(names) - set(POLICIES))
         if unknown or not names:
-            raise UsageError(f"--drafter {spec!r}: unknown policy {','.join(unknown) or '(empty)'}; "
-                             f"choose from {', '.join(POLICIES)} (comma-separated to combine entropy,confidence)")
+            raise UsageError(
+                f"--drafter {spec!r}: unknown policy {','.join(unknown) or '(empty)'}; "
+                f"choose from {', '.join(POLICIES)} (comma-separated to combine entropy,confidence)"
+            )
         for option, policy in (("entropy_tau", "entropy"), ("confidence", "confidence")):
             if option in options and policy not in names:
                 raise UsageError(f"--drafter {spec!r}: {option}= applies to policy={policy}; add it to policy=")

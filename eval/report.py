@@ -53,9 +53,9 @@ def summarise(runs: list[Run], meta: dict | None = None) -> dict:
         stats["speedup"] = stats["tokens_per_second"] / base_tps if base_tps else None
         depth = max((a for r in items for a in r.accepted), default=1) - 1
         steps = [a for r in items for a in r.accepted]
-        stats["per_position_acceptance"] = [
-            sum(a - 1 >= d for a in steps) / len(steps) for d in range(1, depth + 1)
-        ] if steps else []
+        stats["per_position_acceptance"] = (
+            [sum(a - 1 >= d for a in steps) / len(steps) for d in range(1, depth + 1)] if steps else []
+        )
         stats["accepted_per_step_histogram"] = {str(k): steps.count(k) for k in sorted(set(steps))}
         drafted = [n for r in items for n in r.drafted]
         if drafted:  # what a draft-length policy chose: nodes verified per step, steps drafted at all
@@ -69,8 +69,11 @@ def summarise(runs: list[Run], meta: dict | None = None) -> dict:
                 continue
             entry = _pool(cat)
             base_entry = _pool(base_cat) if base_cat else None
-            entry["speedup"] = (entry["tokens_per_second"] / base_entry["tokens_per_second"]
-                                if base_entry and base_entry["tokens_per_second"] else None)
+            entry["speedup"] = (
+                entry["tokens_per_second"] / base_entry["tokens_per_second"]
+                if base_entry and base_entry["tokens_per_second"]
+                else None
+            )
             stats["per_category"][category] = entry
         methods[method] = stats
     return {"meta": meta or {}, "methods": methods, "categories": categories}
@@ -81,9 +84,13 @@ def markdown_table(summary: dict) -> str:
     categories = summary["categories"] if len(summary["categories"]) > 1 else []
     greedy = any("same_output" in s for s in summary["methods"].values())
     predicted = any("predicted_speedup" in s for s in summary["methods"].values())
-    head = (["method", "accept len", "tok/s", "speedup"] + (["predicted"] if predicted else [])
-            + ["nodes / step", "drafted steps"] + (["same output"] if greedy else [])
-            + [f"{c} (tau / x)" for c in categories])
+    head = (
+        ["method", "accept len", "tok/s", "speedup"]
+        + (["predicted"] if predicted else [])
+        + ["nodes / step", "drafted steps"]
+        + (["same output"] if greedy else [])
+        + [f"{c} (tau / x)" for c in categories]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for method, s in summary["methods"].items():
         speed = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
@@ -124,10 +131,12 @@ def captions(summary: dict) -> list[str]:
         if method == BASELINE or speedup is None or speedup >= 1.0 or not tau:
             continue
         cost = tau / speedup
-        lines.append(f"{method} is slower than plain decoding here ({speedup:.2f}x): it produced {tau:.2f} tokens per "
-                     f"target pass, but one of its steps (drafting plus verifying the draft) took as long as "
-                     f"{cost:.2f} plain decoding steps on this device, so it needs an acceptance length above "
-                     f"{cost:.2f} to pay off.")
+        lines.append(
+            f"{method} is slower than plain decoding here ({speedup:.2f}x): it produced {tau:.2f} tokens per "
+            f"target pass, but one of its steps (drafting plus verifying the draft) took as long as "
+            f"{cost:.2f} plain decoding steps on this device, so it needs an acceptance length above "
+            f"{cost:.2f} to pay off."
+        )
     return lines
 
 
@@ -140,15 +149,37 @@ def write_results(runs: list[Run], out_dir: str | Path, meta: dict | None = None
     (out / "results.json").write_text(json.dumps({**summary, "runs": runs_to_dicts(runs)}, indent=1))
     with (out / "results.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["method", "category", "acceptance_length", "tokens_per_second", "speedup",
-                         "new_tokens", "target_passes", "seconds", "num_prompts"])
+        writer.writerow(
+            [
+                "method",
+                "category",
+                "acceptance_length",
+                "tokens_per_second",
+                "speedup",
+                "new_tokens",
+                "target_passes",
+                "seconds",
+                "num_prompts",
+            ]
+        )
         for method, s in summary["methods"].items():
             for category, e in [("all", s)] + list(s["per_category"].items()):
-                writer.writerow([method, category, round(e["acceptance_length"], 4), round(e["tokens_per_second"], 3),
-                                 round(e["speedup"], 4) if e["speedup"] is not None else "",
-                                 e["new_tokens"], e["target_passes"], round(e["seconds"], 3), e["num_prompts"]])
-    (out / "table.md").write_text("\n".join([markdown_table(summary), "", depth_table(summary), "",
-                                             *captions(summary)]).rstrip() + "\n")
+                writer.writerow(
+                    [
+                        method,
+                        category,
+                        round(e["acceptance_length"], 4),
+                        round(e["tokens_per_second"], 3),
+                        round(e["speedup"], 4) if e["speedup"] is not None else "",
+                        e["new_tokens"],
+                        e["target_passes"],
+                        round(e["seconds"], 3),
+                        e["num_prompts"],
+                    ]
+                )
+    (out / "table.md").write_text(
+        "\n".join([markdown_table(summary), "", depth_table(summary), "", *captions(summary)]).rstrip() + "\n"
+    )
     _plots(summary, out)
     return summary
 
@@ -166,7 +197,9 @@ def _plots(summary: dict, out: Path) -> None:
     for i, method in enumerate(methods):
         values = [summary["methods"][method]["per_category"].get(c, {}).get("acceptance_length", 0) for c in categories]
         ax.bar([x + i * width for x in range(len(categories))], values, width, label=method)
-    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))], categories, rotation=30, ha="right")
+    ax.set_xticks(
+        [x + width * (len(methods) - 1) / 2 for x in range(len(categories))], categories, rotation=30, ha="right"
+    )
     ax.set_ylabel("acceptance length (tokens / target pass)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.legend(fontsize=8)

@@ -19,9 +19,9 @@ import torch
 from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
 from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
 from draftsmith.eval.bench import HF_BASELINES, run_bench
+from draftsmith.eval.cost_model import cost_model_lines
 from draftsmith.eval.drafters import build_drafter, kinds_help, parse_spec
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.cost_model import cost_model_lines
 from draftsmith.eval.pass_cost import measure_pass_cost
 from draftsmith.eval.report import captions, depth_table, markdown_table, summarise, write_results
 from draftsmith.eval.runner import CausalLMRunner, compile_decoder
@@ -33,39 +33,70 @@ from draftsmith.timing import stage
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=kinds_help())
-    parser.add_argument("--target", default="default", help="'default' (bundled SmolLM2-135M-Instruct), hub id, folder or .gguf")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                        help="auto: bf16 where it is fast on this device (measured), else fp32")
-    parser.add_argument("--chat-template", default=None, help="Jinja file or text, for targets that ship none (e.g. Vicuna)")
+    parser.add_argument(
+        "--target", default="default", help="'default' (bundled SmolLM2-135M-Instruct), hub id, folder or .gguf"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="auto: bf16 where it is fast on this device (measured), else fp32",
+    )
+    parser.add_argument(
+        "--chat-template", default=None, help="Jinja file or text, for targets that ship none (e.g. Vicuna)"
+    )
     parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: the first accelerator)")
-    parser.add_argument("--drafter", action="append", default=[], metavar="SPEC",
-                        help="KIND[:PATH][?key=value&...]; repeat to compare several")
+    parser.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="KIND[:PATH][?key=value&...]; repeat to compare several",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--bench", default=MT_BENCH, help="'mt_bench' (bundled, 80 questions)")
     source.add_argument("--prompts", help="JSONL prompt set: a 'turns' list or a 'prompt' string per line")
     parser.add_argument("--limit", type=at_least(1), default=None, help="first N prompts")
     parser.add_argument("--per-category", type=at_least(1), default=None, help="first N prompts of each category")
-    parser.add_argument("--turns", type=at_least(1), default=1, help="turns per prompt (MT-bench has 2; turn 2 follows turn 1's answer)")
+    parser.add_argument(
+        "--turns", type=at_least(1), default=1, help="turns per prompt (MT-bench has 2; turn 2 follows turn 1's answer)"
+    )
     parser.add_argument("--max-new-tokens", type=at_least(1), default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0: off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-baseline", action="append", default=[], choices=HF_BASELINES,
-                        help="also time Hugging Face generate: plain, prompt lookup (10 tokens), assisted "
-                             "(with each draft_lm drafter's model, at its depth), assisted_dynamic (the same "
-                             "models with HF's dynamic draft length)")
-    parser.add_argument("--hf-assistant", action="append", default=[], metavar="NAME",
-                        help="with --hf-baseline hf_assisted(_dynamic): only these draft_lm drafters (by name) as "
-                             "assistants; repeatable (default: every draft_lm drafter)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the target's decoder (dynamic shapes); off by default: on a CPU it "
-                             "costs ~1.5 min of compilation and slowed tree passes 2x (BENCHMARKS.md)")
-    parser.add_argument("--cost-model", action="store_true",
-                        help="also time each step's drafting, measure the target's pass-cost curve, and print each "
-                             "method's speedup predicted from those costs next to the measured one, with the best "
-                             "fixed depth and break-even acceptance they imply (eval/cost_model.py); timing the "
-                             "drafting synchronises the device around each proposal, which slows GPU runs a little")
+    parser.add_argument(
+        "--hf-baseline",
+        action="append",
+        default=[],
+        choices=HF_BASELINES,
+        help="also time Hugging Face generate: plain, prompt lookup (10 tokens), assisted "
+        "(with each draft_lm drafter's model, at its depth), assisted_dynamic (the same "
+        "models with HF's dynamic draft length)",
+    )
+    parser.add_argument(
+        "--hf-assistant",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --hf-baseline hf_assisted(_dynamic): only these draft_lm drafters (by name) as "
+        "assistants; repeatable (default: every draft_lm drafter)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the target's decoder (dynamic shapes); off by default: on a CPU it "
+        "costs ~1.5 min of compilation and slowed tree passes 2x (BENCHMARKS.md)",
+    )
+    parser.add_argument(
+        "--cost-model",
+        action="store_true",
+        help="also time each step's drafting, measure the target's pass-cost curve, and print each "
+        "method's speedup predicted from those costs next to the measured one, with the best "
+        "fixed depth and break-even acceptance they imply (eval/cost_model.py); timing the "
+        "drafting synchronises the device around each proposal, which slows GPU runs a little",
+    )
     parser.add_argument("--out", default="results", help="output folder")
     args = parser.parse_args(argv)
     if not args.drafter:
@@ -84,20 +115,24 @@ def main(argv: list[str] | None = None) -> dict:
     specs = [parse_spec(s) for s in args.drafter]
     lossy = [s.name for s in specs if s.policy.lossy]
     if lossy and args.sampling.greedy:
-        raise UsageError(f"--drafter {lossy[0]}: lenience relaxes sampling verification; use --temperature > 0 "
-                         f"or drop lenience=")
+        raise UsageError(
+            f"--drafter {lossy[0]}: lenience relaxes sampling verification; use --temperature > 0 or drop lenience="
+        )
     draft_lms = [s.name for s in specs if s.kind == "draft_lm"]
     unknown = sorted(set(args.hf_assistant) - set(draft_lms))
     if unknown:
-        raise UsageError(f"--hf-assistant {', '.join(unknown)}: no draft_lm drafter of that name "
-                         f"(draft_lm drafters: {', '.join(draft_lms) or 'none'})")
+        raise UsageError(
+            f"--hf-assistant {', '.join(unknown)}: no draft_lm drafter of that name "
+            f"(draft_lm drafters: {', '.join(draft_lms) or 'none'})"
+        )
     prompts = load_prompts(args.prompts or args.bench, args.limit, args.per_category)
     if not prompts:
         raise UsageError(f"{args.prompts or args.bench}: no prompts to run")
     short = [p.id for p in prompts if len(p.turns) < args.turns]
     if len(short) == len(prompts):  # prompts with fewer turns run the turns they have
-        raise UsageError(f"--turns {args.turns}: all {len(short)} prompt(s) have fewer turns (e.g. id {short[0]}); "
-                         f"lower --turns")
+        raise UsageError(
+            f"--turns {args.turns}: all {len(short)} prompt(s) have fewer turns (e.g. id {short[0]}); lower --turns"
+        )
     with stage("eval: load target and drafters"):
         target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template, field="--target")
         drafters = [build_drafter(spec, target) for spec in specs]
@@ -108,16 +143,36 @@ def main(argv: list[str] | None = None) -> dict:
     if args.hf_assistant:
         assistants = {name: assistants[name] for name in args.hf_assistant}
     with stage(f"eval: decode {len(prompts)} prompts x {len(drafters) + 1 + len(args.hf_baseline)} methods"):
-        runs = run_bench(target, tokenizer, drafters, prompts, args.max_new_tokens, sampling, args.turns,
-                         tuple(args.hf_baseline), assistants, args.seed, time_drafting=args.cost_model)
+        runs = run_bench(
+            target,
+            tokenizer,
+            drafters,
+            prompts,
+            args.max_new_tokens,
+            sampling,
+            args.turns,
+            tuple(args.hf_baseline),
+            assistants,
+            args.seed,
+            time_drafting=args.cost_model,
+        )
     meta = {
         "argv": sys.argv if argv is None else ["eval/run.py", *argv],
-        "target": args.target, "dtype": dtype_name(next(target.parameters()).dtype),
+        "target": args.target,
+        "dtype": dtype_name(next(target.parameters()).dtype),
         "device": str(next(target.parameters()).device),
-        "bench": args.prompts or args.bench, "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "turns": args.turns,
-        "drafters": args.drafter, "torch": torch.__version__, "machine": platform.machine(),
-        "threads": torch.get_num_threads(), "compile": args.compile,
+        "bench": args.prompts or args.bench,
+        "per_category": args.per_category,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "turns": args.turns,
+        "drafters": args.drafter,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "compile": args.compile,
         "verified_by": {d.name: d.verifier_label or f"target {args.target}" for d in drafters},
         "trees": {d.name: d.tree_label for d in drafters if d.tree_label},
     }
@@ -131,8 +186,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cost_model:
         model_lines = cost_model_lines(summary, runs, costs)
     write_results(runs, args.out, summary=summary)
-    print(f"\n{len(prompts)} prompts x {args.turns} turn(s), {args.max_new_tokens} new tokens, "
-          f"temperature {args.temperature}, target {args.target} ({meta['dtype']})\n")
+    print(
+        f"\n{len(prompts)} prompts x {args.turns} turn(s), {args.max_new_tokens} new tokens, "
+        f"temperature {args.temperature}, target {args.target} ({meta['dtype']})\n"
+    )
     print(markdown_table(summary))
     if depth_table(summary):
         print(f"\nsteps accepting at least d draft tokens:\n\n{depth_table(summary)}")

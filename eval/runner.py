@@ -42,7 +42,8 @@ def _attention_layout(config) -> tuple[list[str], int | None]:
     if impl not in MASKED_ATTENTION:
         raise UnsupportedTargetError(
             f"{config.model_type}: attention implementation {impl!r} ignores the 4D tree mask, so trees "
-            f"would verify wrongly; load the model with attn_implementation=\"sdpa\" (or \"eager\")")
+            f'would verify wrongly; load the model with attn_implementation="sdpa" (or "eager")'
+        )
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     if types is None:  # Mistral-style: every layer windowed when a window is set
@@ -51,7 +52,8 @@ def _attention_layout(config) -> tuple[list[str], int | None]:
     if unknown:
         raise UnsupportedTargetError(
             f"{config.model_type}: layer type(s) {', '.join(unknown)} cannot verify token trees "
-            f"(only {FULL} and {SLIDING}); use plain decoding or HF generate for this model")
+            f"(only {FULL} and {SLIDING}); use plain decoding or HF generate for this model"
+        )
     return sorted(set(types)), window if SLIDING in types else None
 
 
@@ -69,8 +71,15 @@ class CausalLMRunner:
     """Incremental forward passes (chains or trees) over one sequence with a preallocated
     :class:`~draftsmith.eval.kv_cache.SlotCache`; masks and positions are built on the device."""
 
-    def __init__(self, model: PreTrainedModel | None = None, *, decoder=None, lm_head=None, config=None,
-                 capture_layers: list[int] | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel | None = None,
+        *,
+        decoder=None,
+        lm_head=None,
+        config=None,
+        capture_layers: list[int] | None = None,
+    ):
         """Wrap an HF causal LM, or any ``decoder`` (HF-decoder-like forward) with an ``lm_head`` callable.
 
         With ``capture_layers`` every forward also keeps those layers' hidden states (HF
@@ -119,14 +128,15 @@ class CausalLMRunner:
         if self.max_positions is not None and positions > self.max_positions:
             raise ContextLengthError(
                 f"{what} needs {positions} positions but {self.config.model_type} has "
-                f"max_position_embeddings={self.max_positions}; shorten the prompt or lower max_new_tokens")
+                f"max_position_embeddings={self.max_positions}; shorten the prompt or lower max_new_tokens"
+            )
 
     def _mask(self, n: int, depths: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         """Additive 4D mask of the last ``n`` pending rows over cache + pending rows: one tensor, or
         one per layer type when sliding and full layers mix (transformers' decoders take such a mapping)."""
         ancestors = ancestor_mask(self._parents, self._levels)[-n:]
         allowed = torch.ones(n, self.length + self.pending, dtype=torch.bool, device=self.device)
-        allowed[:, self.length:] = ancestors
+        allowed[:, self.length :] = ancestors
         masks = {FULL: allowed, SLIDING: allowed}
         if self.window is not None:
             # Keys at most window - 1 positions behind the query, as transformers' sliding masks.
@@ -136,8 +146,14 @@ class CausalLMRunner:
         return out if len(out) > 1 else out[self.layer_types[0]]
 
     @torch.no_grad()
-    def forward(self, tokens: list[int] | torch.Tensor, parents: list[int] | torch.Tensor | None = None,
-                depths: list[int] | torch.Tensor | None = None, levels: int | None = None, **inputs) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: list[int] | torch.Tensor,
+        parents: list[int] | torch.Tensor | None = None,
+        depths: list[int] | torch.Tensor | None = None,
+        levels: int | None = None,
+        **inputs,
+    ) -> torch.Tensor:
         """Run ``tokens`` after the committed prefix and return their last hidden states ``[n, H]``.
 
         Without ``parents`` the tokens form a chain and are committed at once. With ``parents``
@@ -178,8 +194,12 @@ class CausalLMRunner:
         if self.capture_layers:
             inputs["output_hidden_states"] = True
         out = self.decoder(
-            input_ids=ids, position_ids=positions.view(1, -1), attention_mask=mask,
-            past_key_values=self.cache, use_cache=True, **inputs,
+            input_ids=ids,
+            position_ids=positions.view(1, -1),
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            **inputs,
         )
         if self.capture_layers:
             self.captured = torch.cat([out.hidden_states[layer][0, :real] for layer in self.capture_layers], dim=-1)
@@ -195,8 +215,11 @@ class CausalLMRunner:
         if size == n:
             return ids, parents, depths
         pad = size - n
-        return (torch.cat([ids, ids.new_zeros(1, pad)], 1), torch.cat([parents, parents.new_full((pad,), ROOT)]),
-                torch.cat([depths, depths.new_zeros(pad)]))
+        return (
+            torch.cat([ids, ids.new_zeros(1, pad)], 1),
+            torch.cat([parents, parents.new_full((pad,), ROOT)]),
+            torch.cat([depths, depths.new_zeros(pad)]),
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on selected hidden states, in fp32."""

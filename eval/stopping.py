@@ -15,8 +15,9 @@ from transformers import PreTrainedTokenizerBase
 class StopChecker:
     """Finds the earliest stop in the tokens a step added."""
 
-    def __init__(self, eos_ids: set[int], stop_strings: tuple[str, ...] = (),
-                 tokenizer: PreTrainedTokenizerBase | None = None):
+    def __init__(
+        self, eos_ids: set[int], stop_strings: tuple[str, ...] = (), tokenizer: PreTrainedTokenizerBase | None = None
+    ):
         self.eos_ids = eos_ids
         self.stop_strings = stop_strings if tokenizer is not None else ()
         self.tokenizer = tokenizer
@@ -29,7 +30,7 @@ class StopChecker:
         if self.stop_strings:
             # Only before the EOS: a stop string completed earlier in the step ends it there.
             for end in range(max(scanned, 1), eos if eos is not None else len(tokens) - base + 1):
-                text = self.tokenizer.decode(tokens[base + max(0, end - self.window):base + end])
+                text = self.tokenizer.decode(tokens[base + max(0, end - self.window) : base + end])
                 if any(s in text for s in self.stop_strings):
                     return end, "stop_string"
         if eos is not None:

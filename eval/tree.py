@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from draftsmith.errors import UsageError
+
 ROOT = -1
 
 
@@ -80,8 +81,14 @@ class TreeBuilder:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, tokens: list[int], scores: list[float] | None = None,
-            probs: torch.Tensor | None = None, entropy: float | None = None) -> list[int]:
+    def add(
+        self,
+        parent: int,
+        tokens: list[int],
+        scores: list[float] | None = None,
+        probs: torch.Tensor | None = None,
+        entropy: float | None = None,
+    ) -> list[int]:
         """Add ``tokens`` as the candidates below ``parent`` (in draw order), drawn from ``probs``
         of entropy ``entropy`` where known; returns their node ids."""
         if parent in self.proposals:
@@ -169,8 +176,9 @@ def choice_slots(choices: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
     return need
 
 
-def static_tree(choices: list[tuple[int, ...]], candidates: list[list[int]],
-                probs: list[torch.Tensor | None] | None = None) -> TokenTree:
+def static_tree(
+    choices: list[tuple[int, ...]], candidates: list[list[int]], probs: list[torch.Tensor | None] | None = None
+) -> TokenTree:
     """A Medusa static tree: node ``(r1, ..., rd)`` holds ``candidates[d-1][rd]``.
 
     ``candidates[d]`` are the ranked guesses for depth d+1 (one head's), shared by every parent
@@ -190,8 +198,10 @@ def static_tree(choices: list[tuple[int, ...]], candidates: list[list[int]],
     for prefix, slots in choice_slots(choices).items():
         depth = len(prefix)
         tree.proposals[node[prefix]] = Proposal(
-            [int(t) for t in candidates[depth][:slots]], [node.get(prefix + (r,)) for r in range(slots)],
-            probs[depth] if probs else None)
+            [int(t) for t in candidates[depth][:slots]],
+            [node.get(prefix + (r,)) for r in range(slots)],
+            probs[depth] if probs else None,
+        )
     return tree
 
 
@@ -298,11 +308,14 @@ def device_tree(tree: TokenTree, device: torch.device) -> DeviceTree:
     rows = [[0] + tree.tokens, [ROOT] + [p + 1 for p in tree.parents], [0] + tree.depths]
     for p in proposing:
         proposal = tree.proposals[p]
-        rows.append(padded(proposal.tokens) + padded([0 if c is None else c + 1 for c in proposal.nodes])
-                    + [p + 1, proposal.probs is None])
+        rows.append(
+            padded(proposal.tokens)
+            + padded([0 if c is None else c + 1 for c in proposal.nodes])
+            + [p + 1, proposal.probs is None]
+        )
     columns = max(len(row) for row in rows)
     packed = upload([row + [0] * (columns - len(row)) for row in rows], device)
-    tokens, parents, depths, props = packed[0, 1:n + 1], packed[1, :n + 1], packed[2, :n + 1], packed[3:]
+    tokens, parents, depths, props = packed[0, 1 : n + 1], packed[1, : n + 1], packed[2, : n + 1], packed[3:]
     levels = max(tree.depths, default=0)
     # Greedy verification follows the first candidate of a parent carrying a token (as child_by_token).
     same = (parents[1:, None] == parents[None, 1:]) & (tokens[:, None] == tokens[None, :])
@@ -312,15 +325,32 @@ def device_tree(tree: TokenTree, device: torch.device) -> DeviceTree:
     if any(pr is not None for pr in probs):
         zeros = torch.zeros(next(pr for pr in probs if pr is not None).shape[-1], device=device)
         q = torch.stack([zeros if pr is None else pr.to(device).float() for pr in probs])
-    result = DeviceTree(tokens, parents, depths, levels, ancestor_mask(parents, levels), first_of_token,
-                        props[:, 2 * width], props[:, :width], props[:, width:2 * width],
-                        props[:, 2 * width + 1].bool(), q)
+    result = DeviceTree(
+        tokens,
+        parents,
+        depths,
+        levels,
+        ancestor_mask(parents, levels),
+        first_of_token,
+        props[:, 2 * width],
+        props[:, :width],
+        props[:, width : 2 * width],
+        props[:, 2 * width + 1].bool(),
+        q,
+    )
     tree._device_tree = result
     return result
 
 
-def _choose_packed(logits: torch.Tensor, k: int, sampling, generator, max_entropy: float | None,
-                   vocab: torch.Tensor | None, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+def _choose_packed(
+    logits: torch.Tensor,
+    k: int,
+    sampling,
+    generator,
+    max_entropy: float | None,
+    vocab: torch.Tensor | None,
+    vocab_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """``k`` candidates per row of ``logits`` packed for one read-back, ``[rows, 2k' (+1)]`` float64:
     their draft log-probabilities, their target ids (exact in float64) and, for the entropy
     policy, each row's entropy; with the sampled distributions spread into the target's
@@ -347,7 +377,7 @@ def _add_candidates(builder: TreeBuilder, parent: int, row: list[float], k: int,
     if spread is not None and spread > max_entropy:
         builder.entropy[parent] = spread
         return None
-    return builder.add(parent, [int(t) for t in row[k:2 * k]], row[:k], probs, spread)
+    return builder.add(parent, [int(t) for t in row[k : 2 * k]], row[:k], probs, spread)
 
 
 def grow_tree(
@@ -384,8 +414,9 @@ def grow_tree(
         rows = packed.tolist()  # one read-back per level: scores, tokens and entropies together
         added: list[int] = []
         for i, parent in enumerate(frontier):
-            added += _add_candidates(builder, parent, rows[i], k, probs[i] if probs is not None else None,
-                                     max_entropy) or []
+            added += (
+                _add_candidates(builder, parent, rows[i], k, probs[i] if probs is not None else None, max_entropy) or []
+            )
         frontier = sorted(added, key=lambda n: -builder.scores[n])[:top_k]
         if not frontier:
             break

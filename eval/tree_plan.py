@@ -26,7 +26,7 @@ from draftsmith.timing import clock
 
 MAX_BUDGET = 16  # tree nodes considered (pass sizes 1..17 are measured)
 UNROLLED_DEPTHS = 5  # deepest tree planned for a head with one recorded depth (its accuracy then holds for all)
-_PASS_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PASS_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,11 @@ class TreePlan:
     def describe(self) -> str:
         """One line: the tree, the accuracies and device it fits, the expected speedup."""
         rates = " / ".join(f"{a:.2f}" for a in self.acceptance)
-        return (f"tree depth {self.depth}, top_k {self.top_k}, budget {self.budget}: planned for held-out top-1 "
-                f"{rates} at depths 1-{len(self.acceptance)} on {self.device}; expected {self.expected_speedup:.2f}x "
-                "over plain decoding")
+        return (
+            f"tree depth {self.depth}, top_k {self.top_k}, budget {self.budget}: planned for held-out top-1 "
+            f"{rates} at depths 1-{len(self.acceptance)} on {self.device}; expected {self.expected_speedup:.2f}x "
+            "over plain decoding"
+        )
 
     def record(self) -> dict:
         return asdict(self)
@@ -58,8 +60,14 @@ def device_name(device: torch.device, dtype: torch.dtype) -> str:
     model = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        model = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                      if line.startswith("model name")), model)
+        model = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in cpuinfo.read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            model,
+        )
     return f"{model}, {torch.get_num_threads()} threads ({str(dtype).removeprefix('torch.')})"
 
 
@@ -70,8 +78,9 @@ def pass_costs(target, max_budget: int = MAX_BUDGET) -> dict[int, float]:
     key = (param.dtype, param.device, max_budget)
     cached = _PASS_COSTS.setdefault(target, {})
     if key not in cached:
-        cached[key] = measure_pass_cost(CausalLMRunner(target), prefix=200, sizes=tuple(range(1, max_budget + 2)),
-                                        repeats=3)
+        cached[key] = measure_pass_cost(
+            CausalLMRunner(target), prefix=200, sizes=tuple(range(1, max_budget + 2)), repeats=3
+        )
     return cached[key]
 
 
@@ -80,11 +89,15 @@ def draft_step_cost(head, width: int, context: int = 200, repeats: int = 6) -> f
     """Median seconds of one tree level of ``head``: ``width`` nodes fed its own outputs after a
     ``context``-token cache, with their draft logits."""
     param = next(head.parameters())
-    feed = {head.feedback_input: torch.zeros(1, context, head.config.hidden_size, dtype=param.dtype, device=param.device)}
+    feed = {
+        head.feedback_input: torch.zeros(1, context, head.config.hidden_size, dtype=param.dtype, device=param.device)
+    }
     cache = DynamicCache()
     head(torch.ones(1, context, dtype=torch.long, device=param.device), past_key_values=cache, use_cache=True, **feed)
     ids = torch.ones(1, width, dtype=torch.long, device=param.device)
-    level = {head.feedback_input: torch.zeros(1, width, head.config.hidden_size, dtype=param.dtype, device=param.device)}
+    level = {
+        head.feedback_input: torch.zeros(1, width, head.config.hidden_size, dtype=param.dtype, device=param.device)
+    }
     times = []
     for _ in range(repeats + 1):
         start = clock(param.device)
@@ -106,5 +119,11 @@ def plan_head_tree(target, head, max_budget: int = MAX_BUDGET) -> TreePlan | Non
     depth, budget, expected = plan_tree(costs, acceptance, draft, max_depth=max_depth, max_budget=max_budget)
     top_k = min(budget, max(3, -(-budget // depth)))  # wide enough to fill the budget within the depth
     param = next(target.parameters())
-    return TreePlan(depth, top_k, budget, round(expected, 3), tuple(round(a, 4) for a in acceptance),
-                    device_name(param.device, param.dtype))
+    return TreePlan(
+        depth,
+        top_k,
+        budget,
+        round(expected, 3),
+        tuple(round(a, 4) for a in acceptance),
+        device_name(param.device, param.dtype),
+    )

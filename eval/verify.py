@@ -39,8 +39,7 @@ def verify_greedy(tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
     """Verdict of greedy verification; ``logits`` rows are ``[root] + tree nodes``."""
     dev = device_tree(tree, logits.device)
     best = logits.argmax(-1)
-    ok = torch.cat([best.new_ones(1, dtype=torch.bool),
-                    (dev.tokens == best[dev.parents[1:]]) & dev.first_of_token])
+    ok = torch.cat([best.new_ones(1, dtype=torch.bool), (dev.tokens == best[dev.parents[1:]]) & dev.first_of_token])
     end = _end_row(dev, ok)
     return _verdict(dev, end, best[end])
 
@@ -101,8 +100,13 @@ def _reject(r, z, q, c, token, rejected, deterministic, lenience=1.0):
     return torch.where(fine[:, None], new, r), torch.where(fine, total, z), c
 
 
-def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,
-                    generator: torch.Generator | None = None, lenience: float = 1.0) -> torch.Tensor:
+def verify_sampling(
+    tree: TokenTree,
+    logits: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+    lenience: float = 1.0,
+) -> torch.Tensor:
     """Verdict of sampling verification (recursive rejection sampling at every parent): lossless
     at ``lenience`` 1, Leviathan's lossy relaxation below (see the module docstring).
 
@@ -129,8 +133,9 @@ def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingCon
         q = dev.q.clone() if dev.q is not None else None  # the rounds remove drawn tokens from it
         c = torch.ones(props, device=device)
         for k in range(width):  # the candidates' draw order, for all parents at once
-            accepted, rejected = _round(r, z, q, c, accepted, dev.cand_tokens[:, k], dev.deterministic, k,
-                                        generator, lenience)
+            accepted, rejected = _round(
+                r, z, q, c, accepted, dev.cand_tokens[:, k], dev.deterministic, k, generator, lenience
+            )
             if k + 1 < width:
                 r, z, c = _reject(r, z, q, c, dev.cand_tokens[:, k], rejected, dev.deterministic, lenience)
     # Per row: the accepted candidate's row (0 when it was pruned from the tree, -1 none) and token.
@@ -149,16 +154,28 @@ def verify_sampling(tree: TokenTree, logits: torch.Tensor, sampling: SamplingCon
         index[dev.prop_rows] = torch.arange(props, device=device)
         at = index[end].clamp_min(0).view(1)
         last_round = (accepted.index_select(0, at) < 0) & (dev.cand_tokens[at, -1] >= 0)
-        leftover, *_ = _reject(r.index_select(0, at), z.index_select(0, at),
-                               q.index_select(0, at) if q is not None else None, c.index_select(0, at),
-                               dev.cand_tokens[at, -1], last_round, dev.deterministic.index_select(0, at), lenience)
+        leftover, *_ = _reject(
+            r.index_select(0, at),
+            z.index_select(0, at),
+            q.index_select(0, at) if q is not None else None,
+            c.index_select(0, at),
+            dev.cand_tokens[at, -1],
+            last_round,
+            dev.deterministic.index_select(0, at),
+            lenience,
+        )
         final = torch.where(index[end] >= 0, leftover, final)
     last = torch.where(child[end] == 0, chosen[end], sample(final, generator)[0])
     return _verdict(dev, end, last)
 
 
-def verify(tree: TokenTree, logits: torch.Tensor, sampling: SamplingConfig,
-           generator: torch.Generator | None = None, lenience: float = 1.0) -> torch.Tensor:
+def verify(
+    tree: TokenTree,
+    logits: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+    lenience: float = 1.0,
+) -> torch.Tensor:
     """Greedy or sampling verification, as ``sampling`` says: the verdict, on the device."""
     if sampling.greedy:
         return verify_greedy(tree, logits)

@@ -36,17 +36,26 @@ def _tree(source, target, draft_tokens: int | None) -> dict:
         given = f"?depth={draft_tokens}" if draft_tokens else ""
         drafter = build_drafter(f"{source.kind}:{source.path}{given}", model)
         tree = {"depth": drafter.depth, "top_k": drafter.top_k, "budget": drafter.budget, "planned": drafter.tree_label}
-    trained = {"medusa": source.config.get("num_heads"), "peagle": source.config.get("num_depths"),
-               "dflash": source.config.get("block_size", 1) - 1}.get(source.kind)
+    trained = {
+        "medusa": source.config.get("num_heads"),
+        "peagle": source.config.get("num_depths"),
+        "dflash": source.config.get("block_size", 1) - 1,
+    }.get(source.kind)
     tree["depth"] = draft_tokens or tree.get("depth") or trained
     if source.kind == "medusa":  # a Medusa head per drafted token
         tree["depth"] = min(tree["depth"], source.config["num_heads"])
     return tree
 
 
-def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, target: str | None = None,
-                      results: str | Path | None = None, draft_tokens: int | None = None,
-                      target_hub_id: str | None = None) -> list[str]:
+def export_checkpoint(
+    checkpoint: str | Path,
+    fmt: str,
+    out: str | Path,
+    target: str | None = None,
+    results: str | Path | None = None,
+    draft_tokens: int | None = None,
+    target_hub_id: str | None = None,
+) -> list[str]:
     """Export the drafter checkpoint folder ``checkpoint`` to ``fmt`` in folder ``out``.
 
     ``target``: the target's local folder when the recorded name does not resolve offline;

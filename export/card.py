@@ -9,7 +9,14 @@ import yaml
 
 from draftsmith.export.common import Source, Target
 
-TITLES = {"eagle": "EAGLE-1 head", "eagle3": "EAGLE-3 head", "peagle": "P-EAGLE head (parallel drafting)", "dflash": "DFlash drafter", "medusa": "Medusa heads", "draft_lm": "draft LM"}
+TITLES = {
+    "eagle": "EAGLE-1 head",
+    "eagle3": "EAGLE-3 head",
+    "peagle": "P-EAGLE head (parallel drafting)",
+    "dflash": "DFlash drafter",
+    "medusa": "Medusa heads",
+    "draft_lm": "draft LM",
+}
 
 
 def measured_tau(source: Source, results: Path | None) -> list[str]:
@@ -26,10 +33,12 @@ def measured_tau(source: Source, results: Path | None) -> list[str]:
         parsed = parse_spec(spec)
         method = summary.get("methods", {}).get(parsed.name)
         if parsed.path and method and Path(parsed.path).resolve() == source.path.resolve():
-            lines.append(f"- `{spec}`: acceptance length {method['acceptance_length']:.3f}, speedup "
-                         f"{method['speedup'] if method['speedup'] is not None else 'n/a'} "
-                         f"({meta.get('bench')}, {meta.get('max_new_tokens')} new tokens, temperature "
-                         f"{meta.get('temperature')}, {meta.get('dtype')} on {meta.get('device')})")
+            lines.append(
+                f"- `{spec}`: acceptance length {method['acceptance_length']:.3f}, speedup "
+                f"{method['speedup'] if method['speedup'] is not None else 'n/a'} "
+                f"({meta.get('bench')}, {meta.get('max_new_tokens')} new tokens, temperature "
+                f"{meta.get('temperature')}, {meta.get('dtype')} on {meta.get('device')})"
+            )
     return lines
 
 
@@ -38,8 +47,16 @@ def _recipe(source: Source) -> dict:
     return yaml.safe_load(file.read_text()) if file.is_file() else {}
 
 
-def write_card(folder: Path, out: Path, source: Source, target: Target, fmt: str, serve: list[str],
-               results: Path | None, planned: str | None = None) -> None:
+def write_card(
+    folder: Path,
+    out: Path,
+    source: Source,
+    target: Target,
+    fmt: str,
+    serve: list[str],
+    results: Path | None,
+    planned: str | None = None,
+) -> None:
     """Write ``folder/README.md`` for the export that will live at ``out`` (``planned``: how its
     draft tree was planned, :meth:`~draftsmith.eval.tree_plan.TreePlan.describe`)."""
     recipe = _recipe(source)
@@ -56,14 +73,32 @@ def write_card(folder: Path, out: Path, source: Source, target: Target, fmt: str
         f"- **Drafter**: {source.kind}, exported as `{fmt}`",
         f"- **Training data**: {_data_line(recipe)}",
         f"- **Training**: {trained.get('step', '?')} optimiser steps, {int(trained.get('tokens', 0)):,} loss tokens"
-        if trained else "- **Training**: no trainer state in the checkpoint",
-        "- **Measured acceptance length (tau)**: " + ("see below" if tau else "not recorded with the checkpoint "
-                                                      "(run `eval/run.py` and pass its results.json with --results)"),
+        if trained
+        else "- **Training**: no trainer state in the checkpoint",
+        "- **Measured acceptance length (tau)**: "
+        + (
+            "see below"
+            if tau
+            else "not recorded with the checkpoint (run `eval/run.py` and pass its results.json with --results)"
+        ),
         *tau,
-        *([f"- **Draft tree** (the serve command's): {planned}. Planned on the exporting machine: on another "
-           "device, re-plan with `eval/run.py --drafter KIND:FOLDER` (depth=auto) or pass --draft-tokens"] if planned else []),
-        *(["- **Medusa-2**: trained with a LoRA adapter on the target (`adapter/`, a peft adapter): serve the target "
-            "with it merged (`merge_and_unload`), or verify with it attached"] if (source.path / "adapter").is_dir() else []),
+        *(
+            [
+                f"- **Draft tree** (the serve command's): {planned}. Planned on the exporting machine: on another "
+                "device, re-plan with `eval/run.py --drafter KIND:FOLDER` (depth=auto) or pass --draft-tokens"
+            ]
+            if planned
+            else []
+        ),
+        *(
+            [
+                "- **Medusa-2**: trained with a LoRA adapter on the target (`adapter/`, a peft adapter): "
+                "serve the target "
+                "with it merged (`merge_and_unload`), or verify with it attached"
+            ]
+            if (source.path / "adapter").is_dir()
+            else []
+        ),
         "",
         "## Serve",
         "",
@@ -74,9 +109,16 @@ def write_card(folder: Path, out: Path, source: Source, target: Target, fmt: str
         f"Load it back into draftsmith's engine with `eval/run.py --drafter {source.kind}:{out}`.",
     ]
     if recipe:
-        lines += ["", "## Recipe", "", "```yaml",
-                  yaml.safe_dump({k: recipe[k] for k in ("target", "data", "drafter", "training") if k in recipe},
-                                 sort_keys=False).rstrip(), "```"]
+        lines += [
+            "",
+            "## Recipe",
+            "",
+            "```yaml",
+            yaml.safe_dump(
+                {k: recipe[k] for k in ("target", "data", "drafter", "training") if k in recipe}, sort_keys=False
+            ).rstrip(),
+            "```",
+        ]
     (folder / "README.md").write_text("\n".join(lines) + "\n")
 
 

@@ -21,26 +21,46 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", help="a drafter checkpoint folder (checkpoint-N or checkpoint-final)")
     parser.add_argument("--format", required=True, choices=list(FORMATS))
     parser.add_argument("--out", required=True, help="a new folder for the export")
-    parser.add_argument("--target", default=None,
-                        help="the target's local folder (default: the target the checkpoint records, if it is "
-                             "'default', a folder, a .gguf file or a hub id in the local cache)")
-    parser.add_argument("--results", default=None,
-                        help="an eval/run.py results.json: this checkpoint's acceptance lengths go into the card")
-    parser.add_argument("--draft-tokens", type=at_least(1), default=None,
-                        help="tokens drafted per step in the printed serve command (default: the engine's depth)")
-    parser.add_argument("--target-hub-id", default=None,
-                        help="the target's hub id, written where engines name the verifier (default: the recorded "
-                             "target's, when it is a hub id or a hub-cache folder)")
-    parser.add_argument("--check", choices=ENGINES, default=None,
-                        help="then serve the export in this engine and compare with draftsmith's (exit 1 on mismatch)")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the target's local folder (default: the target the checkpoint records, if it is "
+        "'default', a folder, a .gguf file or a hub id in the local cache)",
+    )
+    parser.add_argument(
+        "--results",
+        default=None,
+        help="an eval/run.py results.json: this checkpoint's acceptance lengths go into the card",
+    )
+    parser.add_argument(
+        "--draft-tokens",
+        type=at_least(1),
+        default=None,
+        help="tokens drafted per step in the printed serve command (default: the engine's depth)",
+    )
+    parser.add_argument(
+        "--target-hub-id",
+        default=None,
+        help="the target's hub id, written where engines name the verifier (default: the recorded "
+        "target's, when it is a hub id or a hub-cache folder)",
+    )
+    parser.add_argument(
+        "--check",
+        choices=ENGINES,
+        default=None,
+        help="then serve the export in this engine and compare with draftsmith's (exit 1 on mismatch)",
+    )
     add_check_arguments(parser, prefix="check-")
     args = parser.parse_args(argv)
     if args.check:  # an export the engine cannot serve is refused before anything is written
         source = read_source(args.checkpoint)
         served_as({"format": args.format, "kind": source.kind, "config": source.config}, source.path, args.draft_tokens)
-    serve = export_checkpoint(args.checkpoint, args.format, args.out, args.target, args.results, args.draft_tokens,
-                              args.target_hub_id)
-    print(f"exported {args.checkpoint} as {args.format} to {args.out} (model card: {args.out}/README.md); serve it with:")
+    serve = export_checkpoint(
+        args.checkpoint, args.format, args.out, args.target, args.results, args.draft_tokens, args.target_hub_id
+    )
+    print(
+        f"exported {args.checkpoint} as {args.format} to {args.out} (model card: {args.out}/README.md); serve it with:"
+    )
     for line in serve:
         print(f"  {line}")
     if args.check:

@@ -67,18 +67,24 @@ def read_source(path: str | Path) -> Source:
     path = Path(path)
     file = path / "config.json"
     if not file.is_file():
-        raise CheckpointError(f"{path} is not a drafter checkpoint: it has no config.json (give a checkpoint-N "
-                              "or checkpoint-final folder written by training)")
+        raise CheckpointError(
+            f"{path} is not a drafter checkpoint: it has no config.json (give a checkpoint-N "
+            "or checkpoint-final folder written by training)"
+        )
     config = json.loads(file.read_text())
     if EXPORT_KEY in config:
-        raise CheckpointError(f"{path} is already an export ({config[EXPORT_KEY].get('format')}); export the "
-                              f"training checkpoint it came from ({config[EXPORT_KEY].get('source')})")
+        raise CheckpointError(
+            f"{path} is already an export ({config[EXPORT_KEY].get('format')}); export the "
+            f"training checkpoint it came from ({config[EXPORT_KEY].get('source')})"
+        )
     if "draftsmith_kind" in config:
         return Source(path, config["draftsmith_kind"], config, config.get("target") or {})
     if (path / TARGET_RECORD).is_file():
         return Source(path, DRAFT_LM, config, json.loads((path / TARGET_RECORD).read_text()))
-    raise CheckpointError(f"{path} is not a draftsmith drafter checkpoint: its config.json names no "
-                          f"draftsmith_kind and it has no {TARGET_RECORD}")
+    raise CheckpointError(
+        f"{path} is not a draftsmith drafter checkpoint: its config.json names no "
+        f"draftsmith_kind and it has no {TARGET_RECORD}"
+    )
 
 
 @dataclass
@@ -156,8 +162,10 @@ def find_target(source: Source, override: str | None = None, hub_id: str | None 
             raise UsageError(f"--target {override}: not a model folder (no config.json)")
         return Target(name or str(folder), folder.resolve(), source, hub_id)
     if not name:
-        raise CheckpointError(f"{source.path} does not record its target's name (config.json 'target.name'); "
-                              "give the target's local folder with --target DIR")
+        raise CheckpointError(
+            f"{source.path} does not record its target's name (config.json 'target.name'); "
+            "give the target's local folder with --target DIR"
+        )
     resolved = resolve_target(name, field=f"{source.path}: target")
     if Path(resolved).is_dir():
         return Target(name, Path(resolved).resolve(), source, hub_id)
@@ -166,16 +174,24 @@ def find_target(source: Source, override: str | None = None, hub_id: str | None 
     try:
         return Target(name, Path(snapshot_download(resolved, local_files_only=True)), source, hub_id)
     except Exception:  # not in the local cache: the export must name a folder that loads offline
-        raise UsageError(f"target {name!r} has no local copy: download it (`hf download {name} --local-dir DIR`) "
-                         "and give --target DIR") from None
+        raise UsageError(
+            f"target {name!r} has no local copy: download it (`hf download {name} --local-dir DIR`) "
+            "and give --target DIR"
+        ) from None
 
 
 def export_block(source: Source, fmt: str, config: dict | None = None) -> dict:
     """What an exported config.json carries for draftsmith: format, source and the drafter's config
     (``config`` when the export rewrote it; :func:`record_export` adds the target's local folder and
     the drafted tokens per step)."""
-    return {EXPORT_KEY: {"format": fmt, "kind": source.kind, "source": str(source.path.resolve()),
-                         "config": config or source.config}}
+    return {
+        EXPORT_KEY: {
+            "format": fmt,
+            "kind": source.kind,
+            "source": str(source.path.resolve()),
+            "config": config or source.config,
+        }
+    }
 
 
 def ascending_aux_layers(source: Source) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -203,16 +219,20 @@ def record_export(out: Path, source: Source, fmt: str, target: Target, tree: dic
     folder (engines are told the hub id; the serve check and ``eval/run.py`` load this folder), the
     tokens drafted per step the export was made for and, for a planned tree, what it was planned
     for. Formats whose config.json is the engine's alone (``hf``) get the record as :data:`EXPORT_SIDECAR`."""
-    extra = {"target_folder": str(target.folder), "num_speculative_tokens": tree["depth"],
-             **({"draft_tree": tree} if tree.get("planned") else {})}
+    extra = {
+        "target_folder": str(target.folder),
+        "num_speculative_tokens": tree["depth"],
+        **({"draft_tree": tree} if tree.get("planned") else {}),
+    }
     file = out / "config.json"
     config = json.loads(file.read_text()) if file.is_file() else {}
     if EXPORT_KEY in config:
         config[EXPORT_KEY].update(extra)
         write_config(out, config)
     else:
-        (out / EXPORT_SIDECAR).write_text(json.dumps({**export_block(source, fmt)[EXPORT_KEY], **extra}, indent=1,
-                                                     default=str))
+        (out / EXPORT_SIDECAR).write_text(
+            json.dumps({**export_block(source, fmt)[EXPORT_KEY], **extra}, indent=1, default=str)
+        )
 
 
 def write_config(out: Path, config: dict) -> None:

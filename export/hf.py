@@ -22,8 +22,10 @@ SKIP = {"state", "recipe.yaml", "README.md"}  # resumable training state; the re
 
 
 def why_not(kind: str) -> str:
-    return "it is not a standalone language model (heads run on the target's features); export EAGLE-3 with " \
-           "--format speculators, EAGLE-1 with --format sglang, Medusa with --format vllm-medusa or medusa"
+    return (
+        "it is not a standalone language model (heads run on the target's features); export EAGLE-3 with "
+        "--format speculators, EAGLE-1 with --format sglang, Medusa with --format vllm-medusa or medusa"
+    )
 
 
 def matches(config: dict) -> bool:

@@ -30,8 +30,10 @@ OFFICIAL_BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")
 
 
 def why_not(kind: str) -> str:
-    return "the official Medusa layout holds Medusa heads only; export EAGLE-3 with --format speculators, " \
-           "EAGLE-1 with --format sglang, draft LMs with --format hf"
+    return (
+        "the official Medusa layout holds Medusa heads only; export EAGLE-3 with --format speculators, "
+        "EAGLE-1 with --format sglang, draft LMs with --format hf"
+    )
 
 
 def matches(config: dict) -> bool:
@@ -42,32 +44,61 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     """Write the official Medusa folder (loaded with ``MedusaModel.from_pretrained``)."""
     config, state = source.config, source.state
     if target.saved_config.get("model_type") not in BASE_MODEL_TYPES:
-        raise refuse(NAME, source.kind, f"its target is a {target.saved_config.get('model_type')!r} model and the official "
-                                        f"MedusaModel builds its base model as {' or '.join(BASE_MODEL_TYPES)} only; "
-                                        "use --format vllm-medusa")
+        raise refuse(
+            NAME,
+            source.kind,
+            f"its target is a {target.saved_config.get('model_type')!r} model and the official "
+            f"MedusaModel builds its base model as {' or '.join(BASE_MODEL_TYPES)} only; "
+            "use --format vllm-medusa",
+        )
     if config["num_heads"] > MAX_HEADS:
-        raise refuse(NAME, source.kind, f"it has {config['num_heads']} heads; the official Medusa code is built around "
-                                        f"{MAX_HEADS} (MedusaConfig's default, its released heads) and loads head weights "
-                                        "with strict=False, so a head count it does not expect silently leaves heads "
-                                        f"unused or random; train at most {MAX_HEADS} heads or use --format vllm-medusa")
+        raise refuse(
+            NAME,
+            source.kind,
+            f"it has {config['num_heads']} heads; the official Medusa code is built around "
+            f"{MAX_HEADS} (MedusaConfig's default, its released heads) and loads head weights "
+            "with strict=False, so a head count it does not expect silently leaves heads "
+            f"unused or random; train at most {MAX_HEADS} heads or use --format vllm-medusa",
+        )
     if state["draft_vocab"].numel() < config["vocab_size"]:
-        raise refuse(NAME, source.kind, "it drafts over a reduced vocabulary and the official layout has none; "
-                                        "use --format vllm-medusa (token_map)")
+        raise refuse(
+            NAME,
+            source.kind,
+            "it drafts over a reduced vocabulary and the official layout has none; "
+            "use --format vllm-medusa (token_map)",
+        )
     if config["num_layers"] > 1:
-        raise refuse(NAME, source.kind, f"its heads have {config['num_layers']} residual blocks and the official "
-                                        "MedusaModel repeats one block object per head; use --format vllm-medusa")
+        raise refuse(
+            NAME,
+            source.kind,
+            f"its heads have {config['num_layers']} residual blocks and the official "
+            "MedusaModel repeats one block object per head; use --format vllm-medusa",
+        )
     if config["num_heads"] < MIN_HEADS:
-        print(f"warning: {config['num_heads']} Medusa heads: the official default tree (mc_sim_7b_63) is {MIN_HEADS} "
-              f"deep; pass medusa_generate a medusa_choices tree at most {config['num_heads']} deep", file=sys.stderr)
+        print(
+            f"warning: {config['num_heads']} Medusa heads: the official default tree (mc_sim_7b_63) is {MIN_HEADS} "
+            f"deep; pass medusa_generate a medusa_choices tree at most {config['num_heads']} deep",
+            file=sys.stderr,
+        )
     layers = config["num_layers"]
-    tensors = {name: value.contiguous() for name, value in
-               rename_blocks(state, MEDUSA_BLOCK, "{0}.{1}.linear.{2}").items()}
-    shared = target.model.get_output_embeddings().weight.detach().to(source.dtype) if config["lm_head"] == "shared" else None
+    tensors = {
+        name: value.contiguous() for name, value in rename_blocks(state, MEDUSA_BLOCK, "{0}.{1}.linear.{2}").items()
+    }
+    shared = (
+        target.model.get_output_embeddings().weight.detach().to(source.dtype) if config["lm_head"] == "shared" else None
+    )
     for k in range(config["num_heads"]):
         tensors[f"{k}.{layers}.weight"] = (shared if shared is not None else state["lm_weight"][k]).contiguous()
     torch.save(tensors, out / HEADS_FILE)
-    write_config(out, {"medusa_num_heads": config["num_heads"], "medusa_num_layers": layers,
-                       "base_model_name_or_path": target.verifier_name, **export_block(source, NAME)})
+    write_config(
+        out,
+        {
+            "medusa_num_heads": config["num_heads"],
+            "medusa_num_layers": layers,
+            "base_model_name_or_path": target.verifier_name,
+            **export_block(source, NAME),
+        },
+    )
     return [f"python -c \"from medusa.model.medusa_model import MedusaModel; MedusaModel.from_pretrained('{out}')\""]
 
 

@@ -28,6 +28,8 @@ def native_state(path: str | Path) -> dict[str, torch.Tensor]:
     fmt = detect_format(config)
     recorded = config[EXPORT_KEY].get("format")
     if fmt is None or fmt != recorded:
-        raise CheckpointError(f"{path}: config.json says it is a {recorded!r} export but its fields are "
-                              f"{'of no known format' if fmt is None else f'those of {fmt!r}'}; re-export it")
+        raise CheckpointError(
+            f"{path}: config.json says it is a {recorded!r} export but its fields are "
+            f"{'of no known format' if fmt is None else f'those of {fmt!r}'}; re-export it"
+        )
     return FORMATS[fmt].native_state(path, config)

@@ -77,8 +77,10 @@ def export_metadata(folder: Path) -> dict:
         block = json.loads(config_file.read_text()).get(EXPORT_KEY)
         if block:
             return block
-    raise CheckpointError(f"{folder} is not a draftsmith export (no {EXPORT_SIDECAR} and no '{EXPORT_KEY}' in "
-                          "config.json); export a training checkpoint with draftsmith-export first")
+    raise CheckpointError(
+        f"{folder} is not a draftsmith export (no {EXPORT_SIDECAR} and no '{EXPORT_KEY}' in "
+        "config.json); export a training checkpoint with draftsmith-export first"
+    )
 
 
 def served_as(meta: dict, folder: Path, draft_tokens: int | None) -> Served:
@@ -91,9 +93,11 @@ def served_as(meta: dict, folder: Path, draft_tokens: int | None) -> Served:
         return Served("eagle3", depth, parallel_drafting=kind == "peagle")
     if fmt == "vllm-medusa":
         if (folder / "adapter").is_dir():
-            raise UsageError(f"{folder}: Medusa-2 heads verify with their LoRA-tuned target, which vLLM does not "
-                             "load beside them; merge the adapter into the target (peft merge_and_unload) and serve "
-                             "that, or check Medusa-1 heads")
+            raise UsageError(
+                f"{folder}: Medusa-2 heads verify with their LoRA-tuned target, which vLLM does not "
+                "load beside them; merge the adapter into the target (peft merge_and_unload) and serve "
+                "that, or check Medusa-1 heads"
+            )
         heads = meta["config"]["num_heads"]
         depth = min(depth, heads) if draft_tokens is None else depth
         if depth > heads:
@@ -102,20 +106,30 @@ def served_as(meta: dict, folder: Path, draft_tokens: int | None) -> Served:
     if fmt == "hf":
         return Served("draft_model", depth)
     if fmt == "sglang" and kind == "eagle":
-        raise UsageError(f"{folder}: vLLM cannot serve draftsmith's EAGLE-1 heads: vLLM's EAGLE-1 model "
-                         "(model_executor/models/llama_eagle.py) builds fc without a bias, and these heads train one; "
-                         "serve this export in SGLang, or train an EAGLE-3 head and export --format speculators")
+        raise UsageError(
+            f"{folder}: vLLM cannot serve draftsmith's EAGLE-1 heads: vLLM's EAGLE-1 model "
+            "(model_executor/models/llama_eagle.py) builds fc without a bias, and these heads train one; "
+            "serve this export in SGLang, or train an EAGLE-3 head and export --format speculators"
+        )
     if fmt == "sglang":
-        raise UsageError(f"{folder}: this is the SGLang layout; vLLM serves EAGLE-3 heads from "
-                         "`draftsmith-export CKPT --format speculators`: check that export")
-    raise UsageError(f"{folder}: vLLM has no loader for the {fmt!r} layout (the official Medusa format); "
-                     "export --format vllm-medusa and check that")
+        raise UsageError(
+            f"{folder}: this is the SGLang layout; vLLM serves EAGLE-3 heads from "
+            "`draftsmith-export CKPT --format speculators`: check that export"
+        )
+    raise UsageError(
+        f"{folder}: vLLM has no loader for the {fmt!r} layout (the official Medusa format); "
+        "export --format vllm-medusa and check that"
+    )
 
 
 def speculative_config(served: Served, folder: str | Path) -> dict:
     """vLLM's ``speculative_config`` for the export in ``folder``, served as ``served``."""
-    return {"method": served.method, "model": str(folder), "num_speculative_tokens": served.num_speculative_tokens,
-            **({"parallel_drafting": True} if served.parallel_drafting else {})}
+    return {
+        "method": served.method,
+        "model": str(folder),
+        "num_speculative_tokens": served.num_speculative_tokens,
+        **({"parallel_drafting": True} if served.parallel_drafting else {}),
+    }
 
 
 def _our_spec(kind: str, source: str, depth: int):
@@ -183,8 +197,9 @@ def _ours(target_folder: str, spec, prompts: list[list[int]], max_new_tokens: in
     return result
 
 
-def prompt_ids(target_folder: str, prompts: str | None, limit: int | None,
-               per_category: int | None = None) -> list[list[int]]:
+def prompt_ids(
+    target_folder: str, prompts: str | None, limit: int | None, per_category: int | None = None
+) -> list[list[int]]:
     """The first turns of ``prompts`` (a JSONL file; default MT-bench, one per category), rendered
     with the target's chat template: the first ``per_category`` of each category, then ``limit``."""
     from draftsmith.data_prep.chat import render_prompt
@@ -217,9 +232,16 @@ def _tok_s(outputs: list[list[int]], seconds: float) -> float:
     return sum(map(len, outputs)) / seconds if seconds else 0.0
 
 
-def serve_check(folder: str | Path, engine: str = "vllm", prompts: str | None = None, limit: int | None = None,
-                max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, source: str | Path | None = None,
-                draft_tokens: int | None = None, tolerance: float = TOLERANCE) -> CheckResult:
+def serve_check(
+    folder: str | Path,
+    engine: str = "vllm",
+    prompts: str | None = None,
+    limit: int | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    source: str | Path | None = None,
+    draft_tokens: int | None = None,
+    tolerance: float = TOLERANCE,
+) -> CheckResult:
     """Serve the export in ``folder`` with ``engine`` and compare it with draftsmith's engine; writes
     ``serve_check.json`` and ``serve_check.md`` into ``folder`` and returns the result.
 
@@ -232,8 +254,10 @@ def serve_check(folder: str | Path, engine: str = "vllm", prompts: str | None = 
     served = served_as(meta, folder, draft_tokens)
     source = Path(source or meta.get("source", ""))
     if not (source / "config.json").is_file():
-        raise UsageError(f"{folder}: the training checkpoint it was exported from ({source}) is not here; the gate "
-                         "compares the export with it: give it with --source DIR")
+        raise UsageError(
+            f"{folder}: the training checkpoint it was exported from ({source}) is not here; the gate "
+            "compares the export with it: give it with --source DIR"
+        )
     target = meta.get("target_folder")
     if not target or not (Path(target) / "config.json").is_file():
         raise UsageError(f"{folder}: its target's local folder ({target}) is not here; re-export with --target DIR")
@@ -245,12 +269,14 @@ def serve_check(folder: str | Path, engine: str = "vllm", prompts: str | None = 
     failures: list[str] = []
     spec_config = speculative_config(served, folder)
     try:
-        spec = run_job({**job, "engine": engine_args(target, speculative_config=spec_config)},
-                       f"vLLM serving {folder}")
+        spec = run_job({**job, "engine": engine_args(target, speculative_config=spec_config)}, f"vLLM serving {folder}")
     except EngineError as err:  # the export does not load: the gate's purpose is to say so
         failures.append(f"vLLM could not serve the export: {err}")
-        spec = {"outputs": [{"tokens": []} for _ in ids], "seconds": 0.0,
-                "spec": {"num_drafts": 0, "per_position": [0] * depth, "num_draft_tokens": 0, "num_accepted_tokens": 0}}
+        spec = {
+            "outputs": [{"tokens": []} for _ in ids],
+            "seconds": 0.0,
+            "spec": {"num_drafts": 0, "per_position": [0] * depth, "num_draft_tokens": 0, "num_accepted_tokens": 0},
+        }
     vllm_plain = [o["tokens"] for o in plain["outputs"]]
     vllm_spec = [o["tokens"] for o in spec["outputs"]]
     drafts = spec["spec"]["num_drafts"]
@@ -262,18 +288,31 @@ def serve_check(folder: str | Path, engine: str = "vllm", prompts: str | None = 
         failures.append(f"vLLM's speculative output differs from its plain output on {differ} of {len(ids)} prompts")
     for k, pos in enumerate(positions, start=1):
         if abs(pos["vllm"] - pos["ours"]) > tolerance:
-            failures.append(f"position {k}: vLLM accepted {pos['vllm']:.3f} of drafts, draftsmith {pos['ours']:.3f} "
-                            f"(tolerance {tolerance})")
+            failures.append(
+                f"position {k}: vLLM accepted {pos['vllm']:.3f} of drafts, draftsmith {pos['ours']:.3f} "
+                f"(tolerance {tolerance})"
+            )
     result = CheckResult(
-        passed=not failures, engine=engine, version=plain.get("version") or vllm_version() or "?",
-        num_speculative_tokens=depth, positions=positions, same_output=same_output,
-        vllm_tok_s=_tok_s(vllm_spec, spec["seconds"]), vllm_plain_tok_s=_tok_s(vllm_plain, plain["seconds"]),
-        ours_tok_s=_tok_s(ours["spec"], ours["spec_s"]), ours_plain_tok_s=_tok_s(ours["plain"], ours["plain_s"]),
+        passed=not failures,
+        engine=engine,
+        version=plain.get("version") or vllm_version() or "?",
+        num_speculative_tokens=depth,
+        positions=positions,
+        same_output=same_output,
+        vllm_tok_s=_tok_s(vllm_spec, spec["seconds"]),
+        vllm_plain_tok_s=_tok_s(vllm_plain, plain["seconds"]),
+        ours_tok_s=_tok_s(ours["spec"], ours["spec_s"]),
+        ours_plain_tok_s=_tok_s(ours["plain"], ours["plain_s"]),
         vllm_acceptance_length=1 + spec["spec"]["num_accepted_tokens"] / drafts if drafts else 1.0,
         ours_acceptance_length=ours["tau"],
         same_as_ours=sum(a == b for a, b in zip(vllm_plain, ours["plain"])) / len(ids),
-        prompts=len(ids), max_new_tokens=max_new_tokens, tolerance=tolerance, failures=failures,
-        export=str(folder), source=str(source.resolve()), target=str(target),
+        prompts=len(ids),
+        max_new_tokens=max_new_tokens,
+        tolerance=tolerance,
+        failures=failures,
+        export=str(folder),
+        source=str(source.resolve()),
+        target=str(target),
     )
     (folder / REPORT).write_text(json.dumps(asdict(result), indent=1))
     (folder / TABLE).write_text(table(result) + "\n")
@@ -282,29 +321,46 @@ def serve_check(folder: str | Path, engine: str = "vllm", prompts: str | None = 
 
 def table(result: CheckResult) -> str:
     """The gate's result as a Markdown table (per-position acceptance, then throughput)."""
-    lines = [f"serve check ({result.engine} {result.version}, {result.prompts} prompts x {result.max_new_tokens} "
-             f"new tokens, greedy, chain of {result.num_speculative_tokens}): "
-             f"{'PASSED' if result.passed else 'FAILED'}", "",
-             "| draft position | vLLM accepted | draftsmith accepted | difference |", "|---|---|---|---|"]
+    lines = [
+        f"serve check ({result.engine} {result.version}, {result.prompts} prompts x {result.max_new_tokens} "
+        f"new tokens, greedy, chain of {result.num_speculative_tokens}): "
+        f"{'PASSED' if result.passed else 'FAILED'}",
+        "",
+        "| draft position | vLLM accepted | draftsmith accepted | difference |",
+        "|---|---|---|---|",
+    ]
     for k, pos in enumerate(result.positions, start=1):
         lines.append(f"| {k} | {pos['vllm']:.3f} | {pos['ours']:.3f} | {pos['vllm'] - pos['ours']:+.3f} |")
-    lines += ["", "| engine | acceptance length | tok/s with drafter | tok/s plain | speedup |", "|---|---|---|---|---|",
-              f"| vLLM | {result.vllm_acceptance_length:.2f} | {result.vllm_tok_s:.1f} | {result.vllm_plain_tok_s:.1f} | "
-              f"{result.vllm_tok_s / result.vllm_plain_tok_s if result.vllm_plain_tok_s else 0:.2f}x |",
-              f"| draftsmith | {result.ours_acceptance_length:.2f} | {result.ours_tok_s:.1f} | {result.ours_plain_tok_s:.1f} | "
-              f"{result.ours_tok_s / result.ours_plain_tok_s if result.ours_plain_tok_s else 0:.2f}x |", "",
-              f"vLLM's speculative output equals its plain output: {'yes' if result.same_output else 'NO'}; "
-              f"vLLM's plain output equals draftsmith's on {result.same_as_ours:.0%} of prompts."]
+    lines += [
+        "",
+        "| engine | acceptance length | tok/s with drafter | tok/s plain | speedup |",
+        "|---|---|---|---|---|",
+        f"| vLLM | {result.vllm_acceptance_length:.2f} | {result.vllm_tok_s:.1f} | {result.vllm_plain_tok_s:.1f} | "
+        f"{result.vllm_tok_s / result.vllm_plain_tok_s if result.vllm_plain_tok_s else 0:.2f}x |",
+        f"| draftsmith | {result.ours_acceptance_length:.2f} | {result.ours_tok_s:.1f} | "
+        f"{result.ours_plain_tok_s:.1f} | "
+        f"{result.ours_tok_s / result.ours_plain_tok_s if result.ours_plain_tok_s else 0:.2f}x |",
+        "",
+        f"vLLM's speculative output equals its plain output: {'yes' if result.same_output else 'NO'}; "
+        f"vLLM's plain output equals draftsmith's on {result.same_as_ours:.0%} of prompts.",
+    ]
     lines += [f"- {failure}" for failure in result.failures]
     return "\n".join(lines)
 
 
 def add_check_arguments(parser: ArgumentParser, prefix: str = "") -> None:
     """The gate's options (``--prompts``/``--limit``, or ``--check-prompts``/``--check-limit`` on the export CLI)."""
-    parser.add_argument(f"--{prefix}prompts", default=None,
-                        help="JSONL prompt set ('turns' list or 'prompt' string per line; default: MT-bench)")
-    parser.add_argument(f"--{prefix}limit", type=at_least(1), default=None,
-                        help=f"first N prompts (default: {DEFAULT_LIMIT}, MT-bench's first question per category)")
+    parser.add_argument(
+        f"--{prefix}prompts",
+        default=None,
+        help="JSONL prompt set ('turns' list or 'prompt' string per line; default: MT-bench)",
+    )
+    parser.add_argument(
+        f"--{prefix}limit",
+        type=at_least(1),
+        default=None,
+        help=f"first N prompts (default: {DEFAULT_LIMIT}, MT-bench's first question per category)",
+    )
     parser.add_argument(f"--{prefix}max-new-tokens", type=at_least(1), default=DEFAULT_MAX_NEW_TOKENS)
 
 
@@ -322,13 +378,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("export", help="an exported folder (draftsmith-export --out DIR)")
     parser.add_argument("--engine", default="vllm", choices=ENGINES)
     add_check_arguments(parser)
-    parser.add_argument("--source", default=None,
-                        help="the training checkpoint the export came from (default: the one it records)")
-    parser.add_argument("--draft-tokens", type=at_least(1), default=None,
-                        help="tokens drafted per step (default: the export's own)")
+    parser.add_argument(
+        "--source", default=None, help="the training checkpoint the export came from (default: the one it records)"
+    )
+    parser.add_argument(
+        "--draft-tokens", type=at_least(1), default=None, help="tokens drafted per step (default: the export's own)"
+    )
     args = parser.parse_args(argv)
-    report(serve_check(args.export, args.engine, args.prompts, args.limit, args.max_new_tokens, args.source,
-                       args.draft_tokens))
+    report(
+        serve_check(
+            args.export, args.engine, args.prompts, args.limit, args.max_new_tokens, args.source, args.draft_tokens
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.export.common import (Source, Target, ascending_aux_layers, export_block, refuse, write_config,
-                                      write_weights)
+from draftsmith.export.common import (
+    Source,
+    Target,
+    ascending_aux_layers,
+    export_block,
+    refuse,
+    write_config,
+    write_weights,
+)
 
 NAME = "sglang"
 KINDS = ("eagle", "eagle3")
@@ -39,8 +46,10 @@ HOT_TOKEN_MAP = "hot_token_map.pt"
 
 
 def why_not(kind: str) -> str:
-    return "SGLang's EAGLE folders hold EAGLE and EAGLE-3 heads only; export Medusa heads with " \
-           "--format vllm-medusa or --format medusa, draft LMs with --format hf"
+    return (
+        "SGLang's EAGLE folders hold EAGLE and EAGLE-3 heads only; export Medusa heads with "
+        "--format vllm-medusa or --format medusa, draft LMs with --format hf"
+    )
 
 
 def matches(config: dict) -> bool:
@@ -50,8 +59,12 @@ def matches(config: dict) -> bool:
 def _check_layer(source: Source, layer: dict) -> None:
     """SGLang's EAGLE layers are Llama layers without biases."""
     if layer.get("model_type") != "llama":
-        raise refuse(NAME, source.kind, f"its layer is a {layer.get('model_type')!r} layer; SGLang {VERSION}'s "
-                                        f"{ARCHITECTURES[source.kind]} builds Llama layers")
+        raise refuse(
+            NAME,
+            source.kind,
+            f"its layer is a {layer.get('model_type')!r} layer; SGLang {VERSION}'s "
+            f"{ARCHITECTURES[source.kind]} builds Llama layers",
+        )
     if source.kind == "eagle3" and (layer.get("attention_bias") or layer.get("mlp_bias")):
         raise refuse(NAME, source.kind, f"its layer has biases and SGLang {VERSION}'s EAGLE-3 layer has none")
 
@@ -66,20 +79,34 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     layer = target.engine_layer_config(config["target_config"])
     _check_layer(source, layer)
     vocab = layer["vocab_size"]
-    draft_config = {**layer, "architectures": [ARCHITECTURES[source.kind]], "num_hidden_layers": config["num_layers"],
-                    "tie_word_embeddings": False}
+    draft_config = {
+        **layer,
+        "architectures": [ARCHITECTURES[source.kind]],
+        "num_hidden_layers": config["num_layers"],
+        "tie_word_embeddings": False,
+    }
     extra = []
     if source.kind == "eagle3":
         if config.get("norm_before_residual"):
-            raise refuse(NAME, source.kind, f"it was trained with norm_before_residual, which SGLang {VERSION}'s "
-                                            "EAGLE-3 layer does not implement; use --format speculators")
+            raise refuse(
+                NAME,
+                source.kind,
+                f"it was trained with norm_before_residual, which SGLang {VERSION}'s "
+                "EAGLE-3 layer does not implement; use --format speculators",
+            )
         num_layers = source.record.get("num_hidden_layers")
         if num_layers in config["aux_layers"]:
-            raise refuse(NAME, source.kind, f"it reads the target's last layer output (aux layer {num_layers}), which "
-                                            f"SGLang {VERSION} cannot capture; use --format speculators")
+            raise refuse(
+                NAME,
+                source.kind,
+                f"it reads the target's last layer output (aux layer {num_layers}), which "
+                f"SGLang {VERSION} cannot capture; use --format speculators",
+            )
         draft_config["draft_vocab_size"] = config["draft_vocab_size"]
-        draft_config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [layer_id - 1 for layer_id in config["aux_layers"]],
-                                        "use_aux_hidden_state": True}
+        draft_config["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": [layer_id - 1 for layer_id in config["aux_layers"]],
+            "use_aux_hidden_state": True,
+        }
         if config["draft_vocab_size"] == vocab:
             del tensors["d2t"], tensors["t2d"]
     else:
@@ -89,10 +116,24 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
             extra = ["--speculative-token-map", str(out / HOT_TOKEN_MAP)]
     write_config(out, {**draft_config, **export_block(source, NAME, config)})
     write_weights(out, tensors, NAME)
-    command = ["python", "-m", "sglang.launch_server", "--model-path", str(target.folder),
-               "--speculative-algorithm", ALGORITHMS[source.kind], "--speculative-draft-model-path", str(out),
-               "--speculative-num-steps", str(tree["depth"]), "--speculative-eagle-topk", str(tree["top_k"]),
-               "--speculative-num-draft-tokens", str(tree["budget"]), *extra]
+    command = [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(target.folder),
+        "--speculative-algorithm",
+        ALGORITHMS[source.kind],
+        "--speculative-draft-model-path",
+        str(out),
+        "--speculative-num-steps",
+        str(tree["depth"]),
+        "--speculative-eagle-topk",
+        str(tree["top_k"]),
+        "--speculative-num-draft-tokens",
+        str(tree["budget"]),
+        *extra,
+    ]
     return [" ".join(command)]
 
 
@@ -106,6 +147,7 @@ def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
             tensors["t2d"] = torch.ones(vocab, dtype=torch.bool)
     else:
         hot = folder / HOT_TOKEN_MAP
-        tensors["draft_vocab"] = (torch.tensor(torch.load(hot, weights_only=True), dtype=torch.long)
-                                  if hot.is_file() else torch.arange(vocab))
+        tensors["draft_vocab"] = (
+            torch.tensor(torch.load(hot, weights_only=True), dtype=torch.long) if hot.is_file() else torch.arange(vocab)
+        )
     return tensors

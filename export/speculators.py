@@ -36,8 +36,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.export.common import (Source, Target, ascending_aux_layers, export_block, refuse, write_config,
-                                      write_weights)
+from draftsmith.export.common import (
+    Source,
+    Target,
+    ascending_aux_layers,
+    export_block,
+    refuse,
+    write_config,
+    write_weights,
+)
 
 NAME = "speculators"
 KINDS = ("eagle3", "peagle", "dflash")
@@ -49,10 +56,14 @@ VOCAB_MAPS = ("d2t", "t2d")
 
 def why_not(kind: str) -> str:
     if kind == "eagle":
-        return (f"speculators {VERSION} has no EAGLE-1 model (its EAGLE family is eagle3 and peagle); export "
-                "EAGLE-1 heads with --format sglang")
-    return f"speculators {VERSION} has models for eagle3, mtp, dflash, dspark, peagle and xpress only; " \
-           "export Medusa heads with --format vllm-medusa or --format medusa, draft LMs with --format hf"
+        return (
+            f"speculators {VERSION} has no EAGLE-1 model (its EAGLE family is eagle3 and peagle); export "
+            "EAGLE-1 heads with --format sglang"
+        )
+    return (
+        f"speculators {VERSION} has models for eagle3, mtp, dflash, dspark, peagle and xpress only; "
+        "export Medusa heads with --format vllm-medusa or --format medusa, draft LMs with --format hf"
+    )
 
 
 def matches(config: dict) -> bool:
@@ -70,16 +81,21 @@ def _check_aux_layers(source: Source) -> None:
     if num_layers in source.config["aux_layers"]:
         # HF's hidden_states[N] is the last layer's output after the final norm; vLLM's capture at
         # layer N is the residual stream before it: the head would be served other features.
-        raise refuse(NAME, source.kind, f"it reads aux layer {num_layers}, the target's last layer output after its "
-                                        f"final norm, which vLLM captures before the norm; train with aux layers "
-                                        f"below {num_layers} (default [2, N/2, N-3])")
+        raise refuse(
+            NAME,
+            source.kind,
+            f"it reads aux layer {num_layers}, the target's last layer output after its "
+            f"final norm, which vLLM captures before the norm; train with aux layers "
+            f"below {num_layers} (default [2, N/2, N-3])",
+        )
 
 
 def _speculators_config(source: Source, target: Target, tokens: int) -> dict:
     return {
         "algorithm": source.kind,
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
-                              "accept_tolerance": 0.0}],
+        "proposal_methods": [
+            {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+        ],
         "default_proposal_method": "greedy",
         "verifier": {"name_or_path": target.verifier_name, "architectures": target.architectures},
     }
@@ -89,8 +105,12 @@ def _export_eagle3(source: Source, target: Target, out: Path, tree: dict) -> lis
     config, tensors = ascending_aux_layers(source)
     layer = target.engine_layer_config(config["target_config"])
     if layer.get("model_type") not in LAYER_TYPES:
-        raise refuse(NAME, source.kind, f"its layer is a {layer.get('model_type')!r} layer and speculators {VERSION} "
-                                        f"builds EAGLE-3 layers of {' and '.join(LAYER_TYPES)} only")
+        raise refuse(
+            NAME,
+            source.kind,
+            f"its layer is a {layer.get('model_type')!r} layer and speculators {VERSION} "
+            f"builds EAGLE-3 layers of {' and '.join(LAYER_TYPES)} only",
+        )
     layer["num_hidden_layers"] = config["num_layers"]
     layer["tie_word_embeddings"] = False  # the head's LM head is its own, never the embedding
     # vLLM builds its EAGLE-3 layer config from this dict and sizes fc from num_aux_hidden_states
@@ -104,23 +124,26 @@ def _export_eagle3(source: Source, target: Target, out: Path, tree: dict) -> lis
     if parallel:
         tensors[EMBED] = tensors[EMBED].clone()
         tensors[EMBED][config["mask_token_id"]] = tensors.pop("mask_embedding").to(target.dtype)
-    write_config(out, {
-        "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
-        "speculators_model_type": source.kind,
-        **({"mask_token_id": config["mask_token_id"]} if parallel else {}),
-        "speculators_version": VERSION,
-        "transformer_layer_config": layer,
-        "draft_vocab_size": config["draft_vocab_size"],
-        "norm_before_residual": bool(config.get("norm_before_residual", False)),
-        "target_hidden_size": None,
-        "eagle_aux_hidden_state_layer_ids": list(config["aux_layers"]),
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-        "embed_requires_grad": False,
-        "speculators_config": _speculators_config(source, target, tree["depth"]),
-        **export_block(source, NAME, config),
-    })
+    write_config(
+        out,
+        {
+            "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
+            "speculators_model_type": source.kind,
+            **({"mask_token_id": config["mask_token_id"]} if parallel else {}),
+            "speculators_version": VERSION,
+            "transformer_layer_config": layer,
+            "draft_vocab_size": config["draft_vocab_size"],
+            "norm_before_residual": bool(config.get("norm_before_residual", False)),
+            "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": list(config["aux_layers"]),
+            "norm_before_fc": False,
+            "fc_norm": False,
+            "norm_output": False,
+            "embed_requires_grad": False,
+            "speculators_config": _speculators_config(source, target, tree["depth"]),
+            **export_block(source, NAME, config),
+        },
+    )
     write_weights(out, tensors, NAME)
     extra = ', "parallel_drafting": true' if parallel else ""
     spec = f'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {tree["depth"]}{extra}}}'
@@ -139,27 +162,34 @@ def _export_dflash(source: Source, target: Target, out: Path, tree: dict) -> lis
     config, tensors = ascending_aux_layers(source)
     vocab = config["target_config"]["vocab_size"]
     if config["draft_vocab_size"] == vocab:
-        raise refuse(NAME, source.kind, "its draft vocabulary is the full one: speculators' DFlash model then takes "
-                                        "the verifier's LM head in place of the drafter's trained one; train with "
-                                        "drafter.draft_vocab_size below the vocabulary size")
+        raise refuse(
+            NAME,
+            source.kind,
+            "its draft vocabulary is the full one: speculators' DFlash model then takes "
+            "the verifier's LM head in place of the drafter's trained one; train with "
+            "drafter.draft_vocab_size below the vocabulary size",
+        )
     layer = draft_config(AutoConfig.for_model(**config["target_config"]), config["num_layers"]).to_dict()
     layer = {key: value for key, value in layer.items() if key not in ("torch_dtype", "_attn_implementation_autoset")}
     layer.update(dtype=target.dtype_name, layer_types=["full_attention"] * config["num_layers"])
-    write_config(out, {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
-        "speculators_version": VERSION,
-        "transformer_layer_config": layer,
-        "draft_vocab_size": config["draft_vocab_size"],
-        "block_size": config["block_size"],
-        "target_hidden_size": None,
-        "aux_hidden_state_layer_ids": list(config["aux_layers"]),
-        "mask_token_id": config["mask_token_id"],
-        "sliding_window_non_causal": True,
-        "sample_from_anchor": False,
-        "speculators_config": _speculators_config(source, target, tree["depth"]),
-        **export_block(source, NAME, config),
-    })
+    write_config(
+        out,
+        {
+            "architectures": ["DFlashSpeculator"],
+            "speculators_model_type": "dflash",
+            "speculators_version": VERSION,
+            "transformer_layer_config": layer,
+            "draft_vocab_size": config["draft_vocab_size"],
+            "block_size": config["block_size"],
+            "target_hidden_size": None,
+            "aux_hidden_state_layer_ids": list(config["aux_layers"]),
+            "mask_token_id": config["mask_token_id"],
+            "sliding_window_non_causal": True,
+            "sample_from_anchor": False,
+            "speculators_config": _speculators_config(source, target, tree["depth"]),
+            **export_block(source, NAME, config),
+        },
+    )
     write_weights(out, tensors, NAME)
     spec = f'{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
     return [f"vllm serve {target.folder} --speculative-config '{spec}'"]

@@ -20,8 +20,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.export.common import (MEDUSA_BLOCK, Source, Target, export_block, refuse, rename_blocks, write_config,
-                                      write_weights)
+from draftsmith.export.common import (
+    MEDUSA_BLOCK,
+    Source,
+    Target,
+    export_block,
+    refuse,
+    rename_blocks,
+    write_config,
+    write_weights,
+)
 
 NAME = "vllm-medusa"
 KINDS = ("medusa",)
@@ -30,23 +38,29 @@ VLLM_BLOCK = re.compile(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)")
 
 
 def why_not(kind: str) -> str:
-    return "vLLM's Medusa loader holds Medusa heads only; export EAGLE-3 with --format speculators, " \
-           "EAGLE-1 with --format sglang, draft LMs with --format hf"
+    return (
+        "vLLM's Medusa loader holds Medusa heads only; export EAGLE-3 with --format speculators, "
+        "EAGLE-1 with --format sglang, draft LMs with --format hf"
+    )
 
 
 def unservable(lm_head: str, reduced_vocab: bool) -> str | None:
     """Why vLLM cannot serve Medusa heads trained with ``lm_head`` (``shared``/``copy``) over a
     reduced draft vocabulary or not, or None when it can."""
     if reduced_vocab and lm_head != "shared":
-        return ("its per-head LM heads cover a reduced draft vocabulary, and vLLM builds per-head LM heads at the "
-                "full vocabulary size (its token_map works with a shared LM head only); train with lm_head: shared "
-                "and draft_vocab_size: null")
+        return (
+            "its per-head LM heads cover a reduced draft vocabulary, and vLLM builds per-head LM heads at the "
+            "full vocabulary size (its token_map works with a shared LM head only); train with lm_head: shared "
+            "and draft_vocab_size: null"
+        )
     if reduced_vocab:
         # Found by serving one: Medusa.load_weights sets token_map but leaves it out of the names it
         # reports loaded, so vLLM's weight check refuses every checkpoint that has one.
-        return (f"it drafts over a reduced vocabulary, which vLLM {VERSION} cannot load (its Medusa loader does not "
-                "report token_map as loaded and the engine stops with 'weights were not initialized from checkpoint: "
-                "{'token_map'}'); train with draft_vocab_size: null")
+        return (
+            f"it drafts over a reduced vocabulary, which vLLM {VERSION} cannot load (its Medusa loader does not "
+            "report token_map as loaded and the engine stops with 'weights were not initialized from checkpoint: "
+            "{'token_map'}'); train with draft_vocab_size: null"
+        )
     return None
 
 
@@ -71,20 +85,25 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
             tensors[f"lm_heads.{k}.weight"] = weight
     if reduced:
         tensors["token_map"] = draft_vocab
-    write_config(out, {
-        "model_type": "medusa",
-        "architectures": ["MedusaModel"],
-        "hidden_size": config["hidden_size"],
-        "vocab_size": config["vocab_size"],
-        "num_heads": config["num_heads"],
-        "num_hidden_layers": config["num_layers"],
-        "truncated_vocab_size": int(draft_vocab.numel()),
-        "medusa_fc_bias": True,
-        "original_lm_head": shared,
-        **export_block(source, NAME),
-    })
+    write_config(
+        out,
+        {
+            "model_type": "medusa",
+            "architectures": ["MedusaModel"],
+            "hidden_size": config["hidden_size"],
+            "vocab_size": config["vocab_size"],
+            "num_heads": config["num_heads"],
+            "num_hidden_layers": config["num_layers"],
+            "truncated_vocab_size": int(draft_vocab.numel()),
+            "medusa_fc_bias": True,
+            "original_lm_head": shared,
+            **export_block(source, NAME),
+        },
+    )
     write_weights(out, tensors, NAME)
-    spec = f'{{"method": "medusa", "model": "{out}", "num_speculative_tokens": {min(tree["depth"], config["num_heads"])}}}'
+    spec = (
+        f'{{"method": "medusa", "model": "{out}", "num_speculative_tokens": {min(tree["depth"], config["num_heads"])}}}'
+    )
     return [f"vllm serve {target.folder} --speculative-config '{spec}'  # vLLM <= {VERSION}"]
 
 

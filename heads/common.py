@@ -81,7 +81,8 @@ def check_target(record: dict, target: PreTrainedModel, checkpoint: str | Path) 
         if signature is not None and not differs:
             tolerances = _signature_tolerances(target)
             differs = len(signature) != len(tolerances) or any(
-                abs(a - e) > tol for a, e, tol in zip(actual["embedding_signature"], signature, tolerances))
+                abs(a - e) > tol for a, e, tol in zip(actual["embedding_signature"], signature, tolerances)
+            )
         if differs:
             problems.append("embedding weights differ (different model with the same shape)")
     if problems:
@@ -95,14 +96,18 @@ def read_config(path: str | Path, kind: str) -> dict:
     """The ``config.json`` of a drafter checkpoint folder, checked to be of ``kind``."""
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise CheckpointError(f"{path} is not a drafter checkpoint: it has no config.json (give a checkpoint-N "
-                              "or checkpoint-final folder written by training)")
+        raise CheckpointError(
+            f"{path} is not a drafter checkpoint: it has no config.json (give a checkpoint-N "
+            "or checkpoint-final folder written by training)"
+        )
     config = json.loads(file.read_text())
     if EXPORT_KEY in config:  # a draftsmith-export folder: its drafter config rides along
         config = config[EXPORT_KEY]["config"]
     if config.get("draftsmith_kind") != kind:
-        raise CheckpointError(f"{path} holds a {config.get('draftsmith_kind')!r} drafter, not {kind!r}: "
-                              f"use the drafter kind that trained it ({config.get('draftsmith_kind')}:PATH)")
+        raise CheckpointError(
+            f"{path} holds a {config.get('draftsmith_kind')!r} drafter, not {kind!r}: "
+            f"use the drafter kind that trained it ({config.get('draftsmith_kind')}:PATH)"
+        )
     return config
 
 

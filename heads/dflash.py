@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding,
-                                                      rotate_half)
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from draftsmith.heads.common import Fp32RotaryMixin, bind_loaded, load_head_parts, save_head, target_record
 from draftsmith.heads.eagle3 import check_aux_layers, default_aux_layers
@@ -37,12 +36,19 @@ def draft_config(target_config: PretrainedConfig, num_layers: int) -> Qwen3Confi
     attention (Qwen3Config's own defaults, e.g. head_dim 128, would not fit a SmolLM2 target)."""
     heads = target_config.num_attention_heads
     config = Qwen3Config(
-        vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
-        intermediate_size=target_config.intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=heads, num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
-        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads, hidden_act="silu",
-        max_position_embeddings=target_config.max_position_embeddings, rms_norm_eps=target_config.rms_norm_eps,
-        rope_parameters=dict(target_config.rope_parameters), attention_bias=False, tie_word_embeddings=False,
+        vocab_size=target_config.vocab_size,
+        hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
+        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+        hidden_act="silu",
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters=dict(target_config.rope_parameters),
+        attention_bias=False,
+        tie_word_embeddings=False,
         use_sliding_window=False,
     )
     config._attn_implementation = "sdpa"
@@ -55,8 +61,16 @@ class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
 
     kind = KIND
 
-    def __init__(self, target_config: PretrainedConfig, aux_layers: list[int], num_layers: int, block_size: int,
-                 mask_token_id: int, d2t: torch.Tensor, target_info: dict | None = None):
+    def __init__(
+        self,
+        target_config: PretrainedConfig,
+        aux_layers: list[int],
+        num_layers: int,
+        block_size: int,
+        mask_token_id: int,
+        d2t: torch.Tensor,
+        target_info: dict | None = None,
+    ):
         super().__init__()
         self.config = config = draft_config(target_config, num_layers)
         self.target_config = target_config  # recorded: the layers are built from it
@@ -98,9 +112,15 @@ class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
             keys = keys * cos.unsqueeze(1) + rotate_half(keys) * sin.unsqueeze(1)
             cache.update(keys, values, attention.layer_idx)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values,
-                attention_mask: torch.Tensor, context: torch.Tensor | None = None,
-                context_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_key_values,
+        attention_mask: torch.Tensor,
+        context: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden states ``[b, q, h]`` of the block queries ``input_ids`` at ``position_ids``, over
         the context in ``past_key_values`` and themselves as ``attention_mask`` (4D: additive, or
         boolean with True = attend) allows; their keys are appended to the cache. ``context``
@@ -111,21 +131,42 @@ class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         hidden = self.target.get_input_embeddings()(input_ids).to(self.fc.weight.dtype)
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=past_key_values, use_cache=True, position_embeddings=position_embeddings)
+            hidden = layer(
+                hidden,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
         return hidden
 
     # -- construction and checkpoints ------------------------------------------------------------
     @classmethod
-    def for_target(cls, target: PreTrainedModel, target_name: str, aux_layers: list[int] | None, num_layers: int,
-                   block_size: int, mask_token_id: int, draft_vocab: torch.Tensor | None = None) -> "DFlashHead":
+    def for_target(
+        cls,
+        target: PreTrainedModel,
+        target_name: str,
+        aux_layers: list[int] | None,
+        num_layers: int,
+        block_size: int,
+        mask_token_id: int,
+        draft_vocab: torch.Tensor | None = None,
+    ) -> DFlashHead:
         """A fresh head for ``target``: random layers, the LM head starting as the target's rows for
         the draft vocabulary (None: the full vocabulary) and the final norm as the target's."""
         layers = target.config.num_hidden_layers
         aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(layers), layers)
         vocab = draft_vocab if draft_vocab is not None else torch.arange(target.config.vocab_size)
-        head = cls(target.config, aux, num_layers, block_size, mask_token_id, vocab.long() - torch.arange(vocab.numel()),
-                   target_record(target, target_name))
+        head = cls(
+            target.config,
+            aux,
+            num_layers,
+            block_size,
+            mask_token_id,
+            vocab.long() - torch.arange(vocab.numel()),
+            target_record(target, target_name),
+        )
         with torch.no_grad():
             head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab].float())
             final_norm = getattr(target.get_decoder(), "norm", None)
@@ -135,24 +176,36 @@ class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""
-        save_head(self, path, KIND, {
-            "architectures": ["DFlashHead"],
-            "aux_layers": self.aux_layers,
-            "num_layers": len(self.layers),
-            "block_size": self.block_size,
-            "mask_token_id": self.mask_token_id,
-            "draft_vocab_size": int(self.d2t.numel()),
-            "depth_accuracy": self.depth_accuracy,
-            "target": self.target_info,
-            "target_config": self.target_config.to_dict(),
-        })
+        save_head(
+            self,
+            path,
+            KIND,
+            {
+                "architectures": ["DFlashHead"],
+                "aux_layers": self.aux_layers,
+                "num_layers": len(self.layers),
+                "block_size": self.block_size,
+                "mask_token_id": self.mask_token_id,
+                "draft_vocab_size": int(self.d2t.numel()),
+                "depth_accuracy": self.depth_accuracy,
+                "target": self.target_info,
+                "target_config": self.target_config.to_dict(),
+            },
+        )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> "DFlashHead":
+    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> DFlashHead:
         """Load a head; with ``target`` it is checked against the recorded target and bound to it."""
         config, state, _ = load_head_parts(path, KIND, target)
-        head = cls(AutoConfig.for_model(**config["target_config"]), config["aux_layers"], config["num_layers"],
-                   config["block_size"], config["mask_token_id"], state["d2t"], config["target"])
+        head = cls(
+            AutoConfig.for_model(**config["target_config"]),
+            config["aux_layers"],
+            config["num_layers"],
+            config["block_size"],
+            config["mask_token_id"],
+            state["d2t"],
+            config["target"],
+        )
         head.load_state_dict(state)
         head.depth_accuracy = config.get("depth_accuracy")
         return bind_loaded(head, target)

@@ -33,8 +33,9 @@ def evenly_spaced(total: int, keep: int) -> list[int]:
     return sorted({round(i * (total - 1) / (keep - 1)) for i in range(keep)})
 
 
-def derive_draft_lm(target: PreTrainedModel, num_layers: int | None = None,
-                    layers: list[int] | None = None) -> PreTrainedModel:
+def derive_draft_lm(
+    target: PreTrainedModel, num_layers: int | None = None, layers: list[int] | None = None
+) -> PreTrainedModel:
     """A copy of ``target`` that keeps only some decoder layers (``layers`` or ``num_layers`` evenly)."""
     decoder = target.get_decoder()
     total = len(decoder.layers)
@@ -61,8 +62,13 @@ def load_draft_lm(name_or_path: str, dtype: torch.dtype, device: torch.device | 
     return model.to(device).eval().requires_grad_(False)
 
 
-def student_for(target: PreTrainedModel, source: str | None = None, num_layers: int | None = None,
-                layers: list[int] | None = None, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def student_for(
+    target: PreTrainedModel,
+    source: str | None = None,
+    num_layers: int | None = None,
+    layers: list[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
     """A trainable draft LM for ``target`` in ``dtype``: loaded from ``source`` (hub id or folder),
     else derived.
 
@@ -78,16 +84,23 @@ def student_for(target: PreTrainedModel, source: str | None = None, num_layers: 
         student = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(next(target.parameters()).device)
         want, got = target.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0]
         if want != got:
-            raise CheckpointError(f"drafter.student: {source!r} has a vocabulary of {got} tokens but the target has {want}: "
-                             "a draft LM must share the target's tokenizer")
+            raise CheckpointError(
+                f"drafter.student: {source!r} has a vocabulary of {got} tokens but the target has {want}: "
+                "a draft LM must share the target's tokenizer"
+            )
     else:
         student = derive_draft_lm(target, num_layers=num_layers, layers=layers)
     return student.to(dtype).train().requires_grad_(True)
 
 
-def save_draft_lm(model: PreTrainedModel, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
-                  target_info: dict | None = None, dtype: torch.dtype | None = None,
-                  counts: torch.Tensor | None = None) -> None:
+def save_draft_lm(
+    model: PreTrainedModel,
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    target_info: dict | None = None,
+    dtype: torch.dtype | None = None,
+    counts: torch.Tensor | None = None,
+) -> None:
     """Save a plain Hugging Face causal LM (LoRA adapters merged into a copy first) that transformers,
     vLLM and ``generate(assistant_model=...)`` load as they are, in ``dtype`` (the target's, so it
     serves beside it; default: as trained); ``target_info`` goes to ``draftsmith_target.json`` beside it,
@@ -116,12 +129,16 @@ def draft_vocab_from_counts(path: str | Path, size: int, model: PreTrainedModel)
     end-of-sequence tokens always included, so drafts can still stop)."""
     counts_file = Path(path) / TOKEN_COUNTS
     if not counts_file.is_file():
-        raise CheckpointError(f"{path} has no {TOKEN_COUNTS} (written by train/distill.py): a reduced draft "
-                         "vocabulary needs the training responses' token counts; leave out vocab=")
+        raise CheckpointError(
+            f"{path} has no {TOKEN_COUNTS} (written by train/distill.py): a reduced draft "
+            "vocabulary needs the training responses' token counts; leave out vocab="
+        )
     counts = torch.tensor(json.loads(counts_file.read_text())["counts"])
     vocab = model.get_output_embeddings().weight.shape[0]
     if counts.numel() != vocab:
-        raise CheckpointError(f"{counts_file} counts {counts.numel()} token ids but the draft LM's vocabulary has {vocab}")
+        raise CheckpointError(
+            f"{counts_file} counts {counts.numel()} token ids but the draft LM's vocabulary has {vocab}"
+        )
     if not 0 < size <= vocab:
         raise UsageError(f"draft_lm option vocab={size}: give a draft vocabulary size in [1, {vocab}]")
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None

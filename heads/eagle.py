@@ -18,8 +18,14 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from draftsmith.heads.common import (Fp32RotaryMixin, bind_loaded, decoder_classes, load_head_parts, save_head,
-                                     target_record)
+from draftsmith.heads.common import (
+    Fp32RotaryMixin,
+    bind_loaded,
+    decoder_classes,
+    load_head_parts,
+    save_head,
+    target_record,
+)
 from draftsmith.heads.vocab import DraftVocabMixin
 
 KIND = "eagle"
@@ -32,9 +38,15 @@ class EagleHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
     # The input that carries the head's own output into its next draft step: a predicted feature.
     feedback_input = "features"
 
-    def __init__(self, target_config: PretrainedConfig, num_layers: int = 1,
-                 draft_vocab: torch.Tensor | None = None, target_info: dict | None = None,
-                 layer_class: type | None = None, rotary_class: type | None = None):
+    def __init__(
+        self,
+        target_config: PretrainedConfig,
+        num_layers: int = 1,
+        draft_vocab: torch.Tensor | None = None,
+        target_info: dict | None = None,
+        layer_class: type | None = None,
+        rotary_class: type | None = None,
+    ):
         super().__init__()
         self.config = config = head_config(target_config, num_layers)
         self.target_info = target_info or {}
@@ -58,8 +70,15 @@ class EagleHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         return self.to_full_vocab(self.draft_logits(hidden))
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool = False,
+    ):
         """Predicted next features ``[b, n, h]`` (as ``.last_hidden_state``, like an HF decoder).
 
         ``attention_mask`` is a 4D mask (additive, or boolean: True = attend), a ``[b, n]`` padding
@@ -74,16 +93,27 @@ class EagleHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         attention_mask = attention_4d(attention_mask, batch, n, past, hidden)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids, **self._rotary_kwargs)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=past_key_values, use_cache=use_cache,
-                           position_embeddings=position_embeddings)
+            hidden = layer(
+                hidden,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+            )
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
 
     # -- construction and checkpoints ------------------------------------------------------------
     @classmethod
-    def for_target(cls, target: PreTrainedModel, target_name: str, num_layers: int = 1,
-                   draft_vocab: torch.Tensor | None = None, init: str = "identity") -> "EagleHead":
+    def for_target(
+        cls,
+        target: PreTrainedModel,
+        target_name: str,
+        num_layers: int = 1,
+        draft_vocab: torch.Tensor | None = None,
+        init: str = "identity",
+    ) -> EagleHead:
         """A fresh head for ``target``.
 
         ``identity`` sets ``fc`` to pass the feature through (``[0 | I]``) and zeroes the layers'
@@ -113,10 +143,16 @@ class EagleHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         save_head(self, path, KIND, config)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> "EagleHead":
+    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> EagleHead:
         """Load a head; with ``target`` it is checked against the recorded target and bound to it."""
         config, state, classes = load_head_parts(path, KIND, target)
-        head = cls(AutoConfig.for_model(**config["target_config"]), config["num_layers"], state["draft_vocab"], config["target"], *classes)
+        head = cls(
+            AutoConfig.for_model(**config["target_config"]),
+            config["num_layers"],
+            state["draft_vocab"],
+            config["target"],
+            *classes,
+        )
         head.load_state_dict(state)
         head.depth_accuracy = config.get("depth_accuracy")
         return bind_loaded(head, target)

@@ -24,8 +24,14 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.config import RecipeError
-from draftsmith.heads.common import (Fp32RotaryMixin, bind_loaded, decoder_classes, load_head_parts, save_head,
-                                     target_record)
+from draftsmith.heads.common import (
+    Fp32RotaryMixin,
+    bind_loaded,
+    decoder_classes,
+    load_head_parts,
+    save_head,
+    target_record,
+)
 from draftsmith.heads.eagle import _architecture, _rotary_kwargs, attention_4d, head_config, pass_last_feature_through
 from draftsmith.heads.vocab import DraftVocabMixin, register_vocab_maps
 
@@ -41,8 +47,10 @@ def check_aux_layers(layers: list[int], num_layers: int, where: str = "drafter.a
     """``layers`` if they are distinct target layer ids in ``[0, num_layers]``; else a one-line error."""
     layers = [int(layer) for layer in layers]
     if not layers or len(set(layers)) != len(layers) or min(layers) < 0 or max(layers) > num_layers:
-        raise RecipeError(f"{where} = {layers}: give distinct target layer ids in [0, {num_layers}] "
-                              f"(the target has {num_layers} decoder layers; default {default_aux_layers(num_layers)})")
+        raise RecipeError(
+            f"{where} = {layers}: give distinct target layer ids in [0, {num_layers}] "
+            f"(the target has {num_layers} decoder layers; default {default_aux_layers(num_layers)})"
+        )
     return layers
 
 
@@ -81,11 +89,20 @@ class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
     # The input that carries the head's own output into its next draft step (the drafter uses it).
     feedback_input = "hidden_states"
     kind = KIND
-    extra_config: tuple[str, ...] = ()  # constructor arguments a subclass adds: saved in config.json, given back on load
+    extra_config: tuple[
+        str, ...
+    ] = ()  # constructor arguments a subclass adds: saved in config.json, given back on load
 
-    def __init__(self, target_config: PretrainedConfig, aux_layers: list[int], d2t: torch.Tensor,
-                 target_info: dict | None = None, layer_class: type | None = None, rotary_class: type | None = None,
-                 norm_before_residual: bool = False):
+    def __init__(
+        self,
+        target_config: PretrainedConfig,
+        aux_layers: list[int],
+        d2t: torch.Tensor,
+        target_info: dict | None = None,
+        layer_class: type | None = None,
+        rotary_class: type | None = None,
+        norm_before_residual: bool = False,
+    ):
         super().__init__()
         self.config = config = head_config(target_config, 1)
         self.aux_layers = list(aux_layers)
@@ -114,9 +131,16 @@ class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         return self.to_full_vocab(self.draft_logits(hidden))
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None,
-                hidden_states: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool = False,
+    ):
         """The head's next hidden states ``[b, n, h]`` (as ``.last_hidden_state``).
 
         Give ``features`` (the target's ``aux_layers`` states concatenated, ``[b, n, k*h]``) for
@@ -135,9 +159,15 @@ class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         attention_mask = attention_4d(attention_mask, batch, n, past, hidden)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids, **self._rotary_kwargs)
         for layer in self.layers:
-            hidden = layer(embeds, hidden, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=past_key_values, use_cache=use_cache,
-                           position_embeddings=position_embeddings)
+            hidden = layer(
+                embeds,
+                hidden,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+            )
         return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -146,9 +176,16 @@ class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
 
     # -- construction and checkpoints ------------------------------------------------------------
     @classmethod
-    def for_target(cls, target: PreTrainedModel, target_name: str, aux_layers: list[int] | None = None,
-                   draft_vocab: torch.Tensor | None = None, init: str = "identity",
-                   norm_before_residual: bool = False, **extra) -> "Eagle3Head":
+    def for_target(
+        cls,
+        target: PreTrainedModel,
+        target_name: str,
+        aux_layers: list[int] | None = None,
+        draft_vocab: torch.Tensor | None = None,
+        init: str = "identity",
+        norm_before_residual: bool = False,
+        **extra,
+    ) -> Eagle3Head:
         """A fresh head for ``target``; ``draft_vocab`` (sorted target ids) or None for the full vocabulary.
 
         The LM head starts as the target's rows for the draft vocabulary and the norm as the
@@ -159,8 +196,15 @@ class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         num_layers = target.config.num_hidden_layers
         aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(num_layers), num_layers)
         vocab = draft_vocab if draft_vocab is not None else torch.arange(target.config.vocab_size)
-        head = cls(target.config, aux, vocab.long() - torch.arange(vocab.numel()), target_record(target, target_name),
-                   *decoder_classes(target), norm_before_residual, **extra)
+        head = cls(
+            target.config,
+            aux,
+            vocab.long() - torch.arange(vocab.numel()),
+            target_record(target, target_name),
+            *decoder_classes(target),
+            norm_before_residual,
+            **extra,
+        )
         with torch.no_grad():
             head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab].float())
             final_norm = getattr(target.get_decoder(), "norm", None)
@@ -188,12 +232,19 @@ class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         save_head(self, path, self.kind, config)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> "Eagle3Head":
+    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> Eagle3Head:
         """Load a head; with ``target`` it is checked against the recorded target and bound to it."""
         config, state, classes = load_head_parts(path, cls.kind, target)
         extra = {key: config[key] for key in cls.extra_config}
-        head = cls(AutoConfig.for_model(**config["target_config"]), config["aux_layers"], state["d2t"], config["target"], *classes,
-                   config.get("norm_before_residual", False), **extra)
+        head = cls(
+            AutoConfig.for_model(**config["target_config"]),
+            config["aux_layers"],
+            state["d2t"],
+            config["target"],
+            *classes,
+            config.get("norm_before_residual", False),
+            **extra,
+        )
         head.load_state_dict(state)
         head.depth_accuracy = config.get("depth_accuracy")
         return bind_loaded(head, target)

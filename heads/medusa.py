@@ -55,9 +55,17 @@ class _Shape:
 class MedusaHeads(DraftVocabMixin, nn.Module):
     """K Medusa heads over one target."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, num_layers: int = 1,
-                 lm_head: str = "shared", draft_vocab: torch.Tensor | None = None,
-                 target_info: dict | None = None, head_accuracy: list[list[float]] | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        lm_head: str = "shared",
+        draft_vocab: torch.Tensor | None = None,
+        target_info: dict | None = None,
+        head_accuracy: list[list[float]] | None = None,
+    ):
         super().__init__()
         if lm_head not in LM_HEAD_MODES:
             raise ValueError(f"Medusa lm_head must be one of {LM_HEAD_MODES}, got {lm_head!r}")
@@ -70,11 +78,11 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
         # builds its default tree from it.
         self.head_accuracy = head_accuracy
         self.blocks = nn.ModuleList(
-            nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers))) for _ in range(num_heads))
+            nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers))) for _ in range(num_heads)
+        )
         vocab = draft_vocab if draft_vocab is not None else torch.arange(vocab_size)
         self.register_buffer("draft_vocab", vocab.long(), persistent=True)
-        self.lm_weight = (nn.Parameter(torch.zeros(num_heads, vocab.numel(), hidden_size))
-                          if lm_head == "copy" else None)
+        self.lm_weight = nn.Parameter(torch.zeros(num_heads, vocab.numel(), hidden_size)) if lm_head == "copy" else None
         self._target: tuple = ()
 
     # -- forward -----------------------------------------------------------------------------
@@ -111,13 +119,27 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
 
     # -- construction and checkpoints ------------------------------------------------------------
     @classmethod
-    def for_target(cls, target: PreTrainedModel, target_name: str, num_heads: int = 4, num_layers: int = 1,
-                   lm_head: str = "shared", draft_vocab: torch.Tensor | None = None) -> "MedusaHeads":
+    def for_target(
+        cls,
+        target: PreTrainedModel,
+        target_name: str,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        lm_head: str = "shared",
+        draft_vocab: torch.Tensor | None = None,
+    ) -> MedusaHeads:
         """Fresh heads for ``target``: identity blocks, LM head shared with or copied from the target's."""
         config = target.config
         vocab_size = target.get_output_embeddings().weight.shape[0]
-        heads = cls(config.hidden_size, vocab_size, num_heads, num_layers, lm_head, draft_vocab,
-                    target_record(target, target_name))
+        heads = cls(
+            config.hidden_size,
+            vocab_size,
+            num_heads,
+            num_layers,
+            lm_head,
+            draft_vocab,
+            target_record(target, target_name),
+        )
         bind_loaded(heads, target)
         if heads.lm_weight is not None:
             with torch.no_grad():
@@ -141,10 +163,18 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
         save_head(self, path, KIND, config)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> "MedusaHeads":
+    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> MedusaHeads:
         """Load heads; with ``target`` they are checked against the recorded target and bound to it."""
         config, state, _ = load_head_parts(path, KIND, target)
-        heads = cls(config["hidden_size"], config["vocab_size"], config["num_heads"], config["num_layers"],
-                    config["lm_head"], state["draft_vocab"], config["target"], config.get("head_accuracy"))
+        heads = cls(
+            config["hidden_size"],
+            config["vocab_size"],
+            config["num_heads"],
+            config["num_layers"],
+            config["lm_head"],
+            state["draft_vocab"],
+            config["target"],
+            config.get("head_accuracy"),
+        )
         heads.load_state_dict(state)
         return bind_loaded(heads, target)

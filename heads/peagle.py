@@ -31,9 +31,18 @@ class PEagleHead(Eagle3Head):
     kind = KIND
     extra_config = ("mask_token_id", "num_depths")
 
-    def __init__(self, target_config: PretrainedConfig, aux_layers: list[int], d2t: torch.Tensor,
-                 target_info: dict | None = None, layer_class: type | None = None, rotary_class: type | None = None,
-                 norm_before_residual: bool = False, mask_token_id: int = 0, num_depths: int = 1):
+    def __init__(
+        self,
+        target_config: PretrainedConfig,
+        aux_layers: list[int],
+        d2t: torch.Tensor,
+        target_info: dict | None = None,
+        layer_class: type | None = None,
+        rotary_class: type | None = None,
+        norm_before_residual: bool = False,
+        mask_token_id: int = 0,
+        num_depths: int = 1,
+    ):
         super().__init__(target_config, aux_layers, d2t, target_info, layer_class, rotary_class, norm_before_residual)
         if not 0 <= mask_token_id < target_config.vocab_size:
             raise ValueError(f"mask_token_id {mask_token_id} is outside the vocabulary [0, {target_config.vocab_size})")
@@ -45,13 +54,29 @@ class PEagleHead(Eagle3Head):
         self.mask_embedding = nn.Parameter(torch.zeros(hidden))
 
     @classmethod
-    def for_target(cls, target, target_name: str, aux_layers: list[int] | None = None,
-                   draft_vocab: torch.Tensor | None = None, init: str = "identity",
-                   norm_before_residual: bool = False, mask_token_id: int = 0, num_depths: int = 1) -> "PEagleHead":
+    def for_target(
+        cls,
+        target,
+        target_name: str,
+        aux_layers: list[int] | None = None,
+        draft_vocab: torch.Tensor | None = None,
+        init: str = "identity",
+        norm_before_residual: bool = False,
+        mask_token_id: int = 0,
+        num_depths: int = 1,
+    ) -> PEagleHead:
         """A fresh head (see :meth:`Eagle3Head.for_target`) whose mask embedding starts as the
         target's row for ``mask_token_id`` and whose mask feature starts small and random."""
-        head = super().for_target(target, target_name, aux_layers, draft_vocab, init, norm_before_residual,
-                                  mask_token_id=mask_token_id, num_depths=num_depths)
+        head = super().for_target(
+            target,
+            target_name,
+            aux_layers,
+            draft_vocab,
+            init,
+            norm_before_residual,
+            mask_token_id=mask_token_id,
+            num_depths=num_depths,
+        )
         with torch.no_grad():
             head.mask_embedding.copy_(target.get_input_embeddings().weight[mask_token_id].float())
             head.mask_hidden.normal_(std=0.02)
@@ -60,13 +85,19 @@ class PEagleHead(Eagle3Head):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The target's embeddings, with the head's own at ``mask_token_id``."""
         embeds = super().embed(input_ids)
-        return torch.where((input_ids == self.mask_token_id).unsqueeze(-1), self.mask_embedding.to(embeds.dtype), embeds)
+        return torch.where(
+            (input_ids == self.mask_token_id).unsqueeze(-1), self.mask_embedding.to(embeds.dtype), embeds
+        )
 
-    def forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None,
-                hidden_states: torch.Tensor | None = None, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        **kwargs,
+    ):
         """As :meth:`Eagle3Head.forward`; without ``features`` and ``hidden_states`` every position
         reads the mask feature (the positions of not-yet-drafted tokens)."""
         if features is None and hidden_states is None:
             features = self.mask_hidden.expand(*input_ids.shape, -1)
         return super().forward(input_ids, features, hidden_states, **kwargs)
-

@@ -24,8 +24,9 @@ def most_frequent(counts: torch.Tensor, size: int, always: set[int]) -> torch.Te
     return torch.tensor(sorted(ranked))
 
 
-def scatter_to_vocab(small: torch.Tensor, token_ids: torch.Tensor, vocab_size: int,
-                     fill: float = float("-inf")) -> torch.Tensor:
+def scatter_to_vocab(
+    small: torch.Tensor, token_ids: torch.Tensor, vocab_size: int, fill: float = float("-inf")
+) -> torch.Tensor:
     """fp32 full-vocabulary values from values over ``token_ids``, ``fill`` elsewhere (``-inf`` for
     logits, 0 for probabilities)."""
     small = small.float()
@@ -134,7 +135,9 @@ def unused_token_id(tokenizer, dataset, vocab_size: int) -> int | None:
     for row in dataset:
         seen[torch.as_tensor(row["input_ids"])] = True
     # Added special tokens (SmolLM2's <repo_name> ... <empty_output>) are not all in all_special_ids.
-    special = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special = set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special
+    }
     candidates = [i for i in special if i is not None and i not in reserved and i < vocab_size and not seen[i]]
     return max(candidates) if candidates else None
 
@@ -147,14 +150,18 @@ def mask_token_for(given: int | None, tokenizer, dataset, vocab_size: int) -> in
     if given is None:
         given = unused_token_id(tokenizer, dataset, vocab_size)
         if given is None:
-            raise RecipeError("drafter.mask_token_id: the tokenizer has no mask token and every special token "
-                              "occurs in the data; set drafter.mask_token_id to an id the data never uses")
+            raise RecipeError(
+                "drafter.mask_token_id: the tokenizer has no mask token and every special token "
+                "occurs in the data; set drafter.mask_token_id to an id the data never uses"
+            )
         return int(given)
     if not 0 <= given < vocab_size:
         raise RecipeError(f"drafter.mask_token_id = {given}: give a token id in [0, {vocab_size})")
     # A mask that is also a real token makes the drafter read that token as "not yet drafted".
     used = next((i for i, row in enumerate(dataset) if given in row["input_ids"]), None)
     if used is not None:
-        raise RecipeError(f"drafter.mask_token_id = {given}: token {given} occurs in the training data (row {used}); "
-                          "choose an id the data never uses, or null to pick one")
+        raise RecipeError(
+            f"drafter.mask_token_id = {given}: token {given} occurs in the training data (row {used}); "
+            "choose an id the data never uses, or null to pick one"
+        )
     return int(given)

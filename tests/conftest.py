@@ -16,8 +16,9 @@ def smollm2():
     return model, tokenizer
 
 
-def tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, seed: int = 0,
-               scale: float = 1.0) -> LlamaForCausalLM:
+def tiny_llama(
+    vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, seed: int = 0, scale: float = 1.0
+) -> LlamaForCausalLM:
     """A random-weight Llama small enough for exhaustive or statistical tests.
 
     At the default init (std 0.02) such a model is nearly uniform and context-blind, so greedy
@@ -26,9 +27,16 @@ def tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, see
     """
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).eval()

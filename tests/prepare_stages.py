@@ -25,8 +25,9 @@ from draftsmith.target import load_tokenizer
 def main(argv: list[str]) -> None:
     target, cache, limit, *features = argv
     tokenizer = load_tokenizer(target)
-    data, _ = build_dataset(DataConfig(limit=int(limit), max_length=256, held_out_fraction=0.2, cache_dir=cache),
-                            tokenizer, verbose=False)
+    data, _ = build_dataset(
+        DataConfig(limit=int(limit), max_length=256, held_out_fraction=0.2, cache_dir=cache), tokenizer, verbose=False
+    )
     if features:
         model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
         extract_features(model, data, Path(features[0]), shard_size=2, show=False)

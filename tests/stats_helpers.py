@@ -61,8 +61,9 @@ def chi_square(counts: collections.Counter, joint: dict, n: int) -> tuple[float,
     return statistic, float(stats.chi2.ppf(QUANTILE, len(observed) - 1)), len(observed)
 
 
-def assert_distributed_as_target(target, drafter, prompt: list[int], length: int, n: int,
-                                 sampling: SamplingConfig = SamplingConfig(temperature=1.0)) -> collections.Counter:
+def assert_distributed_as_target(
+    target, drafter, prompt: list[int], length: int, n: int, sampling: SamplingConfig = SamplingConfig(temperature=1.0)
+) -> collections.Counter:
     """``n`` seeded generations of ``length`` tokens with ``drafter`` follow ``target``'s exact joint
     distribution (chi-square below its ``QUANTILE``); returns the Counter of per-step acceptances."""
     decoder = SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set())

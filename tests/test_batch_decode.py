@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from tree_drafters import GreedyPrefixDrafter, RandomTreeDrafter
 
 from draftsmith.errors import UsageError
@@ -95,7 +94,8 @@ def test_sampling_rows_equal_single_prompt_runs_with_their_seeds(model, make_tin
         return RandomTreeDrafter(V, seed=i) if drafter == "random_tree" else DraftLMDrafter(draft, depth=3)
 
     batch = BatchDecoder(model, sampling=sampling, eos_ids=set()).generate(
-        prompts(), NEW, [make(i) for i in range(4)], seeds=seeds)
+        prompts(), NEW, [make(i) for i in range(4)], seeds=seeds
+    )
     outputs = set()
     for i, prompt in enumerate(prompts()):
         single = alone(model, prompt, make(i), sampling, seed=seeds[i], eos_ids=set())

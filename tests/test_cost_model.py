@@ -13,8 +13,18 @@ COSTS = {n: 0.010 + 0.002 * (n - 1) for n in range(1, 12)}
 
 
 def run(method, accepted, drafted, draft_seconds):
-    return Run(method, "p", "c", 1, sum(accepted) + 1, len(accepted), 1.0, accepted, drafted=drafted,
-               draft_seconds=draft_seconds)
+    return Run(
+        method,
+        "p",
+        "c",
+        1,
+        sum(accepted) + 1,
+        len(accepted),
+        1.0,
+        accepted,
+        drafted=drafted,
+        draft_seconds=draft_seconds,
+    )
 
 
 def test_predicted_speedup_by_hand():

@@ -11,10 +11,9 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache
-
 from stats_helpers import assert_distributed_as_target
 from training_helpers import save_tiny_target, write_recipe
+from transformers import DynamicCache
 
 from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters import build_drafter
@@ -72,8 +71,9 @@ def test_one_training_pass_over_many_blocks_equals_a_drafting_pass_for_each(make
             alone = DynamicCache()
             head.add_context(alone, features[:, :a], torch.arange(a)[None])
             drafted = head(tokens[:, i], positions[:, i], alone, torch.ones(1, 1, block, a + block, dtype=torch.bool))
-            torch.testing.assert_close(head.draft_logits(trained[0, i]), head.draft_logits(drafted[0]),
-                                       atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                head.draft_logits(trained[0, i]), head.draft_logits(drafted[0]), atol=1e-5, rtol=1e-4
+            )
         assert (trained[0, 0, 1] - trained[0, 1, 1]).abs().max() > 1e-3
 
 
@@ -92,13 +92,17 @@ def test_the_drafter_proposes_what_the_training_pass_scores(make_tiny_llama):
         head.add_context(cache, features, torch.arange(len(ids))[None])
         anchors, valid = torch.tensor([[a]]), torch.tensor([[True]])
         tokens = torch.tensor([[ids[a]] + [47] * (block - 1)])
-        trained = head(tokens, anchors + torch.arange(block), cache,
-                       block_attention(anchors, valid, torch.ones(1, len(ids), dtype=torch.long), block))
+        trained = head(
+            tokens,
+            anchors + torch.arange(block),
+            cache,
+            block_attention(anchors, valid, torch.ones(1, len(ids), dtype=torch.long), block),
+        )
         want = head.draft_vocab[head.draft_logits(trained[0, 1:]).argmax(-1)].tolist()
     for depth in (block - 1, 2):
         drafter = DFlashDrafter(head, depth)
-        drafter.begin(ids[:a + 1], features[0, :a])
-        tree = drafter.propose(DraftContext(ids[:a + 1], SamplingConfig(), None, max_tokens=10))
+        drafter.begin(ids[: a + 1], features[0, :a])
+        tree = drafter.propose(DraftContext(ids[: a + 1], SamplingConfig(), None, max_tokens=10))
         assert tree.tokens == want[:depth] and tree.parents == list(range(-1, depth - 1))
 
 
@@ -152,10 +156,25 @@ def test_sampling_with_dflash_matches_exact_distribution(tiny_target):
 def dflash_recipe(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash")
     target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
-    drafter = {"kind": "dflash", "aux_layers": [0, 1, 2], "num_layers": 1, "block_size": 4, "anchors_per_sequence": 16,
-               "draft_vocab_size": 512}
-    return write_recipe(root, target, drafter, data={"regenerate": {"enabled": False}},
-                        learning_rate=3e-3, lr_schedule="constant", max_steps=16, log_every=4, eval_every=8)
+    drafter = {
+        "kind": "dflash",
+        "aux_layers": [0, 1, 2],
+        "num_layers": 1,
+        "block_size": 4,
+        "anchors_per_sequence": 16,
+        "draft_vocab_size": 512,
+    }
+    return write_recipe(
+        root,
+        target,
+        drafter,
+        data={"regenerate": {"enabled": False}},
+        learning_rate=3e-3,
+        lr_schedule="constant",
+        max_steps=16,
+        log_every=4,
+        eval_every=8,
+    )
 
 
 def test_training_lowers_the_loss_and_records_accuracy_per_slot(dflash_recipe, tmp_path):
@@ -181,8 +200,16 @@ def test_a_resumed_run_draws_the_anchors_an_uninterrupted_one_draws(dflash_recip
 
     from draftsmith.train.dflash import main
 
-    args = ["--training.max_steps", "6", "--training.save_every", "3", "--training.log_every", "1",
-            "--training.eval_every", "0"]
+    args = [
+        "--training.max_steps",
+        "6",
+        "--training.save_every",
+        "3",
+        "--training.log_every",
+        "1",
+        "--training.eval_every",
+        "0",
+    ]
     whole = main([str(dflash_recipe), "--output_dir", str(tmp_path / "whole"), *args])
     main([str(dflash_recipe), "--output_dir", str(tmp_path / "cut"), *args, "--training.stop_after_steps", "3"])
     resumed = main([str(dflash_recipe), "--output_dir", str(tmp_path / "cut"), *args, "--resume"])

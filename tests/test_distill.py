@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
 from training_helpers import launch, save_tiny_target, write_recipe
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from draftsmith.heads.draft_lm import derive_draft_lm, save_draft_lm, student_for
 from draftsmith.target import load_tokenizer
@@ -29,13 +28,19 @@ Q = torch.tensor([[0.25, 0.75]])
 # Divergences
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("fkl", 0.5 * math.log(2) + 0.5 * math.log(2 / 3)),
-    ("rkl", 0.25 * math.log(0.5) + 0.75 * math.log(1.5)),
-    ("jsd", 0.5 * (0.5 * math.log(0.5 / 0.375) + 0.5 * math.log(0.5 / 0.625))
-     + 0.5 * (0.25 * math.log(0.25 / 0.375) + 0.75 * math.log(0.75 / 0.625))),
-    ("tvd", 0.25),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("fkl", 0.5 * math.log(2) + 0.5 * math.log(2 / 3)),
+        ("rkl", 0.25 * math.log(0.5) + 0.75 * math.log(1.5)),
+        (
+            "jsd",
+            0.5 * (0.5 * math.log(0.5 / 0.375) + 0.5 * math.log(0.5 / 0.625))
+            + 0.5 * (0.25 * math.log(0.25 / 0.375) + 0.75 * math.log(0.75 / 0.625)),
+        ),
+        ("tvd", 0.25),
+    ],
+)
 def test_divergence_matches_hand_computed_value(name, expected):
     # fp32 arithmetic: ~1e-6 relative error depends on the CPU's kernels (seen 1.07e-6 for jsd).
     assert divergence(name, P.log(), Q.log()).item() == pytest.approx(expected, rel=1e-5)
@@ -84,7 +89,11 @@ def test_draft_lm_spec_cuts_the_same_student_as_the_recipe(make_tiny_llama):
     target = make_tiny_llama(vocab_size=64, hidden_size=32, layers=4, seed=5, scale=5.0)
     ids = torch.tensor([[3, 9, 27, 5, 60, 1]])
     with torch.no_grad():
-        for spec, layers in (("draft_lm?layers=0,3", [0, 3]), ("draft_lm?layers=1,2", [1, 2]), ("draft_lm?layers=3", [0, 2, 3])):
+        for spec, layers in (
+            ("draft_lm?layers=0,3", [0, 3]),
+            ("draft_lm?layers=1,2", [1, 2]),
+            ("draft_lm?layers=3", [0, 2, 3]),
+        ):
             drafted = build_drafter(spec, target).runner.model
             assert torch.equal(drafted(ids).logits, derive_draft_lm(target, layers=layers)(ids).logits), spec
     with pytest.raises(ValueError, match="layers='0,x'"):
@@ -113,8 +122,10 @@ def test_student_trains_in_fp32_and_exports_in_the_targets_dtype(make_tiny_llama
 
 
 def test_prompt_response_pairs_take_the_first_assistant_span():
-    rows = [{"id": "a", "input_ids": [1, 2, 3, 4, 5, 6, 7], "loss_mask": [0, 0, 1, 1, 0, 1, 1]},
-            {"id": "b", "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 0, 0, 1]}]
+    rows = [
+        {"id": "a", "input_ids": [1, 2, 3, 4, 5, 6, 7], "loss_mask": [0, 0, 1, 1, 0, 1, 1]},
+        {"id": "b", "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 0, 0, 1]},
+    ]
     pairs, too_long = prompt_response_pairs(rows, max_prompt_tokens=3)
     assert pairs == [{"id": "a", "prompt": [1, 2], "response": [3, 4]}] and too_long == 1
 
@@ -131,9 +142,16 @@ def target_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def recipe(target_folder, tmp_path_factory) -> Path:
     drafter = {"num_layers": 1, "max_new_tokens": 8, "max_prompt_tokens": 80, "mixture": {"fixed": 0.5, "student": 0.5}}
-    return write_recipe(tmp_path_factory.mktemp("recipe"), target_folder, drafter,
-                        {"limit": 10, "max_length": 96, "held_out_fraction": 0.2},
-                        learning_rate=3e-3, max_steps=6, log_every=1, save_every=3)
+    return write_recipe(
+        tmp_path_factory.mktemp("recipe"),
+        target_folder,
+        drafter,
+        {"limit": 10, "max_length": 96, "held_out_fraction": 0.2},
+        learning_rate=3e-3,
+        max_steps=6,
+        log_every=1,
+        save_every=3,
+    )
 
 
 def train(recipe: Path, out: Path, *overrides: str):
@@ -178,7 +196,7 @@ def test_loss_scores_each_response_token_as_the_unpadded_target_does(target_fold
     nll = 0.0
     for prompt, response in zip(batch["prompts"], batch["responses"]):
         with torch.no_grad():
-            logits = target(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+            logits = target(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
         nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(response), reduction="sum"))
     assert metrics["tokens"] == 5 and metrics["fixed/tokens"] == 5
     assert metrics["divergence"] == pytest.approx(0.0, abs=1e-4)
@@ -188,8 +206,18 @@ def test_loss_scores_each_response_token_as_the_unpadded_target_does(target_fold
 
 
 def test_loss_decreases(recipe, tmp_path):
-    trainer = train(recipe, tmp_path / "run", "--training.max_steps", "32", "--training.log_every", "8",
-                    "--training.lr_schedule", "constant", "--training.save_every", "0")
+    trainer = train(
+        recipe,
+        tmp_path / "run",
+        "--training.max_steps",
+        "32",
+        "--training.log_every",
+        "8",
+        "--training.lr_schedule",
+        "constant",
+        "--training.save_every",
+        "0",
+    )
     logs = [h for h in trainer.history if "train/loss" in h]
     losses = [h["train/loss"] for h in logs]
     assert losses[-1] < 0.7 * losses[0], losses
@@ -198,7 +226,9 @@ def test_loss_decreases(recipe, tmp_path):
         assert h["train/perplexity"] == pytest.approx(math.exp(h["train/nll"]), rel=1e-6)
         assert h["train/divergence"] == pytest.approx(h["train/loss"], rel=1e-4)  # fkl averaged over tokens
         assert 0.0 <= h["train/top1_agreement"] <= 1.0
-        per_source = [h[f"train/{s}/acceptance_rate"] for s in ("fixed", "student") if f"train/{s}/acceptance_rate" in h]
+        per_source = [
+            h[f"train/{s}/acceptance_rate"] for s in ("fixed", "student") if f"train/{s}/acceptance_rate" in h
+        ]
         assert per_source and all(0.0 < a <= 1.0 for a in per_source)
     evals = [h for h in trainer.history if "eval/acceptance_rate" in h]
     assert evals and 0.0 < evals[-1]["eval/acceptance_rate"] <= 1.0
@@ -233,7 +263,9 @@ def test_checkpoint_counts_response_tokens_for_a_reduced_draft_vocabulary(six_st
     assert counts.numel() == target.config.vocab_size and counts.sum() > 0
     drafter = build_drafter(f"draft_lm:{final}?vocab=8&depth=2", target)
     kept = drafter.runner.lm_head.token_ids
-    eos = {target.config.eos_token_id} if isinstance(target.config.eos_token_id, int) else set(target.config.eos_token_id)
+    eos = (
+        {target.config.eos_token_id} if isinstance(target.config.eos_token_id, int) else set(target.config.eos_token_id)
+    )
     assert len(kept) == 8 and eos <= set(kept.tolist())
     outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
     outside[kept] = False
@@ -264,8 +296,9 @@ def test_resume_matches_uninterrupted(six_steps, recipe, tmp_path):
 
 
 def test_lora_student_exports_merged_weights(recipe, tmp_path):
-    trainer = train(recipe, tmp_path / "run", "--drafter.finetune", "lora", "--drafter.lora_r", "4",
-                    "--training.max_steps", "2")
+    trainer = train(
+        recipe, tmp_path / "run", "--drafter.finetune", "lora", "--drafter.lora_r", "4", "--training.max_steps", "2"
+    )
     final = trainer.last_checkpoint
     assert not (final / "adapter_config.json").exists()
     loaded = AutoModelForCausalLM.from_pretrained(final).eval()
@@ -278,8 +311,19 @@ def test_lora_student_exports_merged_weights(recipe, tmp_path):
 def test_on_policy_sampling_under_zero3_when_one_process_draws_no_student_row(recipe, tmp_path):
     """ZeRO-3 shards the student: its forwards gather parameters, collectives every process must
     join, also the one that drew no student row; the sampled responses are the full student's."""
-    proc = launch("tests/zero3_on_policy.py", recipe, tmp_path / "out", "--distributed.backend", "deepspeed",
-                  "--distributed.zero_stage", "3", "--drafter.sample_temperature", "0", cpu=False, timeout=240)
+    proc = launch(
+        "tests/zero3_on_policy.py",
+        recipe,
+        tmp_path / "out",
+        "--distributed.backend",
+        "deepspeed",
+        "--distributed.zero_stage",
+        "3",
+        "--drafter.sample_temperature",
+        "0",
+        cpu=False,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     # The two ranks print concurrently: their RESULT records may share a line.
     decoder = json.JSONDecoder()

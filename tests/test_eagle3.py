@@ -17,11 +17,12 @@ import json
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-
 from cli_helpers import assert_user_error
+from safetensors.torch import load_file
 from stats_helpers import assert_distributed_as_target
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from training_helpers import save_tiny_target, write_recipe
+from transformers import DynamicCache
 
 from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters import build_drafter
@@ -31,9 +32,6 @@ from draftsmith.eval.tree import ROOT
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head, default_aux_layers
 from draftsmith.target import load_tokenizer
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
-from transformers import DynamicCache
-
 from draftsmith.train.loop import sequence_lengths
 from draftsmith.train.unroll import pass_mask, unroll
 
@@ -82,17 +80,24 @@ def test_unrolled_passes_equal_the_engine_drafting_chains(make_tiny_llama, kind)
     steps = 4
     with torch.no_grad():
         features = _features(target, ids, layers)
-        outputs = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long),
-                         steps, head.feedback_input)
+        outputs = unroll(
+            head,
+            torch.tensor([ids]),
+            features[:, :-1],
+            torch.ones(1, len(ids), dtype=torch.long),
+            steps,
+            head.feedback_input,
+        )
         # Pass j at position t is the draft at depth j + 1 below token t + 1, with tokens t+2..t+j+1 drafted.
         for t in (2, 5, 7):
             runner = CausalLMRunner(decoder=head, lm_head=head.logits, config=head.config)
             runner.reset()
-            hidden = runner.forward(ids[1:t + 2], features=features[:, :t + 1])[-1]
+            hidden = runner.forward(ids[1 : t + 2], features=features[:, : t + 1])[-1]
             torch.testing.assert_close(head.logits(hidden), head.logits(outputs[0][0, t]), atol=1e-5, rtol=1e-4)
             for j in range(1, steps):
-                row = runner.forward([ids[t + 1 + j]], [j - 2 if j > 1 else ROOT], [j - 1],
-                                     **{head.feedback_input: hidden[None, None]})
+                row = runner.forward(
+                    [ids[t + 1 + j]], [j - 2 if j > 1 else ROOT], [j - 1], **{head.feedback_input: hidden[None, None]}
+                )
                 hidden = row[-1]
                 torch.testing.assert_close(head.logits(hidden), head.logits(outputs[j][0, t]), atol=1e-5, rtol=1e-4)
 
@@ -116,8 +121,16 @@ def _dense_unroll(head, input_ids, features, padding, steps):
     cache, outputs, inputs = DynamicCache(), [], {"features": features}
     for step in range(steps):
         shifted = torch.cat([tokens[:, step:], tokens.new_zeros(batch, step)], dim=1)
-        outputs.append(head(shifted, position_ids=torch.arange(n).expand(batch, n) + step, past_key_values=cache,
-                            use_cache=True, attention_mask=pass_mask(padding, step), **inputs).last_hidden_state)
+        outputs.append(
+            head(
+                shifted,
+                position_ids=torch.arange(n).expand(batch, n) + step,
+                past_key_values=cache,
+                use_cache=True,
+                attention_mask=pass_mask(padding, step),
+                **inputs,
+            ).last_hidden_state
+        )
         inputs = {head.feedback_input: outputs[-1]}
     return outputs
 
@@ -139,7 +152,9 @@ def test_blockwise_unroll_attention_equals_dense_masked_attention_and_skips_mask
         outputs = run(head, ids, features, padding, 4, **({"feedback": head.feedback_input} if run is unroll else {}))
         valid = padding[:, 1:].bool()
         sum(out[valid].square().sum() for out in outputs).backward()
-        results.append(([out[valid] for out in outputs], [p.grad.clone() for p in head.parameters() if p.grad is not None]))
+        results.append(
+            ([out[valid] for out in outputs], [p.grad.clone() for p in head.parameters() if p.grad is not None])
+        )
     (block_out, block_grads), (dense_out, dense_grads) = results
     for block, dense in zip(block_out + block_grads, dense_out + dense_grads):
         torch.testing.assert_close(block, dense, atol=1e-4, rtol=1e-4)
@@ -149,14 +164,26 @@ def test_blockwise_unroll_attention_equals_dense_masked_attention_and_skips_mask
     long_features = torch.randn(1, n, features.shape[-1])
     ones = torch.ones(1, n + 1, dtype=torch.long)
     # CPU sdpa's fused kernel has no FLOP formula in torch's counter: give it the generic sdpa one.
-    sdpa = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-            lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)}
+    sdpa = {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *args, out_shape=None, **kwargs: (
+            sdpa_flop_count(q, k, v)
+        )
+    }
     flops = []
     for run in (unroll, _dense_unroll):
         with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=sdpa) as counter:
-            run(head, long_ids, long_features, ones, steps, **({"feedback": head.feedback_input} if run is unroll else {}))
+            run(
+                head,
+                long_ids,
+                long_features,
+                ones,
+                steps,
+                **({"feedback": head.feedback_input} if run is unroll else {}),
+            )
         # Attention only: the projections and MLP (aten.mm / addmm) are the same in both.
-        flops.append(sum(v for op, v in counter.get_flop_counts()["Global"].items() if str(op) not in ("aten.mm", "aten.addmm")))
+        flops.append(
+            sum(v for op, v in counter.get_flop_counts()["Global"].items() if str(op) not in ("aten.mm", "aten.addmm"))
+        )
     block, dense = flops
     assert 3.5 < dense / block <= 4.0, (block, dense)  # 1+2+..+7 = 28 blocks against 7
 
@@ -205,8 +232,10 @@ def test_greedy_eagle3_on_smollm2_is_lossless(smollm2, tmp_path):
     produced = steps = 0
     # An untrained head with the identity init drafts its input token again: repetitive text gets
     # drafts accepted, so the path that feeds accepted rows' target features back runs too.
-    for text in ("What is the capital of France? Answer in one sentence.",
-                 "Write the word 'yes' twenty times, separated by spaces."):
+    for text in (
+        "What is the capital of France? Answer in one sentence.",
+        "Write the word 'yes' twenty times, separated by spaces.",
+    ):
         prompt = render_prompt(tokenizer, [{"role": "user", "content": text}])
         want, got = plain.generate(prompt, 48), spec.generate(prompt, 48)
         assert got.tokens == want.tokens, text
@@ -222,8 +251,16 @@ def test_checkpoint_uses_speculators_names_and_reloads_identically(tiny_target, 
     head = _head3(tiny_target, draft_vocab=[0, 2, 3, 5, 6])
     head.save_pretrained(tmp_path / "head")
     state = load_file(str(tmp_path / "head" / "model.safetensors"))
-    assert {"fc.weight", "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight",
-            "layers.0.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(state)
+    assert {
+        "fc.weight",
+        "layers.0.hidden_norm.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    } <= set(state)
     assert not any(k.startswith(("embed_tokens", "draft_vocab")) for k in state)  # the target's, by reference
     assert state["fc.weight"].shape == (32, 3 * 32) and state["layers.0.self_attn.q_proj.weight"].shape[1] == 64
     # speculators' meanings: target id = draft id + d2t[draft id]; t2d marks the drafted target ids.
@@ -253,8 +290,17 @@ def tiny_recipe(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle3")
     target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
     drafter = {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 512}
-    return write_recipe(root, target, drafter, data={"regenerate": {"enabled": False}},
-                        learning_rate=3e-3, lr_schedule="constant", max_steps=16, log_every=4, eval_every=8)
+    return write_recipe(
+        root,
+        target,
+        drafter,
+        data={"regenerate": {"enabled": False}},
+        learning_rate=3e-3,
+        lr_schedule="constant",
+        max_steps=16,
+        log_every=4,
+        eval_every=8,
+    )
 
 
 def test_training_lowers_the_loss_and_logs_accuracy_per_depth(tiny_recipe, tmp_path):
@@ -278,8 +324,12 @@ def test_training_lowers_the_loss_and_logs_accuracy_per_depth(tiny_recipe, tmp_p
 def test_aux_layers_out_of_range_is_a_one_line_error(tiny_recipe, tmp_path, capsys):
     from draftsmith.train.eagle3 import main
 
-    line = assert_user_error(capsys, r"drafter\.aux_layers = \[0, 1, 7\].*\[0, 2\]", main,
-                             [str(tiny_recipe), "--output_dir", str(tmp_path / "run"), "--drafter.aux_layers", "[0, 1, 7]"])
+    line = assert_user_error(
+        capsys,
+        r"drafter\.aux_layers = \[0, 1, 7\].*\[0, 2\]",
+        main,
+        [str(tiny_recipe), "--output_dir", str(tmp_path / "run"), "--drafter.aux_layers", "[0, 1, 7]"],
+    )
     assert "2 decoder layers" in line
 
 
@@ -291,20 +341,44 @@ def test_offline_features_train_exactly_as_online(tiny_recipe, tmp_path):
 
     steps = ["--training.max_steps", "2", "--training.log_every", "1", "--training.eval_every", "0"]
     online = main([str(tiny_recipe), "--output_dir", str(tmp_path / "online"), *steps])
-    offline = main([str(tiny_recipe), "--output_dir", str(tmp_path / "offline"), *steps,
-                    "--drafter.features", "offline", "--drafter.features_dir", str(tmp_path / "features")])
+    offline = main(
+        [
+            str(tiny_recipe),
+            "--output_dir",
+            str(tmp_path / "offline"),
+            *steps,
+            "--drafter.features",
+            "offline",
+            "--drafter.features_dir",
+            str(tmp_path / "features"),
+        ]
+    )
     assert sorted(p.name for p in (tmp_path / "features").iterdir()) == ["held_out", "manifest.json", "train"]
     logged = [[h for h in run.history if "train/loss" in h] for run in (online, offline)]
     assert len(logged[0]) == len(logged[1]) == 2
     for a, b in zip(*logged):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5) and a["train/top1@3"] == b["train/top1@3"]
     # Both batch the same rows by length: the cache's lengths (from its offsets) are the rows' own.
-    assert offline.train_data.lengths() == sequence_lengths(online.train_data) == [len(r["input_ids"]) for r in online.train_data]
+    assert (
+        offline.train_data.lengths()
+        == sequence_lengths(online.train_data)
+        == [len(r["input_ids"]) for r in online.train_data]
+    )
     recipe = yaml.safe_load(tiny_recipe.read_text())
     recipe["drafter"].pop("aux_layers")
     (tmp_path / "eagle1.yaml").write_text(yaml.safe_dump(recipe))
-    shared = main_eagle1([str(tmp_path / "eagle1.yaml"), "--output_dir", str(tmp_path / "eagle1"), *steps,
-                          "--drafter.features", "offline", "--drafter.features_dir", str(tmp_path / "features")])
+    shared = main_eagle1(
+        [
+            str(tmp_path / "eagle1.yaml"),
+            "--output_dir",
+            str(tmp_path / "eagle1"),
+            *steps,
+            "--drafter.features",
+            "offline",
+            "--drafter.features_dir",
+            str(tmp_path / "features"),
+        ]
+    )
     assert [h["step"] for h in shared.history if "train/loss" in h] == [1, 2]
 
 
@@ -328,12 +402,16 @@ def test_hass_loss_adds_a_top_k_term_to_the_full_distillation_and_detaches_the_f
         outputs = [out.detach() for out in attached]
         full, _ = unrolled_loss(head, outputs[:1], features, mask, pad, UnrollLoss(), training=True)
         all_k, _ = unrolled_loss(head, outputs[:1], features, mask, pad, UnrollLoss(top_k=48), training=True)
-        hass, _ = unrolled_loss(head, outputs[:1], features, mask, pad,
-                                UnrollLoss(top_k=1, ce_weight=0.1, top_k_weight=1.0), training=True)
-        top1_only, _ = unrolled_loss(head, outputs[:1], features, mask, pad,
-                                     UnrollLoss(top_k=1, ce_weight=0.0, top_k_weight=2.0), training=True)
+        hass, _ = unrolled_loss(
+            head, outputs[:1], features, mask, pad, UnrollLoss(top_k=1, ce_weight=0.1, top_k_weight=1.0), training=True
+        )
+        top1_only, _ = unrolled_loss(
+            head, outputs[:1], features, mask, pad, UnrollLoss(top_k=1, ce_weight=0.0, top_k_weight=2.0), training=True
+        )
         two, _ = unrolled_loss(head, outputs, features, mask, pad, UnrollLoss(decay=0.5), training=True)
-        second, _ = unrolled_loss(head, [outputs[0], outputs[1]], features, mask, pad, UnrollLoss(decay=0.0), training=True)
+        second, _ = unrolled_loss(
+            head, [outputs[0], outputs[1]], features, mask, pad, UnrollLoss(decay=0.0), training=True
+        )
         p = head.target_logits(features[0, 1:-1]).float().softmax(-1)
         log_q = head.draft_logits(outputs[0][0, :-1]).float().log_softmax(-1)
         best = p.argmax(-1, keepdim=True)
@@ -390,7 +468,9 @@ def test_targets_outside_the_draft_vocabulary_get_no_token_loss_when_masked(make
     mask, pad = torch.ones(1, len(ids), dtype=torch.bool), torch.ones(1, len(ids), dtype=torch.long)
     with torch.no_grad():
         out = head(torch.tensor([ids[1:]]), _features(target, ids, [0, 1, 2])[:, :-1]).last_hidden_state
-        masked, metrics = unrolled_loss(head, [out], features, mask, pad, UnrollLoss(mask_out_of_vocab=True), training=True)
+        masked, metrics = unrolled_loss(
+            head, [out], features, mask, pad, UnrollLoss(mask_out_of_vocab=True), training=True
+        )
         renormalised, kept_all = unrolled_loss(head, [out], features, mask, pad, UnrollLoss(), training=True)
         p = head.target_logits(features[0, 1:-1]).float().softmax(-1)
         ce = -(p * head.draft_logits(out[0, :-1]).float().log_softmax(-1)).sum(-1)
@@ -408,14 +488,32 @@ def test_too_few_conversations_for_a_held_out_split_train_without_one(tiny_recip
     checkpoint without held-out metrics (the empty split used to crash datasets.load_from_disk)."""
     from draftsmith.train.eagle3 import main
 
-    trainer = main([str(tiny_recipe), "--output_dir", str(tmp_path / "run"), "--data.limit", "4",
-                    "--data.held_out_fraction", "0.01", "--training.max_steps", "2", "--drafter.features", features,
-                    "--drafter.features_dir", str(tmp_path / "features")])
+    trainer = main(
+        [
+            str(tiny_recipe),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--data.limit",
+            "4",
+            "--data.held_out_fraction",
+            "0.01",
+            "--training.max_steps",
+            "2",
+            "--drafter.features",
+            features,
+            "--drafter.features_dir",
+            str(tmp_path / "features"),
+        ]
+    )
     out = capsys.readouterr().out
     notes = [line for line in out.splitlines() if "held-out" in line]
-    assert notes == [f"note: no held-out conversation among {len(trainer.train_data)} (data.held_out_fraction=0.01): "
-                     "training without held-out metrics; raise data.limit or data.held_out_fraction to get them"]
-    assert len(trainer.train_data) == 3 and not trainer.eval_data  # the 4th has no reply within max_length and trainer.evaluate() == {}
+    assert notes == [
+        f"note: no held-out conversation among {len(trainer.train_data)} (data.held_out_fraction=0.01): "
+        "training without held-out metrics; raise data.limit or data.held_out_fraction to get them"
+    ]
+    assert (
+        len(trainer.train_data) == 3 and not trainer.eval_data
+    )  # the 4th has no reply within max_length and trainer.evaluate() == {}
     assert trainer.state.step == 2 and trainer.state.tokens > 0
     assert trainer.last_checkpoint.name == "checkpoint-final"
     assert not [key for h in trainer.history for key in h if key.startswith("eval/")]
@@ -428,10 +526,12 @@ def test_a_head_cast_to_bf16_keeps_its_rotary_frequencies_in_fp32(tiny_target, k
     from draftsmith.heads.dflash import DFlashHead
     from draftsmith.heads.peagle import PEagleHead
 
-    build = {"eagle": lambda: EagleHead.for_target(tiny_target, "tiny", 1),
-             "eagle3": lambda: Eagle3Head.for_target(tiny_target, "tiny", [0, 1, 2]),
-             "peagle": lambda: PEagleHead.for_target(tiny_target, "tiny", [0, 1, 2], mask_token_id=V - 1, num_depths=3),
-             "dflash": lambda: DFlashHead.for_target(tiny_target, "tiny", [0, 1, 2], 1, 4, V - 1)}[kind]
+    build = {
+        "eagle": lambda: EagleHead.for_target(tiny_target, "tiny", 1),
+        "eagle3": lambda: Eagle3Head.for_target(tiny_target, "tiny", [0, 1, 2]),
+        "peagle": lambda: PEagleHead.for_target(tiny_target, "tiny", [0, 1, 2], mask_token_id=V - 1, num_depths=3),
+        "dflash": lambda: DFlashHead.for_target(tiny_target, "tiny", [0, 1, 2], 1, 4, V - 1),
+    }[kind]
     head = build()
     positions = torch.tensor([[1000, 4321]])
     x = torch.zeros(1, 2, head.rotary_emb.inv_freq.shape[0] * 2)

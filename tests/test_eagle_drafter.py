@@ -14,7 +14,6 @@ import collections
 
 import pytest
 import torch
-
 from stats_helpers import chi_square, exact_joint
 
 from draftsmith.eval.decode import SpeculativeDecoder
@@ -31,7 +30,6 @@ PROMPTS = [
     "Write a short poem about the sea.",
     "List three tips for learning a new programming language.",
 ]
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,8 +91,11 @@ def _tiny_head(target, init: str, draft_vocab: list[int] | None = None) -> Eagle
     return EagleHead.for_target(target, "tiny", draft_vocab=vocab, init=init).eval()
 
 
-@pytest.mark.parametrize("init, draft_vocab", [("random", None), ("identity", None), ("random", [0, 2, 3, 5, 6])],
-                         ids=["random_init", "identity_init", "reduced_vocab"])
+@pytest.mark.parametrize(
+    "init, draft_vocab",
+    [("random", None), ("identity", None), ("random", [0, 2, 3, 5, 6])],
+    ids=["random_init", "identity_init", "reduced_vocab"],
+)
 def test_sampling_with_eagle_matches_exact_distribution(tiny_target, init, draft_vocab):
     drafter = EagleDrafter(_tiny_head(tiny_target, init, draft_vocab), depth=2, top_k=2, budget=4)
     sampling = SamplingConfig(temperature=1.0)
@@ -105,7 +106,7 @@ def test_sampling_with_eagle_matches_exact_distribution(tiny_target, init, draft
         assert len(gen.tokens) == LENGTH and sum(gen.accepted) == LENGTH - 1
         counts[tuple(gen.tokens)] += 1
         accepted[tuple(gen.accepted)] += 1
-        drafted.update(gen.tokens[1:gen.accepted[0]])  # the first step's accepted draft tokens
+        drafted.update(gen.tokens[1 : gen.accepted[0]])  # the first step's accepted draft tokens
     statistic, threshold, _ = chi_square(counts, exact_joint(tiny_target, PROMPT, LENGTH, sampling), SAMPLES)
     print(f"chi2 {statistic:.1f} (threshold {threshold:.1f}); accepted {accepted.most_common(4)}")
     assert statistic < threshold

@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-from transformers import LlamaForCausalLM
-
 from cli_helpers import assert_user_error
+from safetensors.torch import load_file
 from training_helpers import EOS, VOCAB, launch, save_tiny_target, write_recipe
+from transformers import LlamaForCausalLM
 
 from draftsmith.heads.common import TargetMismatchError
 from draftsmith.heads.eagle import EagleHead
@@ -32,7 +31,6 @@ from draftsmith.target import load_tokenizer
 from draftsmith.train.eagle import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,8 +51,15 @@ def targets(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def recipe(targets, tmp_path_factory) -> Path:
-    return write_recipe(tmp_path_factory.mktemp("recipe"), targets["main"], {"num_layers": 1},
-                        learning_rate=1e-3, max_steps=8, log_every=2, save_every=4)
+    return write_recipe(
+        tmp_path_factory.mktemp("recipe"),
+        targets["main"],
+        {"num_layers": 1},
+        learning_rate=1e-3,
+        max_steps=8,
+        log_every=2,
+        save_every=4,
+    )
 
 
 def train(recipe: Path, out: Path, *overrides: str):
@@ -77,9 +82,24 @@ def six_steps(recipe, tmp_path_factory):
 
 
 def test_loss_decreases(recipe, tmp_path):
-    trainer = train(recipe, tmp_path / "run", "--training.max_steps", "20", "--training.learning_rate", "3e-3",
-                    "--training.lr_schedule", "constant", "--drafter.feature_noise", "0",
-                    "--training.log_every", "5", "--training.eval_every", "10", "--training.save_every", "0")
+    trainer = train(
+        recipe,
+        tmp_path / "run",
+        "--training.max_steps",
+        "20",
+        "--training.learning_rate",
+        "3e-3",
+        "--training.lr_schedule",
+        "constant",
+        "--drafter.feature_noise",
+        "0",
+        "--training.log_every",
+        "5",
+        "--training.eval_every",
+        "10",
+        "--training.save_every",
+        "0",
+    )
     train_logs = [h for h in trainer.history if "train/loss" in h]
     eval_logs = [h for h in trainer.history if "eval/loss" in h]
     assert [h["step"] for h in train_logs] == [5, 10, 15, 20]
@@ -129,7 +149,9 @@ def test_final_checkpoint_is_self_describing_and_reloads_identically(six_steps, 
         assert torch.equal(got, expected)
         assert torch.equal(loaded.logits(got), head.logits(expected))
     # Training moved the head away from its initialisation.
-    fresh = EagleHead.for_target(target, "x", 1, init=yaml.safe_load((final / "recipe.yaml").read_text())["drafter"]["init"])
+    fresh = EagleHead.for_target(
+        target, "x", 1, init=yaml.safe_load((final / "recipe.yaml").read_text())["drafter"]["init"]
+    )
     assert not torch.equal(fresh.fc.weight, loaded.fc.weight)
 
 
@@ -199,8 +221,16 @@ def test_trained_head_drafts_losslessly_for_its_target(six_steps):
 def test_time_budget_runs_the_schedule_to_its_end_and_saves_the_final_head(recipe, tmp_path):
     # A budget far below one step's time: the loop stops after its first optimiser step with the
     # learning rate decayed to zero, and writes checkpoint-final as a finished run does.
-    trainer = train(recipe, tmp_path / "run", "--training.max_steps", "50", "--training.max_minutes", "0.0001",
-                    "--training.log_every", "1")
+    trainer = train(
+        recipe,
+        tmp_path / "run",
+        "--training.max_steps",
+        "50",
+        "--training.max_minutes",
+        "0.0001",
+        "--training.log_every",
+        "1",
+    )
     assert trainer.state.step == 1 and trainer.max_steps == 50
     assert trainer.last_checkpoint.name == "checkpoint-final"
     logged = [h for h in trainer.history if "train/lr" in h]
@@ -214,21 +244,45 @@ def test_time_budget_runs_the_schedule_to_its_end_and_saves_the_final_head(recip
 
 
 def test_misspelled_override_names_the_key(recipe, tmp_path, capsys):
-    assert_user_error(capsys, r"unknown key drafter\.num_layer \(did you mean 'drafter\.num_layers'\?\)",
-                      train, recipe, tmp_path / "run", "--drafter.num_layer", "2")
-    assert_user_error(capsys, r"drafter\.features: expected one of 'online' \| 'offline', got 3",
-                      train, recipe, tmp_path / "run", "--drafter.features", "3")
-    assert_user_error(capsys, r"drafter\.num_layers: expected int, got str 'two'",
-                      train, recipe, tmp_path / "run", "--drafter.num_layers", "two")
-    assert_user_error(capsys, r"drafter\.num_layers must be >= 1", train, recipe, tmp_path / "run", "--drafter.num_layers", "0")
+    assert_user_error(
+        capsys,
+        r"unknown key drafter\.num_layer \(did you mean 'drafter\.num_layers'\?\)",
+        train,
+        recipe,
+        tmp_path / "run",
+        "--drafter.num_layer",
+        "2",
+    )
+    assert_user_error(
+        capsys,
+        r"drafter\.features: expected one of 'online' \| 'offline', got 3",
+        train,
+        recipe,
+        tmp_path / "run",
+        "--drafter.features",
+        "3",
+    )
+    assert_user_error(
+        capsys,
+        r"drafter\.num_layers: expected int, got str 'two'",
+        train,
+        recipe,
+        tmp_path / "run",
+        "--drafter.num_layers",
+        "two",
+    )
+    assert_user_error(
+        capsys, r"drafter\.num_layers must be >= 1", train, recipe, tmp_path / "run", "--drafter.num_layers", "0"
+    )
     assert not (tmp_path / "run").exists()
 
 
 def test_yaml_typo_names_file_and_key(recipe, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text(recipe.read_text().replace("num_layers", "num_layer"))
-    assert_user_error(capsys, r"bad\.yaml: unknown key drafter\.num_layer \(did you mean 'drafter\.num_layers'\?\)",
-                      main, [str(bad)])
+    assert_user_error(
+        capsys, r"bad\.yaml: unknown key drafter\.num_layer \(did you mean 'drafter\.num_layers'\?\)", main, [str(bad)]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,8 +297,16 @@ def test_frequent_tokens_always_keeps_special_tokens():
 
 
 def test_reduced_draft_vocabulary(recipe, tmp_path):
-    trainer = train(recipe, tmp_path / "run", "--drafter.draft_vocab_size", "500", "--training.max_steps", "2",
-                    "--training.save_every", "0")
+    trainer = train(
+        recipe,
+        tmp_path / "run",
+        "--drafter.draft_vocab_size",
+        "500",
+        "--training.max_steps",
+        "2",
+        "--training.save_every",
+        "0",
+    )
     final = trainer.last_checkpoint
     assert json.loads((final / "config.json").read_text())["draft_vocab_size"] == 500
     vocab = load_file(str(final / "model.safetensors"))["draft_vocab"]
@@ -281,8 +343,8 @@ def wandb_history(path: Path) -> list[dict]:
         if block - pos % block < 7:  # a block's tail too short for a record header is padding
             pos += block - pos % block
             continue
-        length, kind = struct.unpack("<HB", data[pos + 4: pos + 7])
-        chunk = data[pos + 7: pos + 7 + length]
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0:  # zero padding
             continue
@@ -292,8 +354,9 @@ def wandb_history(path: Path) -> list[dict]:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(payload)
             if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
     return rows
 
 
@@ -310,7 +373,9 @@ def test_wandb_offline_records_the_logged_history(recipe, tmp_path, monkeypatch)
     monkeypatch.setattr(netrc, "netrc", no_netrc)  # no stored W&B login either
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    trainer = train(recipe, out, "--tracking.report_to", "wandb", "--training.max_steps", "4", "--training.save_every", "0")
+    trainer = train(
+        recipe, out, "--tracking.report_to", "wandb", "--training.max_steps", "4", "--training.save_every", "0"
+    )
     assert os.environ.get("WANDB_MODE") == "offline"  # chosen automatically without a key
     files = sorted(out.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
@@ -366,8 +431,18 @@ def test_ddp_two_processes(recipe, targets, tmp_path):
 @pytest.mark.slow
 def test_deepspeed_zero2_two_processes(recipe, targets, tmp_path):
     out = tmp_path / "ds"
-    proc = launch("train/eagle.py", recipe, out, "--training.max_steps", "2", "--distributed.backend", "deepspeed",
-                  "--distributed.zero_stage", "2", cpu=False)
+    proc = launch(
+        "train/eagle.py",
+        recipe,
+        out,
+        "--training.max_steps",
+        "2",
+        "--distributed.backend",
+        "deepspeed",
+        "--distributed.zero_stage",
+        "2",
+        cpu=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_two_replicas(out, targets)
     assert (out / "checkpoint-final" / "state" / "pytorch_model").is_dir()
@@ -375,8 +450,17 @@ def test_deepspeed_zero2_two_processes(recipe, targets, tmp_path):
 
 @pytest.mark.slow
 def test_deepspeed_under_accelerate_use_cpu_fails_clearly(recipe, tmp_path):
-    proc = launch("train/eagle.py", recipe, tmp_path / "ds-cpu", "--training.max_steps", "2", "--distributed.backend", "deepspeed",
-                  cpu=True, timeout=200)
+    proc = launch(
+        "train/eagle.py",
+        recipe,
+        tmp_path / "ds-cpu",
+        "--training.max_steps",
+        "2",
+        "--distributed.backend",
+        "deepspeed",
+        cpu=True,
+        timeout=200,
+    )
     assert proc.returncode != 0
     assert "RuntimeError: the recipe asks for DeepSpeed but Accelerate did not enable it" in proc.stderr
     assert "ACCELERATE_USE_CPU=true drops DeepSpeed silently" in proc.stderr

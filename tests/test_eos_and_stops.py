@@ -31,7 +31,7 @@ class OvershootDrafter(Drafter):
 
     def propose(self, context: DraftContext) -> TokenTree:
         n = len(context.tokens)
-        return chain(self.reference[n:n + self.num_tokens])
+        return chain(self.reference[n : n + self.num_tokens])
 
 
 class Chunks:
@@ -81,7 +81,7 @@ def test_eos_inside_accepted_path_stops_at_it(tiny):
     model, continuation = tiny
     j = mid_step_eos_index(continuation)
     eos = continuation[j]
-    expected = continuation[:j + 1]
+    expected = continuation[: j + 1]
     plain = SpeculativeDecoder(model, None, eos_ids={eos}).generate(PROMPT, 60)
     assert plain.tokens == expected and plain.stop_reason == "eos"
     for name, drafter in drafters_for(model, continuation).items():
@@ -113,8 +113,9 @@ def test_eos_as_the_bonus_token(tiny):
     model, continuation = tiny
     j = next(j for j in first_occurrences(continuation) if j >= 10 and (j - 1) % STEP == STEP - 1)
     gen = SpeculativeDecoder(model, drafters_for(model, continuation)["oracle"], eos_ids={continuation[j]}).generate(
-        PROMPT, 60)
-    assert gen.tokens == continuation[:j + 1] and gen.stop_reason == "eos"
+        PROMPT, 60
+    )
+    assert gen.tokens == continuation[: j + 1] and gen.stop_reason == "eos"
     assert gen.accepted == [STEP] * gen.steps
 
 
@@ -162,11 +163,11 @@ def story(smollm2):
 def stop_string_ending_at(tokenizer, continuation: list[int], k: int) -> str | None:
     """A stop string that first completes with token ``k`` and spans a token boundary."""
     before = tokenizer.decode(continuation[:k])
-    text = tokenizer.decode(continuation[:k + 1])
-    last = tokenizer.decode(continuation[k:k + 1])
+    text = tokenizer.decode(continuation[: k + 1])
+    last = tokenizer.decode(continuation[k : k + 1])
     if not text.startswith(before) or len(last.strip()) < 2:
         return None
-    stop = text[-(len(last) + 2):]  # the last token's text and two characters before it
+    stop = text[-(len(last) + 2) :]  # the last token's text and two characters before it
     return None if stop in before else stop
 
 
@@ -176,11 +177,13 @@ def test_stop_string_mid_step_and_before_eos(story):
     # k: the stop string completes at token k, inside an oracle step; token k + 1 (same step)
     # is made an EOS, which must not win over the earlier stop string.
     k, stop = next(
-        (k, stop) for k in range(8, 35)
-        if k % STEP != 0 and continuation[k + 1] not in continuation[:k + 1]
+        (k, stop)
+        for k in range(8, 35)
+        if k % STEP != 0
+        and continuation[k + 1] not in continuation[: k + 1]
         and (stop := stop_string_ending_at(tokenizer, continuation, k))
     )
-    expected = continuation[:k + 1]
+    expected = continuation[: k + 1]
     eos = {continuation[k + 1]}
     plain = SpeculativeDecoder(model, None, tokenizer, eos_ids=eos).generate(prompt, 40, stop_strings=(stop,))
     assert plain.tokens == expected and plain.stop_reason == "stop_string"

@@ -5,8 +5,8 @@ from cli_helpers import user_error
 
 from draftsmith.eval.bench import Run, _agreement
 from draftsmith.eval.report import captions, depth_table, summarise
-from draftsmith.timing import STAGES, stage, stage_table
 from draftsmith.eval.run import main
+from draftsmith.timing import STAGES, stage, stage_table
 
 
 def test_summary_pools_runs_and_computes_speedup_against_baseline():
@@ -37,9 +37,11 @@ def test_methods_slower_than_plain_decoding_get_a_caption_with_the_reason():
     summary = summarise(runs)
     (line,) = captions(summary)
     # tau 10/8 = 1.25 at 0.5x: one of its steps cost 2.5 plain steps, so it needs tau above 2.5.
-    assert line == ("slow is slower than plain decoding here (0.50x): it produced 1.25 tokens per target pass, but one "
-                    "of its steps (drafting plus verifying the draft) took as long as 2.50 plain decoding steps on this "
-                    "device, so it needs an acceptance length above 2.50 to pay off.")
+    assert line == (
+        "slow is slower than plain decoding here (0.50x): it produced 1.25 tokens per target pass, but one "
+        "of its steps (drafting plus verifying the draft) took as long as 2.50 plain decoding steps on this "
+        "device, so it needs an acceptance length above 2.50 to pay off."
+    )
 
 
 def test_stage_table_totals_the_stages():
@@ -74,22 +76,49 @@ def test_greedy_runs_report_agreement_with_plain_decoding():
 def test_cli_writes_table_json_csv_and_plots(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
-        json.dumps({"id": "a", "category": "rep", "prompt": "Repeat exactly: one two three four five six seven."}) + "\n"
-        + json.dumps({"id": "b", "category": "chat", "turns": ["Say hello.", "Now say it again."]}) + "\n"
+        json.dumps({"id": "a", "category": "rep", "prompt": "Repeat exactly: one two three four five six seven."})
+        + "\n"
+        + json.dumps({"id": "b", "category": "chat", "turns": ["Say hello.", "Now say it again."]})
+        + "\n"
     )
     out = tmp_path / "out"
-    main(["--drafter", "prompt_lookup", "--drafter", "oracle?num_tokens=4", "--drafter", "draft_lm?layers=2&depth=2",
-          "--prompts", str(prompts), "--turns", "2", "--max-new-tokens", "12", "--out", str(out),
-          "--dtype", "float32"])  # exact only in fp32: bf16 tree passes drift from one-token decoding
+    main(
+        [
+            "--drafter",
+            "prompt_lookup",
+            "--drafter",
+            "oracle?num_tokens=4",
+            "--drafter",
+            "draft_lm?layers=2&depth=2",
+            "--prompts",
+            str(prompts),
+            "--turns",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--out",
+            str(out),
+            "--dtype",
+            "float32",
+        ]
+    )  # exact only in fp32: bf16 tree passes drift from one-token decoding
     printed = capsys.readouterr().out
-    assert ("| method | accept len | tok/s | speedup | nodes / step | drafted steps | same output | chat (tau / x) "
-            "| rep (tau / x) |") in printed
+    assert (
+        "| method | accept len | tok/s | speedup | nodes / step | drafted steps | same output | chat (tau / x) "
+        "| rep (tau / x) |"
+    ) in printed
     result = json.loads((out / "results.json").read_text())
     methods = result["methods"]
     assert set(methods) == {"baseline", "prompt_lookup", "oracle", "draft_lm"}
     for name, stats in methods.items():
-        for key in ("acceptance_length", "speedup", "tokens_per_second", "baseline_tokens_per_second",
-                    "num_prompts", "new_tokens"):
+        for key in (
+            "acceptance_length",
+            "speedup",
+            "tokens_per_second",
+            "baseline_tokens_per_second",
+            "num_prompts",
+            "new_tokens",
+        ):
             assert key in stats, (name, key)
         assert stats["num_prompts"] == 3  # prompt a has one turn, prompt b two
         assert stats["new_tokens"] == methods["baseline"]["new_tokens"]  # greedy: same output everywhere
@@ -117,8 +146,18 @@ def test_prompts_per_category_keep_file_order(tmp_path):
 
 def test_hf_assistant_must_name_a_draft_lm_drafter(capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["--drafter", "draft_lm?layers=2&name=before", "--drafter", "prompt_lookup",
-              "--hf-baseline", "hf_assisted", "--hf-assistant", "after"])
+        main(
+            [
+                "--drafter",
+                "draft_lm?layers=2&name=before",
+                "--drafter",
+                "prompt_lookup",
+                "--hf-baseline",
+                "hf_assisted",
+                "--hf-assistant",
+                "after",
+            ]
+        )
     assert exit_.value.code == 2
     assert "--hf-assistant after: no draft_lm drafter of that name" in capsys.readouterr().err
 
@@ -128,9 +167,24 @@ def test_hf_assisted_runs_only_the_chosen_assistant(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "Count from one to ten."}) + "\n")
     out = tmp_path / "out"
-    main(["--drafter", "draft_lm?layers=2&depth=2&name=small", "--drafter", "draft_lm?layers=30&depth=2&name=whole",
-          "--hf-baseline", "hf_assisted", "--hf-assistant", "whole", "--prompts", str(prompts),
-          "--max-new-tokens", "12", "--out", str(out)])
+    main(
+        [
+            "--drafter",
+            "draft_lm?layers=2&depth=2&name=small",
+            "--drafter",
+            "draft_lm?layers=30&depth=2&name=whole",
+            "--hf-baseline",
+            "hf_assisted",
+            "--hf-assistant",
+            "whole",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "12",
+            "--out",
+            str(out),
+        ]
+    )
     methods = json.loads((out / "results.json").read_text())["methods"]
     assert set(methods) == {"baseline", "small", "whole", "hf_assisted"}
     # The assistant is the 30-layer copy of the target: both engines accept every drafted token
@@ -146,12 +200,34 @@ def test_a_request_past_the_targets_context_exits_2_with_one_line(tmp_path, caps
     from draftsmith.target import load_tokenizer
 
     tokenizer = load_tokenizer("default")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=80, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=80,
+        eos_token_id=2,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "long", "prompt": "Summarise: " + "the cat sat on the mat. " * 20}) + "\n")
-    line = user_error(capsys, main, ["--target", str(tmp_path / "target"), "--drafter", "prompt_lookup", "--prompts",
-                                     str(prompts), "--max-new-tokens", "8", "--out", str(tmp_path / "out")])
+    line = user_error(
+        capsys,
+        main,
+        [
+            "--target",
+            str(tmp_path / "target"),
+            "--drafter",
+            "prompt_lookup",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
     assert "max_position_embeddings=80" in line and "max_new_tokens=8" in line

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
-
 from cli_helpers import assert_user_error
+from safetensors.torch import load_file, save_file
 from training_helpers import save_tiny_target
+from transformers import AutoModelForCausalLM
 
 from draftsmith.config import dump_recipe
 from draftsmith.export import export_checkpoint
@@ -50,8 +49,9 @@ VLLM_MEDUSA_VERSION = "0.32.0"  # model_executor/models/medusa.py (vLLM 0.33.0 h
 def target_dir(tmp_path_factory):
     """A 3-layer Llama (hidden 64) with the bundled SmolLM2 tokenizer, saved as a folder (aux layers
     0, 1 and 2 are then inputs of decoder layers, as vLLM captures them; layer 3 is the output)."""
-    return save_tiny_target(tmp_path_factory.mktemp("export") / "target", load_tokenizer("default"), scale=8.0,
-                            layers=3)
+    return save_tiny_target(
+        tmp_path_factory.mktemp("export") / "target", load_tokenizer("default"), scale=8.0, layers=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,13 @@ def _eagle3(target, target_dir, folder, aux=(0, 1, 2), draft_vocab=None, noise: 
     """A random EAGLE-3 head, or (``noise``) an early exit of the target at its highest aux layer
     with every weight moved by ``noise``: it drafts well, and every weight changes what it drafts."""
     torch.manual_seed(1)
-    head = Eagle3Head.for_target(target, str(target_dir), aux_layers=list(aux), draft_vocab=draft_vocab,
-                                 init="random" if noise is None else "identity")
+    head = Eagle3Head.for_target(
+        target,
+        str(target_dir),
+        aux_layers=list(aux),
+        draft_vocab=draft_vocab,
+        init="random" if noise is None else "identity",
+    )
     if noise is None:
         with torch.no_grad():  # the LM head starts as the target's rows: make it the head's own
             head.lm_head.weight.add_(torch.randn_like(head.lm_head.weight))
@@ -95,10 +100,12 @@ def _eagle(target, target_dir, folder, draft_vocab=None, noise: float = 0.3) -> 
     return head.eval()
 
 
-def _medusa(target, target_dir, folder, lm_head="shared", draft_vocab=None, num_layers=1,
-            noise: float = 0.05) -> MedusaHeads:
-    heads = MedusaHeads.for_target(target, str(target_dir), num_heads=3, num_layers=num_layers, lm_head=lm_head,
-                                   draft_vocab=draft_vocab)
+def _medusa(
+    target, target_dir, folder, lm_head="shared", draft_vocab=None, num_layers=1, noise: float = 0.05
+) -> MedusaHeads:
+    heads = MedusaHeads.for_target(
+        target, str(target_dir), num_heads=3, num_layers=num_layers, lm_head=lm_head, draft_vocab=draft_vocab
+    )
     _perturb(heads, noise)
     heads.head_accuracy = [[0.6 - 0.1 * k + 0.03 * r for r in range(10)] for k in range(3)]
     heads.save_pretrained(folder)
@@ -132,22 +139,33 @@ def _assert_same_logits(head, theirs, target, ids: list[int], steps: int = 2) ->
     training-time-test passes (pass j feeds back pass j-1's outputs: drafting j tokens ahead)."""
     with torch.no_grad():
         features = _features(target, ids, head.aux_layers)
-        ours = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long), steps,
-                      head.feedback_input)
+        ours = unroll(
+            head,
+            torch.tensor([ids]),
+            features[:, :-1],
+            torch.ones(1, len(ids), dtype=torch.long),
+            steps,
+            head.feedback_input,
+        )
         logits: list[torch.Tensor] = []
         hook = theirs.lm_head.register_forward_hook(lambda module, args, out: logits.append(out))
         n = len(ids) - 1
         # The engine concatenates the aux states in the exported (ascending) layer order.
         served = _features(target, ids, theirs.config.eagle_aux_hidden_state_layer_ids)
-        theirs(hidden_states=served[:, :-1], input_ids=torch.tensor([ids[1:]]),
-               document_ids=torch.zeros(1, n, dtype=torch.long), position_ids=torch.arange(n)[None], ttt_steps=steps)
+        theirs(
+            hidden_states=served[:, :-1],
+            input_ids=torch.tensor([ids[1:]]),
+            document_ids=torch.zeros(1, n, dtype=torch.long),
+            position_ids=torch.arange(n)[None],
+            ttt_steps=steps,
+        )
         hook.remove()
     assert len(logits) == steps
     for step in range(steps):
         valid = n - step  # pass j's last j positions read padding tokens
         expected = head.draft_logits(ours[step])[0, :valid]
         torch.testing.assert_close(logits[step][0, :valid], expected, atol=2e-5, rtol=1e-5)
-    assert (logits[1][0, :n - 1] - logits[0][0, :n - 1]).abs().max() > 1e-2  # pass 1 is not pass 0 again
+    assert (logits[1][0, : n - 1] - logits[0][0, : n - 1]).abs().max() > 1e-2  # pass 1 is not pass 0 again
 
 
 def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(target, target_dir, tmp_path):
@@ -163,8 +181,9 @@ def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(
     from draftsmith.heads.peagle import PEagleHead
 
     torch.manual_seed(1)
-    head = PEagleHead.for_target(target, str(target_dir), [2, 0, 1], _draft_vocab(target), "random",
-                                 mask_token_id=16, num_depths=5)
+    head = PEagleHead.for_target(
+        target, str(target_dir), [2, 0, 1], _draft_vocab(target), "random", mask_token_id=16, num_depths=5
+    )
     _perturb(head)
     head.save_pretrained(tmp_path / "ckpt")
     serve = export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out")
@@ -216,7 +235,11 @@ def test_dflash_exports_as_speculators_dflash_and_loads_in_speculators_and_back(
     assert config.aux_hidden_state_layer_ids == [0, 1, 2] and not config.sample_from_anchor
     layer = config.transformer_layer_config
     assert (layer.model_type, layer.num_hidden_layers, layer.head_dim, layer.layer_types) == (
-        "qwen3", 2, target.config.hidden_size // target.config.num_attention_heads, ["full_attention"] * 2)
+        "qwen3",
+        2,
+        target.config.hidden_size // target.config.num_attention_heads,
+        ["full_attention"] * 2,
+    )
     assert layer.rope_parameters["rope_theta"] == target.config.rope_parameters["rope_theta"]
     layer._attn_implementation = "eager"
     config.speculators_config.verifier.name_or_path = str(target_dir)
@@ -252,8 +275,10 @@ def test_export_serves_the_tree_planned_for_the_head_and_records_what_it_was_pla
     assert f"- **Draft tree** (the serve command's): {planned}." in (tmp_path / "out" / "README.md").read_text()
     sglang = export_checkpoint(tmp_path / "ckpt", "sglang", tmp_path / "sgl")
     tree = json.loads((tmp_path / "sgl" / "config.json").read_text())["draftsmith_export"]["draft_tree"]
-    assert (f"--speculative-num-steps 1 --speculative-eagle-topk {tree['top_k']} "
-            f"--speculative-num-draft-tokens {tree['budget']}") in sglang[0]
+    assert (
+        f"--speculative-num-steps 1 --speculative-eagle-topk {tree['top_k']} "
+        f"--speculative-num-draft-tokens {tree['budget']}"
+    ) in sglang[0]
     export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "given", draft_tokens=4)
     raw = json.loads((tmp_path / "given" / "config.json").read_text())
     assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
@@ -340,8 +365,12 @@ def test_engines_are_told_the_hub_id_and_the_targets_own_dtype(tmp_path):
 def test_official_medusa_head_count_is_checked(target, target_dir, tmp_path, capsys):
     heads = MedusaHeads.for_target(target, str(target_dir), num_heads=6, num_layers=1, lm_head="copy")
     heads.save_pretrained(tmp_path / "six")
-    assert_user_error(capsys, r"it has 6 heads; the official Medusa code is built around 5 .*strict=False", export_main,
-                      [str(tmp_path / "six"), "--format", "medusa", "--out", str(tmp_path / "x")])
+    assert_user_error(
+        capsys,
+        r"it has 6 heads; the official Medusa code is built around 5 .*strict=False",
+        export_main,
+        [str(tmp_path / "six"), "--format", "medusa", "--out", str(tmp_path / "x")],
+    )
     _medusa(target, target_dir, tmp_path / "three", lm_head="copy")
     export_main([str(tmp_path / "three"), "--format", "medusa", "--out", str(tmp_path / "y")])
     assert "warning: 3 Medusa heads: the official default tree (mc_sim_7b_63) is 4 deep" in capsys.readouterr().err
@@ -420,9 +449,11 @@ def test_sglang_eagle3_folder_has_what_llama_eagle3_reads(target, target_dir, tm
     # SGLang's hot tokens: d2t + arange (llama_eagle3.load_weights).
     d2t = load_file(str(tmp_path / "out" / "model.safetensors"))["d2t"]
     assert torch.equal(d2t + torch.arange(n), vocab)
-    assert (f"python -m sglang.launch_server --model-path {target_dir.resolve()} --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {tmp_path / 'out'} --speculative-num-steps 6 --speculative-eagle-topk 3 "
-            "--speculative-num-draft-tokens 12") in printed
+    assert (
+        f"python -m sglang.launch_server --model-path {target_dir.resolve()} --speculative-algorithm EAGLE3 "
+        f"--speculative-draft-model-path {tmp_path / 'out'} --speculative-num-steps 6 --speculative-eagle-topk 3 "
+        "--speculative-num-draft-tokens 12"
+    ) in printed
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"# EAGLE-3 head for {target_dir}" in card
     assert "- **Training data**: `sharegpt`, first 1500 conversations, up to 1024 tokens per conversation" in card
@@ -474,11 +505,30 @@ def test_vllm_medusa_layout(target, target_dir, tmp_path):
     assert vllm_medusa_format.VERSION == VLLM_MEDUSA_VERSION
     # MedusaConfig (vLLM 0.32.0): model_type medusa; Medusa(): blocks and one original lm_head.
     vocab = target.config.vocab_size
-    assert {k: config[k] for k in ("model_type", "architectures", "hidden_size", "vocab_size", "num_heads",
-                                   "num_hidden_layers", "truncated_vocab_size", "medusa_fc_bias", "original_lm_head")} == {
-        "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": 64, "vocab_size": vocab,
-        "num_heads": 3, "num_hidden_layers": 2, "truncated_vocab_size": vocab, "medusa_fc_bias": True,
-        "original_lm_head": True}
+    assert {
+        k: config[k]
+        for k in (
+            "model_type",
+            "architectures",
+            "hidden_size",
+            "vocab_size",
+            "num_heads",
+            "num_hidden_layers",
+            "truncated_vocab_size",
+            "medusa_fc_bias",
+            "original_lm_head",
+        )
+    } == {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": 64,
+        "vocab_size": vocab,
+        "num_heads": 3,
+        "num_hidden_layers": 2,
+        "truncated_vocab_size": vocab,
+        "medusa_fc_bias": True,
+        "original_lm_head": True,
+    }
     # MedusaConfig.from_pretrained renames every key holding "num" and "heads"/"layers": none but ours.
     assert [k for k in config if "num" in k] == ["num_heads", "num_hidden_layers"]
     tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -486,11 +536,14 @@ def test_vllm_medusa_layout(target, target_dir, tmp_path):
     assert set(tensors) == expected | {"lm_head.weight"}  # no token_map: vLLM 0.32 cannot load one
     assert torch.equal(tensors["lm_head.weight"], target.get_output_embeddings().weight)
     hidden = torch.randn(5, 64)
-    blocks = [[(tensors[f"blocks.{k}.layers.{j}.weight"], tensors[f"blocks.{k}.layers.{j}.bias"]) for j in range(2)]
-              for k in range(3)]
+    blocks = [
+        [(tensors[f"blocks.{k}.layers.{j}.weight"], tensors[f"blocks.{k}.layers.{j}.bias"]) for j in range(2)]
+        for k in range(3)
+    ]
     with torch.no_grad():
-        torch.testing.assert_close(_medusa_logits(blocks, [tensors["lm_head.weight"]] * 3, hidden),
-                                   heads.logits(hidden), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            _medusa_logits(blocks, [tensors["lm_head.weight"]] * 3, hidden), heads.logits(hidden), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_official_medusa_layout(target, target_dir, tmp_path):
@@ -501,13 +554,19 @@ def test_official_medusa_layout(target, target_dir, tmp_path):
     assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (3, 1)
     assert config["base_model_name_or_path"] == str(target_dir.resolve())
     tensors = torch.load(tmp_path / "out" / "medusa_lm_head.pt", weights_only=True)
-    assert set(tensors) == {f"{k}.0.linear.{p}" for k in range(3) for p in ("weight", "bias")} | {f"{k}.1.weight" for k in range(3)}
+    assert set(tensors) == {f"{k}.0.linear.{p}" for k in range(3) for p in ("weight", "bias")} | {
+        f"{k}.1.weight" for k in range(3)
+    }
     assert tensors["0.1.weight"].shape == (target.config.vocab_size, 64)
     hidden = torch.randn(4, 64)
     with torch.no_grad():
         blocks = [[(tensors[f"{k}.0.linear.weight"], tensors[f"{k}.0.linear.bias"])] for k in range(3)]
-        torch.testing.assert_close(_medusa_logits(blocks, [tensors[f"{k}.1.weight"] for k in range(3)], hidden),
-                                   heads.logits(hidden), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            _medusa_logits(blocks, [tensors[f"{k}.1.weight"] for k in range(3)], hidden),
+            heads.logits(hidden),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def test_hf_export_is_the_draft_lm_with_its_tokenizer_and_card(target, target_dir, tmp_path):
@@ -526,7 +585,10 @@ def test_hf_export_is_the_draft_lm_with_its_tokenizer_and_card(target, target_di
     # A draft LM saved without its tokenizer gets the target's.
     save_draft_lm(draft, tmp_path / "bare", None, target_record(target, str(target_dir)))
     export_checkpoint(tmp_path / "bare", "hf", tmp_path / "bare-out")
-    assert load_tokenizer(str(tmp_path / "bare-out"))("hello there")["input_ids"] == load_tokenizer(str(target_dir))("hello there")["input_ids"]
+    assert (
+        load_tokenizer(str(tmp_path / "bare-out"))("hello there")["input_ids"]
+        == load_tokenizer(str(target_dir))("hello there")["input_ids"]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,9 +607,10 @@ def test_exported_folders_give_the_original_acceptance_table(tmp_path, capsys):
     prompts = [("a", "Count from one to twenty."), ("b", "Write a haiku about the sea.")]
     repeated = set()
     for _, text in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-        repeated |= set(target.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist())
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        repeated |= set(target.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist())
     vocab = torch.tensor(sorted(set(_draft_vocab(target, 2000).tolist()) | repeated))
     _eagle3(target, target_dir, tmp_path / "e3", aux=(0, 1), draft_vocab=vocab, noise=0.01)
     _eagle3(target, target_dir, tmp_path / "e3s", aux=(0, 1), draft_vocab=vocab, noise=0.01)
@@ -555,13 +618,22 @@ def test_exported_folders_give_the_original_acceptance_table(tmp_path, capsys):
     _medusa(target, target_dir, tmp_path / "m", num_layers=2, noise=0.01)
     _medusa(target, target_dir, tmp_path / "mc", lm_head="copy", noise=0.01)
     _medusa(target, target_dir, tmp_path / "mcv", lm_head="copy", noise=0.02)
-    pairs = {"e3": ("eagle3", "speculators"), "e3s": ("eagle3", "sglang"), "e1": ("eagle", "sglang"),
-             "m": ("medusa", "vllm-medusa"), "mc": ("medusa", "medusa"), "mcv": ("medusa", "vllm-medusa")}
+    pairs = {
+        "e3": ("eagle3", "speculators"),
+        "e3s": ("eagle3", "sglang"),
+        "e1": ("eagle", "sglang"),
+        "m": ("medusa", "vllm-medusa"),
+        "mc": ("medusa", "medusa"),
+        "mcv": ("medusa", "vllm-medusa"),
+    }
     specs = []
     for name, (kind, fmt) in pairs.items():
         export_checkpoint(tmp_path / name, fmt, tmp_path / f"{name}-{fmt}")
         option = "?budget=6" if kind == "medusa" else "?depth=3&top_k=2&budget=5"
-        specs += [f"{kind}:{tmp_path / name}{option}&name={name}", f"{kind}:{tmp_path / f'{name}-{fmt}'}{option}&name={name}-x"]
+        specs += [
+            f"{kind}:{tmp_path / name}{option}&name={name}",
+            f"{kind}:{tmp_path / f'{name}-{fmt}'}{option}&name={name}-x",
+        ]
     # Negative control: the speculators export with a vocabulary map off by one must not pass.
     shutil.copytree(tmp_path / "e3-speculators", tmp_path / "broken")
     tensors = load_file(str(tmp_path / "broken" / "model.safetensors"))
@@ -569,9 +641,21 @@ def test_exported_folders_give_the_original_acceptance_table(tmp_path, capsys):
     save_file(tensors, str(tmp_path / "broken" / "model.safetensors"))
     specs.append(f"eagle3:{tmp_path / 'broken'}?depth=3&top_k=2&budget=5&name=broken")
     prompt_file = tmp_path / "prompts.jsonl"
-    prompt_file.write_text("\n".join(json.dumps({"id": str(i), "category": c, "prompt": p}) for i, (c, p) in enumerate(prompts)) + "\n")
-    argv = ["--target", str(target_dir), "--dtype", "float32", "--prompts", str(prompt_file), "--max-new-tokens", "24",
-            "--out", str(tmp_path / "results")]
+    prompt_file.write_text(
+        "\n".join(json.dumps({"id": str(i), "category": c, "prompt": p}) for i, (c, p) in enumerate(prompts)) + "\n"
+    )
+    argv = [
+        "--target",
+        str(target_dir),
+        "--dtype",
+        "float32",
+        "--prompts",
+        str(prompt_file),
+        "--max-new-tokens",
+        "24",
+        "--out",
+        str(tmp_path / "results"),
+    ]
     for spec in specs:
         argv += ["--drafter", spec]
     summary = run_main(argv)
@@ -583,11 +667,18 @@ def test_exported_folders_give_the_original_acceptance_table(tmp_path, capsys):
         accepted.setdefault(r["method"], []).append(r["accepted"])
     for name in pairs:
         original, exported = methods[name], methods[f"{name}-x"]
-        for key in ("acceptance_length", "new_tokens", "target_passes", "same_output", "per_position_acceptance",
-                    "accepted_per_step_histogram"):
+        for key in (
+            "acceptance_length",
+            "new_tokens",
+            "target_passes",
+            "same_output",
+            "per_position_acceptance",
+            "accepted_per_step_histogram",
+        ):
             assert exported[key] == original[key], (name, key)
-        assert ({c: e["acceptance_length"] for c, e in exported["per_category"].items()}
-                == {c: e["acceptance_length"] for c, e in original["per_category"].items()}), name
+        assert {c: e["acceptance_length"] for c, e in exported["per_category"].items()} == {
+            c: e["acceptance_length"] for c, e in original["per_category"].items()
+        }, name
         assert accepted[f"{name}-x"] == accepted[name], name
     assert all(methods[name]["acceptance_length"] > 2.0 for name in pairs), methods
     assert methods["broken"]["acceptance_length"] < methods["e3"]["acceptance_length"] - 0.5
@@ -615,11 +706,20 @@ def test_heads_a_format_cannot_hold_are_one_line_errors(target, target_dir, tmp_
         ("e3", "sglang", r"last layer output \(aux layer 3\).*--format speculators"),
         ("e3", "speculators", r"reads aux layer 3, the target's last layer output after its final norm.*below 3"),
         ("mc", "vllm-medusa", r"per-head LM heads cover a reduced draft vocabulary"),
-        ("ms", "vllm-medusa", r"reduced vocabulary, which vLLM 0\.32\.0 cannot load .*token_map.*draft_vocab_size: null"),
+        (
+            "ms",
+            "vllm-medusa",
+            r"reduced vocabulary, which vLLM 0\.32\.0 cannot load .*token_map.*draft_vocab_size: null",
+        ),
         ("mc", "medusa", r"reduced vocabulary and the official layout has none"),
     ]
     for ckpt, fmt, pattern in cases:
-        assert_user_error(capsys, pattern, export_main, [str(tmp_path / ckpt), "--format", fmt, "--out", str(tmp_path / f"x-{ckpt}-{fmt}")])
+        assert_user_error(
+            capsys,
+            pattern,
+            export_main,
+            [str(tmp_path / ckpt), "--format", fmt, "--out", str(tmp_path / f"x-{ckpt}-{fmt}")],
+        )
         assert not (tmp_path / f"x-{ckpt}-{fmt}").exists()  # nothing half-written
 
 
@@ -629,19 +729,37 @@ def test_checkpoint_without_target_name_and_other_bad_input(target, target_dir, 
     del config["target"]["name"]
     (tmp_path / "e3" / "config.json").write_text(json.dumps(config))
     out = str(tmp_path / "out")
-    assert_user_error(capsys, r"does not record its target's name.*--target DIR", export_main,
-                      [str(tmp_path / "e3"), "--format", "speculators", "--out", out])
-    assert_user_error(capsys, r"--format: invalid choice", export_main, [str(tmp_path / "e3"), "--format", "onnx", "--out", out])
-    assert_user_error(capsys, r"no config\.json", export_main, [str(tmp_path / "nothing"), "--format", "speculators", "--out", out])
+    assert_user_error(
+        capsys,
+        r"does not record its target's name.*--target DIR",
+        export_main,
+        [str(tmp_path / "e3"), "--format", "speculators", "--out", out],
+    )
+    assert_user_error(
+        capsys, r"--format: invalid choice", export_main, [str(tmp_path / "e3"), "--format", "onnx", "--out", out]
+    )
+    assert_user_error(
+        capsys, r"no config\.json", export_main, [str(tmp_path / "nothing"), "--format", "speculators", "--out", out]
+    )
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    assert_user_error(capsys, r"--out .*full: exists and is not an empty folder", export_main,
-                      [str(tmp_path / "e3"), "--format", "speculators", "--out", str(tmp_path / "full"), "--target", str(target_dir)])
+    assert_user_error(
+        capsys,
+        r"--out .*full: exists and is not an empty folder",
+        export_main,
+        [str(tmp_path / "e3"), "--format", "speculators", "--out", str(tmp_path / "full"), "--target", str(target_dir)],
+    )
     # With --target the export names that folder; exporting an export is refused.
     export_main([str(tmp_path / "e3"), "--format", "speculators", "--out", out, "--target", str(target_dir)])
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == str(target_dir.resolve())
-    assert_user_error(capsys, r"already an export \(speculators\)", export_main,
-                      [out, "--format", "sglang", "--out", str(tmp_path / "again")])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"]["verifier"][
+        "name_or_path"
+    ] == str(target_dir.resolve())
+    assert_user_error(
+        capsys,
+        r"already an export \(speculators\)",
+        export_main,
+        [out, "--format", "sglang", "--out", str(tmp_path / "again")],
+    )
 
 
 def test_console_script_exits_0_on_success_and_2_on_bad_input(target, target_dir, tmp_path):
@@ -650,12 +768,20 @@ def test_console_script_exits_0_on_success_and_2_on_bad_input(target, target_dir
 
     script = Path(sys.executable).with_name("draftsmith-export")  # installed by pyproject's [project.scripts]
     _eagle(target, target_dir, tmp_path / "e1")
-    ok = subprocess.run([script, tmp_path / "e1", "--format", "sglang", "--out", tmp_path / "out"],
-                        capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(
+        [script, tmp_path / "e1", "--format", "sglang", "--out", tmp_path / "out"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr
     assert f"--speculative-draft-model-path {tmp_path / 'out'}" in ok.stdout
-    bad = subprocess.run([script, tmp_path / "e1", "--format", "speculators", "--out", tmp_path / "bad"],
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [script, tmp_path / "e1", "--format", "speculators", "--out", tmp_path / "bad"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     errors = [line for line in bad.stderr.splitlines() if "error" in line]
     assert bad.returncode == 2 and len(errors) == 1 and "Traceback" not in bad.stderr, bad.stderr
     assert errors[0].startswith("draftsmith-export: error: --format speculators cannot hold eagle drafters")

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from tree_drafters import GreedyPrefixDrafter, RandomTreeDrafter
 
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.eval.decode import SpeculativeDecoder, autoregressive_greedy
@@ -22,7 +23,6 @@ from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.eval.tree import optimal_choices
 from draftsmith.heads.medusa import MedusaHeads, rank_accuracy
-from tree_drafters import GreedyPrefixDrafter, RandomTreeDrafter
 
 NEW_TOKENS = 64
 
@@ -107,12 +107,13 @@ def test_plain_decoder_matches_hf_generate(target, prompts, plain):
     for i in (0, 2):  # one that stops at EOS, one that runs the full length
         ids = torch.tensor([prompts[i]])
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, pad_token_id=2)
-        assert out[0, ids.shape[1]:].tolist() == plain[i]
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=2
+            )
+        assert out[0, ids.shape[1] :].tolist() == plain[i]
     # ... and the oracle's reference decode (no EOS handling) continues past the EOS.
     continued = autoregressive_greedy(CausalLMRunner(model), prompts[0], len(plain[0]) + 3)
-    assert continued[:len(plain[0])] == plain[0] and len(continued) == len(plain[0]) + 3
+    assert continued[: len(plain[0])] == plain[0] and len(continued) == len(plain[0]) + 3
 
 
 @pytest.mark.slow

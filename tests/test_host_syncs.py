@@ -13,13 +13,13 @@ import random
 
 import pytest
 import torch
+from tree_drafters import RandomTreeDrafter
 
 from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.host_syncs import count_host_syncs
 from draftsmith.eval.kv_cache import SlotCache
 from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
-from tree_drafters import RandomTreeDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -24,11 +24,10 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
-
 from prepare_stages import main as prepare
 from training_helpers import REPO, save_tiny_target, write_recipe
 
@@ -69,12 +68,14 @@ def _content(path: Path):
     if path.suffix != ".safetensors":
         return raw
     size = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8:8 + size]), raw[8 + size:]
+    return json.loads(raw[8 : 8 + size]), raw[8 + size :]
 
 
 def files(roots: list[Path]) -> dict[str, object]:
     """Every file under ``roots``, hidden ones included (a leftover temporary file is a difference)."""
-    return {str(p.relative_to(root.parent)): _content(p) for root in roots for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root.parent)): _content(p) for root in roots for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def count_files(root: Path) -> int:
@@ -87,7 +88,9 @@ def _kill_at(command: list[str], progress: Callable[[], int], point: int, delay:
     its children). True if it was killed, False if it finished first."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # the numerics of this process's one thread
     with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.monotonic() + 120
     try:
         while proc.poll() is None and time.monotonic() < deadline:
@@ -107,9 +110,16 @@ def _kill_at(command: list[str], progress: Callable[[], int], point: int, delay:
     return proc.returncode == -signal.SIGKILL
 
 
-def interrupted_run_equals_uninterrupted(request, rng: random.Random, command: list[str], run: Callable[[], object],
-                                         outputs: list[Path], progress: Callable[[], int], max_delay: float,
-                                         snapshot: Callable[[list[Path]], dict] = files) -> str:
+def interrupted_run_equals_uninterrupted(
+    request,
+    rng: random.Random,
+    command: list[str],
+    run: Callable[[], object],
+    outputs: list[Path],
+    progress: Callable[[], int],
+    max_delay: float,
+    snapshot: Callable[[list[Path]], dict] = files,
+) -> str:
     """Run ``run`` (``command`` in this process) uninterrupted and snapshot ``outputs``; clear them;
     start ``command`` and SIGKILL it at a random ``progress()`` short of the uninterrupted run's
     final value, plus a random delay of up to ``max_delay`` s; run ``run`` again and assert the
@@ -152,8 +162,9 @@ def test_a_killed_writers_stage_is_removed_and_a_live_ones_kept(tmp_path):
     """Two writers stage the same file; one is killed mid-write: the next writer removes its
     stage (SIGKILL ran no clean-up), leaves the live one's alone, and its own rename wins."""
     path = tmp_path / "shard.safetensors"
-    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
-               for _ in range(2)]
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     try:
         killed, live = (Path(w.stdout.readline().strip()) for w in writers)
         writers[0].kill()
@@ -172,8 +183,15 @@ def test_a_killed_writers_stage_is_removed_and_a_live_ones_kept(tmp_path):
 def test_tokenising(request, rng, target, tmp_path):
     cache = tmp_path / "data"
     argv = [str(target), str(cache), "48"]
-    interrupted_run_equals_uninterrupted(request, rng, [sys.executable, "tests/prepare_stages.py", *argv],
-                                         lambda: prepare(argv), [cache], lambda: count_files(cache), max_delay=0.005)
+    interrupted_run_equals_uninterrupted(
+        request,
+        rng,
+        [sys.executable, "tests/prepare_stages.py", *argv],
+        lambda: prepare(argv),
+        [cache],
+        lambda: count_files(cache),
+        max_delay=0.005,
+    )
 
 
 def test_feature_extraction(request, rng, target, tmp_path):
@@ -181,8 +199,14 @@ def test_feature_extraction(request, rng, target, tmp_path):
     prepare([str(target), str(cache), "24"])  # tokenised once: the kill lands in the extraction
     argv = [str(target), str(cache), "24", str(features)]
     where = interrupted_run_equals_uninterrupted(
-        request, rng, [sys.executable, "tests/prepare_stages.py", *argv], lambda: prepare(argv), [features],
-        lambda: count_files(features), max_delay=0.005)
+        request,
+        rng,
+        [sys.executable, "tests/prepare_stages.py", *argv],
+        lambda: prepare(argv),
+        [features],
+        lambda: count_files(features),
+        max_delay=0.005,
+    )
     manifest = json.loads((features / "manifest.json").read_text())
     assert manifest["splits"]["train"]["shards"] >= 5, (manifest, where)
 
@@ -194,8 +218,9 @@ def vllm_target(tmp_path_factory) -> Path:
 
     if why_unavailable():
         pytest.skip(why_unavailable())
-    return save_tiny_target(tmp_path_factory.mktemp("target") / "tiny128", load_tokenizer("default"), hidden_size=128,
-                            scale=8.0)
+    return save_tiny_target(
+        tmp_path_factory.mktemp("target") / "tiny128", load_tokenizer("default"), hidden_size=128, scale=8.0
+    )
 
 
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
@@ -204,14 +229,37 @@ def test_regeneration(request, rng, engine, tmp_path):
     did. vLLM runs in a child process of the killed one: the whole process group is killed."""
     target = request.getfixturevalue("target" if engine == "hf" else "vllm_target")
     out = tmp_path / "regen" / "regen.jsonl"
-    argv = ["--target", str(target), "--dtype", "float32", "--limit", "12", "--max-new-tokens", "8",
-            "--batch-size", "2", "--temperature", "1", "--engine", engine, "--out", str(out)]
+    argv = [
+        "--target",
+        str(target),
+        "--dtype",
+        "float32",
+        "--limit",
+        "12",
+        "--max-new-tokens",
+        "8",
+        "--batch-size",
+        "2",
+        "--temperature",
+        "1",
+        "--engine",
+        engine,
+        "--out",
+        str(out),
+    ]
 
     def lines() -> int:
         return out.read_bytes().count(b"\n") if out.exists() else 0
 
-    interrupted_run_equals_uninterrupted(request, rng, [sys.executable, "data_prep/regenerate.py", *argv],
-                                         lambda: regenerate_main(argv), [out.parent], lines, max_delay=0.05)
+    interrupted_run_equals_uninterrupted(
+        request,
+        rng,
+        [sys.executable, "data_prep/regenerate.py", *argv],
+        lambda: regenerate_main(argv),
+        [out.parent],
+        lines,
+        max_delay=0.05,
+    )
 
 
 def _checkpoint_started(out: Path) -> int:
@@ -236,8 +284,9 @@ def _training_outputs(roots: list[Path]) -> dict:
 
 def test_training(request, rng, target, tmp_path):
     out = tmp_path / "run"
-    recipe = write_recipe(tmp_path, target, {"num_layers": 1}, learning_rate=1e-3, max_steps=STEPS,
-                          save_every=1, log_every=1)
+    recipe = write_recipe(
+        tmp_path, target, {"num_layers": 1}, learning_rate=1e-3, max_steps=STEPS, save_every=1, log_every=1
+    )
     argv = [str(recipe), "--output_dir", str(out), "--resume"]
     runs = []  # (the newest complete checkpoint's step before the run, the finished trainer)
 
@@ -245,9 +294,16 @@ def test_training(request, rng, target, tmp_path):
         found = checkpoints(out)
         runs.append((int(found[-1].name.removeprefix("checkpoint-")) if found else 0, train_main(argv)))
 
-    where = interrupted_run_equals_uninterrupted(request, rng, [sys.executable, "train/eagle.py", *argv], run, [out],
-                                                 lambda: _checkpoint_started(out), max_delay=0.2,
-                                                 snapshot=_training_outputs)
+    where = interrupted_run_equals_uninterrupted(
+        request,
+        rng,
+        [sys.executable, "train/eagle.py", *argv],
+        run,
+        [out],
+        lambda: _checkpoint_started(out),
+        max_delay=0.2,
+        snapshot=_training_outputs,
+    )
     # No step trained twice or skipped: the rerun trained exactly the steps after the checkpoint it found.
     resumed, trainer = runs[1]
     assert [h["step"] for h in trainer.history if "train/loss" in h] == list(range(resumed + 1, STEPS + 1)), where
@@ -257,8 +313,9 @@ def test_training(request, rng, target, tmp_path):
 def test_export(request, rng, target, tmp_path):
     # No held-out split: a head without recorded accuracy exports the fixed tree, where a planned one
     # would differ between the two runs compared here by its measured timings.
-    recipe = write_recipe(tmp_path, target, {"num_layers": 1}, data={"held_out_fraction": 0.0}, max_steps=1,
-                          save_every=0)
+    recipe = write_recipe(
+        tmp_path, target, {"num_layers": 1}, data={"held_out_fraction": 0.0}, max_steps=1, save_every=0
+    )
     checkpoint = train_main([str(recipe), "--output_dir", str(tmp_path / "run")]).last_checkpoint
     out = tmp_path / "exports" / "sglang"
     argv = [str(checkpoint), "--format", "sglang", "--out", str(out)]
@@ -270,5 +327,12 @@ def test_export(request, rng, target, tmp_path):
         except SystemExit as refused:
             assert complete and refused.code == 2
 
-    interrupted_run_equals_uninterrupted(request, rng, [sys.executable, "-m", "draftsmith.export.cli", *argv], run,
-                                         [out.parent], lambda: count_files(out.parent), max_delay=0.005)
+    interrupted_run_equals_uninterrupted(
+        request,
+        rng,
+        [sys.executable, "-m", "draftsmith.export.cli", *argv],
+        run,
+        [out.parent],
+        lambda: count_files(out.parent),
+        max_delay=0.005,
+    )

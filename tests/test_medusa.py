@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaForCausalLM
-
 from stats_helpers import chi_square, exact_joint
 from training_helpers import VOCAB, launch, save_tiny_target, write_recipe
+from transformers import LlamaForCausalLM
 
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.eval.decode import SpeculativeDecoder
@@ -63,8 +62,10 @@ def test_fresh_heads_equal_the_target_lm_head(make_tiny_llama, lm_head, reduced)
 
 
 def test_head_positions_shift_by_k_plus_two():
-    batch = {"input_ids": torch.tensor([[10, 11, 12, 13, 14, 15]]),
-             "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 0]], dtype=torch.bool)}
+    batch = {
+        "input_ids": torch.tensor([[10, 11, 12, 13, 14, 15]]),
+        "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 0]], dtype=torch.bool),
+    }
     positions, labels = head_positions(batch, 3)
     # head 0 at position i predicts token i+2: positions 0..2 carry assistant labels 12, 13, 14.
     assert positions[0].tolist() == [0, 1, 2] and labels[0].tolist() == [12, 13, 14]
@@ -122,13 +123,23 @@ def test_static_tree_shares_each_heads_ranked_guesses():
 def targets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("targets")
     tokenizer = load_tokenizer("default")
-    return {"main": save_tiny_target(root / "main", tokenizer), "other": save_tiny_target(root / "other", tokenizer, seed=1)}
+    return {
+        "main": save_tiny_target(root / "main", tokenizer),
+        "other": save_tiny_target(root / "other", tokenizer, seed=1),
+    }
 
 
 @pytest.fixture(scope="module")
 def recipe(targets, tmp_path_factory) -> Path:
-    return write_recipe(tmp_path_factory.mktemp("recipe"), targets["main"], {"num_heads": 3, "num_layers": 1},
-                        learning_rate=1e-2, max_steps=6, log_every=1, save_every=3)
+    return write_recipe(
+        tmp_path_factory.mktemp("recipe"),
+        targets["main"],
+        {"num_heads": 3, "num_layers": 1},
+        learning_rate=1e-2,
+        max_steps=6,
+        log_every=1,
+        save_every=3,
+    )
 
 
 def train(recipe: Path, out: Path, *overrides: str):
@@ -141,8 +152,20 @@ def six_steps(recipe, tmp_path_factory):
 
 
 def test_medusa1_loss_decreases_and_logs_per_head_accuracy(recipe, tmp_path):
-    trainer = train(recipe, tmp_path / "run", "--training.max_steps", "16", "--training.lr_schedule", "constant",
-                    "--training.log_every", "4", "--training.save_every", "0", "--drafter.lm_head", "copy")
+    trainer = train(
+        recipe,
+        tmp_path / "run",
+        "--training.max_steps",
+        "16",
+        "--training.lr_schedule",
+        "constant",
+        "--training.log_every",
+        "4",
+        "--training.save_every",
+        "0",
+        "--drafter.lm_head",
+        "copy",
+    )
     logs = [h for h in trainer.history if "train/loss" in h]
     losses = [h["train/loss"] for h in logs]
     assert losses[-1] < 0.8 * losses[0], losses
@@ -201,9 +224,24 @@ def test_trained_heads_draft_losslessly(six_steps):
 
 
 def test_medusa2_trains_lora_after_the_heads_warm_up(recipe, tmp_path):
-    trainer = train(recipe, tmp_path / "run", "--drafter.lora.enabled", "true", "--drafter.lora.start_step", "3",
-                    "--drafter.lora.r", "4", "--drafter.lora.learning_rate", "1e-2", "--training.warmup_steps", "0",
-                    "--training.lr_schedule", "constant", "--drafter.lora.dropout", "0")
+    trainer = train(
+        recipe,
+        tmp_path / "run",
+        "--drafter.lora.enabled",
+        "true",
+        "--drafter.lora.start_step",
+        "3",
+        "--drafter.lora.r",
+        "4",
+        "--drafter.lora.learning_rate",
+        "1e-2",
+        "--training.warmup_steps",
+        "0",
+        "--training.lr_schedule",
+        "constant",
+        "--drafter.lora.dropout",
+        "0",
+    )
     logs = [h for h in trainer.history if "train/loss" in h]
     # The logged rate is the next step's: steps 1-3 ran at 0, later ones at the LoRA rate.
     assert [h["train/lr_lora"] for h in logs[:2]] == [0.0, 0.0]
@@ -237,11 +275,15 @@ def test_medusa2_trains_lora_after_the_heads_warm_up(recipe, tmp_path):
         assert not torch.allclose(tuned, original, atol=1e-4)
         assert torch.equal(base(input_ids=ids).logits, original)
         # Decoding with the drafter verifies with the tuned target: its greedy output is the tuned one's.
-        plain_tuned = trainer.task.target.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 4:].tolist()
+        plain_tuned = trainer.task.target.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[
+            0, 4:
+        ].tolist()
         spec = SpeculativeDecoder(verifier, drafter, eos_ids=set()).generate(ids[0].tolist(), 12)
         assert spec.tokens == plain_tuned
-        assert SpeculativeDecoder(base, None, eos_ids=set()).generate(ids[0].tolist(), 12).tokens == \
-            base.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 4:].tolist()
+        assert (
+            SpeculativeDecoder(base, None, eos_ids=set()).generate(ids[0].tolist(), 12).tokens
+            == base.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 4:].tolist()
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,8 +321,9 @@ def test_calibration_writes_the_best_tree_for_the_measured_curve(six_steps, tmp_
     from draftsmith.eval.calibrate_tree import main as calibrate_main
 
     checkpoint = six_steps.last_checkpoint
-    result = calibrate_main([str(checkpoint), "--dtype", "float32", "--device", "cpu", "--max-budget", "6",
-                             "--sizes", "1,2,4,8"])
+    result = calibrate_main(
+        [str(checkpoint), "--dtype", "float32", "--device", "cpu", "--max-budget", "6", "--sizes", "1,2,4,8"]
+    )
     curve = result["curve"]
     assert [row["budget"] for row in curve] == [1, 2, 3, 4, 5, 6]
     assert result["budget"] == max(curve, key=lambda r: r["estimated_speedup"])["budget"]
@@ -303,8 +346,8 @@ def test_calibration_writes_the_best_tree_for_the_measured_curve(six_steps, tmp_
 
 def test_regeneration_is_batched_and_resumes_to_the_same_file(targets, tmp_path):
     from draftsmith.data_prep.regenerate import hf_generator, regenerate
-    from draftsmith.recipe import RegenerateConfig
     from draftsmith.data_prep.sharegpt import load_conversations
+    from draftsmith.recipe import RegenerateConfig
 
     target = LlamaForCausalLM.from_pretrained(targets["main"]).eval()
     with torch.no_grad():  # at its init scale the tiny target only says newlines: make it talk
@@ -328,7 +371,7 @@ def test_regeneration_is_batched_and_resumes_to_the_same_file(targets, tmp_path)
     for row in complete:
         original = by_id[row["id"]]["messages"]
         users = [m for m in row["messages"] if m["role"] == "user"]
-        assert users == [m for m in original if m["role"] == "user"][:len(users)] and 1 <= len(users) <= 2
+        assert users == [m for m in original if m["role"] == "user"][: len(users)] and 1 <= len(users) <= 2
         replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
         assert replies and not set(replies) & {m["content"] for m in original if m["role"] == "assistant"}
     assert stats["turns"] == sum(len([m for m in r["messages"] if m["role"] == "assistant"]) for r in rows)
@@ -345,8 +388,18 @@ def test_regeneration_is_batched_and_resumes_to_the_same_file(targets, tmp_path)
 @pytest.mark.slow
 def test_medusa2_ddp_two_processes_agree(recipe, tmp_path):
     out = tmp_path / "ddp"
-    proc = launch("train/medusa.py", recipe, out, "--training.max_steps", "2", "--drafter.lora.enabled", "true",
-                  "--drafter.lora.r", "4", cpu=True)
+    proc = launch(
+        "train/medusa.py",
+        recipe,
+        out,
+        "--training.max_steps",
+        "2",
+        "--drafter.lora.enabled",
+        "true",
+        "--drafter.lora.r",
+        "4",
+        cpu=True,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     final = out / "checkpoint-final"
     checksums = json.loads((final / "state" / "trainer_state.json").read_text())["replica_checksums"]

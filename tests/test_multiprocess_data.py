@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaForCausalLM
-
 from training_helpers import launch, save_tiny_target, write_recipe
+from transformers import LlamaForCausalLM
 
 from draftsmith.target import load_tokenizer
 from draftsmith.train.eagle import main
@@ -34,9 +33,14 @@ def recipe(tmp_path_factory) -> Path:
             if "norm" not in name:
                 param.mul_(8)
     target.save_pretrained(folder)
-    return write_recipe(root, folder, {"num_layers": 1, "features": "offline", "draft_vocab_size": 64},
-                        data={"limit": 10, "regenerate": {"enabled": True, "max_new_tokens": 6, "batch_size": 4}},
-                        max_steps=1, learning_rate=1e-3)
+    return write_recipe(
+        root,
+        folder,
+        {"num_layers": 1, "features": "offline", "draft_vocab_size": 64},
+        data={"limit": 10, "regenerate": {"enabled": True, "max_new_tokens": 6, "batch_size": 4}},
+        max_steps=1,
+        learning_rate=1e-3,
+    )
 
 
 def _outputs(cache: Path, out: Path) -> dict:
@@ -45,10 +49,13 @@ def _outputs(cache: Path, out: Path) -> dict:
     assert len(regenerated) == len(features) == 1, (regenerated, features)
     regenerated, features = regenerated[0], features[0]
     shards = {str(p.relative_to(features)): load_file(str(p)) for p in sorted(features.rglob("shard-*.safetensors"))}
-    return {"regenerated": regenerated.read_text(), "shards": shards,
-            "manifest": json.loads((features / "manifest.json").read_text()),
-            "leftovers": sorted(str(p) for p in cache.rglob("*.tmp")),
-            "draft_vocab": load_file(str(out / "checkpoint-final" / "model.safetensors"))["draft_vocab"]}
+    return {
+        "regenerated": regenerated.read_text(),
+        "shards": shards,
+        "manifest": json.loads((features / "manifest.json").read_text()),
+        "leftovers": sorted(str(p) for p in cache.rglob("*.tmp")),
+        "draft_vocab": load_file(str(out / "checkpoint-final" / "model.safetensors"))["draft_vocab"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +69,24 @@ def one_process(recipe, tmp_path_factory) -> dict:
 
 # ZeRO-3 also partitions models loaded while an Accelerator exists: data preparation must not
 # run under one, or the waiting processes deadlock the main one's from_pretrained.
-@pytest.mark.parametrize("backend", [[], ["--distributed.backend", "deepspeed", "--distributed.zero_stage", "3"]],
-                         ids=["ddp", "zero3"])
-def test_two_processes_from_a_cold_cache_prepare_what_one_process_does(recipe, one_process, backend, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "backend", [[], ["--distributed.backend", "deepspeed", "--distributed.zero_stage", "3"]], ids=["ddp", "zero3"]
+)
+def test_two_processes_from_a_cold_cache_prepare_what_one_process_does(
+    recipe, one_process, backend, tmp_path, monkeypatch
+):
     one = one_process
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache2"))
-    proc = launch("train/eagle.py", recipe, tmp_path / "out2", "--data.cache_dir", str(tmp_path / "data2"), *backend,
-                  cpu=not backend, timeout=240)
+    proc = launch(
+        "train/eagle.py",
+        recipe,
+        tmp_path / "out2",
+        "--data.cache_dir",
+        str(tmp_path / "data2"),
+        *backend,
+        cpu=not backend,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = _outputs(tmp_path / "cache2", tmp_path / "out2")
 
@@ -91,5 +109,7 @@ def test_the_other_processes_outwait_the_default_group_timeout(tmp_path):
     (NCCL) or 30 minutes; scaled down: an 8 s preparation against a 3 s default timeout."""
     proc = launch("tests/long_preparation.py", tmp_path / "marker", tmp_path / "unused", cpu=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT ")) == \
-        ["RESULT 0 prepared", "RESULT 1 prepared"]
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT ")) == [
+        "RESULT 0 prepared",
+        "RESULT 1 prepared",
+    ]

@@ -7,10 +7,8 @@ against the engine's one-pass drafting position by position, as EAGLE-3's unroll
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from stats_helpers import assert_distributed_as_target
 from training_helpers import save_tiny_target, write_recipe
 
@@ -18,8 +16,8 @@ from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters import build_drafter
 from draftsmith.eval.drafters.base import DraftContext
 from draftsmith.eval.drafters.peagle import PEagleDrafter
-from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.heads.vocab import unused_token_id
 from draftsmith.target import load_tokenizer
@@ -62,19 +60,31 @@ def test_parallel_unroll_equals_one_drafting_pass(make_tiny_llama, draft_vocab):
     steps = 4
     with torch.no_grad():
         features = _features(target, ids)
-        outputs = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long),
-                         steps, head.feedback_input, parallel=True)
+        outputs = unroll(
+            head,
+            torch.tensor([ids]),
+            features[:, :-1],
+            torch.ones(1, len(ids), dtype=torch.long),
+            steps,
+            head.feedback_input,
+            parallel=True,
+        )
         assert (outputs[2] - outputs[1]).abs().max() > 1e-3  # later passes are not the same pass again
         for t in (2, 5, 7):
             runner = CausalLMRunner(decoder=head, lm_head=head.logits, config=head.config)
             runner.reset()
-            runner.forward(ids[1:t + 1], features=features[:, :t])  # the context before token t + 1
+            runner.forward(ids[1 : t + 1], features=features[:, :t])  # the context before token t + 1
             masks = head.mask_hidden[0].expand(steps - 1, -1)
-            rows = runner.forward([ids[t + 1]] + [head.mask_token_id] * (steps - 1), list(range(-1, steps - 1)),
-                                  list(range(steps)), features=torch.cat([features[0, t:t + 1], masks])[None])
+            rows = runner.forward(
+                [ids[t + 1]] + [head.mask_token_id] * (steps - 1),
+                list(range(-1, steps - 1)),
+                list(range(steps)),
+                features=torch.cat([features[0, t : t + 1], masks])[None],
+            )
             for j in range(steps):
-                torch.testing.assert_close(head.draft_logits(rows[j]), head.draft_logits(outputs[j][0, t]),
-                                           atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(
+                    head.draft_logits(rows[j]), head.draft_logits(outputs[j][0, t]), atol=1e-5, rtol=1e-4
+                )
 
 
 def test_chain_sampling_keeps_a_decaying_share_of_nested_supervised_chains():
@@ -92,7 +102,7 @@ def test_chain_sampling_keeps_a_decaying_share_of_nested_supervised_chains():
         rows = chain.rows(supervised.shape[1])
         need = torch.cat([supervised[:, j:], supervised.new_zeros(3, j)], dim=1)
         assert not (rows & ~need).any() and not (rows & ~kept).any(), j
-        want = (need.sum(-1) * max(0.7 ** j, 0.2)).floor()
+        want = (need.sum(-1) * max(0.7**j, 0.2)).floor()
         assert (rows.sum(-1) <= want).all() and (rows.sum(-1) >= want - j).all(), (j, rows.sum(-1), want)
         assert torch.equal(chain.valid.sum(-1), rows.sum(-1))  # distinct positions
         kept = rows
@@ -116,8 +126,7 @@ def test_a_sampled_pass_computes_what_the_full_unroll_does_at_its_chains(make_ti
         features = torch.cat([_features(target, row.tolist()) for row in ids])
         full = unroll(head, ids, features[:, :-1], padding, steps, head.feedback_input, parallel=True)
         chains = chain_sample(supervised_next(loss_mask, padding), steps, 0.5, 0.25)
-        sampled = unroll(head, ids, features[:, :-1], padding, steps, head.feedback_input, parallel=True,
-                         chains=chains)
+        sampled = unroll(head, ids, features[:, :-1], padding, steps, head.feedback_input, parallel=True, chains=chains)
     torch.testing.assert_close(sampled[0], full[0], atol=1e-5, rtol=1e-4)
     for j, chain in enumerate(chains, start=1):
         rows = chain.rows(ids.shape[1] - 1)
@@ -135,12 +144,19 @@ def test_the_drafter_proposes_what_the_parallel_unroll_scores(make_tiny_llama):
     t = 5
     with torch.no_grad():
         features = _features(target, ids)
-        outputs = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long),
-                         4, head.feedback_input, parallel=True)
+        outputs = unroll(
+            head,
+            torch.tensor([ids]),
+            features[:, :-1],
+            torch.ones(1, len(ids), dtype=torch.long),
+            4,
+            head.feedback_input,
+            parallel=True,
+        )
     want = [int(head.draft_vocab[head.draft_logits(out[0, t]).argmax()]) for out in outputs]
     drafter = PEagleDrafter(head)
-    drafter.begin(ids[:t + 2], features[0, :t + 1])  # the root is token t + 1
-    tree = drafter.propose(DraftContext(ids[:t + 2], SamplingConfig(), None, max_tokens=10))
+    drafter.begin(ids[: t + 2], features[0, : t + 1])  # the root is token t + 1
+    tree = drafter.propose(DraftContext(ids[: t + 2], SamplingConfig(), None, max_tokens=10))
     assert drafter.depth == 4 and tree.tokens == want and tree.parents == [-1, 0, 1, 2]
 
 
@@ -177,8 +193,17 @@ def tiny_recipe(tmp_path_factory):
     root = tmp_path_factory.mktemp("peagle")
     target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
     drafter = {"kind": "peagle", "aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 512}
-    return write_recipe(root, target, drafter, data={"regenerate": {"enabled": False}},
-                        learning_rate=3e-3, lr_schedule="constant", max_steps=16, log_every=4, eval_every=8)
+    return write_recipe(
+        root,
+        target,
+        drafter,
+        data={"regenerate": {"enabled": False}},
+        learning_rate=3e-3,
+        lr_schedule="constant",
+        max_steps=16,
+        log_every=4,
+        eval_every=8,
+    )
 
 
 def test_training_lowers_the_loss_and_saves_a_head_the_engine_drafts_with(tiny_recipe, tmp_path):

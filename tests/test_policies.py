@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-
 from stats_helpers import chi_square, exact_joint, generate_counts
 
 from draftsmith.errors import UsageError
@@ -119,11 +118,18 @@ def test_spec_options_and_one_line_refusals():
     assert spec.policy == PolicyConfig(1.5, 0.3, 1.0) and spec.name == "draft_lm+entropy+confidence"
     assert parse_spec("prompt_lookup?lenience=0.5").name == "prompt_lookup+lenience0.5(lossy)"
     assert parse_spec("prompt_lookup?lenience=0.5&name=x").name == "x(lossy)"
-    for bad, words in [("prompt_lookup?policy=entropy", "distribution"), ("draft_lm?policy=longest", "unknown policy"),
-                       ("draft_lm?policy=confidence&confidence=1.5", r"confidence must be a number in \(0, 1\)"),
-                       ("draft_lm?lenience=0", r"lenience must be a number in \(0, 1\]"), ("draft_lm?confidence=0.3", "applies to policy=confidence"),
-                       ("draft_lm?policy=entropy&entropy_tau=high", r"entropy_tau=high is not allowed: entropy_tau must be a number > 0"),
-                       ("hierarchical?policy=entropy", "its own entropy rules")]:
+    for bad, words in [
+        ("prompt_lookup?policy=entropy", "distribution"),
+        ("draft_lm?policy=longest", "unknown policy"),
+        ("draft_lm?policy=confidence&confidence=1.5", r"confidence must be a number in \(0, 1\)"),
+        ("draft_lm?lenience=0", r"lenience must be a number in \(0, 1\]"),
+        ("draft_lm?confidence=0.3", "applies to policy=confidence"),
+        (
+            "draft_lm?policy=entropy&entropy_tau=high",
+            r"entropy_tau=high is not allowed: entropy_tau must be a number > 0",
+        ),
+        ("hierarchical?policy=entropy", "its own entropy rules"),
+    ]:
         with pytest.raises(UsageError, match=words):
             parse_spec(bad)
 
@@ -141,8 +147,9 @@ def test_confidence_gate_drafts_exactly_when_the_target_was_confident(target):
     """Greedy with an oracle: a step drafts iff the target's probability of the token it produced
     last (computed independently, by a full forward) is at least the threshold."""
     threshold = 0.6
-    decoder = SpeculativeDecoder(target, with_policy(OracleDrafter(CausalLMRunner(target), num_tokens=3),
-                                                     confidence=threshold), eos_ids=set())
+    decoder = SpeculativeDecoder(
+        target, with_policy(OracleDrafter(CausalLMRunner(target), num_tokens=3), confidence=threshold), eos_ids=set()
+    )
     gen = decoder.generate(PROMPT, 30)
     plain = SpeculativeDecoder(target, None, eos_ids=set()).generate(PROMPT, 30)
     assert gen.tokens == plain.tokens
@@ -234,12 +241,12 @@ def test_hierarchical_thresholds_follow_the_rejections(target, draft, middle):
             logits = draft(torch.tensor([PROMPT + chain_tokens])).logits[0, -1]
             m1_entropy.append(entropy(logits).item())
             chain_tokens.append(int(logits.argmax()))
-        m2_logits = middle(torch.tensor([PROMPT + chain_tokens])).logits[0, len(PROMPT) - 1:]
+        m2_logits = middle(torch.tensor([PROMPT + chain_tokens])).logits[0, len(PROMPT) - 1 :]
     m2_own = m2_logits.argmax(-1).tolist()
     first = next(i for i in range(4) if chain_tokens[i] != m2_own[i])  # these two models disagree early
     assert tree.tokens == chain_tokens[:first] + [m2_own[first]]
     assert drafter.rule1.tau == pytest.approx(m1_entropy[first], abs=1e-4)
-    m2_entropy = entropy(m2_logits[:first + 1]).tolist()
+    m2_entropy = entropy(m2_logits[: first + 1]).tolist()
     assert drafter._m2_entropy == pytest.approx(m2_entropy, abs=1e-4)
     # The target keeps none of them: M2's entropy at the first pending token becomes its threshold.
     drafter.accept(StepResult([(tree.tokens[0] + 1) % V], None, PROMPT))
@@ -255,15 +262,18 @@ def test_hierarchical_defaults_draft_on_the_bundled_target(smollm2):
     entropies are (a 2-layer M1 sits at 3-6 nats against the 2-nat start); the output stays the
     target's own."""
     model, tokenizer = smollm2
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}],
-                                           add_generation_prompt=True, return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a short poem about the sea."}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
     drafter = build_drafter("hierarchical", model)
     gen = SpeculativeDecoder(model, drafter, eos_ids=set()).generate(prompt, 48)
     assert gen.tokens == SpeculativeDecoder(model, None, eos_ids=set()).generate(prompt, 48).tokens
     drafted = sum(n > 0 for n in gen.drafted)
     tau = sum(gen.accepted) / len(gen.accepted)
-    print(f"hierarchical defaults: {drafted} of {len(gen.drafted)} steps drafted, acceptance length {tau:.2f}, "
-          f"M1 tau {drafter.rule1.tau:.2f}, M2 tau {drafter.rule2.tau:.2f}")
+    print(
+        f"hierarchical defaults: {drafted} of {len(gen.drafted)} steps drafted, acceptance length {tau:.2f}, "
+        f"M1 tau {drafter.rule1.tau:.2f}, M2 tau {drafter.rule2.tau:.2f}"
+    )
     assert drafted >= len(gen.drafted) // 10, gen.drafted
     assert tau > 1.05, gen.accepted
 
@@ -282,7 +292,9 @@ def test_hierarchical_target_verifies_against_m2(monkeypatch, target, draft, mid
 
         monkeypatch.setattr(drafter, "_pre_verify", m1_distributions)
     sampling = SamplingConfig(1.0)
-    counts, _, _ = generate_counts(SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set()), PROMPT, 4, SAMPLES)
+    counts, _, _ = generate_counts(
+        SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set()), PROMPT, 4, SAMPLES
+    )
     statistic, threshold, _ = chi_square(counts, exact_joint(target, PROMPT, 4, sampling), SAMPLES)
     assert (statistic > 2 * threshold) if wrong else (statistic < threshold)
 
@@ -291,7 +303,9 @@ def test_hierarchical_spec_builds_cut_students(smollm2):
     model, _ = smollm2
     drafter = build_drafter("hierarchical?m1_layers=2&m2_layers=0,1,2,29&depth=5", model)
     assert isinstance(drafter, HierarchicalDrafter) and drafter.depth == 5
-    assert drafter.m1.runner.model.config.num_hidden_layers == 2 and drafter.m2.runner.model.config.num_hidden_layers == 4
+    assert (
+        drafter.m1.runner.model.config.num_hidden_layers == 2 and drafter.m2.runner.model.config.num_hidden_layers == 4
+    )
     last = model.model.layers[29].mlp.down_proj.weight
     assert torch.equal(drafter.m2.runner.model.model.layers[3].mlp.down_proj.weight, last)
     defaults = build_drafter("hierarchical", model)

@@ -37,7 +37,9 @@ def test_recipe_parses_into_typed_sections(tmp_path):
 def test_misspelled_key_names_file_and_key_path(tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text(RECIPE.replace("learning_rate", "lerning_rate"))
-    with pytest.raises(RecipeError, match=r"typo.yaml: unknown key training.lerning_rate \(did you mean 'training.learning_rate'\?\)"):
+    with pytest.raises(
+        RecipeError, match=r"typo.yaml: unknown key training.lerning_rate \(did you mean 'training.learning_rate'\?\)"
+    ):
         load_recipe(Recipe, path)
 
 
@@ -58,7 +60,9 @@ def test_overrides_change_fields_and_are_validated(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text(RECIPE)
     recipe = load_recipe(
-        Recipe, path, ["--training.learning_rate", "1e-4", "data.limit=10", "--output_dir=runs/x"],
+        Recipe,
+        path,
+        ["--training.learning_rate", "1e-4", "data.limit=10", "--output_dir=runs/x"],
         aliases=OVERRIDE_ALIASES,
     )
     assert recipe.training.learning_rate == pytest.approx(1e-4)
@@ -86,24 +90,33 @@ def test_drafter_section_is_typed_per_kind():
         load_recipe(ToyRecipe, None, {"drafter": {"num_layers": "two"}})
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")), ids=lambda p: p.name
+)
 def test_every_shipped_recipe_loads_into_its_training_script(path):
     """A recipe we ship must parse and validate (no unknown keys) with the script its kind names."""
+    from draftsmith.train.dflash import DFlashRecipe
     from draftsmith.train.distill import DistillRecipe
     from draftsmith.train.eagle import EagleRecipe
     from draftsmith.train.eagle3 import Eagle3Recipe
     from draftsmith.train.medusa import MedusaRecipe
-    from draftsmith.train.dflash import DFlashRecipe
     from draftsmith.train.peagle import PEagleRecipe
 
-    classes = {"eagle": EagleRecipe, "eagle3": Eagle3Recipe, "peagle": PEagleRecipe, "dflash": DFlashRecipe,
-               "medusa": MedusaRecipe, "distill": DistillRecipe}
+    classes = {
+        "eagle": EagleRecipe,
+        "eagle3": Eagle3Recipe,
+        "peagle": PEagleRecipe,
+        "dflash": DFlashRecipe,
+        "medusa": MedusaRecipe,
+        "distill": DistillRecipe,
+    }
     kind = yaml.safe_load(path.read_text())["drafter"]["kind"]
     recipe = load_recipe(classes[kind], path)
     assert recipe.drafter.kind == kind
     if kind in ("eagle3", "peagle"):  # the EAGLE-3 and P-EAGLE recipes learn the target's own replies
-        assert recipe.data.regenerate.enabled and recipe.drafter.ttt_steps == (7 if "smollm2" in path.name or kind == "eagle3" else 8)
+        assert recipe.data.regenerate.enabled and recipe.drafter.ttt_steps == (
+            7 if "smollm2" in path.name or kind == "eagle3" else 8
+        )
     if kind == "eagle":  # EAGLE-1's input-feature noise is the paper's U(-0.1, 0.1)
         assert recipe.drafter.feature_noise == 0.1
 

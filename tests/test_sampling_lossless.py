@@ -18,7 +18,6 @@ import collections
 
 import pytest
 import torch
-
 from stats_helpers import chi_square, exact_joint, generate_counts
 
 import draftsmith.eval.decode as decode_module
@@ -95,9 +94,11 @@ def run_case(monkeypatch, target, drafter, sampling, length, n=SAMPLES, prompt=P
     decoder = SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set())
     counts, accepted, _ = generate_counts(decoder, prompt, length, n)
     statistic, threshold, cells = chi_square(counts, exact_joint(target, prompt, length, sampling), n)
-    print(f"{drafter.name}: chi2 = {statistic:.1f} (threshold {threshold:.1f}, {cells} cells), "
-          f"accepted {accepted.most_common(4)}, pruned trees {recorder.pruned_trees}, "
-          f"ended on pruned {recorder.pruned_tokens_out}")
+    print(
+        f"{drafter.name}: chi2 = {statistic:.1f} (threshold {threshold:.1f}, {cells} cells), "
+        f"accepted {accepted.most_common(4)}, pruned trees {recorder.pruned_trees}, "
+        f"ended on pruned {recorder.pruned_tokens_out}"
+    )
     return statistic, threshold, accepted, recorder
 
 

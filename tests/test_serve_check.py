@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
-
 from cli_helpers import assert_user_error
+from safetensors.torch import load_file, save_file
 from training_helpers import save_tiny_target, write_recipe
+from transformers import AutoModelForCausalLM
 
 from draftsmith.export import export_checkpoint
 from draftsmith.export.serve_check import main as check_main
@@ -51,17 +50,36 @@ def trained(tmp_path_factory):
     tokenizer = load_tokenizer("default")
     target_dir = save_tiny_target(root / "target", tokenizer, hidden_size=128, layers=4, scale=8.0)
     regenerated = root / "regenerated.jsonl"
-    data = {"limit": 16, "max_length": 160, "held_out_fraction": 0.1,
-            "regenerate": {"enabled": True, "max_new_tokens": 64, "output": str(regenerated)}}
+    data = {
+        "limit": 16,
+        "max_length": 160,
+        "held_out_fraction": 0.1,
+        "regenerate": {"enabled": True, "max_new_tokens": 64, "output": str(regenerated)},
+    }
     for sub in ("e3", "m"):
         (root / sub).mkdir()
-    eagle3 = write_recipe(root / "e3", target_dir, {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048},
-                          data=data, learning_rate=3e-3, lr_schedule="constant", max_steps=400, log_every=100,
-                          eval_every=1000)
-    medusa = write_recipe(root / "m", target_dir, {"num_heads": 3, "num_layers": 1, "lm_head": "shared",
-                                                   "draft_vocab_size": None},
-                          data=data, learning_rate=1e-2, lr_schedule="constant", max_steps=600, log_every=100,
-                          eval_every=1000)
+    eagle3 = write_recipe(
+        root / "e3",
+        target_dir,
+        {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048},
+        data=data,
+        learning_rate=3e-3,
+        lr_schedule="constant",
+        max_steps=400,
+        log_every=100,
+        eval_every=1000,
+    )
+    medusa = write_recipe(
+        root / "m",
+        target_dir,
+        {"num_heads": 3, "num_layers": 1, "lm_head": "shared", "draft_vocab_size": None},
+        data=data,
+        learning_rate=1e-2,
+        lr_schedule="constant",
+        max_steps=600,
+        log_every=100,
+        eval_every=1000,
+    )
     checkpoints = {
         "eagle3": train_eagle3([str(eagle3), "--output_dir", str(root / "e3-run")]).last_checkpoint,
         "medusa": train_medusa([str(medusa), "--output_dir", str(root / "m-run")]).last_checkpoint,
@@ -113,9 +131,25 @@ def test_gate_passes_a_trained_eagle3_head_and_fails_a_permuted_fc(vllm, trained
     from draftsmith.export.cli import main as export_main
 
     out = tmp_path / "e3"
-    export_main([str(trained["eagle3"]), "--format", "speculators", "--out", str(out), "--draft-tokens", "3",
-                 "--check", "vllm", "--check-prompts", str(trained["prompts"]), "--check-limit", "4",
-                 "--check-max-new-tokens", "32"])
+    export_main(
+        [
+            str(trained["eagle3"]),
+            "--format",
+            "speculators",
+            "--out",
+            str(out),
+            "--draft-tokens",
+            "3",
+            "--check",
+            "vllm",
+            "--check-prompts",
+            str(trained["prompts"]),
+            "--check-limit",
+            "4",
+            "--check-max-new-tokens",
+            "32",
+        ]
+    )
     result = json.loads((out / "serve_check.json").read_text())
     _assert_passed(0, result, 3)
     assert "PASSED" in (out / "serve_check.md").read_text() and "PASSED" in capsys.readouterr().out
@@ -161,14 +195,26 @@ def test_exports_vllm_cannot_serve_are_one_line_refusals(trained, tmp_path, caps
     target = AutoModelForCausalLM.from_pretrained(trained["target"], dtype=torch.float32).eval()
     EagleHead.for_target(target, str(trained["target"])).save_pretrained(tmp_path / "e1")
     export_checkpoint(tmp_path / "e1", "sglang", tmp_path / "e1-sglang")
-    assert_user_error(capsys, r"vLLM cannot serve draftsmith's EAGLE-1 heads: .*fc without a bias.*--format speculators",
-                      check_main, [str(tmp_path / "e1-sglang")])
+    assert_user_error(
+        capsys,
+        r"vLLM cannot serve draftsmith's EAGLE-1 heads: .*fc without a bias.*--format speculators",
+        check_main,
+        [str(tmp_path / "e1-sglang")],
+    )
     assert_user_error(capsys, r"not a draftsmith export", check_main, [str(trained["target"])])
     from draftsmith.export.cli import main as export_main
 
-    assert_user_error(capsys, r"vLLM cannot serve draftsmith's EAGLE-1 heads", export_main,
-                      [str(tmp_path / "e1"), "--format", "sglang", "--out", str(tmp_path / "never"), "--check", "vllm"])
+    assert_user_error(
+        capsys,
+        r"vLLM cannot serve draftsmith's EAGLE-1 heads",
+        export_main,
+        [str(tmp_path / "e1"), "--format", "sglang", "--out", str(tmp_path / "never"), "--check", "vllm"],
+    )
     assert not (tmp_path / "never").exists()  # refused before exporting
     export_checkpoint(trained["eagle3"], "speculators", tmp_path / "moved")
-    assert_user_error(capsys, r"the training checkpoint it was exported from .* is not here.*--source DIR",
-                      check_main, [str(tmp_path / "moved"), "--source", str(tmp_path / "nowhere")])
+    assert_user_error(
+        capsys,
+        r"the training checkpoint it was exported from .* is not here.*--source DIR",
+        check_main,
+        [str(tmp_path / "moved"), "--source", str(tmp_path / "nowhere")],
+    )

@@ -19,8 +19,11 @@ def test_bundled_file_recovers_every_complete_record():
     assert summary.records == complete == 17671
     assert summary.truncated_tail_bytes > 0
     assert summary.dropped["truncated_tail"] == 1
-    assert summary.kept == len(conversations) == complete - sum(
-        n for reason, n in summary.dropped.items() if reason != "truncated_tail")
+    assert (
+        summary.kept
+        == len(conversations)
+        == complete - sum(n for reason, n in summary.dropped.items() if reason != "truncated_tail")
+    )
     assert all(c["messages"][0]["role"] in ("user", "system") for c in conversations)
 
 
@@ -48,8 +51,13 @@ def test_bad_records_are_counted_per_reason(tmp_path, capsys):
     assert [c["id"] for c in conversations] == ["good", "lead"]
     assert conversations[1]["messages"] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     assert dict(summary.dropped) == {
-        "bad_turn_order": 1, "empty_turn": 1, "non_string_content": 1, "unknown_role": 1,
-        "no_assistant_turn": 1, "empty_conversation": 1, "truncated_tail": 1,
+        "bad_turn_order": 1,
+        "empty_turn": 1,
+        "non_string_content": 1,
+        "unknown_role": 1,
+        "no_assistant_turn": 1,
+        "empty_conversation": 1,
+        "truncated_tail": 1,
     }
     assert summary.repaired["leading_assistant_turn_removed"] == 1
     assert summary.records == len(records)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config
+from tree_drafters import GreedyPrefixDrafter, RandomTreeDrafter
 
 from draftsmith.eval.decode import SpeculativeDecoder
 from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
@@ -18,14 +19,23 @@ from draftsmith.eval.drafters.eagle import EagleDrafter
 from draftsmith.eval.runner import CausalLMRunner, ContextLengthError, UnsupportedTargetError
 from draftsmith.heads.draft_lm import derive_draft_lm
 from draftsmith.heads.eagle import EagleHead
-from tree_drafters import GreedyPrefixDrafter, RandomTreeDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, WINDOW, NEW_TOKENS = 64, 5, 40
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, bos_token_id=None,
-              eos_token_id=None, pad_token_id=0)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
 MIXED = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 CONFIGS = {
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=WINDOW),
@@ -52,9 +62,10 @@ def tiny(kind: str):
 
 
 def hf_greedy(model, prompt: list[int]) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                         min_new_tokens=NEW_TOKENS, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))

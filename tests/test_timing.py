@@ -15,9 +15,14 @@ PACKAGE_FOLDERS = ("core", "data_prep", "heads", "train", "eval", "bench")
 
 def test_every_duration_is_taken_with_the_synchronising_clock():
     raw = re.compile(r"\btime\.(perf_counter|time|monotonic)(_ns)?\(|from time import")
-    offenders = [f"{path.relative_to(REPO)}:{n}" for folder in PACKAGE_FOLDERS for path in sorted((REPO / folder).rglob("*.py"))
-                 if path != REPO / "core" / "timing.py"
-                 for n, line in enumerate(path.read_text().splitlines(), 1) if raw.search(line)]
+    offenders = [
+        f"{path.relative_to(REPO)}:{n}"
+        for folder in PACKAGE_FOLDERS
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if path != REPO / "core" / "timing.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if raw.search(line)
+    ]
     assert offenders == []
 
 

@@ -72,7 +72,9 @@ def _train(tmp_path, rows: int, batch: int, accumulation: int, epochs: int, **di
     trainer = Trainer(recipe, task, data)
     optimizer = trainer.optimizer.optimizer  # the torch optimizer under Accelerate's (or DeepSpeed's) wrapper
     grads: list[float] = []
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: grads.append(float(opt.param_groups[0]["params"][0].grad.sum())))
+    optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: grads.append(float(opt.param_groups[0]["params"][0].grad.sum()))
+    )
     trainer.train()
     return trainer, grads
 
@@ -82,10 +84,10 @@ def _expected(rows: int, batch: int, accumulation: int, epochs: int, seed: int =
     grads, micro = [], []
     for epoch in range(epochs):
         order = np.random.default_rng(seed + epoch).permutation(rows) + 1.0
-        batches = [order[i:i + batch] for i in range(0, rows, batch)]
+        batches = [order[i : i + batch] for i in range(0, rows, batch)]
         micro += [b.tolist() for b in batches]
         for start in range(0, len(batches), accumulation):
-            group = batches[start:start + accumulation]
+            group = batches[start : start + accumulation]
             grads.append(float(np.mean([b.mean() for b in group])))
     return grads, micro
 
@@ -108,8 +110,14 @@ def single_process_deepspeed(monkeypatch):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "ACCELERATE_USE_DEEPSPEED": "true"}.items():  # restored after
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "ACCELERATE_USE_DEEPSPEED": "true",
+    }.items():  # restored after
         monkeypatch.setenv(key, value)
     AcceleratorState._reset_state(reset_partial_state=True)  # earlier in-process runs set up a plain state
     yield
@@ -153,7 +161,9 @@ def test_warmup_runs_on_real_steps_under_a_time_budget(tmp_path):
     recipe.training.max_minutes, recipe.training.warmup_steps, recipe.training.lr_schedule = 0.04, 4, "linear"
     trainer = Trainer(recipe, SlowFirstStepTask(1.2), [{"x": float(i + 1)} for i in range(100)])
     rates: list[float] = []
-    trainer.optimizer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: rates.append(opt.param_groups[0]["lr"]))
+    trainer.optimizer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: rates.append(opt.param_groups[0]["lr"])
+    )
     trainer.train()
     peak = recipe.training.learning_rate
     assert rates[:4] == pytest.approx([peak / 4, peak / 2, 3 * peak / 4, peak])
@@ -201,7 +211,7 @@ def test_length_grouped_batches_pad_less_and_keep_every_row_once():
     batch = 4
 
     def padded(order):  # padded positions over real ones, batches of `batch` in `order`
-        rows = [order[i:i + batch] for i in range(0, len(order), batch)]
+        rows = [order[i : i + batch] for i in range(0, len(order), batch)]
         return sum(max(lengths[i] for i in r) * len(r) for r in rows) / sum(lengths) - 1
 
     plain = epoch_order(len(data), batch, seed=3)

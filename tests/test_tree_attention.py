@@ -107,14 +107,17 @@ def test_tiny_tree_logits_match_plain(make_tiny_llama, attn):
 
 def test_ancestor_mask():
     mask = ancestor_mask([ROOT, 0, 0, 1, ROOT, 4])
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 0, 1, 0, 0, 0],
-        [1, 1, 0, 1, 0, 0],
-        [0, 0, 0, 0, 1, 0],
-        [0, 0, 0, 0, 1, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0],
+            [0, 0, 0, 0, 1, 0],
+            [0, 0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(mask, expected)
 
 
@@ -354,8 +357,21 @@ def test_tree_plan_follows_the_measured_costs_and_acceptance():
 
     # Pass costs in one-token passes as measured on this project's CPUs: fp32 with a step at 4
     # tokens, bf16 nearly flat.
-    fp32 = {1: 1.0, 2: 1.06, 3: 1.20, 4: 1.57, 5: 1.64, 6: 1.8, 7: 1.91, 8: 1.95, 9: 1.98, 10: 2.1, 11: 2.2,
-            12: 2.25, 13: 2.31}
+    fp32 = {
+        1: 1.0,
+        2: 1.06,
+        3: 1.20,
+        4: 1.57,
+        5: 1.64,
+        6: 1.8,
+        7: 1.91,
+        8: 1.95,
+        9: 1.98,
+        10: 2.1,
+        11: 2.2,
+        12: 2.25,
+        13: 2.31,
+    }
     bf16 = {n: 1.0 + 0.012 * (n - 1) for n in range(1, 14)}
     # Leviathan et al.: a = 0.5, two drafts -> 1.75 tokens a step, over 1.20 + 2 x 0.1 passes.
     assert chain_speedup(fp32, 2, 0.5, 0.1) == pytest.approx(1.75 / 1.4)

@@ -4,7 +4,6 @@ changes no output (greedy, fp32) and the forward really sees only bucket sizes."
 from __future__ import annotations
 
 import pytest
-
 from tree_drafters import GreedyPrefixDrafter
 
 from draftsmith.eval.decode import SpeculativeDecoder, autoregressive_greedy
@@ -23,7 +22,9 @@ def test_bucketed_trees_decode_the_same_tokens(make_tiny_llama):
         decoder = SpeculativeDecoder(model, GreedyPrefixDrafter(PROMPT, reference, 64, seed=1), eos_ids=set())
         decoder.runner.buckets = buckets
         hook = model.get_decoder().register_forward_pre_hook(
-            lambda module, args, kwargs: sizes.append((buckets, kwargs["input_ids"].shape[1])), with_kwargs=True)
+            lambda module, args, kwargs, buckets=buckets: sizes.append((buckets, kwargs["input_ids"].shape[1])),
+            with_kwargs=True,
+        )
         runs.append(decoder.generate(PROMPT, 40))
         hook.remove()
     assert runs[0].tokens == runs[1].tokens == reference

@@ -36,51 +36,79 @@ REPO = Path(__file__).resolve().parents[1]
 # eval/run.py: flags and drafter specs, all refused before the target loads
 
 
-@pytest.mark.parametrize("flag,value", [
-    ("--max-new-tokens", "0"), ("--max-new-tokens", "-5"), ("--limit", "0"), ("--per-category", "0"), ("--turns", "0"),
-])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--max-new-tokens", "0"),
+        ("--max-new-tokens", "-5"),
+        ("--limit", "0"),
+        ("--per-category", "0"),
+        ("--turns", "0"),
+    ],
+)
 def test_counts_below_one_are_refused(capsys, flag, value):
-    assert_user_error(capsys, rf"argument {flag}: must be >= 1, got {value}", eval_main,
-                      ["--drafter", "prompt_lookup", flag, value])
+    assert_user_error(
+        capsys, rf"argument {flag}: must be >= 1, got {value}", eval_main, ["--drafter", "prompt_lookup", flag, value]
+    )
 
 
-@pytest.mark.parametrize("spec,pattern", [
-    ("foo", r"unknown drafter kind 'foo'; choose from prompt_lookup, oracle, draft_lm, eagle, eagle3, peagle, dflash, hierarchical, medusa"),
-    ("eagle", r"the eagle drafter needs a checkpoint: eagle:PATH"),
-    ("eagle:/nonexistent/run?depth=3", r"/nonexistent/run is not a drafter checkpoint"),
-    ("prompt_lookup?num_token=3", r"unknown option\(s\) num_token for prompt_lookup; its options: num_tokens"),
-    ("prompt_lookup?min_ngram=4", r"prompt_lookup: need 1 <= min_ngram <= max_ngram"),
-    ("prompt_lookup:some/path", r"the prompt_lookup drafter takes no path"),
-])
+@pytest.mark.parametrize(
+    "spec,pattern",
+    [
+        (
+            "foo",
+            r"unknown drafter kind 'foo'; choose from prompt_lookup, oracle, draft_lm, eagle, eagle3, "
+            r"peagle, dflash, hierarchical, medusa",
+        ),
+        ("eagle", r"the eagle drafter needs a checkpoint: eagle:PATH"),
+        ("eagle:/nonexistent/run?depth=3", r"/nonexistent/run is not a drafter checkpoint"),
+        ("prompt_lookup?num_token=3", r"unknown option\(s\) num_token for prompt_lookup; its options: num_tokens"),
+        ("prompt_lookup?min_ngram=4", r"prompt_lookup: need 1 <= min_ngram <= max_ngram"),
+        ("prompt_lookup:some/path", r"the prompt_lookup drafter takes no path"),
+    ],
+)
 def test_bad_drafter_specs_are_one_line(capsys, spec, pattern):
     assert_user_error(capsys, pattern, eval_main, ["--drafter", spec])
 
 
 def test_checkpoint_of_another_kind_is_named(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"draftsmith_kind": "eagle"}))
-    assert_user_error(capsys, rf"{tmp_path} holds a 'eagle' drafter, not 'medusa': use the drafter kind",
-                      eval_main, ["--drafter", f"medusa:{tmp_path}"])
+    assert_user_error(
+        capsys,
+        rf"{tmp_path} holds a 'eagle' drafter, not 'medusa': use the drafter kind",
+        eval_main,
+        ["--drafter", f"medusa:{tmp_path}"],
+    )
 
 
-@pytest.mark.parametrize("spec,pattern", [
-    ("eagle3:CKPT?depth=0", r"error: --drafter 'eagle3:.*\?depth=0': depth=0 is not allowed: depth must be an integer >= 1"),
-    ("eagle:CKPT?budget=-3", r"budget=-3 is not allowed: budget must be an integer >= 1"),
-    ("eagle3:CKPT?top_k=2.5", r"top_k=2.5 is not allowed: top_k must be an integer >= 1"),
-    ("prompt_lookup?num_tokens=0", r"num_tokens=0 is not allowed: num_tokens must be an integer >= 1"),
-    ("prompt_lookup?branches=0", r"branches=0 is not allowed: branches must be an integer >= 1"),
-    ("prompt_lookup?max_ngram=0", r"max_ngram=0 is not allowed: max_ngram must be an integer >= 1"),
-    ("oracle?num_tokens=-1", r"num_tokens=-1 is not allowed"),
-    ("draft_lm?depth=0", r"depth=0 is not allowed: depth must be an integer >= 1"),
-    ("draft_lm?layers=0", r"layers=0 is not allowed: layers must be an integer >= 1"),
-    ("draft_lm?depth=two", r"depth=two is not allowed: depth must be an integer >= 1"),
-    ("hierarchical?m1_depth=0", r"m1_depth=0 is not allowed: m1_depth must be an integer >= 1"),
-    ("hierarchical?m2_layers=0", r"m2_layers=0 is not allowed"),
-    ("hierarchical?m1_tau=0", r"m1_tau=0 is not allowed: m1_tau must be a number > 0"),
-    ("hierarchical?m2_tau=nan", r"m2_tau=nan is not allowed: m2_tau must be a number > 0"),
-    ("medusa:CKPT?budget=0", r"budget=0 is not allowed: budget must be an integer >= 1"),
-    ("draft_lm?policy=confidence&confidence=1", r"confidence=1 is not allowed: confidence must be a number in \(0, 1\)"),
-    ("draft_lm?lenience=1.5", r"lenience=1.5 is not allowed: lenience must be a number in \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "spec,pattern",
+    [
+        (
+            "eagle3:CKPT?depth=0",
+            r"error: --drafter 'eagle3:.*\?depth=0': depth=0 is not allowed: depth must be an integer >= 1",
+        ),
+        ("eagle:CKPT?budget=-3", r"budget=-3 is not allowed: budget must be an integer >= 1"),
+        ("eagle3:CKPT?top_k=2.5", r"top_k=2.5 is not allowed: top_k must be an integer >= 1"),
+        ("prompt_lookup?num_tokens=0", r"num_tokens=0 is not allowed: num_tokens must be an integer >= 1"),
+        ("prompt_lookup?branches=0", r"branches=0 is not allowed: branches must be an integer >= 1"),
+        ("prompt_lookup?max_ngram=0", r"max_ngram=0 is not allowed: max_ngram must be an integer >= 1"),
+        ("oracle?num_tokens=-1", r"num_tokens=-1 is not allowed"),
+        ("draft_lm?depth=0", r"depth=0 is not allowed: depth must be an integer >= 1"),
+        ("draft_lm?layers=0", r"layers=0 is not allowed: layers must be an integer >= 1"),
+        ("draft_lm?depth=two", r"depth=two is not allowed: depth must be an integer >= 1"),
+        ("hierarchical?m1_depth=0", r"m1_depth=0 is not allowed: m1_depth must be an integer >= 1"),
+        ("hierarchical?m2_layers=0", r"m2_layers=0 is not allowed"),
+        ("hierarchical?m1_tau=0", r"m1_tau=0 is not allowed: m1_tau must be a number > 0"),
+        ("hierarchical?m2_tau=nan", r"m2_tau=nan is not allowed: m2_tau must be a number > 0"),
+        ("medusa:CKPT?budget=0", r"budget=0 is not allowed: budget must be an integer >= 1"),
+        (
+            "draft_lm?policy=confidence&confidence=1",
+            r"confidence=1 is not allowed: confidence must be a number in \(0, 1\)",
+        ),
+        ("draft_lm?lenience=1.5", r"lenience=1.5 is not allowed: lenience must be a number in \(0, 1\]"),
+    ],
+)
 def test_drafter_options_out_of_range_are_refused_before_loading(capsys, tmp_path, spec, pattern):
     # A real checkpoint folder for the kinds that need one: the range is what is refused, not the path.
     kind = spec.partition(":")[0]
@@ -92,28 +120,43 @@ def test_every_numeric_drafter_option_has_a_range_and_help_shows_it(capsys):
     from draftsmith.eval.drafters import KINDS, POLICY_OPTIONS
 
     tables = [("all", POLICY_OPTIONS), *((kind, info.options) for kind, info in KINDS.items())]
-    numeric = {(kind, name): option for kind, table in tables for name, option in table.items()
-               if isinstance(option.default, (int, float)) or option.range is not None}
+    numeric = {
+        (kind, name): option
+        for kind, table in tables
+        for name, option in table.items()
+        if isinstance(option.default, (int, float)) or option.range is not None
+    }
     assert all(option.range is not None for option in numeric.values()), numeric
     with pytest.raises(SystemExit):
         eval_main(["--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    for line in ["depth=auto tree depth (draft steps per verification): a count, or auto: planned from the head's "
-                 "held-out accuracy per depth and this device's measured pass costs (a head recording none: depth 6, "
-                 "top_k 3, budget 12) (an integer >= 1)",
-                 "m1_tau=2.0 M1's initial entropy threshold (nats; then the mean M1 entropy of M2's rejections and M1's declines) (a number > 0)",
-                 "confidence=0.5 confidence policy: draft only while the target's probability of its own token is >= this "
-                 "(a number in (0, 1))", "lenience=1.0 LOSSY below 1", "(a number in (0, 1])"]:
+    for line in [
+        "depth=auto tree depth (draft steps per verification): a count, or auto: planned from the head's "
+        "held-out accuracy per depth and this device's measured pass costs (a head recording none: depth 6, "
+        "top_k 3, budget 12) (an integer >= 1)",
+        "m1_tau=2.0 M1's initial entropy threshold (nats; then the mean M1 entropy of M2's rejections "
+        "and M1's declines) (a number > 0)",
+        "confidence=0.5 confidence policy: draft only while the target's probability of its own token is >= this "
+        "(a number in (0, 1))",
+        "lenience=1.0 LOSSY below 1",
+        "(a number in (0, 1])",
+    ]:
         assert line in shown, line
 
 
 def test_prompt_files_name_the_bad_line_and_turns_are_checked(capsys, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hello"}\n{"prompt": \n')
-    assert_user_error(capsys, rf"{prompts}:2: not valid JSON", eval_main, ["--drafter", "prompt_lookup", "--prompts", str(prompts)])
+    assert_user_error(
+        capsys, rf"{prompts}:2: not valid JSON", eval_main, ["--drafter", "prompt_lookup", "--prompts", str(prompts)]
+    )
     prompts.write_text('{"prompt": "hello"}\n')
-    assert_user_error(capsys, r"--turns 2: all 1 prompt\(s\) have fewer turns", eval_main,
-                      ["--drafter", "prompt_lookup", "--prompts", str(prompts), "--turns", "2"])
+    assert_user_error(
+        capsys,
+        r"--turns 2: all 1 prompt\(s\) have fewer turns",
+        eval_main,
+        ["--drafter", "prompt_lookup", "--prompts", str(prompts), "--turns", "2"],
+    )
     assert_user_error(capsys, r"--top-p must be in \(0, 1\]", eval_main, ["--drafter", "prompt_lookup", "--top-p", "0"])
 
 
@@ -128,20 +171,34 @@ def test_debug_shows_the_traceback_and_bugs_keep_theirs(capsys, monkeypatch):
     @report_user_errors
     def buggy(argv=None):
         raise RuntimeError("a bug")
+
     with pytest.raises(RuntimeError, match="a bug"):
         buggy([])
 
 
 def test_a_shell_sees_exit_code_2_and_one_line(tmp_path):
     env = {**os.environ, "DRAFTSMITH_DEBUG": ""}
-    done = subprocess.run([sys.executable, "eval/run.py", "--drafter", "eagle:/nonexistent"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "eval/run.py", "--drafter", "eagle:/nonexistent"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "run.py: error: /nonexistent is not a drafter checkpoint: it has no config.json (give a checkpoint-N "
-        "or checkpoint-final folder written by training)"]
-    debug = subprocess.run([sys.executable, "eval/run.py", "--drafter", "eagle:/nonexistent", "--debug"], cwd=REPO,
-                           env=env, capture_output=True, text=True, timeout=120)
+        "or checkpoint-final folder written by training)"
+    ]
+    debug = subprocess.run(
+        [sys.executable, "eval/run.py", "--drafter", "eagle:/nonexistent", "--debug"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "CheckpointError" in debug.stderr
 
 
@@ -152,8 +209,19 @@ def test_a_shell_sees_exit_code_2_and_one_line(tmp_path):
 def test_missing_recipe_and_yaml_booleans(capsys, tmp_path):
     assert_user_error(capsys, r"recipe nope\.yaml does not exist", eagle_main, ["nope.yaml"])
     # YAML 1.1 would read no/off/yes as booleans; string fields keep the word, bool fields take it.
-    recipe, _ = parse_training_args(EagleRecipe, ["--training.mixed_precision", "no", "--tracking.run_name", "off",
-                                                  "--data.regenerate.enabled", "yes", "--target.dtype", "float32"])
+    recipe, _ = parse_training_args(
+        EagleRecipe,
+        [
+            "--training.mixed_precision",
+            "no",
+            "--tracking.run_name",
+            "off",
+            "--data.regenerate.enabled",
+            "yes",
+            "--target.dtype",
+            "float32",
+        ],
+    )
     assert recipe.training.mixed_precision == "no" and recipe.tracking.run_name == "off"
     assert recipe.data.regenerate.enabled is True
     path = tmp_path / "r.yaml"
@@ -171,24 +239,47 @@ def _write(path: Path, records: list, cut: int = 0) -> Path:
 def test_zero_conversations_stop_with_the_summary_and_reason(capsys, tmp_path):
     conversation = {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
     truncated = _write(tmp_path / "cut.json", [conversation], cut=30)  # the only record is cut off
-    line = assert_user_error(capsys, rf"{truncated}: no usable conversation in 0 complete records \(1 dropped as "
-                             r"truncated_tail\)", eagle_main, ["--data.path", str(truncated), "--target.dtype", "float32",
-                                                               "--data.cache_dir", str(tmp_path / "cache")])
+    line = assert_user_error(
+        capsys,
+        rf"{truncated}: no usable conversation in 0 complete records \(1 dropped as "
+        r"truncated_tail\)",
+        eagle_main,
+        ["--data.path", str(truncated), "--target.dtype", "float32", "--data.cache_dir", str(tmp_path / "cache")],
+    )
     assert "ShareGPT-style records" in line
     bad = _write(tmp_path / "bad.json", [{"id": "b", "conversations": [{"from": "robot", "value": "x"}]}])
-    assert_user_error(capsys, r"1 dropped as unknown_role", eagle_main,
-                      ["--data.path", str(bad), "--target.dtype", "float32", "--data.cache_dir", str(tmp_path / "cache")])
+    assert_user_error(
+        capsys,
+        r"1 dropped as unknown_role",
+        eagle_main,
+        ["--data.path", str(bad), "--target.dtype", "float32", "--data.cache_dir", str(tmp_path / "cache")],
+    )
     printed = capsys.readouterr()
     assert printed.err == ""
 
 
 def test_nothing_left_after_tokenising_names_max_length(capsys, tmp_path):
-    long_prompt = {"id": "c", "conversations": [{"from": "human", "value": "word " * 200}, {"from": "gpt", "value": "ok"}]}
+    long_prompt = {
+        "id": "c",
+        "conversations": [{"from": "human", "value": "word " * 200}, {"from": "gpt", "value": "ok"}],
+    }
     path = _write(tmp_path / "long.json", [long_prompt])
-    assert_user_error(capsys, r"no training conversation left after tokenising 1 \(1 with no assistant token within "
-                      r"data\.max_length=64\); raise data\.max_length", eagle_main,
-                      ["--data.path", str(path), "--data.max_length", "64", "--target.dtype", "float32",
-                       "--data.cache_dir", str(tmp_path / "cache")])
+    assert_user_error(
+        capsys,
+        r"no training conversation left after tokenising 1 \(1 with no assistant token within "
+        r"data\.max_length=64\); raise data\.max_length",
+        eagle_main,
+        [
+            "--data.path",
+            str(path),
+            "--data.max_length",
+            "64",
+            "--target.dtype",
+            "float32",
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+        ],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,12 +289,20 @@ def test_nothing_left_after_tokenising_names_max_length(capsys, tmp_path):
 def test_offline_hub_id_not_in_cache_is_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    assert_user_error(capsys, r"target\.name: 'someorg/some-model' is not in the local Hugging Face cache and "
-                      r"HF_HUB_OFFLINE is set; download it .*hf download someorg/some-model --local-dir DIR.* set "
-                      r"target\.name to that folder", eagle_main, ["--target.name", "someorg/some-model",
-                                                                  "--target.dtype", "float32"])
-    assert_user_error(capsys, r"--target: 'someorg/some-model' is not in the local Hugging Face cache", eval_main,
-                      ["--drafter", "prompt_lookup", "--target", "someorg/some-model", "--dtype", "float32"])
+    assert_user_error(
+        capsys,
+        r"target\.name: 'someorg/some-model' is not in the local Hugging Face cache and "
+        r"HF_HUB_OFFLINE is set; download it .*hf download someorg/some-model --local-dir DIR.* set "
+        r"target\.name to that folder",
+        eagle_main,
+        ["--target.name", "someorg/some-model", "--target.dtype", "float32"],
+    )
+    assert_user_error(
+        capsys,
+        r"--target: 'someorg/some-model' is not in the local Hugging Face cache",
+        eval_main,
+        ["--drafter", "prompt_lookup", "--target", "someorg/some-model", "--dtype", "float32"],
+    )
 
 
 class _HubStandIn(http.server.BaseHTTPRequestHandler):
@@ -235,16 +334,21 @@ def _check_in_fresh_process(endpoint: str, cache: Path, *args: str) -> str:
     """``check_hub_id(*args)`` where huggingface_hub reads HF_ENDPOINT (at import), as a user's process does."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(cache))
-    code = ("import sys\nfrom draftsmith.hub import check_hub_id\ntry:\n    check_hub_id(*sys.argv[1:])\n"
-            "except Exception as err:\n    print(type(err).__name__, err)")
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
-                          timeout=60).stdout.strip()
+    code = (
+        "import sys\nfrom draftsmith.hub import check_hub_id\ntry:\n    check_hub_id(*sys.argv[1:])\n"
+        "except Exception as err:\n    print(type(err).__name__, err)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=60
+    ).stdout.strip()
 
 
 def test_gated_and_missing_repos_are_named(hub_endpoint, tmp_path):
     gated = _check_in_fresh_process(hub_endpoint, tmp_path, "gated-org/model", "target.name")
-    assert gated.startswith("HubError target.name: 'gated-org/model' is a gated model on the Hugging Face hub: "
-                            "accept its licence on its hub page and log in (`hf auth login` or HF_TOKEN)"), gated
+    assert gated.startswith(
+        "HubError target.name: 'gated-org/model' is a gated model on the Hugging Face hub: "
+        "accept its licence on its hub page and log in (`hf auth login` or HF_TOKEN)"
+    ), gated
     missing = _check_in_fresh_process(hub_endpoint, tmp_path, "other-org/data", "data.path", "dataset")
     assert missing.startswith("HubError data.path: no dataset 'other-org/data' on the Hugging Face hub"), missing
     with pytest.raises(UserError, match=r"target\.name: /no/such/folder does not exist"):

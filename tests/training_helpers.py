@@ -20,16 +20,25 @@ VOCAB = 49152  # the bundled SmolLM2 tokenizer
 EOS = 2  # <|im_end|>
 
 
-def save_tiny_target(folder: Path, tokenizer, seed: int = 0, hidden_size: int = 64, scale: float = 1.0,
-                     layers: int = 2) -> Path:
+def save_tiny_target(
+    folder: Path, tokenizer, seed: int = 0, hidden_size: int = 64, scale: float = 1.0, layers: int = 2
+) -> Path:
     """Save a ``layers``-layer Llama of ``hidden_size`` (4 heads) with ``tokenizer`` into ``folder``;
     ``scale`` multiplies every weight but the norms (the default init is near uniform over the
     vocabulary: nothing to distil)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+        tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -44,7 +53,9 @@ def save_tiny_target(folder: Path, tokenizer, seed: int = 0, hidden_size: int = 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def launch(script: str, recipe: Path, out: Path, *extra: str, cpu: bool, timeout: int = 400) -> subprocess.CompletedProcess:
+def launch(
+    script: str, recipe: Path, out: Path, *extra: str, cpu: bool, timeout: int = 400
+) -> subprocess.CompletedProcess:
     """``accelerate launch --multi_gpu --num_processes 2 SCRIPT RECIPE``: DDP over gloo with ``cpu``
     (``ACCELERATE_USE_CPU``), else what the recipe selects (DeepSpeed needs it unset)."""
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
@@ -55,11 +66,25 @@ def launch(script: str, recipe: Path, out: Path, *extra: str, cpu: bool, timeout
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(port), script, str(recipe), "--output_dir", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(port),
+        script,
+        str(recipe),
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
     # Its own process group: a run that hangs past ``timeout`` is ended with all its workers.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -80,8 +105,13 @@ def write_recipe(root: Path, target: Path, drafter: dict, data: dict | None = No
         "target": {"name": str(target), "dtype": "float32"},  # exact comparisons, whatever this CPU's bf16
         "data": {"limit": 8, "max_length": 128, "held_out_fraction": 0.1, "cache_dir": str(root / "data"), **data},
         "drafter": drafter,
-        "training": {"output_dir": str(root / "unused"), "batch_size": 2, "warmup_steps": 1, "mixed_precision": "no",
-                     **training},
+        "training": {
+            "output_dir": str(root / "unused"),
+            "batch_size": 2,
+            "warmup_steps": 1,
+            "mixed_precision": "no",
+            **training,
+        },
         "tracking": {"report_to": "none"},
     }
     path = root / "recipe.yaml"

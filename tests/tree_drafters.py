@@ -9,8 +9,9 @@ from draftsmith.eval.drafters.base import DraftContext, Drafter
 from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
 
 
-def random_subtree(builder: TreeBuilder, rng: random.Random, parent: int, levels: int, vocab: int,
-                   avoid: set[int] = frozenset()) -> None:
+def random_subtree(
+    builder: TreeBuilder, rng: random.Random, parent: int, levels: int, vocab: int, avoid: set[int] = frozenset()
+) -> None:
     """Random tokens hanging below ``parent``, ``levels`` deep at most."""
     if levels <= 0:
         return
@@ -55,7 +56,7 @@ class GreedyPrefixDrafter(Drafter):
         n = len(context.tokens)
         assert context.tokens == self.full[:n], "decoding left the greedy path"
         k = self.rng.randint(0, min(self.max_depth, context.max_tokens))
-        true = self.full[n:n + k]
+        true = self.full[n : n + k]
         builder = TreeBuilder()
         parent = ROOT
         for depth, token in enumerate(true):
@@ -70,8 +71,14 @@ class GreedyPrefixDrafter(Drafter):
         # Wrong guesses below the last correct node (never the true next token).
         room = context.max_tokens - len(true)
         if room > 0 and self.rng.random() < 0.7:
-            random_subtree(builder, self.rng, parent, min(2, room), self.vocab, avoid={self.full[n + len(true)]}
-                           if n + len(true) < len(self.full) else set())
+            random_subtree(
+                builder,
+                self.rng,
+                parent,
+                min(2, room),
+                self.vocab,
+                avoid={self.full[n + len(true)]} if n + len(true) < len(self.full) else set(),
+            )
         tree = builder.build()
         generated = n - self.prompt_length
         self.expected.append(min(len(true) + 1, self.continuation_length - generated))

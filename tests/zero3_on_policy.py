@@ -24,4 +24,6 @@ trainer = Trainer(recipe, task, [{"id": str(i), "prompt": p, "response": [7]} fo
 rank = trainer.accelerator.process_index
 task.mixture = torch.tensor([1.0, 0.0, 0.0] if rank == 0 else [0.0, 0.0, 1.0])
 responses, sources = task.responses({"ids": ["a", "b"], "prompts": prompts, "responses": [[7], [8]]}, training=True)
-print("RESULT " + json.dumps({"rank": rank, "sources": sources, "responses": responses, "expected": expected}), flush=True)
+print(
+    "RESULT " + json.dumps({"rank": rank, "sources": sources, "responses": responses, "expected": expected}), flush=True
+)

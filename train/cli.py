@@ -24,8 +24,11 @@ def resolve_precision(recipe: Recipe) -> None:
 
 def parse_training_args(recipe_class, argv: list[str] | None = None, description: str = ""):
     """``(recipe, resume)`` from the command line; overrides are any ``--section.field value``."""
-    parser = ArgumentParser(description=description, epilog="recipe fields (any of them is a flag: --section.field "
-                            "VALUE; --output_dir DIR is short for --training.output_dir):\n" + schema_help(recipe_class))
+    parser = ArgumentParser(
+        description=description,
+        epilog="recipe fields (any of them is a flag: --section.field "
+        "VALUE; --output_dir DIR is short for --training.output_dir):\n" + schema_help(recipe_class),
+    )
     parser.add_argument("recipe", nargs="?", help="YAML recipe (defaults apply where it is silent)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output dir")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -38,7 +41,7 @@ def parse_training_args(recipe_class, argv: list[str] | None = None, description
     while i < len(words):
         word = words[i]
         if word.startswith("--") and "=" not in word and i + 1 < len(words):
-            overrides += words[i:i + 2]
+            overrides += words[i : i + 2]
             i += 2
             continue
         if word.startswith("-") or "=" in word or recipe_path is not None:
@@ -83,7 +86,8 @@ def target_and_data(recipe):
     from draftsmith.target import load_target
 
     with stage("train: load target and tokenise data"):
-        target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template,
-                                        field="target.name")
+        target, tokenizer = load_target(
+            recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template, field="target.name"
+        )
         data, _ = build_dataset(prepare_data_config(recipe.data, target, recipe.target.name, tokenizer), tokenizer)
     return target, tokenizer, data

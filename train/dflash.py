@@ -8,14 +8,15 @@ queries attend to the injected context at positions before a and to their own bl
 Slot k is scored against the target's distribution (over the draft vocabulary) for token a + k,
 where that token is supervised, weighted ``exp(-(k - 1) / decay_gamma)`` (DFlash) or by D-PACE
 (``weighting: dpace``: the chance the block's earlier slots were all accepted, from each slot's
-detached probability of the target's token). Data, regenerated replies, the draft vocabulary, online or offline features and
+detached probability of the target's token). Data, regenerated replies, the draft vocabulary, online or offline
+features and
 the out-of-vocabulary mask are EAGLE-3's (:mod:`draftsmith.train.eagle3`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from transformers import DynamicCache
@@ -35,18 +36,19 @@ class DFlashDrafterConfig(DrafterConfig):
     """The DFlash drafter, its blocks and its loss."""
 
     kind: str = "dflash"
-    aux_layers: Optional[list[int]] = None  # target layers fused as the context (HF hidden_states ids); null: [2, N/2, N-3]
+    # target layers fused as the context (HF hidden_states ids); null: [2, N/2, N-3]
+    aux_layers: list[int] | None = None
     num_layers: int = 2  # Qwen3 decoder layers (speculators' default: 5)
     block_size: int = 8  # anchor + block_size - 1 drafted tokens (speculators' default: 16)
     anchors_per_sequence: int = 64  # blocks trained per conversation and step (speculators: up to 512)
     weighting: Literal["decay", "dpace"] = "decay"  # slot k's weight: exp(-(k-1)/decay_gamma), or D-PACE
     decay_gamma: float = 4.0  # DFlash's gamma (speculators' default)
     dpace_alpha: float = 0.5  # D-PACE: a slot's survival is (1 - alpha) exp(-loss) + alpha
-    draft_vocab_size: Optional[int] = 8192  # the N most frequent tokens of the training replies; null: all
-    mask_token_id: Optional[int] = None  # null: the tokenizer's mask token, else a special token absent from the data
+    draft_vocab_size: int | None = 8192  # the N most frequent tokens of the training replies; null: all
+    mask_token_id: int | None = None  # null: the tokenizer's mask token, else a special token absent from the data
     out_of_vocab_targets: Literal["mask", "renormalise"] = "mask"  # as EAGLE-3's
     features: Literal["online", "offline"] = "online"
-    features_dir: Optional[str] = None
+    features_dir: str | None = None
 
     def validate(self) -> None:
         if self.num_layers < 1:
@@ -67,8 +69,9 @@ class DFlashRecipe(Recipe):
     drafter: DFlashDrafterConfig = field(default_factory=DFlashDrafterConfig)
 
 
-def sample_anchors(loss_mask: torch.Tensor, padding: torch.Tensor, count: int,
-                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, padding: torch.Tensor, count: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(anchors, valid)`` ``[b, count]``: per row up to ``count`` distinct positions a (sorted)
     whose next token is supervised, drawn uniformly; rows with fewer fill up with invalid ones.
 
@@ -129,8 +132,9 @@ class DFlashTask(Eagle3Task):
     def new_head(cls, recipe: DFlashRecipe, target, draft_vocab, tokenizer, train_set) -> DFlashHead:
         drafter = recipe.drafter
         mask = mask_token_for(drafter.mask_token_id, tokenizer, train_set, len(tokenizer))
-        return DFlashHead.for_target(target, recipe.target.name, drafter.aux_layers, drafter.num_layers,
-                                     drafter.block_size, mask, draft_vocab)
+        return DFlashHead.for_target(
+            target, recipe.target.name, drafter.aux_layers, drafter.num_layers, drafter.block_size, mask, draft_vocab
+        )
 
     def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
         aux, last = self.target_features(batch)
@@ -146,20 +150,29 @@ class DFlashTask(Eagle3Task):
         tokens = torch.full_like(positions, model.mask_token_id)
         tokens[:, :, 0] = ids.gather(1, anchors)
         cache = DynamicCache()
-        hidden = head(tokens.flatten(1), positions.flatten(1), cache, block_attention(anchors, valid, padding, block),
-                      context=aux, context_positions=torch.arange(length, device=ids.device).expand(batch_size, length)
-                      ).view(batch_size, count, block, -1)
+        hidden = head(
+            tokens.flatten(1),
+            positions.flatten(1),
+            cache,
+            block_attention(anchors, valid, padding, block),
+            context=aux,
+            context_positions=torch.arange(length, device=ids.device).expand(batch_size, length),
+        ).view(batch_size, count, block, -1)
         # Slot k >= 1 drafts token a + k, scored with the target's distribution at a + k - 1.
         labels = positions[:, :, 1:]
         inside = labels < length
         clamped = labels.clamp(max=length - 1)
-        supervised = inside & valid[:, :, None] & (loss_mask.bool() & padding.bool()).gather(
-            1, clamped.flatten(1)).view_as(labels)
+        supervised = (
+            inside
+            & valid[:, :, None]
+            & (loss_mask.bool() & padding.bool()).gather(1, clamped.flatten(1)).view_as(labels)
+        )
         with torch.no_grad():
             source = (clamped - 1)[supervised]
             rows = torch.arange(batch_size, device=ids.device)[:, None, None].expand_as(labels)[supervised]
-            target_probs, best, coeff, kept = target_terms(model, last[rows, source].to(hidden.dtype),
-                                                           self.loss_config, training)
+            target_probs, best, coeff, kept = target_terms(
+                model, last[rows, source].to(hidden.dtype), self.loss_config, training
+            )
             draft_ids = model.to_draft_ids(best)
         logits = model.draft_logits(hidden[:, :, 1:][supervised])
         ce, lse = soft_target_cross_entropy(logits, coeff)
@@ -175,8 +188,10 @@ class DFlashTask(Eagle3Task):
         with torch.no_grad():
             slot = offsets[1:].expand_as(labels)[supervised]
             hits = model.draft_vocab[logits.argmax(-1)] == best
-            sums = {"tokens": supervised.sum(), "ce_loss": (lse - torch.bmm(target_probs.unsqueeze(1),
-                                                                             logits.float().unsqueeze(2)).view(-1)).sum()}
+            sums = {
+                "tokens": supervised.sum(),
+                "ce_loss": (lse - torch.bmm(target_probs.unsqueeze(1), logits.float().unsqueeze(2)).view(-1)).sum(),
+            }
             for k in range(1, block):
                 at = slot == k
                 sums[f"top1@{k}"] = (hits & at).sum()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -33,6 +33,7 @@ from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.train.divergences import acceptance_rate, divergence
 from draftsmith.train.loop import Trainer
+
 
 @dataclass
 class MixtureConfig:
@@ -53,15 +54,24 @@ class DistillDrafterConfig(DrafterConfig):
     """The student, its divergence and where its training responses come from."""
 
     kind: str = "distill"
-    student: Optional[str] = None  # hub id or folder of a causal LM with the target's tokenizer; None: derive
+    student: str | None = None  # hub id or folder of a causal LM with the target's tokenizer; None: derive
     num_layers: int = 4  # derived student: this many of the target's layers, evenly spaced
-    layers: Optional[list[int]] = None  # or exactly these layer indices
+    layers: list[int] | None = None  # or exactly these layer indices
     finetune: Literal["full", "lora"] = "full"  # train every student weight, or LoRA adapters (merged on export)
     lora_r: int = 16  # LoRA rank
     lora_alpha: int = 32  # LoRA alpha
     lora_dropout: float = 0.0  # LoRA dropout
-    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",  # modules that get adapters
-                                                                     "gate_proj", "up_proj", "down_proj"])
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",  # modules that get adapters
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
     divergence: Literal["fkl", "rkl", "jsd", "tvd"] = "fkl"  # token-level divergence between target and student
     jsd_beta: float = 0.5  # generalised JSD mixing weight
     temperature: float = 1.0  # both distributions are taken at this temperature
@@ -109,13 +119,22 @@ def _sharded(model: torch.nn.Module) -> bool:
     """Whether DeepSpeed ZeRO-3 shards ``model``'s parameters over several processes: its forward
     passes then gather them (hooks DeepSpeed put on the module itself, so the unwrapped student
     samples with its current weights), collectives every process must join."""
-    multi = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    return multi and any(hasattr(p, "ds_id") for p in model.parameters())  # ds_id: DeepSpeed's partitioned-parameter mark
+    multi = (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
+    return multi and any(
+        hasattr(p, "ds_id") for p in model.parameters()
+    )  # ds_id: DeepSpeed's partitioned-parameter mark
 
 
 def _collate(rows: list[dict]) -> dict:
-    return {"ids": [r["id"] for r in rows], "prompts": [r["prompt"] for r in rows],
-            "responses": [r["response"] for r in rows]}
+    return {
+        "ids": [r["id"] for r in rows],
+        "prompts": [r["prompt"] for r in rows],
+        "responses": [r["response"] for r in rows],
+    }
 
 
 class DistillTask:
@@ -130,9 +149,16 @@ class DistillTask:
         if self.cfg.finetune == "lora":
             from peft import LoraConfig, get_peft_model
 
-            student = get_peft_model(student, LoraConfig(
-                r=self.cfg.lora_r, lora_alpha=self.cfg.lora_alpha, lora_dropout=self.cfg.lora_dropout,
-                target_modules=self.cfg.lora_target_modules, bias="none"))
+            student = get_peft_model(
+                student,
+                LoraConfig(
+                    r=self.cfg.lora_r,
+                    lora_alpha=self.cfg.lora_alpha,
+                    lora_dropout=self.cfg.lora_dropout,
+                    target_modules=self.cfg.lora_target_modules,
+                    bias="none",
+                ),
+            )
         self.model = student
         weights = torch.tensor([self.cfg.mixture.fixed, self.cfg.mixture.target, self.cfg.mixture.student])
         self.mixture = weights / weights.sum()
@@ -149,16 +175,25 @@ class DistillTask:
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long, device=device)
         mask = torch.zeros_like(ids)
         for i, prompt in enumerate(prompts):
-            ids[i, width - len(prompt):] = torch.tensor(prompt, device=device)
-            mask[i, width - len(prompt):] = 1
-        sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-                    if temperature > 0 else {"do_sample": False})
+            ids[i, width - len(prompt) :] = torch.tensor(prompt, device=device)
+            mask[i, width - len(prompt) :] = 1
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+            if temperature > 0
+            else {"do_sample": False}
+        )
         was_training = model.training
         model.eval()
         # Sharded parameters: processes must keep stepping together until all have finished.
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
-                             pad_token_id=self.pad, eos_token_id=sorted(self.eos), synced_gpus=_sharded(model),
-                             **sampling)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=self.cfg.max_new_tokens,
+            pad_token_id=self.pad,
+            eos_token_id=sorted(self.eos),
+            synced_gpus=_sharded(model),
+            **sampling,
+        )
         model.train(was_training)
         responses = []
         for row in out[:, width:].tolist():
@@ -204,17 +239,29 @@ class DistillTask:
         attention = torch.zeros_like(ids)
         scored = torch.zeros(len(prompts), length, dtype=torch.bool, device=device)
         for i, (prompt, response) in enumerate(zip(prompts, responses)):
-            ids[i, width - len(prompt):width] = torch.tensor(prompt, device=device)
-            ids[i, width:width + len(response)] = torch.tensor(response, dtype=torch.long, device=device)
-            attention[i, width - len(prompt):width + len(response)] = 1
-            scored[i, :len(response)] = True
+            ids[i, width - len(prompt) : width] = torch.tensor(prompt, device=device)
+            ids[i, width : width + len(response)] = torch.tensor(response, dtype=torch.long, device=device)
+            attention[i, width - len(prompt) : width + len(response)] = 1
+            scored[i, : len(response)] = True
         positions = (attention.cumsum(-1) - 1).clamp_min(0)
         keep = length + 1  # logits at columns width-1 .. end: the ones that predict response tokens
         with torch.no_grad():
-            p_logits = self.target(input_ids=ids, attention_mask=attention, position_ids=positions,
-                                   logits_to_keep=keep, use_cache=False).logits[:, :-1][scored].float()
-        q_logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
-                         logits_to_keep=keep, use_cache=False).logits[:, :-1][scored].float()
+            p_logits = (
+                self.target(
+                    input_ids=ids,
+                    attention_mask=attention,
+                    position_ids=positions,
+                    logits_to_keep=keep,
+                    use_cache=False,
+                )
+                .logits[:, :-1][scored]
+                .float()
+            )
+        q_logits = (
+            model(input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=keep, use_cache=False)
+            .logits[:, :-1][scored]
+            .float()
+        )
         tokens = int(scored.sum())
         if tokens == 0:
             return q_logits.sum() * 0.0, {"tokens": 0.0}
@@ -227,9 +274,14 @@ class DistillTask:
             accept = acceptance_rate(p_logits / t, q_logits / t)
             # Greedy drafting is accepted where the two argmaxes agree.
             agree = (p_logits.argmax(-1) == q_logits.argmax(-1)).float()
-        metrics = {"tokens": float(tokens), "loss": float(loss.detach()) * tokens,
-                   "divergence": float(per_token.detach().sum()), "acceptance_rate": float(accept.sum()),
-                   "top1_agreement": float(agree.sum()), "nll": float(nll)}
+        metrics = {
+            "tokens": float(tokens),
+            "loss": float(loss.detach()) * tokens,
+            "divergence": float(per_token.detach().sum()),
+            "acceptance_rate": float(accept.sum()),
+            "top1_agreement": float(agree.sum()),
+            "nll": float(nll),
+        }
         if training:  # the sources differ a lot (the student agrees with the target on its own samples first)
             row = scored.nonzero()[:, 0]  # each scored token's sequence, in the order of [scored]
             for name in sorted(set(sources)):
@@ -246,8 +298,14 @@ class DistillTask:
         return logs
 
     def save_pretrained(self, model, path: Path) -> None:
-        save_draft_lm(model, path, self.tokenizer, target_record(self.target, self.recipe.target.name),
-                      dtype=next(self.target.parameters()).dtype, counts=self.counts)
+        save_draft_lm(
+            model,
+            path,
+            self.tokenizer,
+            target_record(self.target, self.recipe.target.name),
+            dtype=next(self.target.parameters()).dtype,
+            counts=self.counts,
+        )
 
 
 def build(recipe: DistillRecipe):
@@ -258,8 +316,10 @@ def build(recipe: DistillRecipe):
     for split in ("train", "held_out"):
         splits[split], too_long = prompt_response_pairs(data[split], cfg.max_prompt_tokens)
         if too_long:
-            print(f"distill: {too_long} {split} prompts longer than drafter.max_prompt_tokens="
-                  f"{cfg.max_prompt_tokens} left out")
+            print(
+                f"distill: {too_long} {split} prompts longer than drafter.max_prompt_tokens="
+                f"{cfg.max_prompt_tokens} left out"
+            )
     torch.manual_seed(recipe.training.seed)
     dtype = torch.float32 if cfg.finetune == "full" else next(target.parameters()).dtype
     student = student_for(target, cfg.student, cfg.num_layers, cfg.layers, dtype)

@@ -6,7 +6,8 @@ between the target's distribution of token i+2 and the LM head applied to the pr
 assistant tokens only. HASS (Zhang et al., 2025) is two options: ``ttt_steps > 1`` adds passes
 in which the head reads its own (detached) predicted features, every pass weighted alike (context
 alignment, see :mod:`draftsmith.train.unroll`), and ``top_k_loss`` adds ``top_k_weight`` x a
-distillation term over the target's top-K tokens to the loss. Features come from the frozen target inside the step (``online``) or from
+distillation term over the target's top-K tokens to the loss. Features come from the frozen target inside the step
+(``online``) or from
 an on-disk cache written by ``draftsmith.data_prep.features`` (``offline``).
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -22,8 +23,8 @@ from draftsmith.data_prep.features import training_sets
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
-from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.timing import stage
+from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.train.loop import Trainer, pad_batch
 from draftsmith.train.unroll import UnrollLoss, depth_rates, record_depth_accuracy, unroll, unrolled_loss
 
@@ -34,17 +35,19 @@ class EagleDrafterConfig(DrafterConfig):
 
     kind: str = "eagle"
     num_layers: int = 1  # decoder layers of the target's architecture in the head
-    init: Literal["identity", "random"] = "identity"  # identity: the head starts as f_{i+1} = f_i; random: the paper's init
-    draft_vocab_size: Optional[int] = None  # None: the full vocabulary; N: the N most frequent assistant tokens
-    feature_noise: float = 0.1  # amplitude a of the U(-a, a) noise added to input features while training (the paper: 0.1)
+    # identity: the head starts as f_{i+1} = f_i; random: the paper's init
+    init: Literal["identity", "random"] = "identity"
+    draft_vocab_size: int | None = None  # None: the full vocabulary; N: the N most frequent assistant tokens
+    # amplitude a of the U(-a, a) noise added to input features while training (the paper: 0.1)
+    feature_noise: float = 0.1
     regression_weight: float = 1.0  # weight of the Smooth-L1 loss on the next feature
     ce_weight: float = 0.1  # weight of the soft cross-entropy against the target's next-token distribution
     features: Literal["online", "offline"] = "online"  # target features computed in each step, or cached on disk first
-    features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache)
+    features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
     ttt_steps: int = 1  # HASS context alignment: passes over the head's own predicted features (1: off; HASS uses 3)
     ttt_step_loss_decay: float = 1.0  # the loss of pass j is weighted decay ** j (HASS weighs the passes equally)
     detach_feedback: bool = True  # HASS: no gradient through the predicted features fed back to later passes
-    top_k_loss: Optional[int] = None  # HASS distillation: add a term over the target's K most likely tokens (null: off)
+    top_k_loss: int | None = None  # HASS distillation: add a term over the target's K most likely tokens (null: off)
     top_k_weight: float = 1.0  # weight of the top-K term (HASS: 1.0, beside ce_weight x the full distribution)
 
     def validate(self) -> None:
@@ -70,9 +73,14 @@ class EagleTask:
         self.cfg = recipe.drafter
         self.target = target
         self.model = head
-        self.loss_config = UnrollLoss(steps=self.cfg.ttt_steps, decay=self.cfg.ttt_step_loss_decay,
-                                      top_k=self.cfg.top_k_loss, ce_weight=self.cfg.ce_weight,
-                                      top_k_weight=self.cfg.top_k_weight, regression_weight=self.cfg.regression_weight)
+        self.loss_config = UnrollLoss(
+            steps=self.cfg.ttt_steps,
+            decay=self.cfg.ttt_step_loss_decay,
+            top_k=self.cfg.top_k_loss,
+            ce_weight=self.cfg.ce_weight,
+            top_k_weight=self.cfg.top_k_weight,
+            regression_weight=self.cfg.regression_weight,
+        )
 
     collate = staticmethod(pad_batch)
 
@@ -90,10 +98,18 @@ class EagleTask:
         feats_in = features[:, :-1].to(dtype)
         if training and self.cfg.feature_noise > 0:
             feats_in = feats_in + (torch.rand_like(feats_in) * 2 - 1) * self.cfg.feature_noise
-        outputs = unroll(head, batch["input_ids"], feats_in, batch["attention_mask"], self.cfg.ttt_steps,
-                         self.model.feedback_input, detach=self.cfg.detach_feedback)
-        return unrolled_loss(self.model, outputs, features, batch["loss_mask"], batch["attention_mask"],
-                             self.loss_config, training)
+        outputs = unroll(
+            head,
+            batch["input_ids"],
+            feats_in,
+            batch["attention_mask"],
+            self.cfg.ttt_steps,
+            self.model.feedback_input,
+            detach=self.cfg.detach_feedback,
+        )
+        return unrolled_loss(
+            self.model, outputs, features, batch["loss_mask"], batch["attention_mask"], self.loss_config, training
+        )
 
     finalise_metrics = staticmethod(depth_rates)
 

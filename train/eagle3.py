@@ -13,7 +13,7 @@ and the draft vocabulary is their most frequent tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -32,20 +32,23 @@ class Eagle3DrafterConfig(DrafterConfig):
     """The EAGLE-3 head and its training-time test."""
 
     kind: str = "eagle3"
-    aux_layers: Optional[list[int]] = None  # target layers fused as the head's input (HF hidden_states ids); null: [2, N/2, N-3]
-    init: Literal["identity", "random"] = "identity"  # identity: fc passes the highest aux layer through and the layer starts as a no-op
-    draft_vocab_size: Optional[int] = 8192  # the N most frequent tokens of the training replies (d2t/t2d); null: the full vocabulary
+    # target layers fused as the head's input (HF hidden_states ids); null: [2, N/2, N-3]
+    aux_layers: list[int] | None = None
+    # identity: fc passes the highest aux layer through and the layer starts as a no-op
+    init: Literal["identity", "random"] = "identity"
+    # the N most frequent tokens of the training replies (d2t/t2d); null: the full vocabulary
+    draft_vocab_size: int | None = 8192
     norm_before_residual: bool = False  # residual from the normed hidden state (speculators' option of the same name)
     ttt_steps: int = 7  # passes of the training-time test (draft depths trained)
     ttt_step_loss_decay: float = 0.8  # the loss of pass j is weighted decay ** j
-    top_k_loss: Optional[int] = None  # HASS: add a distillation term over the target's K most likely tokens (null: off)
+    top_k_loss: int | None = None  # HASS: add a distillation term over the target's K most likely tokens (null: off)
     top_k_weight: float = 1.0  # weight of the top-K term
     # mask: no token loss where the target's next token (full-vocabulary argmax) is outside the draft
     # vocabulary, as the EAGLE-3 and SpecForge trainers do (one full LM-head pass over the batch a step);
     # renormalise: fit the target's distribution renormalised over the draft vocabulary there too.
     out_of_vocab_targets: Literal["mask", "renormalise"] = "mask"
     features: Literal["online", "offline"] = "online"  # target features computed in each step, or cached on disk first
-    features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache)
+    features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
 
     def validate(self) -> None:
         if self.ttt_steps < 1:
@@ -84,16 +87,27 @@ class Eagle3Task:
     def new_head(cls, recipe, target, draft_vocab, tokenizer, train_set):
         """A fresh head for ``target`` as ``recipe.drafter`` describes it."""
         drafter = recipe.drafter
-        return cls.head_class.for_target(target, recipe.target.name, drafter.aux_layers, draft_vocab, drafter.init,
-                                         drafter.norm_before_residual, **cls.head_options(recipe, tokenizer, train_set))
+        return cls.head_class.for_target(
+            target,
+            recipe.target.name,
+            drafter.aux_layers,
+            draft_vocab,
+            drafter.init,
+            drafter.norm_before_residual,
+            **cls.head_options(recipe, tokenizer, train_set),
+        )
 
     def __init__(self, recipe: Eagle3Recipe, target, head: Eagle3Head):
         self.cfg = recipe.drafter
         self.target = target
         self.model = head
-        self.loss_config = UnrollLoss(steps=self.cfg.ttt_steps, decay=self.cfg.ttt_step_loss_decay,
-                                      top_k=self.cfg.top_k_loss, top_k_weight=self.cfg.top_k_weight,
-                                      mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask")
+        self.loss_config = UnrollLoss(
+            steps=self.cfg.ttt_steps,
+            decay=self.cfg.ttt_step_loss_decay,
+            top_k=self.cfg.top_k_loss,
+            top_k_weight=self.cfg.top_k_weight,
+            mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask",
+        )
 
     collate = staticmethod(pad_batch)
 
@@ -103,8 +117,9 @@ class Eagle3Task:
         target's LM head reads), from the batch or computed."""
         if "aux" in batch:
             return batch["aux"], batch["hidden"]
-        out = self.target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                        output_hidden_states=True)
+        out = self.target.get_decoder()(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
+        )
         aux = torch.cat([out.hidden_states[layer] for layer in self.model.aux_layers], dim=-1)
         return aux, out.last_hidden_state
 
@@ -112,10 +127,19 @@ class Eagle3Task:
         aux, last = self.target_features(batch)
         dtype = next(self.model.parameters()).dtype
         chains = self.sample_chains(batch) if training else None
-        outputs = unroll(head, batch["input_ids"], aux[:, :-1].to(dtype), batch["attention_mask"],
-                         self.cfg.ttt_steps, self.model.feedback_input, parallel=self.parallel, chains=chains)
-        return unrolled_loss(self.model, outputs, last, batch["loss_mask"], batch["attention_mask"],
-                             self.loss_config, training, chains)
+        outputs = unroll(
+            head,
+            batch["input_ids"],
+            aux[:, :-1].to(dtype),
+            batch["attention_mask"],
+            self.cfg.ttt_steps,
+            self.model.feedback_input,
+            parallel=self.parallel,
+            chains=chains,
+        )
+        return unrolled_loss(
+            self.model, outputs, last, batch["loss_mask"], batch["attention_mask"], self.loss_config, training, chains
+        )
 
     def sample_chains(self, batch: dict):
         """The draft chains each training pass j > 0 trains (P-EAGLE's sampling); None: all of them."""

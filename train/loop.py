@@ -32,8 +32,8 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from draftsmith.config import dump_recipe, to_dict
 from draftsmith.atomic import staged
+from draftsmith.config import dump_recipe, to_dict
 from draftsmith.recipe import Recipe
 from draftsmith.timing import clock
 
@@ -123,8 +123,13 @@ def _process_group(recipe: Recipe) -> InitProcessGroupKwargs | None:
     environment DeepSpeed needs when no launcher did."""
     if recipe.distributed.backend == "deepspeed" and "RANK" not in os.environ:
         # A single process started without a launcher: DeepSpeed would go looking for MPI.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
+        )
     launched = "LOCAL_RANK" in os.environ  # started by accelerate launch / torchrun (or just above)
     if launched and not torch.cuda.is_available():
         # Multi-process CPU runs (and DeepSpeed on CPU) need gloo instead of NCCL.
@@ -204,8 +209,11 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 def checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete numbered checkpoints, oldest first."""
     root = Path(output_dir)
-    found = [(int(m.group(1)), p) for p in root.glob("checkpoint-*") if (m := _CHECKPOINT.match(p.name))
-             and (p / "state" / "trainer_state.json").is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.glob("checkpoint-*")
+        if (m := _CHECKPOINT.match(p.name)) and (p / "state" / "trainer_state.json").is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -249,8 +257,8 @@ def epoch_order(size: int, batch: int, seed: int, lengths: list[int] | None = No
     window = batch * GROUP_WINDOW
     batches = []
     for start in range(0, size, window):
-        chunk = sorted(order[start:start + window], key=lambda i: -lengths[i])
-        batches += [chunk[k:k + batch] for k in range(0, len(chunk), batch)]
+        chunk = sorted(order[start : start + window], key=lambda i: -lengths[i])
+        batches += [chunk[k : k + batch] for k in range(0, len(chunk), batch)]
     partial = [batches.pop()] if len(batches[-1]) < batch else []
     return [i for b in [batches[j] for j in rng.permutation(len(batches))] + partial for i in b]
 
@@ -261,20 +269,28 @@ def _epoch_loader(dataset, task: TrainTask, recipe: Recipe, epoch: int, lengths:
     # Its own generator: creating an iterator then draws its worker seed from it, not from the
     # global RNG, so a resumed run consumes the global RNG exactly as an uninterrupted one.
     generator = torch.Generator().manual_seed(recipe.training.seed + epoch)
-    return DataLoader(Subset(dataset, order), batch_size=recipe.training.batch_size, shuffle=False,
-                      collate_fn=task.collate, num_workers=recipe.training.num_workers, generator=generator)
+    return DataLoader(
+        Subset(dataset, order),
+        batch_size=recipe.training.batch_size,
+        shuffle=False,
+        collate_fn=task.collate,
+        num_workers=recipe.training.num_workers,
+        generator=generator,
+    )
 
 
 def _warmed(schedule, warmup: int, start: int = 0):
     """``schedule`` held at 0 until step ``start``, then warmed up over ``warmup`` optimiser steps
     counted from the first one: step ``start + s`` runs at (s + 1) / ``warmup`` of the schedule's
     level (Transformers' schedules run step 0 at learning rate 0, a wasted step)."""
+
     def factor(step: int) -> float:
         if step < start:
             return 0.0
         if step - start < warmup:
             return schedule(max(step, warmup)) * (step - start + 1) / warmup
         return schedule(step)
+
     return factor
 
 
@@ -315,12 +331,15 @@ class Trainer:
         else:
             groups = [{"params": [p for p in task.model.parameters() if p.requires_grad]}]
         starts = [g.pop("start_step", 0) for g in groups]
-        optimizer = torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+        optimizer = torch.optim.AdamW(
+            groups, lr=t.learning_rate, betas=tuple(t.adam_betas), weight_decay=t.weight_decay
+        )
         schedule = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[t.lr_schedule]
         # Accelerate advances a prepared scheduler once per process at every optimiser step.
         world = self.accelerator.num_processes
-        scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=t.warmup_steps * world,
-                                  num_training_steps=self.max_steps * world)
+        scheduler = get_scheduler(
+            schedule, optimizer, num_warmup_steps=t.warmup_steps * world, num_training_steps=self.max_steps * world
+        )
         self.state = TrainState()
         self._started = clock(self.accelerator.device)  # start of this invocation's loop (reset in train())
         warmup = t.warmup_steps * world
@@ -333,7 +352,9 @@ class Trainer:
         # DeepSpeed reads the micro-batch size from a prepared dataloader; give it one.
         self._lengths = sequence_lengths(train_data) if t.group_by_length else None
         probe = _epoch_loader(train_data, task, recipe, 0, self._lengths)
-        self.model, self.optimizer, self.scheduler, _ = self.accelerator.prepare(task.model, optimizer, scheduler, probe)
+        self.model, self.optimizer, self.scheduler, _ = self.accelerator.prepare(
+            task.model, optimizer, scheduler, probe
+        )
         self._pending_tokens = 0.0  # this process's loss tokens not yet summed into state.tokens
         self.history: list[dict] = []  # every logged metrics dict, with its step
 
@@ -355,7 +376,9 @@ class Trainer:
         acc.wait_for_everyone()  # every rank writes its random_states_{i}.pkl last: all in tmp before the rename
         if acc.is_main_process:
             self.task.save_pretrained(acc.unwrap_model(self.model), tmp)
-            (tmp / "state" / "trainer_state.json").write_text(json.dumps({**self.state.__dict__, **(extra_state or {})}))
+            (tmp / "state" / "trainer_state.json").write_text(
+                json.dumps({**self.state.__dict__, **(extra_state or {})})
+            )
             dump_recipe(self.recipe, tmp / "recipe.yaml")
             old = _discarded(final) if final.exists() else None
             os.replace(tmp, final)
@@ -405,8 +428,9 @@ class Trainer:
         if not self.eval_data or len(self.eval_data) == 0:
             return {}
         self.model.eval()
-        loader = self.accelerator.prepare(DataLoader(self.eval_data, batch_size=self.recipe.training.batch_size,
-                                                     collate_fn=self.task.collate))
+        loader = self.accelerator.prepare(
+            DataLoader(self.eval_data, batch_size=self.recipe.training.batch_size, collate_fn=self.task.collate)
+        )
         totals: dict[str, float] = {}
         for batch in loader:
             _, metrics = self.task.loss(self.model, batch, training=False)
@@ -426,8 +450,11 @@ class Trainer:
             if not resume:  # a fresh run in a reused folder starts its own log
                 (self.output_dir / LOG_HISTORY).unlink(missing_ok=True)
         if track.report_to == "wandb" and track.mode != "disabled":
-            acc.init_trackers(track.project, config=to_dict(self.recipe),
-                              init_kwargs={"wandb": {"name": track.run_name, "dir": str(self.output_dir)}})
+            acc.init_trackers(
+                track.project,
+                config=to_dict(self.recipe),
+                init_kwargs={"wandb": {"name": track.run_name, "dir": str(self.output_dir)}},
+            )
         stop_at = min(self.max_steps, t.stop_after_steps or self.max_steps)
         window: dict[str, float] = {}
         window_start = clock(acc.device)
@@ -436,7 +463,9 @@ class Trainer:
         bar = self._progress_bar(stop_at)
         self._started, out_of_time = clock(acc.device), False
         while self.state.step < stop_at and not out_of_time:
-            loader = acc.prepare(_epoch_loader(self.train_data, self.task, self.recipe, self.state.epoch, self._lengths))
+            loader = acc.prepare(
+                _epoch_loader(self.train_data, self.task, self.recipe, self.state.epoch, self._lengths)
+            )
             micro_batches = len(loader)
             if self.state.batches_in_epoch:
                 loader = acc.skip_first_batches(loader, self.state.batches_in_epoch)
@@ -476,8 +505,10 @@ class Trainer:
         bar.close()
         self.state.seconds = self._elapsed()
         if out_of_time:
-            acc.print(f"training.max_minutes={t.max_minutes} reached at step {self.state.step} of {self.max_steps}: "
-                      "the learning-rate schedule ran to its end by then; finishing")
+            acc.print(
+                f"training.max_minutes={t.max_minutes} reached at step {self.state.step} of {self.max_steps}: "
+                "the learning-rate schedule ran to its end by then; finishing"
+            )
         if self.state.step >= self.max_steps or out_of_time:
             if not (t.eval_every and self.state.step % t.eval_every == 0):
                 self._log_eval()
@@ -503,6 +534,7 @@ class Trainer:
                 return factor(step)
             by_time = warmup + int((total - warmup) * self._elapsed() / self.budget)
             return factor(max(step, min(total, by_time)))
+
         return timed
 
     def _budget_used(self) -> float | None:
@@ -520,8 +552,13 @@ class Trainer:
         disable = not self.accelerator.is_local_main_process
         if not self.budget:
             return tqdm(total=stop_at, initial=self.state.step, desc="train", disable=disable)
-        bar = tqdm(total=self.budget, initial=min(self.state.seconds, self.budget), desc="train", disable=disable,
-                   bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of training.max_minutes{postfix}")
+        bar = tqdm(
+            total=self.budget,
+            initial=min(self.state.seconds, self.budget),
+            desc="train",
+            disable=disable,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of training.max_minutes{postfix}",
+        )
         bar.set_postfix_str(f"step {self.state.step} (at most {stop_at})", refresh=False)
         return bar
 
@@ -596,6 +633,9 @@ class Trainer:
         checkpoint's state): replicas must agree after training."""
         if self.recipe.distributed.backend == "deepspeed" and self.recipe.distributed.zero_stage == 3:
             return {}  # parameters are partitioned; each rank holds a different shard
-        local = torch.tensor([_param_checksum(self.accelerator.unwrap_model(self.model))],
-                             dtype=torch.float64, device=self.accelerator.device)
+        local = torch.tensor(
+            [_param_checksum(self.accelerator.unwrap_model(self.model))],
+            dtype=torch.float64,
+            device=self.accelerator.device,
+        )
         return {"replica_checksums": self.accelerator.gather(local).tolist()}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +39,21 @@ class LoraSettings:
     r: int = 8  # LoRA rank
     alpha: int = 16  # LoRA alpha
     dropout: float = 0.05  # LoRA dropout
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",  # modules that get adapters
-                                                                "gate_proj", "up_proj", "down_proj"])
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",  # modules that get adapters
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
     learning_rate: float = 5e-5  # the heads use training.learning_rate
     start_step: int = 0  # optimiser steps the heads train alone before the adapters join
-    target_loss: Literal["distill", "lm"] = "distill"  # keeps the tuned target faithful: KL from the frozen target, or LM loss
+    # keeps the tuned target faithful: KL from the frozen target, or LM loss
+    target_loss: Literal["distill", "lm"] = "distill"
     target_loss_weight: float = 1.0  # weight of that loss
 
     def validate(self) -> None:
@@ -59,22 +69,27 @@ class MedusaDrafterConfig(DrafterConfig):
     num_heads: int = 4  # heads; head k predicts the token k+2 positions ahead
     num_layers: int = 1  # residual blocks per head
     lm_head: Literal["shared", "copy"] = "shared"  # the target's LM head by reference, or a trainable copy per head
-    draft_vocab_size: Optional[int] = None  # None: the full vocabulary; N: the N most frequent assistant tokens
+    draft_vocab_size: int | None = None  # None: the full vocabulary; N: the N most frequent assistant tokens
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
-    features: Literal["online", "offline"] = "online"  # target hidden states computed in each step, or cached on disk first
-    features_dir: Optional[str] = None  # offline cache (default: under the draftsmith cache, shared with EAGLE)
+    # target hidden states computed in each step, or cached on disk first
+    features: Literal["online", "offline"] = "online"
+    features_dir: str | None = None  # offline cache (default: under the draftsmith cache, shared with EAGLE)
     lora: LoraSettings = field(default_factory=LoraSettings)
 
     def validate(self) -> None:
         if self.num_heads < 1 or self.num_layers < 0:
-            raise ValueError(f"drafter.num_heads must be >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
+            raise ValueError(
+                f"drafter.num_heads must be >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}"
+            )
         if not 0 < self.head_decay <= 1:
             raise ValueError(f"drafter.head_decay must be in (0, 1], got {self.head_decay}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
             raise ValueError(f"drafter.draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
         if self.lora.enabled and self.features == "offline":
-            raise ValueError("drafter.features must be 'online' with drafter.lora.enabled: the tuned target's "
-                             "hidden states change as it trains")
+            raise ValueError(
+                "drafter.features must be 'online' with drafter.lora.enabled: the tuned target's "
+                "hidden states change as it trains"
+            )
 
 
 @dataclass
@@ -90,7 +105,11 @@ class JointMedusa(nn.Module):
         self.target, self.heads = target, heads
 
     def forward(self, input_ids, attention_mask, positions):
-        hidden = self.target.get_base_model().get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = (
+            self.target.get_base_model()
+            .get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
+            .last_hidden_state
+        )
         return hidden, self.heads(hidden, positions)
 
 
@@ -104,8 +123,8 @@ def head_positions(batch: dict, num_heads: int) -> tuple[list[torch.Tensor], lis
         valid = torch.zeros_like(mask)
         shifted = torch.zeros_like(ids)
         if n > shift:
-            valid[:, :n - shift] = mask[:, shift:]
-            shifted[:, :n - shift] = ids[:, shift:]
+            valid[:, : n - shift] = mask[:, shift:]
+            shifted[:, : n - shift] = ids[:, shift:]
         index = valid.flatten().nonzero().squeeze(1)
         positions.append(index)
         labels.append(shifted.flatten()[index])
@@ -124,9 +143,16 @@ class MedusaTask:
             from peft import LoraConfig, get_peft_model
 
             lora = self.cfg.lora
-            peft_target = get_peft_model(target, LoraConfig(
-                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
-                bias="none"))
+            peft_target = get_peft_model(
+                target,
+                LoraConfig(
+                    r=lora.r,
+                    lora_alpha=lora.alpha,
+                    lora_dropout=lora.dropout,
+                    target_modules=lora.target_modules,
+                    bias="none",
+                ),
+            )
             self.target = peft_target
             self.model = JointMedusa(peft_target, heads)
         else:
@@ -139,8 +165,14 @@ class MedusaTask:
         groups = [{"params": list(self.heads.parameters()), "name": "heads"}]
         if self.cfg.lora.enabled:
             adapters = [p for p in self.target.parameters() if p.requires_grad]
-            groups.append({"params": adapters, "lr": self.cfg.lora.learning_rate, "name": "lora",
-                           "start_step": self.cfg.lora.start_step})
+            groups.append(
+                {
+                    "params": adapters,
+                    "lr": self.cfg.lora.learning_rate,
+                    "name": "lora",
+                    "start_step": self.cfg.lora.start_step,
+                }
+            )
         return groups
 
     def loss(self, model, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
@@ -151,8 +183,13 @@ class MedusaTask:
             target_loss = self._target_loss(hidden, batch, metrics)
         else:
             with torch.no_grad():
-                hidden = batch["hidden"] if "hidden" in batch else self.target.get_decoder()(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+                hidden = (
+                    batch["hidden"]
+                    if "hidden" in batch
+                    else self.target.get_decoder()(
+                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                    ).last_hidden_state
+                )
             head_logits = model(hidden.to(next(self.heads.parameters()).dtype), positions)
             target_loss = None
         total = hidden.new_zeros((), dtype=torch.float32)
@@ -160,7 +197,7 @@ class MedusaTask:
             draft_gold = self.heads.to_draft_ids(gold)
             known = draft_gold >= 0  # labels outside the draft vocabulary cannot be learnt, only missed
             ce = F.cross_entropy(logits[known].float(), draft_gold[known], reduction="sum")
-            total = total + self.cfg.head_decay ** k * ce / max(1, len(gold))
+            total = total + self.cfg.head_decay**k * ce / max(1, len(gold))
             with torch.no_grad():
                 ranks = min(TOP_K_RECORDED if not training else 5, logits.shape[-1])
                 top = self.heads.draft_vocab[logits.topk(ranks, dim=-1).indices]
@@ -168,7 +205,7 @@ class MedusaTask:
             name = f"head{k + 1}"
             metrics[f"{name}/tokens"] = float(len(gold))
             metrics[f"{name}/ce"] = float(ce.detach())
-            for r in ((1, 5) if training else range(1, ranks + 1)):
+            for r in (1, 5) if training else range(1, ranks + 1):
                 metrics[f"{name}/top{r}"] = float(hits[r - 1]) if len(gold) else 0.0
         if target_loss is not None:
             total = total + self.cfg.lora.target_loss_weight * target_loss
@@ -191,8 +228,11 @@ class MedusaTask:
             reference = None
         else:
             with torch.no_grad(), self.target.disable_adapter():
-                base = self.target.get_base_model().get_decoder()(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+                base = (
+                    self.target.get_base_model()
+                    .get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                    .last_hidden_state
+                )
                 reference = lm_head(base[mask].to(lm_head.weight.dtype)).float()
             loss = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum")
         metrics["target/tokens"] = float(rows.shape[0])

@@ -6,7 +6,8 @@ Training unrolls the same layout (:func:`draftsmith.train.unroll.unroll` with ``
 0 reads the target's fused layers, pass j > 0 the mask inputs at position offset j, attending to
 the real context and to the mask positions before it; the loss of pass j is the cross-entropy
 between the target's distribution over the draft vocabulary at depth j + 1 and the head's,
-weighted ``ttt_step_loss_decay ** j`` (default 1, as speculators weighs depths). Training samples draft chains as the P-EAGLE trainers do
+weighted ``ttt_step_loss_decay ** j`` (default 1, as speculators weighs depths). Training samples draft chains as the
+P-EAGLE trainers do
 (:func:`draftsmith.train.unroll.chain_sample`: depth d trains a ``down_sample_ratio ** (d - 1)``
 share of the positions, at least ``down_sample_ratio_min``), so deep passes cost a fraction of a
 full one; held-out evaluation scores every chain. Everything else (data, regenerated replies, draft
@@ -17,7 +18,6 @@ vocabulary, online or offline features, the out-of-vocabulary mask) is EAGLE-3's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.heads.vocab import mask_token_for
@@ -35,7 +35,7 @@ class PEagleDrafterConfig(Eagle3DrafterConfig):
     kind: str = "peagle"
     ttt_steps: int = 7  # tokens drafted in one pass (draft depths trained, a pass each)
     ttt_step_loss_decay: float = 1.0  # every depth weighs the same (speculators): chain sampling thins deep ones
-    mask_token_id: Optional[int] = None  # null: the tokenizer's mask token, else a special token absent from the data
+    mask_token_id: int | None = None  # null: the tokenizer's mask token, else a special token absent from the data
     # Chain sampling: depth d >= 2 trains max(ratio ** (d - 1), ratio_min) of the positions (ratio 1: all of them).
     down_sample_ratio: float = 0.7
     down_sample_ratio_min: float = 0.2
@@ -61,8 +61,12 @@ class PEagleTask(Eagle3Task):
     def sample_chains(self, batch: dict) -> list[Chains] | None:
         if self.cfg.down_sample_ratio == 1:
             return None
-        return chain_sample(supervised_next(batch["loss_mask"], batch["attention_mask"]), self.cfg.ttt_steps,
-                            self.cfg.down_sample_ratio, self.cfg.down_sample_ratio_min)
+        return chain_sample(
+            supervised_next(batch["loss_mask"], batch["attention_mask"]),
+            self.cfg.ttt_steps,
+            self.cfg.down_sample_ratio,
+            self.cfg.down_sample_ratio_min,
+        )
 
     @staticmethod
     def head_options(recipe: PEagleRecipe, tokenizer, train_set) -> dict:

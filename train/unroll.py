@@ -55,9 +55,16 @@ def pass_mask(padding: torch.Tensor, step: int) -> torch.Tensor:
     return torch.cat([first] + [eye.expand(batch, n, n)] * step, dim=-1)[:, None]
 
 
-def unrolled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
-                       **kwargs) -> tuple[torch.Tensor, None]:
+def unrolled_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Attention of unroll pass j (an ``AttentionInterface`` function, HF's calling convention).
 
     ``query`` ``[b, heads, n, d]``; ``key``/``value`` ``[b, kv_heads, (j+1) n, d]``: the cached keys
@@ -68,8 +75,9 @@ def unrolled_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     heads, n = query.shape[1], query.shape[2]
     kv_heads, passes = key.shape[1], key.shape[2] // n
     if passes == 1:  # pass 0 is plain causal attention: the fused kernel
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
-                                               dropout=dropout, **kwargs)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     q = query.unflatten(1, (kv_heads, heads // kv_heads))  # grouped-query heads share a kv head
     scores = q @ key[:, :, None, :n].transpose(-1, -2) * scaling  # [b, kv, g, n, n]
     if attention_mask is not None:
@@ -98,16 +106,25 @@ def _attention_implementation(config, name: str):
         config._attn_implementation = before
 
 
-def unroll(head, input_ids: torch.Tensor, features: torch.Tensor, padding: torch.Tensor, steps: int,
-           feedback: str = "features", detach: bool = False, parallel: bool = False,
-           chains: list[Chains] | None = None) -> list[torch.Tensor]:
+def unroll(
+    head,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    padding: torch.Tensor,
+    steps: int,
+    feedback: str = "features",
+    detach: bool = False,
+    parallel: bool = False,
+    chains: list[Chains] | None = None,
+) -> list[torch.Tensor]:
     """The head's outputs ``[b, n, h]`` for passes ``0..steps-1``.
 
     ``input_ids`` ``[b, L]`` and ``features`` ``[b, L - 1, d]`` (the target's, paired with the
     next token); ``padding`` ``[b, L]`` is 1 on real tokens. Pass j>0 feeds the previous outputs
     back as the head's ``feedback`` input (its ``feedback_input``: ``head`` may be wrapped for
     DDP) with the tokens shifted j places left; ``detach`` stops gradients through the fed-back
-    outputs (HASS), else later passes also train the earlier ones (EAGLE-3's training-time test). Attention runs as :func:`unrolled_attention`,
+    outputs (HASS), else later passes also train the earlier ones (EAGLE-3's training-time test). Attention runs as
+    :func:`unrolled_attention`,
     except for heads whose layers soft-cap attention logits (Gemma-2: eager attention over the
     dense :func:`pass_mask`). With ``parallel`` (P-EAGLE) pass j>0 reads the head's mask token and
     mask feature instead, so no pass depends on another's output: the layout one drafting pass sees.
@@ -135,8 +152,14 @@ def unroll(head, input_ids: torch.Tensor, features: torch.Tensor, padding: torch
                 shifted = torch.cat([tokens[:, step:], tokens.new_zeros(batch, step)], dim=1)
             else:
                 shifted = tokens
-            out = head(shifted, position_ids=positions + step, past_key_values=cache, use_cache=True,
-                       attention_mask=pass_mask(padding, 0 if blockwise else step), **inputs).last_hidden_state
+            out = head(
+                shifted,
+                position_ids=positions + step,
+                past_key_values=cache,
+                use_cache=True,
+                attention_mask=pass_mask(padding, 0 if blockwise else step),
+                **inputs,
+            ).last_hidden_state
             outputs.append(out)
             inputs = {feedback: out.detach() if detach else out}
     return outputs
@@ -153,7 +176,8 @@ class Chains:
     def rows(self, n: int) -> torch.Tensor:
         """Boolean ``[b, n]``: the sampled positions."""
         return torch.zeros(self.valid.shape[0], n, dtype=torch.bool, device=self.valid.device).scatter(
-            1, self.positions, self.valid)
+            1, self.positions, self.valid
+        )
 
 
 def chain_sample(supervised: torch.Tensor, steps: int, ratio: float, floor: float) -> list[Chains]:
@@ -169,7 +193,7 @@ def chain_sample(supervised: torch.Tensor, steps: int, ratio: float, floor: floa
     batch, n = supervised.shape
     if steps < 2:
         return []
-    shares = [max(ratio ** j, floor) for j in range(1, steps)]
+    shares = [max(ratio**j, floor) for j in range(1, steps)]
     shifted = [torch.cat([supervised[:, j:], supervised.new_zeros(batch, j)], dim=1) for j in range(1, steps)]
     counts = torch.stack([(s.sum(-1) * share).floor().long() for s, share in zip(shifted, shares)])  # [steps-1, b]
     widths = counts.amax(-1).clamp(min=1).tolist()  # the one host sync: each pass's row width
@@ -193,12 +217,20 @@ def _sampled_pass(head, chains: list[Chains], padding: torch.Tensor, step: int, 
     context = torch.arange(n, device=padding.device)[None, None, :] <= own.positions[:, :, None]
     blocks = [context & padding.bool()[:, None, :]]
     for earlier in chains[:-1]:
-        blocks.append((earlier.positions[:, None, :] == own.positions[:, :, None]) & earlier.valid[:, None, :]
-                      & own.valid[:, :, None])
+        blocks.append(
+            (earlier.positions[:, None, :] == own.positions[:, :, None])
+            & earlier.valid[:, None, :]
+            & own.valid[:, :, None]
+        )
     blocks.append(torch.eye(own.positions.shape[1], dtype=torch.bool, device=padding.device).expand(batch, -1, -1))
     mask_id = getattr(head, "module", head).mask_token_id
-    out = head(torch.full_like(own.positions, mask_id), position_ids=own.positions + step, past_key_values=cache,
-               use_cache=True, attention_mask=torch.cat(blocks, dim=-1)[:, None]).last_hidden_state
+    out = head(
+        torch.full_like(own.positions, mask_id),
+        position_ids=own.positions + step,
+        past_key_values=cache,
+        use_cache=True,
+        attention_mask=torch.cat(blocks, dim=-1)[:, None],
+    ).last_hidden_state
     index = own.positions[:, :, None].expand_as(out)
     return out.new_zeros(batch, n, out.shape[-1]).scatter(1, index, out * own.valid[:, :, None])
 
@@ -270,9 +302,16 @@ def soft_target_cross_entropy(logits: torch.Tensor, coeff: torch.Tensor) -> tupl
     return _SoftTargetCrossEntropy.apply(logits, coeff)
 
 
-def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor, loss_mask: torch.Tensor,
-                  padding: torch.Tensor, cfg: UnrollLoss, training: bool,
-                  chains: list[Chains] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def unrolled_loss(
+    head,
+    outputs: list[torch.Tensor],
+    target_hidden: torch.Tensor,
+    loss_mask: torch.Tensor,
+    padding: torch.Tensor,
+    cfg: UnrollLoss,
+    training: bool,
+    chains: list[Chains] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted loss over the passes and metrics: ``top1``/``top3`` (pass 0, as without unrolling)
     and ``top1@d`` with ``rows@d`` for every draft depth d (hits and scored positions: the task's
     :func:`depth_rates` divides them).
@@ -289,18 +328,19 @@ def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor
     needed = supervised_next(loss_mask, padding)
     row_of = torch.cumsum(needed.flatten(), 0).view_as(needed) - 1  # row of each needed index in `coeff`
     with torch.no_grad():
-        target_probs, best, coeff, keep = target_terms(head, target_hidden[:, 1:][needed].to(outputs[0].dtype),
-                                                       cfg, training)
+        target_probs, best, coeff, keep = target_terms(
+            head, target_hidden[:, 1:][needed].to(outputs[0].dtype), cfg, training
+        )
         if cfg.regression_weight:
             next_feature = target_hidden[:, 1:][needed]
     sums: dict[str, torch.Tensor] = {}  # read back together at the end: one host sync for all metrics
     for step, pred in enumerate(outputs):
         n = pred.shape[1] - step
         # Position t scores token t + step + 2 with the target's distribution at t + step + 1.
-        mask = needed[:, step: step + n]
+        mask = needed[:, step : step + n]
         if chains is not None and step:
             mask = mask & chains[step - 1].rows(pred.shape[1])[:, :n]
-        rows = row_of[:, step: step + n][mask]
+        rows = row_of[:, step : step + n][mask]
         pred_t = pred[:, :n][mask]
         if step == 0:
             sums["tokens"] = mask.sum()
@@ -315,7 +355,7 @@ def unrolled_loss(head, outputs: list[torch.Tensor], target_hidden: torch.Tensor
             target_t = next_feature.index_select(0, rows)
             regression = F.smooth_l1_loss(pred_t.float(), target_t.float(), reduction="none").mean(-1)
             loss = loss + cfg.regression_weight * regression.mean()
-        total = total + cfg.decay ** step * loss
+        total = total + cfg.decay**step * loss
         with torch.no_grad():
             best_t = best.index_select(0, rows)
             top3 = head.draft_vocab[logits.topk(min(3, logits.shape[-1]), dim=-1).indices]
@@ -359,8 +399,9 @@ def _loss_coefficients(probs: torch.Tensor, cfg: UnrollLoss) -> torch.Tensor:
     return coeff
 
 
-def _target_choice(head, target_hidden: torch.Tensor, target_probs: torch.Tensor, exact: bool,
-                   chunk: int = 1024) -> torch.Tensor:
+def _target_choice(
+    head, target_hidden: torch.Tensor, target_probs: torch.Tensor, exact: bool, chunk: int = 1024
+) -> torch.Tensor:
     """The target's next token ids ``[rows]``: its argmax within the draft vocabulary, or (``exact``,
     with a reduced vocabulary) over the full vocabulary, which costs a full LM-head pass (taken
     ``chunk`` rows at a time: the full logits of a long batch of a 128k-vocabulary target would
@@ -368,5 +409,8 @@ def _target_choice(head, target_hidden: torch.Tensor, target_probs: torch.Tensor
     if head.full_vocab or not exact:
         return head.draft_vocab[target_probs.argmax(-1)]
     weight = head.target.get_output_embeddings().weight.to(target_hidden.dtype)
-    return torch.cat([(part @ weight.T).argmax(-1) for part in target_hidden.split(chunk)]) \
-        if target_hidden.shape[0] else target_hidden.new_zeros(0, dtype=torch.long)
+    return (
+        torch.cat([(part @ weight.T).argmax(-1) for part in target_hidden.split(chunk)])
+        if target_hidden.shape[0]
+        else target_hidden.new_zeros(0, dtype=torch.long)
+    )

@@ -2,7 +2,8 @@
 
 A spec is ``KIND[:PATH][?key=value&key=value]``, e.g. ``prompt_lookup``,
 ``prompt_lookup?num_tokens=4&branches=3``, ``draft_lm:HuggingFaceTB/SmolLM2-135M-Instruct?depth=5``,
-``draft_lm?layers=4`` (a draft cut from the target: 4 evenly spaced layers, or ``layers=0,1,2,29``), ``oracle?num_tokens=8``,
+``draft_lm?layers=4`` (a draft cut from the target: 4 evenly spaced layers, or ``layers=0,1,2,29``),
+``oracle?num_tokens=8``,
 ``eagle:runs/x/checkpoint-final?depth=5&top_k=3&budget=12``, ``eagle3:runs/y/checkpoint-final``. ``name=`` sets the
 label used in tables. Every kind also takes the engine's draft-length policy options (:data:`POLICY_OPTIONS`,
 e.g. ``draft_lm:PATH?depth=8&policy=entropy``). :data:`KINDS` documents every kind and option
@@ -48,7 +49,9 @@ class Range:
     def __str__(self) -> str:
         what = "an integer" if self.integer else "a number"
         if self.low is not None and self.high is not None:
-            return f"{what} in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+            return (
+                f"{what} in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+            )
         if self.low is not None:
             return f"{what} {'>' if self.open_low else '>='} {self.low:g}"
         return f"{what} {'<' if self.open_high else '<='} {self.high:g}" if self.high is not None else what
@@ -93,83 +96,156 @@ def _tree_options(fallback: dict[str, int]) -> dict[str, Option]:
     """An EAGLE head's tree options: each a count, or ``auto`` (planned, :mod:`draftsmith.eval.tree_plan`)."""
     unplanned = f"depth {fallback['depth']}, top_k {fallback['top_k']}, budget {fallback['budget']}"
     return {
-        "depth": Option(AUTO, "tree depth (draft steps per verification): a count, or auto: planned from the head's "
-                        "held-out accuracy per depth and this device's measured pass costs (a head recording none: "
-                        f"{unplanned})", COUNT, text=True),
+        "depth": Option(
+            AUTO,
+            "tree depth (draft steps per verification): a count, or auto: planned from the head's "
+            "held-out accuracy per depth and this device's measured pass costs (a head recording none: "
+            f"{unplanned})",
+            COUNT,
+            text=True,
+        ),
         "top_k": Option(AUTO, "children expanded per node: a count, or auto (planned)", COUNT, text=True),
         "budget": Option(AUTO, "tree nodes verified per step: a count, or auto (planned)", COUNT, text=True),
     }
 
 
 KINDS: dict[str, KindHelp] = {
-    "prompt_lookup": KindHelp("n-gram lookup in the prompt and the output so far (training-free)", "", {
-        "num_tokens": Option(10, "tokens drafted per step", COUNT),
-        "max_ngram": Option(3, "longest suffix n-gram looked up", COUNT),
-        "min_ngram": Option(2, "shortest suffix n-gram looked up", COUNT),
-        "branches": Option(1, "distinct continuations drafted as a tree (1: a chain)", COUNT),
-    }),
-    "oracle": KindHelp("the target's own greedy continuation: the engine's ceiling (diagnostic)", "", {
-        "num_tokens": Option(8, "tokens drafted per step", COUNT),
-    }),
-    "draft_lm": KindHelp("any causal LM with the target's tokenizer; without PATH, layers cut from the target",
-                         "hub id or folder (e.g. a train/distill.py checkpoint); optional", {
-        "depth": Option(4, "draft tokens per step (tree depth)", COUNT),
-        "top_k": Option(1, "children per node (1: a chain; more: an EAGLE-2-style dynamic tree)", COUNT),
-        "budget": Option(None, "tree nodes kept (default: depth x top_k)", COUNT),
-        "layers": Option(4, "without PATH: a count of evenly spaced target layers, or indices like 0,1,2,29", COUNT,
-                         text=True),
-        "vocab": Option(None, "draft over the N most frequent tokens of a distill checkpoint's training replies", COUNT),
-    }, has_distribution=True),
-    "eagle": KindHelp("a trained EAGLE head growing EAGLE-2 dynamic trees", "checkpoint or sglang export folder (required)",
-                      _tree_options(PLAN_FALLBACK["eagle"]), has_distribution=True),
-    "eagle3": KindHelp("a trained EAGLE-3 head (fused target layers, training-time test) growing EAGLE-2 dynamic trees",
-                       "checkpoint, speculators or sglang export folder (required)",
-                       _tree_options(PLAN_FALLBACK["eagle3"]), has_distribution=True),
-    "peagle": KindHelp("a trained P-EAGLE head drafting a chain of depth tokens in one forward pass (parallel drafting)",
-                       "checkpoint or speculators export folder (required)", {
-        "depth": Option(None, "tokens drafted per step, in one pass (default and most: the depths the head was "
-                        "trained for)", COUNT),
-    }, has_distribution=True),
-    "dflash": KindHelp("a trained DFlash drafter: Qwen3 layers over [last token, MASK...] with the target's "
-                       "features injected as context, drafting the block in one forward pass",
-                       "checkpoint or speculators export folder (required)", {
-        "depth": Option(None, "tokens drafted per step, in one pass (default and most: the block size - 1)", COUNT),
-    }, has_distribution=True),
+    "prompt_lookup": KindHelp(
+        "n-gram lookup in the prompt and the output so far (training-free)",
+        "",
+        {
+            "num_tokens": Option(10, "tokens drafted per step", COUNT),
+            "max_ngram": Option(3, "longest suffix n-gram looked up", COUNT),
+            "min_ngram": Option(2, "shortest suffix n-gram looked up", COUNT),
+            "branches": Option(1, "distinct continuations drafted as a tree (1: a chain)", COUNT),
+        },
+    ),
+    "oracle": KindHelp(
+        "the target's own greedy continuation: the engine's ceiling (diagnostic)",
+        "",
+        {
+            "num_tokens": Option(8, "tokens drafted per step", COUNT),
+        },
+    ),
+    "draft_lm": KindHelp(
+        "any causal LM with the target's tokenizer; without PATH, layers cut from the target",
+        "hub id or folder (e.g. a train/distill.py checkpoint); optional",
+        {
+            "depth": Option(4, "draft tokens per step (tree depth)", COUNT),
+            "top_k": Option(1, "children per node (1: a chain; more: an EAGLE-2-style dynamic tree)", COUNT),
+            "budget": Option(None, "tree nodes kept (default: depth x top_k)", COUNT),
+            "layers": Option(
+                4, "without PATH: a count of evenly spaced target layers, or indices like 0,1,2,29", COUNT, text=True
+            ),
+            "vocab": Option(
+                None, "draft over the N most frequent tokens of a distill checkpoint's training replies", COUNT
+            ),
+        },
+        has_distribution=True,
+    ),
+    "eagle": KindHelp(
+        "a trained EAGLE head growing EAGLE-2 dynamic trees",
+        "checkpoint or sglang export folder (required)",
+        _tree_options(PLAN_FALLBACK["eagle"]),
+        has_distribution=True,
+    ),
+    "eagle3": KindHelp(
+        "a trained EAGLE-3 head (fused target layers, training-time test) growing EAGLE-2 dynamic trees",
+        "checkpoint, speculators or sglang export folder (required)",
+        _tree_options(PLAN_FALLBACK["eagle3"]),
+        has_distribution=True,
+    ),
+    "peagle": KindHelp(
+        "a trained P-EAGLE head drafting a chain of depth tokens in one forward pass (parallel drafting)",
+        "checkpoint or speculators export folder (required)",
+        {
+            "depth": Option(
+                None,
+                "tokens drafted per step, in one pass (default and most: the depths the head was trained for)",
+                COUNT,
+            ),
+        },
+        has_distribution=True,
+    ),
+    "dflash": KindHelp(
+        "a trained DFlash drafter: Qwen3 layers over [last token, MASK...] with the target's "
+        "features injected as context, drafting the block in one forward pass",
+        "checkpoint or speculators export folder (required)",
+        {
+            "depth": Option(None, "tokens drafted per step, in one pass (default and most: the block size - 1)", COUNT),
+        },
+        has_distribution=True,
+    ),
     "hierarchical": KindHelp(
         "HSDDW hierarchical drafting: draft LM M1 drafts under its entropy rule, a stronger draft LM M2 "
-        "pre-verifies its tokens, the target verifies what M2 kept", "", {
-            "m1": Option(None, "M1: hub id or folder of a draft LM (e.g. a train/distill.py checkpoint); default: cut from the target"),
+        "pre-verifies its tokens, the target verifies what M2 kept",
+        "",
+        {
+            "m1": Option(
+                None,
+                "M1: hub id or folder of a draft LM (e.g. a train/distill.py checkpoint); default: cut from the target",
+            ),
             "m2": Option(None, "M2: as m1, the stronger one"),
-            "vocab": Option(None, "with m1=/m2= distill checkpoints: each drafts over its N most frequent training tokens", COUNT),
+            "vocab": Option(
+                None, "with m1=/m2= distill checkpoints: each drafts over its N most frequent training tokens", COUNT
+            ),
             # Untrained cuts of SmolLM2 (30 layers) are accepted only from ~26 layers up: a 6-layer M2
             # never was (acceptance length 1.00), a 28-layer one makes the default draft above 1.0.
-            "m1_layers": Option(6, "without m1: M1 is this many evenly spaced target layers, or indices like 0,1,2,29",
-                                COUNT, text=True),
-            "m2_layers": Option(28, "without m2: M2 is this many evenly spaced target layers, or indices like 0,1,2,29",
-                                COUNT, text=True),
+            "m1_layers": Option(
+                6, "without m1: M1 is this many evenly spaced target layers, or indices like 0,1,2,29", COUNT, text=True
+            ),
+            "m2_layers": Option(
+                28,
+                "without m2: M2 is this many evenly spaced target layers, or indices like 0,1,2,29",
+                COUNT,
+                text=True,
+            ),
             "depth": Option(8, "most tokens sent to the target per step", COUNT),
             "m1_depth": Option(4, "most tokens M1 drafts before M2 pre-verifies them", COUNT),
-            "m1_tau": Option(DEFAULT_ENTROPY_TAU, "M1's initial entropy threshold (nats; then the mean M1 entropy of M2's rejections and M1's declines)",
-                             POSITIVE),
-            "m2_tau": Option(DEFAULT_ENTROPY_TAU, "M2's initial entropy threshold (nats; then the mean M2 entropy of the target's rejections and M2's declines)",
-                             POSITIVE),
-        }),
-    "medusa": KindHelp("trained Medusa heads over a static tree", "checkpoint, vllm-medusa or medusa export folder (required)", {
-        "choices": Option(None, "tree file (Medusa-style [[0], [0, 0], [1], ...]); default: the calibrated tree.yaml"),
-        "budget": Option(None, "use the optimal N-node tree for the heads' recorded accuracies instead", COUNT),
-    }),
+            "m1_tau": Option(
+                DEFAULT_ENTROPY_TAU,
+                "M1's initial entropy threshold (nats; then the mean M1 entropy of M2's rejections and M1's declines)",
+                POSITIVE,
+            ),
+            "m2_tau": Option(
+                DEFAULT_ENTROPY_TAU,
+                "M2's initial entropy threshold (nats; then the mean M2 entropy of the target's "
+                "rejections and M2's declines)",
+                POSITIVE,
+            ),
+        },
+    ),
+    "medusa": KindHelp(
+        "trained Medusa heads over a static tree",
+        "checkpoint, vllm-medusa or medusa export folder (required)",
+        {
+            "choices": Option(
+                None, "tree file (Medusa-style [[0], [0, 0], [1], ...]); default: the calibrated tree.yaml"
+            ),
+            "budget": Option(None, "use the optimal N-node tree for the heads' recorded accuracies instead", COUNT),
+        },
+    ),
 }
 
 
 # Options every kind takes: how the engine drafts and verifies with it (draftsmith.eval.policies).
 POLICY_OPTIONS: dict[str, Option] = {
     "policy": Option("fixed", f"draft-length policy: {', '.join(POLICIES)}, or entropy,confidence (both)"),
-    "entropy_tau": Option(DEFAULT_ENTROPY_TAU, "entropy policy: initial threshold in nats (then the mean entropy of "
-                          "rejected drafts)", POSITIVE),
-    "confidence": Option(DEFAULT_CONFIDENCE, "confidence policy: draft only while the target's probability of its own "
-                         "token is >= this", Range(0, 1, open_low=True, open_high=True)),
-    "lenience": Option(1.0, "LOSSY below 1 (sampling only): accept with min(1, p/(lenience q)) (Leviathan et al.)",
-                       Range(0, 1, open_low=True)),
+    "entropy_tau": Option(
+        DEFAULT_ENTROPY_TAU,
+        "entropy policy: initial threshold in nats (then the mean entropy of rejected drafts)",
+        POSITIVE,
+    ),
+    "confidence": Option(
+        DEFAULT_CONFIDENCE,
+        "confidence policy: draft only while the target's probability of its own token is >= this",
+        Range(0, 1, open_low=True, open_high=True),
+    ),
+    "lenience": Option(
+        1.0,
+        "LOSSY below 1 (sampling only): accept with min(1, p/(lenience q)) (Leviathan et al.)",
+        Range(0, 1, open_low=True),
+    ),
 }
 
 
@@ -192,8 +268,10 @@ def _check_ranges(spec: str, kind: str, raw: dict[str, str], options: dict) -> N
         if option is None or option.range is None or (option.text and isinstance(value, str)):
             continue
         if value not in option.range:
-            raise UsageError(f"--drafter {spec!r}: {key}={raw[key]} is not allowed: {key} must be {option.range} "
-                             "(eval/run.py --help lists every option's range)")
+            raise UsageError(
+                f"--drafter {spec!r}: {key}={raw[key]} is not allowed: {key} must be {option.range} "
+                "(eval/run.py --help lists every option's range)"
+            )
 
 
 @dataclass
@@ -239,15 +317,21 @@ def parse_spec(spec: str) -> DrafterSpec:
     options = {key: _value(val) for key, val in pairs}
     unknown = sorted(set(options) - set(KINDS[kind].options) - set(POLICY_OPTIONS) - {"name"})
     if unknown:
-        raise UsageError(f"--drafter {spec!r}: unknown option(s) {', '.join(unknown)} for {kind}; "
-                         f"its options: {', '.join([*KINDS[kind].options, *POLICY_OPTIONS, 'name'])}")
+        raise UsageError(
+            f"--drafter {spec!r}: unknown option(s) {', '.join(unknown)} for {kind}; "
+            f"its options: {', '.join([*KINDS[kind].options, *POLICY_OPTIONS, 'name'])}"
+        )
     _check_ranges(spec, kind, dict(pairs), options)
     policy = PolicyConfig.from_options(spec, options)
     if policy.entropy_tau and kind == "hierarchical":
-        raise UsageError(f"--drafter {spec!r}: the hierarchical drafter has its own entropy rules; set m1_tau= and m2_tau=")
+        raise UsageError(
+            f"--drafter {spec!r}: the hierarchical drafter has its own entropy rules; set m1_tau= and m2_tau="
+        )
     if policy.entropy_tau and not KINDS[kind].has_distribution:
-        raise UsageError(f"--drafter {spec!r}: policy=entropy needs a drafter that drafts from a distribution "
-                         f"({', '.join(k for k, v in KINDS.items() if v.has_distribution)}); {kind} has none")
+        raise UsageError(
+            f"--drafter {spec!r}: policy=entropy needs a drafter that drafts from a distribution "
+            f"({', '.join(k for k, v in KINDS.items() if v.has_distribution)}); {kind} has none"
+        )
     name = str(options.pop("name", _default_name(kind, path) + policy.label()))
     if policy.lossy and "lossy" not in name:  # a lossy row is never mistaken for a lossless one
         name += "(lossy)"
@@ -294,9 +378,14 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
                 path = options.pop(m, None)
                 layers = options.pop(f"{m}_layers", KINDS["hierarchical"].options[f"{m}_layers"].default)
                 if path is None and vocab is not None:
-                    raise UsageError(f"hierarchical option vocab=N needs trained draft LMs (m1=PATH&m2=PATH); {m} has none")
-                models.append(load_draft_lm(str(path), param.dtype, param.device) if path is not None
-                              else _cut_from_target(target, layers, f"hierarchical option {m}_layers"))
+                    raise UsageError(
+                        f"hierarchical option vocab=N needs trained draft LMs (m1=PATH&m2=PATH); {m} has none"
+                    )
+                models.append(
+                    load_draft_lm(str(path), param.dtype, param.device)
+                    if path is not None
+                    else _cut_from_target(target, layers, f"hierarchical option {m}_layers")
+                )
                 if vocab is not None:
                     options[f"{m}_vocab"] = draft_vocab_from_counts(str(path), int(vocab), models[-1])
             drafter = HierarchicalDrafter(*models, **options)
@@ -325,11 +414,14 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
         elif parsed.kind == "medusa":
             from draftsmith.eval.drafters.medusa import MedusaDrafter
 
-            heads, choices, verifier = _medusa_parts(parsed.path, target, options.pop("choices", None),
-                                                     options.pop("budget", None))
+            heads, choices, verifier = _medusa_parts(
+                parsed.path, target, options.pop("choices", None), options.pop("budget", None)
+            )
             drafter = MedusaDrafter(heads, choices, verifier=verifier, **options)
             if verifier is not None:
-                drafter.verifier_label = f"target + LoRA adapter {parsed.path}/adapter (unmerged, on for this drafter only)"
+                drafter.verifier_label = (
+                    f"target + LoRA adapter {parsed.path}/adapter (unmerged, on for this drafter only)"
+                )
         else:
             raise ValueError(f"drafter kind {parsed.kind!r} has no engine adapter")
     except TypeError as err:  # an option value of the wrong type reaching a constructor
@@ -349,14 +441,18 @@ def _eagle_drafter(parsed: DrafterSpec, options: dict, target: PreTrainedModel, 
     tree = {key: options.pop(key, AUTO) for key in ("depth", "top_k", "budget")}
     for key, value in tree.items():
         if isinstance(value, str) and value != AUTO:
-            raise UsageError(f"--drafter {parsed.kind}:{parsed.path}: {key}={value} is not allowed: give a count or auto")
+            raise UsageError(
+                f"--drafter {parsed.kind}:{parsed.path}: {key}={value} is not allowed: give a count or auto"
+            )
     label = ""
     if AUTO in tree.values():
         plan = plan_head_tree(target, head)
         if plan is None:
             planned = PLAN_FALLBACK[parsed.kind]
-            label = (f"{parsed.path} records no held-out accuracy per draft depth (trained without held-out data): "
-                     f"unplanned tree depth {planned['depth']}, top_k {planned['top_k']}, budget {planned['budget']}")
+            label = (
+                f"{parsed.path} records no held-out accuracy per draft depth (trained without held-out data): "
+                f"unplanned tree depth {planned['depth']}, top_k {planned['top_k']}, budget {planned['budget']}"
+            )
         else:
             planned = {"depth": plan.depth, "top_k": plan.top_k, "budget": plan.budget}
             label = plan.describe()
@@ -380,8 +476,9 @@ def _cut_from_target(target: PreTrainedModel, layers, field: str) -> PreTrainedM
     try:
         indices = [int(i) for i in str(layers).split(",")]
     except ValueError:
-        raise UsageError(f"{field}={layers!r}: give a count or comma-separated layer indices, "
-                         "e.g. 4 or 0,1,2,29") from None
+        raise UsageError(
+            f"{field}={layers!r}: give a count or comma-separated layer indices, e.g. 4 or 0,1,2,29"
+        ) from None
     return derive_draft_lm(target, layers=indices)
 
 
@@ -414,6 +511,18 @@ def _medusa_parts(path: str, target: PreTrainedModel, choices, budget):
 
 
 __all__ = [
-    "Drafter", "DraftContext", "StepResult", "PromptLookupDrafter", "OracleDrafter", "DraftLMDrafter",
-    "DrafterSpec", "KINDS", "POLICY_OPTIONS", "Option", "Range", "kinds_help", "parse_spec", "build_drafter",
+    "Drafter",
+    "DraftContext",
+    "StepResult",
+    "PromptLookupDrafter",
+    "OracleDrafter",
+    "DraftLMDrafter",
+    "DrafterSpec",
+    "KINDS",
+    "POLICY_OPTIONS",
+    "Option",
+    "Range",
+    "kinds_help",
+    "parse_spec",
+    "build_drafter",
 ]

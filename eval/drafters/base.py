@@ -24,7 +24,9 @@ from draftsmith.eval.tree import TokenTree
 class DraftContext:
     """What a drafter may look at when it proposes."""
 
-    tokens: list[int]  # prompt + generated so far (the engine's list, grown in place: read it, copy to keep); the last one is the root of the next tree
+    # prompt + generated so far (the engine's list, grown in place: read it, copy to keep); the last one is the root
+    # of the next tree
+    tokens: list[int]
     sampling: SamplingConfig
     generator: torch.Generator | None
     max_tokens: int  # no use drafting deeper than the remaining new-token budget

@@ -1,4 +1,5 @@
-"""DFlash drafting: one pass over ``[last token, MASK x (block_size - 1)]`` drafts a chain of up to block_size - 1 tokens.
+"""DFlash drafting: one pass over ``[last token, MASK x (block_size - 1)]`` drafts a chain of up to block_size - 1
+tokens.
 
 The drafter's cache holds the injected context: the keys and values of the target's fused layers
 at every verified position (added as the target verifies them, through
@@ -57,7 +58,8 @@ class DFlashDrafter(Drafter):
         everything = torch.ones(1, 1, block, self._length + block, dtype=torch.bool, device=param.device)
         hidden = self.head(ids, positions, self._cache, everything)
         self._cache.crop(-block)  # the block's keys: the cache keeps the context only
-        logits = self.head.draft_logits(hidden[0, 1:depth + 1]).float()  # depth d's distribution in row d - 1
+        logits = self.head.draft_logits(hidden[0, 1 : depth + 1]).float()  # depth d's distribution in row d - 1
         vocab = None if self.head.full_vocab else self.head.draft_vocab
-        return grow_chain(logits, context.sampling, context.generator, context.max_entropy, vocab,
-                          self.head.config.vocab_size)
+        return grow_chain(
+            logits, context.sampling, context.generator, context.max_entropy, vocab, self.head.config.vocab_size
+        )

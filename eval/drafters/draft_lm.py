@@ -28,7 +28,9 @@ class DraftVocabLMHead:
         self.bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()[self.token_ids]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return scatter_to_vocab(torch.nn.functional.linear(hidden, self.weight, self.bias), self.token_ids, self.vocab_size)
+        return scatter_to_vocab(
+            torch.nn.functional.linear(hidden, self.weight, self.bias), self.token_ids, self.vocab_size
+        )
 
 
 class DraftLMDrafter(Drafter):
@@ -38,8 +40,15 @@ class DraftLMDrafter(Drafter):
     models the LM head is most of a draft step's cost.
     """
 
-    def __init__(self, model: PreTrainedModel, depth: int = 4, top_k: int = 1, budget: int | None = None,
-                 name: str = "draft_lm", draft_vocab: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        depth: int = 4,
+        top_k: int = 1,
+        budget: int | None = None,
+        name: str = "draft_lm",
+        draft_vocab: torch.Tensor | None = None,
+    ):
         lm_head = None if draft_vocab is None else DraftVocabLMHead(model.get_output_embeddings(), draft_vocab)
         self.runner = CausalLMRunner(model, lm_head=lm_head)
         self.depth, self.top_k = depth, top_k
@@ -78,7 +87,15 @@ class DraftLMDrafter(Drafter):
         if depth < 1:
             return TokenTree()
         self._row = {ROOT: ROOT}
-        tree = grow_tree(root_logits, self._expand, depth, self.top_k, self.budget,
-                         context.sampling, context.generator, context.max_entropy)
+        tree = grow_tree(
+            root_logits,
+            self._expand,
+            depth,
+            self.top_k,
+            self.budget,
+            context.sampling,
+            context.generator,
+            context.max_entropy,
+        )
         self.runner.commit([])  # drafted rows never stay: accepted ones are re-fed with the bonus token
         return tree

@@ -45,8 +45,12 @@ class EagleDrafter(Drafter):
         base = self.runner.pending
         parents = [builder.parents[n] for n in frontier]
         features = torch.stack([self._predicted[p] for p in parents])
-        out = self.runner.forward([builder.tokens[n] for n in frontier], [self._row[p] for p in parents],
-                                  [builder.depths[n] - 1 for n in frontier], **{self.head.feedback_input: features[None]})
+        out = self.runner.forward(
+            [builder.tokens[n] for n in frontier],
+            [self._row[p] for p in parents],
+            [builder.depths[n] - 1 for n in frontier],
+            **{self.head.feedback_input: features[None]},
+        )
         for i, node in enumerate(frontier):
             self._row[node], self._predicted[node] = base + i, out[i]
         return self.head.draft_logits(out).float()
@@ -62,7 +66,17 @@ class EagleDrafter(Drafter):
         self._row, self._predicted = {ROOT: ROOT}, {ROOT: out[-1]}
         # Candidates are chosen over the head's draft vocabulary and mapped to target ids (d2t).
         vocab = None if self.head.full_vocab else self.head.draft_vocab
-        tree = grow_tree(self.head.draft_logits(out[-1]).float(), self._expand, depth, self.top_k, self.budget,
-                         context.sampling, context.generator, context.max_entropy, vocab, self.head.config.vocab_size)
+        tree = grow_tree(
+            self.head.draft_logits(out[-1]).float(),
+            self._expand,
+            depth,
+            self.top_k,
+            self.budget,
+            context.sampling,
+            context.generator,
+            context.max_entropy,
+            vocab,
+            self.head.config.vocab_size,
+        )
         self.runner.commit([])
         return tree

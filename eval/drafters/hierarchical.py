@@ -39,9 +39,18 @@ class HierarchicalDrafter(Drafter):
     """M1 (``m1``) drafts bursts of up to ``m1_depth`` tokens, M2 (``m2``) pre-verifies them, and
     at most ``depth`` pending tokens go to the target per step."""
 
-    def __init__(self, m1: PreTrainedModel, m2: PreTrainedModel, depth: int = 8, m1_depth: int = 4,
-                 m1_tau: float = DEFAULT_ENTROPY_TAU, m2_tau: float = DEFAULT_ENTROPY_TAU, name: str = "hierarchical",
-                 m1_vocab: torch.Tensor | None = None, m2_vocab: torch.Tensor | None = None):
+    def __init__(
+        self,
+        m1: PreTrainedModel,
+        m2: PreTrainedModel,
+        depth: int = 8,
+        m1_depth: int = 4,
+        m1_tau: float = DEFAULT_ENTROPY_TAU,
+        m2_tau: float = DEFAULT_ENTROPY_TAU,
+        name: str = "hierarchical",
+        m1_vocab: torch.Tensor | None = None,
+        m2_vocab: torch.Tensor | None = None,
+    ):
         """``m1_vocab`` / ``m2_vocab``: token ids each model drafts from (see ``DraftLMDrafter``)."""
         self.m1 = DraftLMDrafter(m1, depth=m1_depth, draft_vocab=m1_vocab)
         self.m2 = DraftLMDrafter(m2, draft_vocab=m2_vocab)
@@ -58,8 +67,9 @@ class HierarchicalDrafter(Drafter):
         self.rule2.reset()
         self._pending, self._m2_entropy = [], []
 
-    def _pre_verify(self, burst: TokenTree, logits: torch.Tensor, sampling,
-                    generator) -> tuple[list[list[float]], torch.Tensor | None]:
+    def _pre_verify(
+        self, burst: TokenTree, logits: torch.Tensor, sampling, generator
+    ) -> tuple[list[list[float]], torch.Tensor | None]:
         """M2's verdict on an M1 burst, read back in one transfer: per position, [M2 accepts the M1
         token, M2's entropy, M2's correction token]; and M2's distributions when sampling. Entropies
         are of the distribution each model drafts from, as for M1 (the warped one when sampling)."""

@@ -30,13 +30,20 @@ class MedusaDrafter(Drafter):
 
     needs_hidden = True
 
-    def __init__(self, heads: MedusaHeads, choices: list[tuple[int, ...]], name: str = "medusa",
-                 verifier: PreTrainedModel | None = None):
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        choices: list[tuple[int, ...]],
+        name: str = "medusa",
+        verifier: PreTrainedModel | None = None,
+    ):
         if not choices:
             raise UsageError("medusa: a Medusa tree needs at least one choice")
         too_deep = max(len(c) for c in choices)
         if too_deep > heads.num_heads:
-            raise UsageError(f"medusa: the tree is {too_deep} levels deep but the checkpoint has {heads.num_heads} heads")
+            raise UsageError(
+                f"medusa: the tree is {too_deep} levels deep but the checkpoint has {heads.num_heads} heads"
+            )
         self.heads = heads.eval()
         self.choices = list(choices)
         self.depth = too_deep
@@ -63,7 +70,7 @@ class MedusaDrafter(Drafter):
         logits = self.heads.logits(self._last.to(dtype)[None])[:depth, 0]  # [depth, V]
         candidates, probs = [], []
         for d in range(depth):
-            tokens, q = choose(logits[d:d + 1], self.width[d], context.sampling, context.generator)
+            tokens, q = choose(logits[d : d + 1], self.width[d], context.sampling, context.generator)
             candidates.append(tokens[0].tolist())
             probs.append(q[0] if q is not None else None)
         return static_tree(self.choices, candidates, None if context.sampling.greedy else probs)

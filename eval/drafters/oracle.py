@@ -30,4 +30,4 @@ class OracleDrafter(Drafter):
         n = len(context.tokens)
         if context.tokens != self.reference[:n]:  # sampling diverged: nothing left to replay
             return TokenTree()
-        return chain(self.reference[n:n + min(self.num_tokens, context.max_tokens)])
+        return chain(self.reference[n : n + min(self.num_tokens, context.max_tokens)])

@@ -33,13 +33,15 @@ class PEagleDrafter(EagleDrafter):
         pending, masks = len(self._tokens), max(depth - 1, 0)
         features = torch.cat([self._features.to(dtype), self.head.mask_hidden[0].to(dtype).expand(masks, -1)])
         rows = list(range(pending + masks))
-        out = self.runner.forward(self._tokens + [self.head.mask_token_id] * masks, [r - 1 for r in rows], rows,
-                                  features=features[None])
+        out = self.runner.forward(
+            self._tokens + [self.head.mask_token_id] * masks, [r - 1 for r in rows], rows, features=features[None]
+        )
         self.runner.commit(rows[:pending])  # the mask rows never stay in the cache
         self._tokens, self._features = [], None
         if depth < 1:
             return TokenTree()
-        logits = self.head.draft_logits(out[pending - 1:]).float()  # depth d's distribution in row d - 1
+        logits = self.head.draft_logits(out[pending - 1 :]).float()  # depth d's distribution in row d - 1
         vocab = None if self.head.full_vocab else self.head.draft_vocab
-        return grow_chain(logits, context.sampling, context.generator, context.max_entropy, vocab,
-                          self.head.config.vocab_size)
+        return grow_chain(
+            logits, context.sampling, context.generator, context.max_entropy, vocab, self.head.config.vocab_size
+        )

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from draftsmith.errors import UsageError
 from draftsmith.eval.drafters.base import DraftContext, Drafter
 from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
-from draftsmith.errors import UsageError
 
 
 class PromptLookupDrafter(Drafter):
@@ -36,7 +36,7 @@ class PromptLookupDrafter(Drafter):
             windows = sliding_window_view(context[:-1], n)  # excludes the suffix matching itself
             starts = np.flatnonzero((windows == context[-n:]).all(axis=1))
             for start in starts[::-1]:
-                follow = context[start + n: start + n + length].tolist()
+                follow = context[start + n : start + n + length].tolist()
                 if follow and follow not in found:
                     found.append(follow)
                     if len(found) == self.branches:
