@@ -3,8 +3,8 @@
 The overhead probe of ``bench/overhead.py`` (random-weight Llama, 2 layers, hidden 64, the bundled
 tokenizer's vocabulary): plain greedy decoding and the fixed 12-node EAGLE-style tree (nothing is
 accepted on a random target, so every step is a full tree pass and produces one token per row),
-with :class:`~draftsmith.eval.batch_decode.BatchDecoder`, prompts of different lengths (200 tokens
-minus 3 per row). The single-prompt :class:`~draftsmith.eval.decode.SpeculativeDecoder` runs in
+with :class:`~draftsmith.eval.engine.batch_decode.BatchDecoder`, prompts of different lengths (200 tokens
+minus 3 per row). The single-prompt :class:`~draftsmith.eval.engine.decode.SpeculativeDecoder` runs in
 the same run as the baseline; methods interleaved, medians over repeats.
 
     OMP_NUM_THREADS=1 taskset -c 1 python bench/batch_throughput.py --out results/batch
@@ -20,8 +20,8 @@ import torch
 from overhead import FixedTreeDrafter, tiny_target
 
 from draftsmith.errors import ArgumentParser, at_least, report_user_errors
-from draftsmith.eval.batch_decode import BatchDecoder
-from draftsmith.eval.decode import SpeculativeDecoder
+from draftsmith.eval.engine.batch_decode import BatchDecoder
+from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.target import load_tokenizer
 from draftsmith.timing import clock
 

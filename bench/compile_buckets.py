@@ -3,7 +3,7 @@
 The overhead probe of ``bench/overhead.py`` (random-weight Llama, 2 layers, hidden 64, the
 bundled tokenizer's vocabulary) decoding with trees of a random size every step (1 to 16 nodes,
 like a dynamic drafter's), greedy. Three copies of the same target: eager, compiled
-(``compile_decoder``, dynamic shapes) and compiled with :data:`~draftsmith.eval.runner.TREE_BUCKETS`
+(``compile_decoder``, dynamic shapes) and compiled with :data:`~draftsmith.eval.engine.target_runner.TREE_BUCKETS`
 (tree forwards padded to 1, 4, 8, 16, ... rows). Reports the median microseconds per step,
 methods interleaved in one process once all are compiled, and for each compiled variant the
 first generation's seconds (compilation included) and the graphs it compiled, each measured in
@@ -29,10 +29,10 @@ import torch._dynamo.utils
 from overhead import StepTimer, tiny_target
 
 from draftsmith.errors import ArgumentParser, at_least, report_user_errors
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.drafters.base import DraftContext, Drafter
-from draftsmith.eval.runner import TREE_BUCKETS, compile_decoder
-from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
+from draftsmith.eval.engine.target_runner import TREE_BUCKETS, compile_decoder
+from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder
 from draftsmith.target import load_tokenizer
 from draftsmith.timing import clock
 

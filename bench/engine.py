@@ -15,9 +15,9 @@ import json
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import load_prompts
 from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.eval.pass_cost import measure_pass_cost
+from draftsmith.eval.engine.pass_cost import measure_pass_cost
+from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.eval.run import main as run_eval
-from draftsmith.eval.runner import CausalLMRunner
 from draftsmith.precision import DTYPE_CHOICES
 from draftsmith.target import load_target
 

@@ -25,9 +25,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
 from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.sampling import SamplingConfig, probabilities
-from draftsmith.eval.verify import lenient_distribution
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.sampling import SamplingConfig, probabilities
+from draftsmith.eval.engine.verify import lenient_distribution
 from draftsmith.heads.draft_lm import load_draft_lm
 from draftsmith.target import load_target
 

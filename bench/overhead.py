@@ -10,7 +10,7 @@ two streamer calls with the device-synchronising clock; medians over steps:
 - Hugging Face ``generate`` on the same model: plain greedy, plain sampling and assisted by
   prompt lookup (``prompt_lookup_num_tokens``);
 - host syncs (device-to-host transfers) per step of ours, counted with
-  :func:`draftsmith.eval.host_syncs.count_host_syncs`;
+  :func:`draftsmith.eval.engine.host_syncs.count_host_syncs`;
 - the model alone on our runner (forward, LM head, argmax) for one token and for the tree, so
   step minus model is the engine's own overhead.
 
@@ -27,12 +27,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.drafters.base import DraftContext, Drafter
-from draftsmith.eval.host_syncs import count_host_syncs
-from draftsmith.eval.runner import CausalLMRunner, tree_rows
-from draftsmith.eval.sampling import SamplingConfig
-from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
+from draftsmith.eval.engine.host_syncs import count_host_syncs
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.eval.engine.target_runner import CausalLMRunner, tree_rows
+from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder
 from draftsmith.target import load_tokenizer
 from draftsmith.timing import clock
 

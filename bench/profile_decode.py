@@ -10,8 +10,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import load_prompts
 from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.drafters import build_drafter
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.precision import DTYPE_CHOICES
 from draftsmith.target import load_target
 

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import yaml
 
+from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.timing import clock
 from draftsmith.train import eagle3, peagle
 from draftsmith.train.cli import parse_training_args
-from draftsmith.train.loop import pad_batch
 
 PASSES = (1, 3, 7)
 

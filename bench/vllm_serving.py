@@ -29,9 +29,9 @@ import tempfile
 from pathlib import Path
 
 from draftsmith.data_prep.regenerate import main as regenerate_main
-from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
-from draftsmith.eval.pass_cost import measure_pass_cost
-from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.engine.pass_cost import measure_pass_cost
+from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.export.serve_check import export_metadata, prompt_ids, served_as, speculative_config
 from draftsmith.timing import clock
 from draftsmith.vllm_engine import engine_args, run_job

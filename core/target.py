@@ -35,6 +35,37 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    """Every token id that ends a turn for ``model``: the ``eos_token_id`` of its generation config
+    and of its config, and the tokenizer's. Only ``model.config`` (and ``model.generation_config``
+    where there is one) is read, so vLLM's child process passes those without loading weights."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def target_record(target: PreTrainedModel, name: str) -> dict:
+    """Identity of ``target``: its name, shape and an embedding checksum (dtype independent)."""
+    embedding = target.get_input_embeddings().weight
+    rows = embedding[: min(256, embedding.shape[0])].detach().double()
+    return {
+        "name": name,
+        "model_type": target.config.model_type,
+        "hidden_size": target.config.hidden_size,
+        "vocab_size": embedding.shape[0],
+        "num_hidden_layers": target.config.num_hidden_layers,
+        "embedding_checksum": float(rows.abs().sum()),
+        # Signed sums of 16 groups of rows: unlike the sum of magnitudes (a statistic of the weight
+        # distribution, within ~1% for two random inits of one shape) these differ between models.
+        "embedding_signature": [float(g.sum()) for g in rows.chunk(16)],
+    }
+
+
 def _gguf_cache_dir(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]

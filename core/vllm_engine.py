@@ -12,18 +12,21 @@ Jobs (``task``):
 - ``generate``: greedy or sampled generation of token-id prompts, timed, with vLLM's
   speculative-decoding counters (``speculative_config`` as vLLM takes it), once per entry of
   ``concurrency`` (requests in flight at a time; default ``[1]``).
-- ``regenerate``: :func:`draftsmith.data_prep.regenerate.regenerate` with vLLM generating the replies.
+- ``module:function``: a job defined where it belongs, e.g. regeneration's
+  (``draftsmith.data_prep.regenerate:run_vllm_regeneration``), run by that function in the child.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -226,18 +229,22 @@ def _generate(job: dict) -> dict:
     return {**levels[0], "levels": levels, "version": vllm.__version__}
 
 
-def _regenerate(job: dict) -> dict:
-    from draftsmith.data_prep.regenerate import run_vllm_regeneration
-
-    return run_vllm_regeneration(job)
+TASKS = {"generate": _generate}
 
 
-TASKS = {"generate": _generate, "regenerate": _regenerate}
+def task_function(task: str) -> Callable[[dict], dict]:
+    """The function that runs a job's ``task``: one of :data:`TASKS`, or ``module:function``, a job
+    that a module above this one defines (regeneration's), imported by name in the child so that
+    this module depends on none of them."""
+    if task in TASKS:
+        return TASKS[task]
+    module, _, function = task.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _worker(job_file: str, out_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
-    result = TASKS[job["task"]](job)
+    result = task_function(job["task"])(job)
     Path(out_file).write_text(json.dumps(result))
 
 

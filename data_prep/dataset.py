@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import datasets
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from draftsmith.assets import asset_path, cache_root
@@ -168,3 +169,25 @@ def _load(folder: Path, cfg: DataConfig, verbose: bool) -> datasets.DatasetDict:
                 "training without held-out metrics; raise data.limit or data.held_out_fraction to get them"
             )
     return dataset
+
+
+def pad_batch(rows: list[dict]) -> dict:
+    """Right-pad tokenised rows (``input_ids``, ``loss_mask`` and, when present, cached features
+    ``hidden`` and ``aux``) into a batch with an ``attention_mask``."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    batch = {
+        "input_ids": torch.zeros(len(rows), longest, dtype=torch.long),
+        "loss_mask": torch.zeros(len(rows), longest, dtype=torch.bool),
+        "attention_mask": torch.zeros(len(rows), longest, dtype=torch.long),
+    }
+    features = [key for key in ("hidden", "aux") if key in rows[0]]
+    for key in features:
+        batch[key] = torch.zeros(len(rows), longest, rows[0][key].shape[-1], dtype=rows[0][key].dtype)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
+        batch["loss_mask"][i, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
+        batch["attention_mask"][i, :n] = 1
+        for key in features:
+            batch[key][i, :n] = row[key]
+    return batch

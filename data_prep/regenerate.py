@@ -28,6 +28,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
@@ -40,7 +41,8 @@ from draftsmith.data_prep.sharegpt import load_conversations
 from draftsmith.errors import ArgumentParser, UsageError, report_user_errors
 from draftsmith.precision import DTYPE_CHOICES, dtype_name, resolve_dtype
 from draftsmith.recipe import DataConfig, RegenerateConfig
-from draftsmith.target import load_target, load_tokenizer, resolve_target
+from draftsmith.target import eos_token_ids, load_target, load_tokenizer, resolve_target, target_record
+from draftsmith.vllm_engine import engine_args, run_job, why_unavailable
 
 
 @dataclass
@@ -73,17 +75,6 @@ def _through_first_user(messages: list[dict]) -> list[dict]:
     return messages[: first + 1]
 
 
-def _eos_ids(model_config, generation_config, tokenizer) -> set[int]:
-    ids = set()
-    for source in (generation_config, model_config):
-        value = getattr(source, "eos_token_id", None)
-        if value is not None:
-            ids.update(value if isinstance(value, (list, tuple)) else [value])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
 def _generation_config(model: str):
     """The model's generation config (its end-of-turn ids), or None when it ships none."""
     try:
@@ -100,7 +91,7 @@ def _reply(tokens: list[int], eos: set[int]) -> Reply:
 
 def hf_generator(target, tokenizer, cfg: RegenerateConfig) -> Generate:
     """Replies from Hugging Face ``generate`` (batched, left padding)."""
-    eos = _eos_ids(target.config, target.generation_config, tokenizer)
+    eos = eos_token_ids(target, tokenizer)
 
     @torch.no_grad()
     def generate(histories: list[list[dict]], seeds: list[int]) -> list[Reply]:
@@ -222,8 +213,6 @@ def regenerate(
 
 def resolve_engine(engine: str) -> str:
     """``auto`` is vLLM where it is importable here, else Hugging Face ``generate``."""
-    from draftsmith.vllm_engine import why_unavailable
-
     if engine == "auto":
         return "hf" if why_unavailable() else "vllm"
     if engine == "vllm" and why_unavailable():
@@ -253,8 +242,6 @@ def regenerated_path(data: DataConfig, target_name: str, tokenizer, target_ident
 
 
 def _identity(target) -> list:
-    from draftsmith.heads.common import target_record
-
     return target_record(target, "")["embedding_signature"]
 
 
@@ -280,11 +267,10 @@ def prepare_data_config(data: DataConfig, target, target_name: str, tokenizer) -
 
 def regenerate_with_vllm(model: str, dtype: str, data: DataConfig, out: Path) -> dict:
     """Regenerate ``data`` into ``out`` with vLLM serving ``model`` (a folder or hub id) in a child process."""
-    from draftsmith.vllm_engine import run_job
-
     cfg = data.regenerate
     job = {
-        "task": "regenerate",
+        # By its import path, not __name__: this file also runs as a script (__main__).
+        "task": "draftsmith.data_prep.regenerate:run_vllm_regeneration",
         "model": model,
         "dtype": dtype,
         "data": asdict(data),
@@ -296,12 +282,9 @@ def regenerate_with_vllm(model: str, dtype: str, data: DataConfig, out: Path) ->
 
 
 def run_vllm_regeneration(job: dict) -> dict:
-    """The ``regenerate`` job of :mod:`draftsmith.vllm_engine` (runs in vLLM's child process)."""
+    """Regeneration's job for :func:`draftsmith.vllm_engine.run_job` (runs in vLLM's child process)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from draftsmith.recipe import RegenerateConfig
-    from draftsmith.vllm_engine import engine_args
 
     data = DataConfig(**{**job["data"], "regenerate": RegenerateConfig(**job["data"]["regenerate"])})
     cfg = data.regenerate
@@ -319,7 +302,8 @@ def run_vllm_regeneration(job: dict) -> dict:
             data_parallel_size=job["data_parallel_size"],
         )
     )
-    eos = _eos_ids(config, _generation_config(job["model"]), tokenizer)
+    # No weights load in this process: the configs are all eos_token_ids reads.
+    eos = eos_token_ids(SimpleNamespace(config=config, generation_config=_generation_config(job["model"])), tokenizer)
 
     def generate(histories: list[list[dict]], seeds: list[int]) -> list[Reply]:
         prompts = [TokensPrompt(prompt_token_ids=render_prompt(tokenizer, h)) for h in histories]

@@ -2,7 +2,7 @@
 
 1. Each head's top-k accuracy (k = 1..10) on held-out data (the checkpoint's own recipe's split).
 2. For every node budget n, the tree with the largest expected acceptance length E(n) under
-   those accuracies (:func:`draftsmith.eval.tree.optimal_choices`).
+   those accuracies (:func:`draftsmith.eval.engine.medusa_trees.optimal_choices`).
 3. The measured cost of one verification pass of n+1 tokens on this device and of one Medusa
    draft step, giving the estimated speedup ``E(n) * t(1) / (t(n+1) + t_draft)``; the budget that
    maximises it wins.
@@ -16,7 +16,6 @@ drafter then uses by default.
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,35 +23,52 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
-from draftsmith.config import load_recipe
-from draftsmith.data_prep.dataset import build_dataset
+from draftsmith.config import RecipeError, from_dict, read_yaml
+from draftsmith.data_prep.dataset import build_dataset, pad_batch
 from draftsmith.data_prep.regenerate import prepare_data_config
 from draftsmith.data_prep.sharegpt import DataError
 from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.eval.pass_cost import measure_pass_cost
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.tree import expected_acceptance, optimal_choices
-from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, rank_accuracy
+from draftsmith.eval.engine.medusa_trees import expected_acceptance, optimal_choices
+from draftsmith.eval.engine.pass_cost import measure_pass_cost
+from draftsmith.eval.engine.target_runner import CausalLMRunner
+from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, head_positions, rank_accuracy, top_k_hits
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
+from draftsmith.recipe import DataConfig, TargetConfig
 from draftsmith.target import attach_adapter, load_target
 from draftsmith.timing import clock
-from draftsmith.train.loop import pad_batch
-from draftsmith.train.medusa import MedusaRecipe, MedusaTask
 
 
 @torch.no_grad()
-def measure_head_accuracy(task: MedusaTask, rows, batch_size: int = 1) -> list[list[float]]:
-    """Per head, top-1..top-10 accuracy against the data's tokens over ``rows``."""
-    totals: dict[str, float] = {}
+def measure_head_accuracy(target, heads: MedusaHeads, rows, batch_size: int = 1) -> list[list[float]]:
+    """Per head, top-1..top-10 accuracy against the data's tokens over ``rows``, the heads reading
+    ``target``'s last hidden states (as Medusa training's held-out evaluation measures them)."""
+    tokens = [0.0] * heads.num_heads
+    hits: list[dict[int, float]] = [{} for _ in range(heads.num_heads)]
     for batch in DataLoader(rows, batch_size=batch_size, collate_fn=pad_batch):
-        batch = {k: v.to(task.heads.draft_vocab.device) for k, v in batch.items()}
-        _, metrics = task.loss(task.heads, batch, training=False)
-        for key, value in metrics.items():
-            totals[key] = totals.get(key, 0.0) + value
-    return [
-        [totals[f"head{k + 1}/top{r}"] / max(totals[f"head{k + 1}/tokens"], 1.0) for r in range(1, TOP_K_RECORDED + 1)]
-        for k in range(task.cfg.num_heads)
-    ]
+        batch = {k: v.to(heads.draft_vocab.device) for k, v in batch.items()}
+        positions, labels = head_positions(batch, heads.num_heads)
+        hidden = target.get_decoder()(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).last_hidden_state
+        for k, (logits, gold) in enumerate(zip(heads(hidden.to(next(heads.parameters()).dtype), positions), labels)):
+            found = top_k_hits(heads, logits, gold, min(TOP_K_RECORDED, logits.shape[-1]))
+            tokens[k] += float(len(gold))
+            for r, count in enumerate(found.tolist(), start=1):
+                hits[k][r] = hits[k].get(r, 0.0) + (float(count) if len(gold) else 0.0)
+    return [[hits[k][r] / max(tokens[k], 1.0) for r in range(1, TOP_K_RECORDED + 1)] for k in range(heads.num_heads)]
+
+
+def recipe_sections(checkpoint: Path) -> tuple[TargetConfig, DataConfig]:
+    """The ``target`` and ``data`` sections of the recipe a checkpoint was trained with (all that
+    calibration reads of it; the drafter section's schema belongs to training)."""
+    path = checkpoint / "recipe.yaml"
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} does not exist")
+    recipe = read_yaml(path.read_text()) or {}
+    return (
+        from_dict(TargetConfig, recipe.get("target") or {}, f"{path} (target)"),
+        from_dict(DataConfig, recipe.get("data") or {}, f"{path} (data)"),
+    )
 
 
 @torch.no_grad()
@@ -113,29 +129,24 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     checkpoint = Path(args.checkpoint)
-    recipe = load_recipe(MedusaRecipe, str(checkpoint / "recipe.yaml"), [])
-    target_name = args.target or recipe.target.name
-    target, tokenizer = load_target(target_name, args.dtype, args.device, recipe.target.chat_template)
+    recipe_target, recipe_data = recipe_sections(checkpoint)
+    target_name = args.target or recipe_target.name
+    target, tokenizer = load_target(target_name, args.dtype, args.device, recipe_target.chat_template)
     adapter = checkpoint / "adapter"
     verifier = attach_adapter(target, adapter, active=True) if adapter.is_dir() else target
     heads = MedusaHeads.from_pretrained(checkpoint, verifier).to(verifier.dtype)
 
-    data_cfg = prepare_data_config(recipe.data, verifier, recipe.target.name, tokenizer)
+    data_cfg = prepare_data_config(recipe_data, verifier, recipe_target.name, tokenizer)
     held_out = build_dataset(data_cfg, tokenizer)[0]["held_out"]
     if not len(held_out):
         raise DataError(
-            f"{checkpoint / 'recipe.yaml'}: its data section (data.limit={recipe.data.limit}, "
-            f"data.held_out_fraction={recipe.data.held_out_fraction}) holds no held-out conversation to "
+            f"{checkpoint / 'recipe.yaml'}: its data section (data.limit={recipe_data.limit}, "
+            f"data.held_out_fraction={recipe_data.held_out_fraction}) holds no held-out conversation to "
             "measure the heads on; raise either there, or give the drafter a tree with medusa:PATH?choices=FILE"
         )
     if args.limit:
         held_out = held_out.select(range(min(args.limit, len(held_out))))
-    task = MedusaTask(
-        replace(recipe, drafter=replace(recipe.drafter, lora=replace(recipe.drafter.lora, enabled=False))),
-        verifier,
-        heads,
-    )
-    accuracy = measure_head_accuracy(task, held_out)
+    accuracy = measure_head_accuracy(verifier, heads, held_out)
     rank_acc = rank_accuracy(accuracy)
 
     sizes = sorted({int(s) for s in args.sizes.split(",")} | {1})

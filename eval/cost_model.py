@@ -2,7 +2,7 @@
 lengths and thresholds with it.
 
 A step of a drafting method is one target pass over ``[root] + tree`` (n + 1 rows, costing
-``c(n + 1)`` on the pass-cost curve :mod:`draftsmith.eval.pass_cost` measures) plus its drafting
+``c(n + 1)`` on the pass-cost curve :mod:`draftsmith.eval.engine.pass_cost` measures) plus its drafting
 (``d`` seconds, measured per step); it yields tau tokens where plain decoding yields one per
 ``c(1)``. So a method's predicted speedup is ``tau c(1) / mean over steps of (c(n + 1) + d)``.
 Comparing it with the measured speedup shows what the model leaves out (prefill, the engine's own
@@ -11,15 +11,15 @@ host work).
 For a chain of g tokens each accepted with probability a, drafted at c target-steps per token,
 Leviathan et al.'s expected speedup is ``(1 - a^(g+1)) / ((1 - a)(g c + 1))``; on devices where
 the verification pass grows with its length the ``1`` becomes ``c(g + 1) / c(1)``
-(:func:`~draftsmith.eval.pass_cost.chain_speedup`). Its maximum over g is the best fixed depth,
+(:func:`~draftsmith.eval.engine.pass_cost.chain_speedup`). Its maximum over g is the best fixed depth,
 and the break-even acceptance of a single draft token is the confidence below which drafting
 cannot pay (the natural ``confidence=`` threshold).
 """
 
 from __future__ import annotations
 
-from draftsmith.eval.bench import Run
-from draftsmith.eval.pass_cost import chain_speedup
+from draftsmith.eval.engine.pass_cost import chain_speedup
+from draftsmith.eval.measure import Run
 
 
 def predicted_speedup(runs: list[Run], costs: dict[int, float]) -> float | None:

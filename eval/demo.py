@@ -8,7 +8,7 @@ time of every stage.
 Training is bounded by wall-clock time (``training.max_minutes``), not by steps, so the job takes
 about as long on a slow CPU as on a fast one and the head gets what the machine can give it in
 that time. The dtype is chosen by measurement (``auto``): bf16 where it is fast, else fp32. So is
-the EAGLE tree (``depth=auto``, :mod:`draftsmith.eval.tree_plan`): its depth maximises Leviathan et
+the EAGLE tree (``depth=auto``, :mod:`draftsmith.eval.engine.tree_plan`): its depth maximises Leviathan et
 al.'s expected speedup for this head's held-out accuracy, this device's verification cost curve and
 draft-step cost, and it is widened while the verification pass stays within 10% of the chain's.
 """

@@ -15,7 +15,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from draftsmith.eval.bench import BASELINE, Run, runs_to_dicts
+from draftsmith.eval.measure import BASELINE, Run, runs_to_dicts
 
 
 def _pool(runs: list[Run]) -> dict:

@@ -5,7 +5,7 @@
 
 ``--drafter`` repeats; trained drafters are ``KIND:PATH`` (``draft_lm:PATH_OR_HUB_ID``,
 ``eagle:runs/x/checkpoint-final``, ``medusa:...``) with options after ``?`` (see
-``draftsmith.eval.drafters``). Writes results.json, results.csv, table.md and PNG plots to --out.
+``draftsmith.eval.engine.drafters``). Writes results.json, results.csv, table.md and PNG plots to --out.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 
 from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
 from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
-from draftsmith.eval.bench import HF_BASELINES, run_bench
 from draftsmith.eval.cost_model import cost_model_lines
-from draftsmith.eval.drafters import build_drafter, kinds_help, parse_spec
-from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.pass_cost import measure_pass_cost
+from draftsmith.eval.engine.drafters import build_drafter, kinds_help, parse_spec
+from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.engine.pass_cost import measure_pass_cost
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.eval.engine.target_runner import CausalLMRunner, compile_decoder
+from draftsmith.eval.measure import HF_BASELINES, run_bench
 from draftsmith.eval.report import captions, depth_table, markdown_table, summarise, write_results
-from draftsmith.eval.runner import CausalLMRunner, compile_decoder
-from draftsmith.eval.sampling import SamplingConfig
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
 from draftsmith.target import load_target
 from draftsmith.timing import stage

@@ -2,9 +2,8 @@
 EAGLE folders, vLLM's and the official Medusa layouts, and plain Hugging Face draft LMs.
 
 One module per format; each has ``NAME``, ``KINDS`` (the drafter kinds it can hold),
-``why_not(kind)``, ``matches(config)`` (is an exported config.json of this format),
-``export(source, target, out, ...)`` (writes the folder, returns the command lines that serve it)
-and, for formats the engine loads back, ``native_state(folder, config)``.
+``why_not(kind)`` and ``export(source, target, out, ...)`` (writes the folder, returns the command
+lines that serve it). Reading the formats the engine loads back is :mod:`draftsmith.heads.exported`.
 """
 
 from __future__ import annotations
@@ -14,9 +13,11 @@ from pathlib import Path
 
 from draftsmith.atomic import staged
 from draftsmith.errors import UsageError
+from draftsmith.eval.engine.drafters import KINDS, PLAN_FALLBACK, build_drafter
 from draftsmith.export import hf, medusa, sglang, speculators, vllm_medusa
 from draftsmith.export.card import write_card
 from draftsmith.export.common import find_target, read_source, record_export, refuse
+from draftsmith.target import load_target
 
 FORMATS = {module.NAME: module for module in (speculators, sglang, vllm_medusa, medusa, hf)}
 COPIED = ("tree.yaml", "adapter")  # Medusa: the calibrated tree and a Medusa-2 LoRA adapter travel along
@@ -24,12 +25,9 @@ COPIED = ("tree.yaml", "adapter")  # Medusa: the calibrated tree and a Medusa-2 
 
 def _tree(source, target, draft_tokens: int | None) -> dict:
     """The draft tree the export serves with: for EAGLE heads the tree planned for the head on this
-    machine (:mod:`draftsmith.eval.tree_plan`, with ``planned``: what it was planned for), else the
+    machine (:mod:`draftsmith.eval.engine.tree_plan`, with ``planned``: what it was planned for), else the
     engine's defaults for the kind; Medusa's depth is its number of heads, P-EAGLE's the depths it
     was trained for, DFlash's its block size - 1. ``draft_tokens`` overrides the depth."""
-    from draftsmith.eval.drafters import KINDS, PLAN_FALLBACK, build_drafter
-    from draftsmith.target import load_target
-
     tree = {key: option.default for key, option in KINDS[source.kind].options.items()}
     if source.kind in PLAN_FALLBACK:
         model, _ = load_target(str(target.folder), "auto")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from draftsmith.eval.engine.drafters import parse_spec
 from draftsmith.export.common import Source, Target
 
 TITLES = {
@@ -22,8 +23,6 @@ TITLES = {
 def measured_tau(source: Source, results: Path | None) -> list[str]:
     """``eval/run.py`` acceptance lengths of this checkpoint in ``results`` (a results.json), or in
     a results.json inside the checkpoint folder; one line per drafter run that used it."""
-    from draftsmith.eval.drafters import parse_spec
-
     file = results or source.path / "results.json"
     if not file.is_file():
         return []
@@ -58,7 +57,7 @@ def write_card(
     planned: str | None = None,
 ) -> None:
     """Write ``folder/README.md`` for the export that will live at ``out`` (``planned``: how its
-    draft tree was planned, :meth:`~draftsmith.eval.tree_plan.TreePlan.describe`)."""
+    draft tree was planned, :meth:`~draftsmith.eval.engine.tree_plan.TreePlan.describe`)."""
     recipe = _recipe(source)
     state_file = source.path / "state" / "trainer_state.json"
     trained = json.loads(state_file.read_text()) if state_file.is_file() else {}

@@ -19,7 +19,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from draftsmith.errors import CheckpointError, UsageError
-from draftsmith.heads.common import EXPORT_KEY, check_target
+from draftsmith.heads.common import check_target
+from draftsmith.heads.exported import EXPORT_KEY
+from draftsmith.target import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID, resolve_target
 
 DRAFT_LM = "draft_lm"
 TARGET_RECORD = "draftsmith_target.json"  # where a distilled draft LM names its target
@@ -32,17 +34,6 @@ HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 HUB_CACHE_FOLDER = re.compile(r"models--([\w.-]+?)--([\w.-]+)/snapshots/")
 
 
-def rename_blocks(tensors: dict[str, torch.Tensor], pattern: re.Pattern, template: str) -> dict[str, torch.Tensor]:
-    """The tensors whose names match ``pattern``, renamed to ``template`` filled with its groups
-    (``{0}`` head, ``{1}`` block, ``{2}`` weight or bias); the others are left out."""
-    renamed = {}
-    for name, value in tensors.items():
-        match = pattern.fullmatch(name)
-        if match:
-            renamed[template.format(*match.groups())] = value
-    return renamed
-
-
 @dataclass
 class Source:
     """A drafter checkpoint to export: its kind, its own config and weights (draftsmith names)."""
@@ -50,7 +41,7 @@ class Source:
     path: Path
     kind: str  # eagle, eagle3, medusa or draft_lm
     config: dict  # the checkpoint's config.json (a draft LM's is a plain Hugging Face config)
-    record: dict  # the target record written at training time (heads/common.target_record)
+    record: dict  # the target record written at training time (draftsmith.target.target_record)
 
     @cached_property
     def state(self) -> dict[str, torch.Tensor]:
@@ -100,8 +91,6 @@ class Target:
     def hub_id(self) -> str | None:
         """The target's hub id (``--target-hub-id``, the recorded hub id, the bundled target's
         origin, or read off a hub-cache folder ``models--ORG--NAME/snapshots/REV``), else None."""
-        from draftsmith.target import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID
-
         if self.hub_id_override:
             return self.hub_id_override
         if self.name == DEFAULT_TARGET:
@@ -151,8 +140,6 @@ def find_target(source: Source, override: str | None = None, hub_id: str | None 
     """The local folder of ``source``'s target: ``override`` (``--target``), else the recorded name
     (``default``, a folder, a ``.gguf`` file or a hub id present in the local hub cache);
     ``hub_id`` (``--target-hub-id``) names it for engines elsewhere."""
-    from draftsmith.target import resolve_target
-
     name = source.record.get("name")
     if hub_id is not None and not HUB_ID.fullmatch(hub_id):
         raise UsageError(f"--target-hub-id {hub_id!r}: not a hub id (ORG/NAME)")

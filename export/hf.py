@@ -28,10 +28,6 @@ def why_not(kind: str) -> str:
     )
 
 
-def matches(config: dict) -> bool:
-    return False  # a plain Hugging Face folder: draft_lm:DIR loads it directly
-
-
 def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     """Copy the draft LM folder; returns the vLLM command that serves it as a draft model."""
     for item in source.path.iterdir():

@@ -11,22 +11,19 @@ block object, so heads with more than one residual block cannot be represented.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 import torch
 
-from draftsmith.export.common import MEDUSA_BLOCK, Source, Target, export_block, refuse, rename_blocks, write_config
-from draftsmith.heads.common import EXPORT_KEY
+from draftsmith.export.common import MEDUSA_BLOCK, Source, Target, export_block, refuse, write_config
+from draftsmith.heads.exported import MEDUSA_HEADS_FILE, rename_blocks
 
 NAME = "medusa"
 KINDS = ("medusa",)
-HEADS_FILE = "medusa_lm_head.pt"
 MAX_HEADS = 5  # MedusaConfig's default head count, what the official code and its released heads use
 MIN_HEADS = 4  # the depth of its default tree, mc_sim_7b_63 (medusa_choices.py)
 BASE_MODEL_TYPES = ("llama", "mistral")  # what MedusaModel.from_pretrained dispatches on
-OFFICIAL_BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")
 
 
 def why_not(kind: str) -> str:
@@ -34,10 +31,6 @@ def why_not(kind: str) -> str:
         "the official Medusa layout holds Medusa heads only; export EAGLE-3 with --format speculators, "
         "EAGLE-1 with --format sglang, draft LMs with --format hf"
     )
-
-
-def matches(config: dict) -> bool:
-    return "medusa_num_heads" in config
 
 
 def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
@@ -89,7 +82,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     )
     for k in range(config["num_heads"]):
         tensors[f"{k}.{layers}.weight"] = (shared if shared is not None else state["lm_weight"][k]).contiguous()
-    torch.save(tensors, out / HEADS_FILE)
+    torch.save(tensors, out / MEDUSA_HEADS_FILE)
     write_config(
         out,
         {
@@ -100,15 +93,3 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         },
     )
     return [f"python -c \"from medusa.model.medusa_model import MedusaModel; MedusaModel.from_pretrained('{out}')\""]
-
-
-def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
-    """The heads' weights under draftsmith names from an exported folder."""
-    tensors = torch.load(folder / HEADS_FILE, weights_only=True)
-    own = config[EXPORT_KEY]["config"]
-    layers = config["medusa_num_layers"]
-    state = rename_blocks(tensors, OFFICIAL_BLOCK, "blocks.{0}.{1}.linear.{2}")
-    if own["lm_head"] == "copy":
-        state["lm_weight"] = torch.stack([tensors[f"{k}.{layers}.weight"] for k in range(config["medusa_num_heads"])])
-    state["draft_vocab"] = torch.arange(own["vocab_size"])
-    return state

@@ -68,7 +68,7 @@ class CheckResult:
 def export_metadata(folder: Path) -> dict:
     """draftsmith's record of an export (format, kind, source checkpoint, target folder, depth)."""
     from draftsmith.export.common import EXPORT_SIDECAR
-    from draftsmith.heads.common import EXPORT_KEY
+    from draftsmith.heads.exported import EXPORT_KEY
 
     config_file, sidecar = folder / "config.json", folder / EXPORT_SIDECAR
     if sidecar.is_file():
@@ -134,7 +134,7 @@ def speculative_config(served: Served, folder: str | Path) -> dict:
 
 def _our_spec(kind: str, source: str, depth: int):
     """The drafter spec that makes draftsmith draft the chain vLLM drafts: ``depth`` tokens, top-1 each."""
-    from draftsmith.eval.drafters import DrafterSpec
+    from draftsmith.eval.engine.drafters import DrafterSpec
 
     if kind == "medusa":
         chain = [[0] * (d + 1) for d in range(depth)]
@@ -167,10 +167,10 @@ def _ours(target_folder: str, spec, prompts: list[list[int]], max_new_tokens: in
     """draftsmith's engine, plain and with the drafter, fp32 on the first accelerator (or CPU)."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.eval.decode import SpeculativeDecoder, eos_token_ids
-    from draftsmith.eval.drafters import build_drafter
-    from draftsmith.eval.sampling import SamplingConfig
-    from draftsmith.target import load_tokenizer
+    from draftsmith.eval.engine.decode import SpeculativeDecoder
+    from draftsmith.eval.engine.drafters import build_drafter
+    from draftsmith.eval.engine.sampling import SamplingConfig
+    from draftsmith.target import eos_token_ids, load_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32).to(device).eval()

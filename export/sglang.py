@@ -25,7 +25,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from draftsmith.export.common import (
     Source,
@@ -36,13 +35,12 @@ from draftsmith.export.common import (
     write_config,
     write_weights,
 )
+from draftsmith.heads.exported import SGLANG_ARCHITECTURES, SGLANG_HOT_TOKEN_MAP
 
 NAME = "sglang"
 KINDS = ("eagle", "eagle3")
 VERSION = "0.5.23"
-ARCHITECTURES = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
 ALGORITHMS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
-HOT_TOKEN_MAP = "hot_token_map.pt"
 
 
 def why_not(kind: str) -> str:
@@ -52,10 +50,6 @@ def why_not(kind: str) -> str:
     )
 
 
-def matches(config: dict) -> bool:
-    return bool(set(config.get("architectures") or []) & set(ARCHITECTURES.values()))
-
-
 def _check_layer(source: Source, layer: dict) -> None:
     """SGLang's EAGLE layers are Llama layers without biases."""
     if layer.get("model_type") != "llama":
@@ -63,7 +57,7 @@ def _check_layer(source: Source, layer: dict) -> None:
             NAME,
             source.kind,
             f"its layer is a {layer.get('model_type')!r} layer; SGLang {VERSION}'s "
-            f"{ARCHITECTURES[source.kind]} builds Llama layers",
+            f"{SGLANG_ARCHITECTURES[source.kind]} builds Llama layers",
         )
     if source.kind == "eagle3" and (layer.get("attention_bias") or layer.get("mlp_bias")):
         raise refuse(NAME, source.kind, f"its layer has biases and SGLang {VERSION}'s EAGLE-3 layer has none")
@@ -81,7 +75,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     vocab = layer["vocab_size"]
     draft_config = {
         **layer,
-        "architectures": [ARCHITECTURES[source.kind]],
+        "architectures": [SGLANG_ARCHITECTURES[source.kind]],
         "num_hidden_layers": config["num_layers"],
         "tie_word_embeddings": False,
     }
@@ -112,8 +106,8 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     else:
         draft_vocab = tensors.pop("draft_vocab")
         if draft_vocab.numel() < vocab:
-            torch.save(draft_vocab.tolist(), out / HOT_TOKEN_MAP)
-            extra = ["--speculative-token-map", str(out / HOT_TOKEN_MAP)]
+            torch.save(draft_vocab.tolist(), out / SGLANG_HOT_TOKEN_MAP)
+            extra = ["--speculative-token-map", str(out / SGLANG_HOT_TOKEN_MAP)]
     write_config(out, {**draft_config, **export_block(source, NAME, config)})
     write_weights(out, tensors, NAME)
     command = [
@@ -135,19 +129,3 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         *extra,
     ]
     return [" ".join(command)]
-
-
-def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
-    """The head's weights under draftsmith names from an exported folder."""
-    tensors = load_file(str(folder / "model.safetensors"))
-    vocab = config["vocab_size"]
-    if ARCHITECTURES["eagle3"] in config["architectures"]:
-        if "d2t" not in tensors:
-            tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)
-            tensors["t2d"] = torch.ones(vocab, dtype=torch.bool)
-    else:
-        hot = folder / HOT_TOKEN_MAP
-        tensors["draft_vocab"] = (
-            torch.tensor(torch.load(hot, weights_only=True), dtype=torch.long) if hot.is_file() else torch.arange(vocab)
-        )
-    return tensors

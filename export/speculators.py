@@ -33,9 +33,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
 from draftsmith.export.common import (
     Source,
     Target,
@@ -45,12 +42,13 @@ from draftsmith.export.common import (
     write_config,
     write_weights,
 )
+from draftsmith.heads.dflash import draft_config
+from draftsmith.heads.exported import SPECULATORS_EMBED
 
 NAME = "speculators"
 KINDS = ("eagle3", "peagle", "dflash")
 VERSION = "0.9.0"
 LAYER_TYPES = ("llama", "qwen3")  # speculators 0.9.0 models/eagle3/model_definitions.model_classes
-EMBED = "embed_tokens.weight"
 VOCAB_MAPS = ("d2t", "t2d")
 
 
@@ -64,10 +62,6 @@ def why_not(kind: str) -> str:
         f"speculators {VERSION} has models for eagle3, mtp, dflash, dspark, peagle and xpress only; "
         "export Medusa heads with --format vllm-medusa or --format medusa, draft LMs with --format hf"
     )
-
-
-def matches(config: dict) -> bool:
-    return "speculators_model_type" in config
 
 
 def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
@@ -119,11 +113,11 @@ def _export_eagle3(source: Source, target: Target, out: Path, tree: dict) -> lis
     if config["draft_vocab_size"] == layer["vocab_size"]:
         for name in VOCAB_MAPS:
             tensors.pop(name)
-    tensors[EMBED] = target.model.get_input_embeddings().weight.detach().to(target.dtype)
+    tensors[SPECULATORS_EMBED] = target.model.get_input_embeddings().weight.detach().to(target.dtype)
     parallel = source.kind == "peagle"
     if parallel:
-        tensors[EMBED] = tensors[EMBED].clone()
-        tensors[EMBED][config["mask_token_id"]] = tensors.pop("mask_embedding").to(target.dtype)
+        tensors[SPECULATORS_EMBED] = tensors[SPECULATORS_EMBED].clone()
+        tensors[SPECULATORS_EMBED][config["mask_token_id"]] = tensors.pop("mask_embedding").to(target.dtype)
     write_config(
         out,
         {
@@ -156,8 +150,6 @@ def _export_dflash(source: Source, target: Target, out: Path, tree: dict) -> lis
     (vLLM applies that flag to every layer and serves causally without it); no embedding (the
     target's, mask row included); the reduced-vocabulary LM head with ``d2t``/``t2d``."""
     from transformers import AutoConfig
-
-    from draftsmith.heads.dflash import draft_config
 
     config, tensors = ascending_aux_layers(source)
     vocab = config["target_config"]["vocab_size"]
@@ -193,16 +185,3 @@ def _export_dflash(source: Source, target: Target, out: Path, tree: dict) -> lis
     write_weights(out, tensors, NAME)
     spec = f'{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
     return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
-
-
-def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
-    """The head's weights under draftsmith names from an exported folder."""
-    tensors = load_file(str(folder / "model.safetensors"))
-    embed = tensors.pop(EMBED, None)  # the target's, used by reference (a DFlash export has none)
-    if config.get("speculators_model_type") == "peagle":  # but for the mask token's row
-        tensors["mask_embedding"] = embed[config["mask_token_id"]].float()
-    if "d2t" not in tensors:  # full draft vocabulary: the identity maps
-        vocab = config["transformer_layer_config"]["vocab_size"]
-        tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)
-        tensors["t2d"] = torch.ones(vocab, dtype=torch.bool)
-    return tensors

@@ -14,11 +14,7 @@ vLLM cuts a full-vocabulary LM head down to those rows, so it works with a share
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file
 
 from draftsmith.export.common import (
     MEDUSA_BLOCK,
@@ -26,15 +22,14 @@ from draftsmith.export.common import (
     Target,
     export_block,
     refuse,
-    rename_blocks,
     write_config,
     write_weights,
 )
+from draftsmith.heads.exported import rename_blocks
 
 NAME = "vllm-medusa"
 KINDS = ("medusa",)
 VERSION = "0.32.0"
-VLLM_BLOCK = re.compile(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)")
 
 
 def why_not(kind: str) -> str:
@@ -62,10 +57,6 @@ def unservable(lm_head: str, reduced_vocab: bool) -> str | None:
             "{'token_map'}'); train with draft_vocab_size: null"
         )
     return None
-
-
-def matches(config: dict) -> bool:
-    return config.get("model_type") == "medusa"
 
 
 def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
@@ -105,13 +96,3 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         f'{{"method": "medusa", "model": "{out}", "num_speculative_tokens": {min(tree["depth"], config["num_heads"])}}}'
     )
     return [f"vllm serve {target.folder} --speculative-config '{spec}'  # vLLM <= {VERSION}"]
-
-
-def native_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
-    """The heads' weights under draftsmith names from an exported folder."""
-    tensors = load_file(str(folder / "model.safetensors"))
-    state = rename_blocks(tensors, VLLM_BLOCK, "blocks.{0}.{1}.linear.{2}")
-    if not config["original_lm_head"]:
-        state["lm_weight"] = torch.stack([tensors[f"lm_heads.{k}.weight"] for k in range(config["num_heads"])])
-    state["draft_vocab"] = tensors.get("token_map", torch.arange(config["vocab_size"]))
-    return state

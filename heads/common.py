@@ -14,10 +14,8 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from draftsmith.errors import CheckpointError
-
-# The key under which ``draftsmith-export`` keeps a drafter's own config inside an exported
-# folder's config.json, so the engine can load the export back (see :mod:`draftsmith.export`).
-EXPORT_KEY = "draftsmith_export"
+from draftsmith.heads.exported import EXPORT_KEY, native_state
+from draftsmith.target import target_record
 
 
 class TargetMismatchError(CheckpointError):
@@ -39,23 +37,6 @@ class Fp32RotaryMixin:
             if buf.is_floating_point() and moved.dtype != buf.dtype:
                 rotary._buffers[name] = buf.to(moved.device)
         return self
-
-
-def target_record(target: PreTrainedModel, name: str) -> dict:
-    """Identity of ``target``: its name, shape and an embedding checksum (dtype independent)."""
-    embedding = target.get_input_embeddings().weight
-    rows = embedding[: min(256, embedding.shape[0])].detach().double()
-    return {
-        "name": name,
-        "model_type": target.config.model_type,
-        "hidden_size": target.config.hidden_size,
-        "vocab_size": embedding.shape[0],
-        "num_hidden_layers": target.config.num_hidden_layers,
-        "embedding_checksum": float(rows.abs().sum()),
-        # Signed sums of 16 groups of rows: unlike the sum of magnitudes (a statistic of the weight
-        # distribution, within ~1% for two random inits of one shape) these differ between models.
-        "embedding_signature": [float(g.sum()) for g in rows.chunk(16)],
-    }
 
 
 def _signature_tolerances(target: PreTrainedModel) -> list[float]:
@@ -114,8 +95,6 @@ def read_config(path: str | Path, kind: str) -> dict:
 def read_state(path: str | Path) -> dict:
     """The drafter's weights under its own names, from a training checkpoint or an exported folder."""
     if EXPORT_KEY in json.loads((Path(path) / "config.json").read_text()):
-        from draftsmith.export.reimport import native_state
-
         return native_state(path)
     return load_file(str(Path(path) / "model.safetensors"))
 

@@ -24,9 +24,10 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from draftsmith.heads.common import Fp32RotaryMixin, bind_loaded, load_head_parts, save_head, target_record
+from draftsmith.heads.common import Fp32RotaryMixin, bind_loaded, load_head_parts, save_head
 from draftsmith.heads.eagle3 import check_aux_layers, default_aux_layers
 from draftsmith.heads.vocab import DraftVocabMixin, register_vocab_maps
+from draftsmith.target import target_record
 
 KIND = "dflash"
 

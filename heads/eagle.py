@@ -24,9 +24,9 @@ from draftsmith.heads.common import (
     decoder_classes,
     load_head_parts,
     save_head,
-    target_record,
 )
 from draftsmith.heads.vocab import DraftVocabMixin
+from draftsmith.target import target_record
 
 KIND = "eagle"
 FULL = "full_attention"

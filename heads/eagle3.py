@@ -30,10 +30,10 @@ from draftsmith.heads.common import (
     decoder_classes,
     load_head_parts,
     save_head,
-    target_record,
 )
 from draftsmith.heads.eagle import _architecture, _rotary_kwargs, attention_4d, head_config, pass_last_feature_through
 from draftsmith.heads.vocab import DraftVocabMixin, register_vocab_maps
+from draftsmith.target import target_record
 
 KIND = "eagle3"
 

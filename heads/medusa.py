@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from draftsmith.heads.common import bind_loaded, load_head_parts, save_head, target_record
+from draftsmith.heads.common import bind_loaded, load_head_parts, save_head
 from draftsmith.heads.vocab import DraftVocabMixin
+from draftsmith.target import target_record
 
 KIND = "medusa"
 LM_HEAD_MODES = ("shared", "copy")
@@ -30,6 +31,31 @@ TOP_K_RECORDED = 10  # ranks whose accuracy is measured per head
 def rank_accuracy(top_k_accuracy: list[list[float]]) -> list[list[float]]:
     """Per head, the probability that its rank-r guess is right, from cumulative top-k accuracies."""
     return [[max(0.0, hi - lo) for lo, hi in zip([0.0, *row[:-1]], row)] for row in top_k_accuracy]
+
+
+def head_positions(batch: dict, num_heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per head k: flat indices of positions i whose label (token i+k+2) is an assistant token, and those labels."""
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    n = ids.shape[1]
+    positions, labels = [], []
+    for k in range(num_heads):
+        shift = k + 2
+        valid = torch.zeros_like(mask)
+        shifted = torch.zeros_like(ids)
+        if n > shift:
+            valid[:, : n - shift] = mask[:, shift:]
+            shifted[:, : n - shift] = ids[:, shift:]
+        index = valid.flatten().nonzero().squeeze(1)
+        positions.append(index)
+        labels.append(shifted.flatten()[index])
+    return positions, labels
+
+
+def top_k_hits(heads: MedusaHeads, logits: torch.Tensor, gold: torch.Tensor, ranks: int) -> torch.Tensor:
+    """``[ranks]``: for r = 1..ranks, how many ``gold`` tokens are among the head's top-r guesses
+    (``logits`` over the draft vocabulary of ``heads``, a row per gold token)."""
+    top = heads.draft_vocab[logits.topk(ranks, dim=-1).indices]
+    return (top == gold[:, None]).cumsum(-1).clamp_max(1).sum(0)
 
 
 class ResBlock(nn.Module):

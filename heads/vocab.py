@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.config import RecipeError
+
 
 def token_counts(dataset, vocab_size: int = 0) -> torch.Tensor:
     """How often each token id occurs among the assistant (loss-masked) tokens of ``dataset``."""
@@ -145,8 +147,6 @@ def unused_token_id(tokenizer, dataset, vocab_size: int) -> int | None:
 def mask_token_for(given: int | None, tokenizer, dataset, vocab_size: int) -> int:
     """The mask token of a parallel drafter: ``given`` (in the vocabulary and absent from the data),
     else :func:`unused_token_id`; a one-line recipe error when it cannot be."""
-    from draftsmith.config import RecipeError
-
     if given is None:
         given = unused_token_id(tokenizer, dataset, vocab_size)
         if given is None:

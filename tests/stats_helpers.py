@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from scipy import stats
 
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.sampling import SamplingConfig, probabilities
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.sampling import SamplingConfig, probabilities
 
 QUANTILE = 0.999
 

@@ -14,14 +14,14 @@ import pytest
 from tree_drafters import GreedyPrefixDrafter, RandomTreeDrafter
 
 from draftsmith.errors import UsageError
-from draftsmith.eval.batch_decode import BatchDecoder
-from draftsmith.eval.decode import SpeculativeDecoder, autoregressive_greedy
-from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.drafters.oracle import OracleDrafter
-from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
-from draftsmith.eval.policies import PolicyConfig
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.eval.engine.batch_decode import BatchDecoder
+from draftsmith.eval.engine.decode import SpeculativeDecoder, autoregressive_greedy
+from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.engine.drafters.oracle import OracleDrafter
+from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.engine.policies import PolicyConfig
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.eval.engine.target_runner import CausalLMRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

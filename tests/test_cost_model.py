@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from draftsmith.eval.bench import Run
 from draftsmith.eval.cost_model import best_depth, break_even_acceptance, cost_model_lines, predicted_speedup
+from draftsmith.eval.measure import Run
 from draftsmith.eval.report import summarise
 
 # A device where a pass over n rows costs 10 + 2 (n - 1) ms.

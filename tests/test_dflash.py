@@ -15,11 +15,11 @@ from stats_helpers import assert_distributed_as_target
 from training_helpers import save_tiny_target, write_recipe
 from transformers import DynamicCache
 
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.drafters import build_drafter
-from draftsmith.eval.drafters.base import DraftContext
-from draftsmith.eval.drafters.dflash import DFlashDrafter
-from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter
+from draftsmith.eval.engine.drafters.base import DraftContext
+from draftsmith.eval.engine.drafters.dflash import DFlashDrafter
+from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.target import load_tokenizer
 from draftsmith.train.dflash import DFlashDrafterConfig, block_attention, sample_anchors, slot_weights

@@ -84,7 +84,7 @@ def test_derived_student_with_every_layer_reproduces_the_target(make_tiny_llama)
 
 
 def test_draft_lm_spec_cuts_the_same_student_as_the_recipe(make_tiny_llama):
-    from draftsmith.eval.drafters import build_drafter
+    from draftsmith.eval.engine.drafters import build_drafter
 
     target = make_tiny_llama(vocab_size=64, hidden_size=32, layers=4, seed=5, scale=5.0)
     ids = torch.tensor([[3, 9, 27, 5, 60, 1]])
@@ -252,7 +252,7 @@ def test_checkpoint_is_a_plain_hf_causal_lm(six_steps, target_folder):
 
 
 def test_checkpoint_counts_response_tokens_for_a_reduced_draft_vocabulary(six_steps, target_folder):
-    from draftsmith.eval.drafters import build_drafter
+    from draftsmith.eval.engine.drafters import build_drafter
     from draftsmith.heads.draft_lm import TOKEN_COUNTS
 
     final = six_steps.last_checkpoint

@@ -24,11 +24,11 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from training_helpers import save_tiny_target, write_recipe
 from transformers import DynamicCache
 
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.drafters import build_drafter
-from draftsmith.eval.drafters.eagle import EagleDrafter
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.tree import ROOT
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter
+from draftsmith.eval.engine.drafters.eagle import EagleDrafter
+from draftsmith.eval.engine.target_runner import CausalLMRunner
+from draftsmith.eval.engine.tree import ROOT
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head, default_aux_layers
 from draftsmith.target import load_tokenizer

@@ -16,11 +16,11 @@ import pytest
 import torch
 from stats_helpers import chi_square, exact_joint
 
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.drafters import build_drafter
-from draftsmith.eval.drafters.eagle import EagleDrafter
-from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
-from draftsmith.eval.tree import ROOT
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter
+from draftsmith.eval.engine.drafters.eagle import EagleDrafter
+from draftsmith.eval.engine.sampling import SamplingConfig, probabilities, sample
+from draftsmith.eval.engine.tree import ROOT
 from draftsmith.heads.eagle import EagleHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -118,8 +118,8 @@ def test_sampling_with_eagle_matches_exact_distribution(tiny_target, init, draft
 
 def test_chi_square_catches_a_lossy_verifier(tiny_target, monkeypatch):
     """Negative control: accepting every EAGLE draft (then sampling the bonus) must fail the test."""
-    import draftsmith.eval.decode as decode_module
-    from draftsmith.eval.verify import verdict
+    import draftsmith.eval.engine.decode as decode_module
+    from draftsmith.eval.engine.verify import verdict
 
     def accept_all(tree, logits, sampling, generator=None, lenience=1.0):
         path, node = [], ROOT
@@ -179,8 +179,8 @@ def test_drafting_distributions_equal_a_training_forward_over_the_same_sequence(
     """The engine's incremental head (its own KV cache fed with accepted tokens and the target's
     features, step by step) must compute what the training forward computes over the whole
     sequence at once (``EagleTask``: padded batch, target features, ``head(ids[1:], f[:-1])``)."""
+    from draftsmith.data_prep.dataset import pad_batch
     from draftsmith.train.eagle import EagleRecipe, EagleTask
-    from draftsmith.train.loop import pad_batch
 
     target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=2, seed=3, scale=10.0)
     head = _tiny_head(target, "random", draft_vocab)
@@ -201,7 +201,7 @@ def test_drafting_distributions_equal_a_training_forward_over_the_same_sequence(
 def test_steps_without_a_draft_still_reach_the_heads_cache(tiny_target):
     """Under a confidence gate the target decodes some steps alone; the head must still see every
     (token, feature) pair, or its later drafts would read a context with holes."""
-    from draftsmith.eval.policies import PolicyConfig
+    from draftsmith.eval.engine.policies import PolicyConfig
 
     drafter = EagleDrafter(_tiny_head(tiny_target, "identity"), depth=2, top_k=2, budget=4)
     drafter.policy = PolicyConfig(confidence=0.7)
@@ -222,7 +222,7 @@ def test_default_tree_is_planned_from_the_heads_recorded_accuracy(tiny_target, t
     device's measured costs: a head that is never right drafts one token a step; counts given in
     the spec win over the plan; a head without recorded accuracy drafts the fixed fallback tree
     and says why."""
-    from draftsmith.eval.drafters import PLAN_FALLBACK
+    from draftsmith.eval.engine.drafters import PLAN_FALLBACK
 
     head = _tiny_head(tiny_target, "random")
     head.save_pretrained(tmp_path / "unplanned")

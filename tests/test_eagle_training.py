@@ -196,7 +196,7 @@ def test_checkpoint_refuses_another_target(six_steps, targets):
     with pytest.raises(TargetMismatchError, match=r"hidden_size: checkpoint 64 vs target 32"):
         EagleHead.from_pretrained(final, load_target_model(targets["narrow"]))
     # The eval-side loader goes through the same check.
-    from draftsmith.eval.drafters import build_drafter
+    from draftsmith.eval.engine.drafters import build_drafter
 
     with pytest.raises(TargetMismatchError, match="embedding"):
         build_drafter(f"eagle:{final}?depth=3", load_target_model(targets["other_seed"]))
@@ -205,8 +205,8 @@ def test_checkpoint_refuses_another_target(six_steps, targets):
 def test_trained_head_drafts_losslessly_for_its_target(six_steps):
     """The checkpoint through the eval registry: greedy speculative output equals plain greedy."""
     from draftsmith.data_prep.chat import render_prompt
-    from draftsmith.eval.decode import SpeculativeDecoder
-    from draftsmith.eval.drafters import build_drafter
+    from draftsmith.eval.engine.decode import SpeculativeDecoder
+    from draftsmith.eval.engine.drafters import build_drafter
 
     target = six_steps.task.target
     tokenizer = load_tokenizer(str(six_steps.recipe.target.name))

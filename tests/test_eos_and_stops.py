@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 
 from draftsmith.data_prep.chat import render_prompt
-from draftsmith.eval.decode import SpeculativeDecoder, autoregressive_greedy
-from draftsmith.eval.drafters.base import DraftContext, Drafter
-from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.drafters.oracle import OracleDrafter
-from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.tree import TokenTree, chain
+from draftsmith.eval.engine.decode import SpeculativeDecoder, autoregressive_greedy
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
+from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.engine.drafters.oracle import OracleDrafter
+from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.engine.target_runner import CausalLMRunner
+from draftsmith.eval.engine.tree import TokenTree, chain
 
 PROMPT = [3, 17, 42, 8, 25, 11, 60, 5]
 STEP = 9  # the oracle below drafts 8 tokens, so a fully accepted step yields 9
@@ -208,7 +208,7 @@ def test_stop_string_mid_step_and_before_eos(story):
 def test_windowed_stop_check_matches_decoding_everything():
     """The stop-string check decodes a short window per candidate end; it must find the same end
     as decoding the whole text, also for multi-byte characters split across byte-level tokens."""
-    from draftsmith.eval.stopping import StopChecker
+    from draftsmith.eval.engine.stopping import StopChecker
     from draftsmith.target import load_tokenizer
 
     tokenizer = load_tokenizer()

@@ -3,7 +3,7 @@ import json
 import pytest
 from cli_helpers import user_error
 
-from draftsmith.eval.bench import Run, _agreement
+from draftsmith.eval.measure import Run, _agreement
 from draftsmith.eval.report import captions, depth_table, summarise
 from draftsmith.eval.run import main
 from draftsmith.timing import STAGES, stage, stage_table

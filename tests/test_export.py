@@ -177,7 +177,7 @@ def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(
     pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
 
-    from draftsmith.eval.drafters import build_drafter
+    from draftsmith.eval.engine.drafters import build_drafter
     from draftsmith.heads.peagle import PEagleHead
 
     torch.manual_seed(1)
@@ -221,7 +221,7 @@ def test_dflash_exports_as_speculators_dflash_and_loads_in_speculators_and_back(
     pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
 
-    from draftsmith.eval.drafters import build_drafter
+    from draftsmith.eval.engine.drafters import build_drafter
     from draftsmith.heads.dflash import DFlashHead
 
     torch.manual_seed(1)
@@ -570,7 +570,7 @@ def test_official_medusa_layout(target, target_dir, tmp_path):
 
 
 def test_hf_export_is_the_draft_lm_with_its_tokenizer_and_card(target, target_dir, tmp_path):
-    from draftsmith.heads.common import target_record
+    from draftsmith.target import target_record
 
     draft = derive_draft_lm(target, num_layers=1)
     save_draft_lm(draft, tmp_path / "ckpt", load_tokenizer(str(target_dir)), target_record(target, str(target_dir)))

@@ -15,13 +15,13 @@ import torch
 from tree_drafters import GreedyPrefixDrafter, RandomTreeDrafter
 
 from draftsmith.data_prep.chat import render_prompt
-from draftsmith.eval.decode import SpeculativeDecoder, autoregressive_greedy
-from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.drafters.medusa import MedusaDrafter
-from draftsmith.eval.drafters.oracle import OracleDrafter
-from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.tree import optimal_choices
+from draftsmith.eval.engine.decode import SpeculativeDecoder, autoregressive_greedy
+from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.engine.drafters.medusa import MedusaDrafter
+from draftsmith.eval.engine.drafters.oracle import OracleDrafter
+from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.engine.medusa_trees import optimal_choices
+from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.heads.medusa import MedusaHeads, rank_accuracy
 
 NEW_TOKENS = 64

@@ -15,11 +15,11 @@ import pytest
 import torch
 from tree_drafters import RandomTreeDrafter
 
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.host_syncs import count_host_syncs
-from draftsmith.eval.kv_cache import SlotCache
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.host_syncs import count_host_syncs
+from draftsmith.eval.engine.kv_cache import SlotCache
+from draftsmith.eval.engine.sampling import SamplingConfig, probabilities, sample
+from draftsmith.eval.engine.target_runner import CausalLMRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,7 +53,7 @@ def test_greedy_step_reads_back_once(make_tiny_llama, tree):
 
 def test_confidence_gate_rides_on_the_steps_read_back(make_tiny_llama):
     """The gate's flag comes back with the verdict: still one transfer per greedy step, drafting or not."""
-    from draftsmith.eval.policies import PolicyConfig
+    from draftsmith.eval.engine.policies import PolicyConfig
 
     model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=3, scale=10.0)
     drafter = RandomTreeDrafter(64, seed=2)

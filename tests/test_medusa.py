@@ -18,16 +18,17 @@ from training_helpers import VOCAB, launch, save_tiny_target, write_recipe
 from transformers import LlamaForCausalLM
 
 from draftsmith.data_prep.chat import render_prompt
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.drafters import build_drafter
-from draftsmith.eval.drafters.base import DraftContext
-from draftsmith.eval.drafters.medusa import MedusaDrafter
-from draftsmith.eval.sampling import SamplingConfig
-from draftsmith.eval.tree import ROOT, expected_acceptance, load_choices, optimal_choices, static_tree
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter
+from draftsmith.eval.engine.drafters.base import DraftContext
+from draftsmith.eval.engine.drafters.medusa import MedusaDrafter
+from draftsmith.eval.engine.medusa_trees import expected_acceptance, load_choices, optimal_choices, static_tree
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.eval.engine.tree import ROOT
 from draftsmith.heads.common import TargetMismatchError
-from draftsmith.heads.medusa import MedusaHeads, rank_accuracy
+from draftsmith.heads.medusa import MedusaHeads, head_positions, rank_accuracy
 from draftsmith.target import load_tokenizer
-from draftsmith.train.medusa import head_positions, main
+from draftsmith.train.medusa import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,12 +12,12 @@ import torch
 from stats_helpers import assert_distributed_as_target
 from training_helpers import save_tiny_target, write_recipe
 
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.drafters import build_drafter
-from draftsmith.eval.drafters.base import DraftContext
-from draftsmith.eval.drafters.peagle import PEagleDrafter
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter
+from draftsmith.eval.engine.drafters.base import DraftContext
+from draftsmith.eval.engine.drafters.peagle import PEagleDrafter
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.heads.vocab import unused_token_id
 from draftsmith.target import load_tokenizer

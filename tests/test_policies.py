@@ -16,17 +16,17 @@ import torch
 from stats_helpers import chi_square, exact_joint, generate_counts
 
 from draftsmith.errors import UsageError
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.drafters import build_drafter, parse_spec
-from draftsmith.eval.drafters.base import DraftContext, StepResult
-from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.drafters.hierarchical import HierarchicalDrafter
-from draftsmith.eval.drafters.oracle import OracleDrafter
-from draftsmith.eval.policies import DraftPolicy, EntropyRule, PolicyConfig, entropy
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.sampling import SamplingConfig
-from draftsmith.eval.tree import ROOT, chain, grow_tree
-from draftsmith.eval.verify import lenient_distribution, read_verdict, verify_sampling
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter, parse_spec
+from draftsmith.eval.engine.drafters.base import DraftContext, StepResult
+from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.engine.drafters.hierarchical import HierarchicalDrafter
+from draftsmith.eval.engine.drafters.oracle import OracleDrafter
+from draftsmith.eval.engine.policies import DraftPolicy, EntropyRule, PolicyConfig, entropy
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.eval.engine.target_runner import CausalLMRunner
+from draftsmith.eval.engine.tree import ROOT, chain, grow_tree
+from draftsmith.eval.engine.verify import lenient_distribution, read_verdict, verify_sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -20,16 +20,16 @@ import pytest
 import torch
 from stats_helpers import chi_square, exact_joint, generate_counts
 
-import draftsmith.eval.decode as decode_module
-import draftsmith.eval.sampling as sampling_module
-import draftsmith.eval.verify as verify_module
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.drafters.base import DraftContext, Drafter
-from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
-from draftsmith.eval.sampling import SamplingConfig, choose, probabilities, sample
-from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
-from draftsmith.eval.verify import read_verdict, verdict, verify_sampling
+import draftsmith.eval.engine.decode as decode_module
+import draftsmith.eval.engine.tree as tree_module
+import draftsmith.eval.engine.verify as verify_module
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
+from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.engine.sampling import SamplingConfig, choose, probabilities, sample
+from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder
+from draftsmith.eval.engine.verify import read_verdict, verdict, verify_sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -218,7 +218,7 @@ def test_negative_control_top_k_drafts_claimed_as_samples(monkeypatch, target, d
         probs = probabilities(logits, sampling)
         return torch.topk(probs, k, dim=-1).indices, probs
 
-    monkeypatch.setattr(sampling_module, "choose", top_k_choose)
+    monkeypatch.setattr(tree_module, "choose", top_k_choose)  # where the draft LM's trees draw their candidates
     drafter = DraftLMDrafter(draft, depth=2)
     statistic, threshold, _, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, n=1000)
     assert statistic > 3 * threshold

@@ -22,10 +22,9 @@ from transformers import AutoModelForCausalLM
 
 from draftsmith.export import export_checkpoint
 from draftsmith.export.serve_check import main as check_main
-from draftsmith.heads.common import target_record
 from draftsmith.heads.draft_lm import derive_draft_lm, save_draft_lm
 from draftsmith.heads.eagle import EagleHead
-from draftsmith.target import load_tokenizer
+from draftsmith.target import load_tokenizer, target_record
 from draftsmith.vllm_engine import why_unavailable
 
 pytestmark = pytest.mark.slow

@@ -13,10 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config
 from tree_drafters import GreedyPrefixDrafter, RandomTreeDrafter
 
-from draftsmith.eval.decode import SpeculativeDecoder
-from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.drafters.eagle import EagleDrafter
-from draftsmith.eval.runner import CausalLMRunner, ContextLengthError, UnsupportedTargetError
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.engine.drafters.eagle import EagleDrafter
+from draftsmith.eval.engine.target_runner import CausalLMRunner, ContextLengthError, UnsupportedTargetError
 from draftsmith.heads.draft_lm import derive_draft_lm
 from draftsmith.heads.eagle import EagleHead
 

@@ -22,8 +22,9 @@ import random
 import pytest
 import torch
 
-from draftsmith.eval.runner import CausalLMRunner, tree_rows
-from draftsmith.eval.tree import ROOT, TreeBuilder, ancestor_mask, chain, load_choices
+from draftsmith.eval.engine.medusa_trees import load_choices
+from draftsmith.eval.engine.target_runner import CausalLMRunner, tree_rows
+from draftsmith.eval.engine.tree import ROOT, TreeBuilder, ancestor_mask, chain
 
 LOGIT_TOL = 2e-4  # fp32, see the module docstring
 KV_TOL = 1e-4  # cached keys/values are O(1-10) and suffer the same reduction-order noise
@@ -353,7 +354,7 @@ def test_load_choices(tmp_path):
 
 
 def test_tree_plan_follows_the_measured_costs_and_acceptance():
-    from draftsmith.eval.pass_cost import chain_speedup, plan_tree
+    from draftsmith.eval.engine.pass_cost import chain_speedup, plan_tree
 
     # Pass costs in one-token passes as measured on this project's CPUs: fp32 with a step at 4
     # tokens, bf16 nearly flat.

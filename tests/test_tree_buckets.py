@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from tree_drafters import GreedyPrefixDrafter
 
-from draftsmith.eval.decode import SpeculativeDecoder, autoregressive_greedy
-from draftsmith.eval.runner import TREE_BUCKETS, CausalLMRunner, compile_decoder
+from draftsmith.eval.engine.decode import SpeculativeDecoder, autoregressive_greedy
+from draftsmith.eval.engine.target_runner import TREE_BUCKETS, CausalLMRunner, compile_decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

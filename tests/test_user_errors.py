@@ -25,9 +25,10 @@ from draftsmith.eval.run import main as eval_main
 from draftsmith.hub import check_hub_id
 from draftsmith.precision import choose_cpu_dtype, resolve_dtype
 from draftsmith.recipe import Recipe
-from draftsmith.train.cli import parse_training_args, resolve_precision
+from draftsmith.train.cli import parse_training_args
 from draftsmith.train.eagle import EagleRecipe
 from draftsmith.train.eagle import main as eagle_main
+from draftsmith.train.loop import resolve_precision
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,7 +118,7 @@ def test_drafter_options_out_of_range_are_refused_before_loading(capsys, tmp_pat
 
 
 def test_every_numeric_drafter_option_has_a_range_and_help_shows_it(capsys):
-    from draftsmith.eval.drafters import KINDS, POLICY_OPTIONS
+    from draftsmith.eval.engine.drafters import KINDS, POLICY_OPTIONS
 
     tables = [("all", POLICY_OPTIONS), *((kind, info.options) for kind, info in KINDS.items())]
     numeric = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from draftsmith.eval.drafters.base import DraftContext, Drafter
-from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
+from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder
 
 
 def random_subtree(

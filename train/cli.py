@@ -5,21 +5,13 @@ from __future__ import annotations
 import sys
 
 from draftsmith.config import load_recipe, schema_help
+from draftsmith.data_prep.dataset import build_dataset
+from draftsmith.data_prep.regenerate import prepare_data_config
 from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.precision import dtype_name, mixed_precision_for, resolve_dtype
-from draftsmith.recipe import OVERRIDE_ALIASES, Recipe
+from draftsmith.recipe import OVERRIDE_ALIASES
+from draftsmith.target import load_target
 from draftsmith.timing import stage
-
-
-def resolve_precision(recipe: Recipe) -> None:
-    """Replace ``auto`` in ``target.dtype`` and ``training.mixed_precision`` by what this machine
-    runs fastest (so the saved recipe records the concrete choice)."""
-    from draftsmith.target import default_device
-
-    if recipe.target.dtype == "auto":
-        recipe.target.dtype = dtype_name(resolve_dtype("auto", default_device()))
-    if recipe.training.mixed_precision == "auto":
-        recipe.training.mixed_precision = mixed_precision_for(resolve_dtype(recipe.target.dtype, log=False))
+from draftsmith.train.loop import Trainer, main_process_first, resolve_precision
 
 
 def parse_training_args(recipe_class, argv: list[str] | None = None, description: str = ""):
@@ -64,8 +56,6 @@ def run_training(recipe_class, build, argv: list[str] | None = None, description
 
 
 def _train(argv: list[str] | None, recipe_class, build, description: str):
-    from draftsmith.train.loop import Trainer, main_process_first
-
     recipe, resume = parse_training_args(recipe_class, argv, description)
     # Under `accelerate launch` the main process prepares the data (regeneration, tokenised
     # cache, features, token counts) while the others wait, then they find it all cached.
@@ -81,10 +71,6 @@ def _train(argv: list[str] | None, recipe_class, build, description: str):
 def target_and_data(recipe):
     """The recipe's target (frozen), its tokenizer and the tokenised train/held-out set, after
     self-distillation when ``data.regenerate`` asks for it."""
-    from draftsmith.data_prep.dataset import build_dataset
-    from draftsmith.data_prep.regenerate import prepare_data_config
-    from draftsmith.target import load_target
-
     with stage("train: load target and tokenise data"):
         target, tokenizer = load_target(
             recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template, field="target.name"

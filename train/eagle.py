@@ -19,13 +19,14 @@ from typing import Literal
 
 import torch
 
+from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.data_prep.features import training_sets
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.timing import stage
 from draftsmith.train.cli import run_training, target_and_data
-from draftsmith.train.loop import Trainer, pad_batch
+from draftsmith.train.loop import Trainer
 from draftsmith.train.unroll import UnrollLoss, depth_rates, record_depth_accuracy, unroll, unrolled_loss
 
 

@@ -34,7 +34,9 @@ from transformers import get_scheduler
 
 from draftsmith.atomic import staged
 from draftsmith.config import dump_recipe, to_dict
+from draftsmith.precision import dtype_name, mixed_precision_for, resolve_dtype
 from draftsmith.recipe import Recipe
+from draftsmith.target import default_device
 from draftsmith.timing import clock
 
 FINAL = "checkpoint-final"
@@ -74,28 +76,6 @@ class TrainState:
     batches_in_epoch: int = 0  # micro-batches of this epoch already consumed
     tokens: int = 0  # loss tokens seen, summed over processes
     seconds: float = 0.0  # wall time spent in the training loop, over every resumed run
-
-
-def pad_batch(rows: list[dict]) -> dict:
-    """Right-pad tokenised rows (``input_ids``, ``loss_mask`` and, when present, cached features
-    ``hidden`` and ``aux``) into a batch with an ``attention_mask``."""
-    longest = max(len(r["input_ids"]) for r in rows)
-    batch = {
-        "input_ids": torch.zeros(len(rows), longest, dtype=torch.long),
-        "loss_mask": torch.zeros(len(rows), longest, dtype=torch.bool),
-        "attention_mask": torch.zeros(len(rows), longest, dtype=torch.long),
-    }
-    features = [key for key in ("hidden", "aux") if key in rows[0]]
-    for key in features:
-        batch[key] = torch.zeros(len(rows), longest, rows[0][key].shape[-1], dtype=rows[0][key].dtype)
-    for i, row in enumerate(rows):
-        n = len(row["input_ids"])
-        batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
-        batch["loss_mask"][i, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
-        batch["attention_mask"][i, :n] = 1
-        for key in features:
-            batch[key][i, :n] = row[key]
-    return batch
 
 
 def _wandb_mode(mode: str) -> None:
@@ -170,10 +150,17 @@ def main_process_first(recipe: Recipe, timeout: timedelta = timedelta(hours=24))
         torch.distributed.barrier(group=group)
 
 
+def resolve_precision(recipe: Recipe) -> None:
+    """Replace ``auto`` in ``target.dtype`` and ``training.mixed_precision`` by what this machine
+    runs fastest (so the saved recipe records the concrete choice)."""
+    if recipe.target.dtype == "auto":
+        recipe.target.dtype = dtype_name(resolve_dtype("auto", default_device()))
+    if recipe.training.mixed_precision == "auto":
+        recipe.training.mixed_precision = mixed_precision_for(resolve_dtype(recipe.target.dtype, log=False))
+
+
 def make_accelerator(recipe: Recipe) -> Accelerator:
     """An Accelerator configured from the recipe's training, distributed and tracking sections."""
-    from draftsmith.train.cli import resolve_precision
-
     resolve_precision(recipe)  # recipes built in code may still say "auto"
     train, dist, track = recipe.training, recipe.distributed, recipe.tracking
     kwargs: dict = {

@@ -23,12 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.data_prep.features import training_sets
-from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads
+from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, head_positions, top_k_hits
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.train.cli import run_training, target_and_data
-from draftsmith.train.loop import Trainer, pad_batch
+from draftsmith.train.loop import Trainer
 
 
 @dataclass
@@ -113,24 +114,6 @@ class JointMedusa(nn.Module):
         return hidden, self.heads(hidden, positions)
 
 
-def head_positions(batch: dict, num_heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per head k: flat indices of positions i whose label (token i+k+2) is an assistant token, and those labels."""
-    ids, mask = batch["input_ids"], batch["loss_mask"]
-    n = ids.shape[1]
-    positions, labels = [], []
-    for k in range(num_heads):
-        shift = k + 2
-        valid = torch.zeros_like(mask)
-        shifted = torch.zeros_like(ids)
-        if n > shift:
-            valid[:, : n - shift] = mask[:, shift:]
-            shifted[:, : n - shift] = ids[:, shift:]
-        index = valid.flatten().nonzero().squeeze(1)
-        positions.append(index)
-        labels.append(shifted.flatten()[index])
-    return positions, labels
-
-
 class MedusaTask:
     """Medusa-1 or Medusa-2 loss over a target."""
 
@@ -200,8 +183,7 @@ class MedusaTask:
             total = total + self.cfg.head_decay**k * ce / max(1, len(gold))
             with torch.no_grad():
                 ranks = min(TOP_K_RECORDED if not training else 5, logits.shape[-1])
-                top = self.heads.draft_vocab[logits.topk(ranks, dim=-1).indices]
-                hits = (top == gold[:, None]).cumsum(-1).clamp_max(1).sum(0)
+                hits = top_k_hits(self.heads, logits, gold, ranks)
             name = f"head{k + 1}"
             metrics[f"{name}/tokens"] = float(len(gold))
             metrics[f"{name}/ce"] = float(ce.detach())

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
-from draftsmith.eval.tree import DeviceTree, TokenTree, device_tree
+from draftsmith.eval.engine.sampling import SamplingConfig, probabilities, sample
+from draftsmith.eval.engine.tree import DeviceTree, TokenTree, device_tree
 
 
 def _end_row(dev: DeviceTree, ok: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@
   probability of the token it just produced is below a threshold, the next steps decode with the
   target alone until it is confident again.
 - ``lenience`` (Leviathan et al. 2023): an explicitly *lossy* relaxation of sampling
-  verification (see :mod:`draftsmith.eval.verify`); every table names such a row as lossy.
+  verification (see :mod:`draftsmith.eval.engine.verify`); every table names such a row as lossy.
 
 Policies only change which tree is verified (or whether one is), never how the target verifies
 it, so every lossless guarantee of the engine holds under ``entropy`` and ``confidence``.
@@ -67,7 +67,7 @@ class PolicyConfig:
     @classmethod
     def from_options(cls, spec: str, options: dict) -> PolicyConfig:
         """Pop the policy options out of a spec's ``options`` (numbers already range-checked by
-        :func:`draftsmith.eval.drafters.parse_spec`) and check the policy names (one-line errors)."""
+        :func:`draftsmith.eval.engine.drafters.parse_spec`) and check the policy names (one-line errors)."""
         names = [n for n in str(options.pop("policy", "fixed")).split(",") if n]
         unknown = sorted(set(names) - set(POLICIES))
         if unknown or not names:

@@ -8,7 +8,7 @@ positions' context, runs the block (anchor = the last token, which the target ha
 at the next position) attending to all of the context and to the whole block, and crops the
 block's keys off again, so the cache only ever holds context rows, as z-lab's reference does.
 Slots 1..depth give the draft distributions of depths 1..depth, from which the chain is chosen
-(greedy, or sampled for lossless verification) all at once (:func:`~draftsmith.eval.tree.grow_chain`).
+(greedy, or sampled for lossless verification) all at once (:func:`~draftsmith.eval.engine.tree.grow_chain`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
-from draftsmith.eval.tree import TokenTree, grow_chain
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.engine.tree import TokenTree, grow_chain
 
 
 class DFlashDrafter(Drafter):

@@ -13,18 +13,33 @@ e.g. ``draft_lm:PATH?depth=8&policy=entropy``). :data:`KINDS` documents every ki
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import parse_qsl
 
 from transformers import PreTrainedModel
 
 from draftsmith.errors import CheckpointError, UsageError
-from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
-from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.drafters.oracle import OracleDrafter
-from draftsmith.eval.drafters.prompt_lookup import PromptLookupDrafter
-from draftsmith.eval.policies import DEFAULT_CONFIDENCE, DEFAULT_ENTROPY_TAU, POLICIES, PolicyConfig
-from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.engine.drafters.dflash import DFlashDrafter
+from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.engine.drafters.eagle import EagleDrafter
+from draftsmith.eval.engine.drafters.hierarchical import HierarchicalDrafter
+from draftsmith.eval.engine.drafters.medusa import MedusaDrafter
+from draftsmith.eval.engine.drafters.oracle import OracleDrafter
+from draftsmith.eval.engine.drafters.peagle import PEagleDrafter
+from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.engine.medusa_trees import load_choices, optimal_choices
+from draftsmith.eval.engine.policies import DEFAULT_CONFIDENCE, DEFAULT_ENTROPY_TAU, POLICIES, PolicyConfig
+from draftsmith.eval.engine.target_runner import CausalLMRunner
+from draftsmith.eval.engine.tree_plan import plan_head_tree
 from draftsmith.heads.common import read_config
+from draftsmith.heads.dflash import DFlashHead
+from draftsmith.heads.draft_lm import derive_draft_lm, draft_vocab_from_counts, load_draft_lm
+from draftsmith.heads.eagle import EagleHead
+from draftsmith.heads.eagle3 import Eagle3Head
+from draftsmith.heads.medusa import DEFAULT_TREE_SIZE, MedusaHeads, rank_accuracy
+from draftsmith.heads.peagle import PEagleHead
+from draftsmith.target import attach_adapter
 
 
 @dataclass(frozen=True)
@@ -93,7 +108,7 @@ PLAN_FALLBACK = {"eagle": {"depth": 5, "top_k": 3, "budget": 12}, "eagle3": {"de
 
 
 def _tree_options(fallback: dict[str, int]) -> dict[str, Option]:
-    """An EAGLE head's tree options: each a count, or ``auto`` (planned, :mod:`draftsmith.eval.tree_plan`)."""
+    """An EAGLE head's tree options: each a count, or ``auto`` (planned, :mod:`draftsmith.eval.engine.tree_plan`)."""
     unplanned = f"depth {fallback['depth']}, top_k {fallback['top_k']}, budget {fallback['budget']}"
     return {
         "depth": Option(
@@ -228,7 +243,7 @@ KINDS: dict[str, KindHelp] = {
 }
 
 
-# Options every kind takes: how the engine drafts and verifies with it (draftsmith.eval.policies).
+# Options every kind takes: how the engine drafts and verifies with it (draftsmith.eval.engine.policies).
 POLICY_OPTIONS: dict[str, Option] = {
     "policy": Option("fixed", f"draft-length policy: {', '.join(POLICIES)}, or entropy,confidence (both)"),
     "entropy_tau": Option(
@@ -346,8 +361,6 @@ def parse_spec(spec: str) -> DrafterSpec:
 
 def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
     """A drafter for ``target`` from a spec string."""
-    from draftsmith.heads.draft_lm import draft_vocab_from_counts, load_draft_lm
-
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
     options = dict(parsed.options)
     try:
@@ -369,8 +382,6 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
                 model = _cut_from_target(target, layers, "draft_lm option layers")
             drafter = DraftLMDrafter(model, **options)
         elif parsed.kind == "hierarchical":
-            from draftsmith.eval.drafters.hierarchical import HierarchicalDrafter
-
             param = next(target.parameters())
             vocab = options.pop("vocab", None)
             models = []
@@ -390,30 +401,18 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
                     options[f"{m}_vocab"] = draft_vocab_from_counts(str(path), int(vocab), models[-1])
             drafter = HierarchicalDrafter(*models, **options)
         elif parsed.kind == "eagle":
-            from draftsmith.heads.eagle import EagleHead
-
             head = EagleHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
             drafter = _eagle_drafter(parsed, options, target, head)
         elif parsed.kind == "eagle3":
-            from draftsmith.heads.eagle3 import Eagle3Head
-
             head = Eagle3Head.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
             drafter = _eagle_drafter(parsed, options, target, head)
         elif parsed.kind == "peagle":
-            from draftsmith.eval.drafters.peagle import PEagleDrafter
-            from draftsmith.heads.peagle import PEagleHead
-
             head = PEagleHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
             drafter = PEagleDrafter(head, **options)
         elif parsed.kind == "dflash":
-            from draftsmith.eval.drafters.dflash import DFlashDrafter
-            from draftsmith.heads.dflash import DFlashHead
-
             head = DFlashHead.from_pretrained(parsed.path, target).to(next(target.parameters()).dtype)
             drafter = DFlashDrafter(head, **options)
         elif parsed.kind == "medusa":
-            from draftsmith.eval.drafters.medusa import MedusaDrafter
-
             heads, choices, verifier = _medusa_parts(
                 parsed.path, target, options.pop("choices", None), options.pop("budget", None)
             )
@@ -433,11 +432,8 @@ def build_drafter(spec: str | DrafterSpec, target: PreTrainedModel) -> Drafter:
 
 def _eagle_drafter(parsed: DrafterSpec, options: dict, target: PreTrainedModel, head) -> Drafter:
     """An EAGLE drafter whose ``auto`` tree options (the default) come from the tree planned for
-    ``head`` on ``target``'s device (:func:`~draftsmith.eval.tree_plan.plan_head_tree`); counts given
+    ``head`` on ``target``'s device (:func:`~draftsmith.eval.engine.tree_plan.plan_head_tree`); counts given
     in the spec win over the plan."""
-    from draftsmith.eval.drafters.eagle import EagleDrafter
-    from draftsmith.eval.tree_plan import plan_head_tree
-
     tree = {key: options.pop(key, AUTO) for key in ("depth", "top_k", "budget")}
     for key, value in tree.items():
         if isinstance(value, str) and value != AUTO:
@@ -469,8 +465,6 @@ def _eagle_drafter(parsed: DrafterSpec, options: dict, target: PreTrainedModel, 
 def _cut_from_target(target: PreTrainedModel, layers, field: str) -> PreTrainedModel:
     """A draft LM of the target's own layers: ``layers`` is a count (evenly spaced, first and last
     kept) or comma-separated indices (``0,1,8,29``), as a spec's option gives it."""
-    from draftsmith.heads.draft_lm import derive_draft_lm
-
     if isinstance(layers, int):
         return derive_draft_lm(target, num_layers=layers)
     try:
@@ -489,12 +483,6 @@ def _medusa_parts(path: str, target: PreTrainedModel, choices, budget):
     heads' recorded held-out accuracies, else the checkpoint's calibrated ``tree.yaml``, else the
     optimal tree of Medusa's default size (63 nodes).
     """
-    from pathlib import Path
-
-    from draftsmith.eval.tree import load_choices, optimal_choices
-    from draftsmith.heads.medusa import DEFAULT_TREE_SIZE, MedusaHeads, rank_accuracy
-    from draftsmith.target import attach_adapter
-
     heads = MedusaHeads.from_pretrained(path, target).to(next(target.parameters()).dtype)
     adapter = Path(path) / "adapter"
     verifier = attach_adapter(target, adapter) if adapter.is_dir() else None

@@ -1,21 +1,21 @@
 """P-EAGLE drafting: one head pass over ``[pending tokens, MASK x (K - 1)]`` drafts a chain of K tokens.
 
 The head's cache and its (token, target feature) pairing are the EAGLE drafter's
-(:class:`~draftsmith.eval.drafters.eagle.EagleDrafter`). Each proposal runs the pending pairs and
+(:class:`~draftsmith.eval.engine.drafters.eagle.EagleDrafter`). Each proposal runs the pending pairs and
 K - 1 mask positions as one tree forward of the head (a chain of rows after the committed prefix),
 keeps the real rows in the cache and drops the mask rows: the cache only ever holds rows of real
 target features, as vLLM's parallel drafting overwrites its mask slots. The last real row and the
 mask rows give the draft distributions of depths 1..K, from which the chain is chosen (greedy, or
-sampled for lossless verification) all at once (:func:`~draftsmith.eval.tree.grow_chain`).
+sampled for lossless verification) all at once (:func:`~draftsmith.eval.engine.tree.grow_chain`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.drafters.base import DraftContext
-from draftsmith.eval.drafters.eagle import EagleDrafter
-from draftsmith.eval.tree import TokenTree, grow_chain
+from draftsmith.eval.engine.drafters.base import DraftContext
+from draftsmith.eval.engine.drafters.eagle import EagleDrafter
+from draftsmith.eval.engine.tree import TokenTree, grow_chain
 
 
 class PEagleDrafter(EagleDrafter):

@@ -13,7 +13,7 @@ M1 token or M2's correction from the residual), so the target verifies it agains
 distribution with the engine's usual rejection sampling; greedy, pending tokens are M2's greedy
 tokens and the target keeps only those equal to its own.
 
-Thresholds adapt per sequence (:class:`~draftsmith.eval.policies.EntropyRule`): M1's from the M1
+Thresholds adapt per sequence (:class:`~draftsmith.eval.engine.policies.EntropyRule`): M1's from the M1
 entropies of the tokens M2 rejected, M2's from the M2 entropies of the tokens the target rejected.
 A position a model declines (its entropy above its threshold) counts as a rejection at that
 entropy: without it, a model whose entropies all start above the initial threshold (a 2-layer cut
@@ -27,12 +27,12 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
-from draftsmith.eval.drafters.draft_lm import DraftLMDrafter
-from draftsmith.eval.policies import DEFAULT_ENTROPY_TAU, EntropyRule, entropy
-from draftsmith.eval.sampling import probabilities, sample
-from draftsmith.eval.tree import ROOT, TokenTree, chain
-from draftsmith.eval.verify import residual
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.engine.policies import DEFAULT_ENTROPY_TAU, EntropyRule, entropy
+from draftsmith.eval.engine.sampling import probabilities, sample
+from draftsmith.eval.engine.tree import ROOT, TokenTree, chain
+from draftsmith.eval.engine.verify import residual
 
 
 class HierarchicalDrafter(Drafter):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.eval.drafters.base import DraftContext, Drafter
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder, grow_tree
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
+from draftsmith.eval.engine.target_runner import CausalLMRunner
+from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder, grow_tree
 from draftsmith.heads.vocab import scatter_to_vocab
 
 

@@ -6,9 +6,9 @@ the chosen draft length: what is left is the cost of verification passes and eng
 
 from __future__ import annotations
 
-from draftsmith.eval.drafters.base import DraftContext, Drafter
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.tree import TokenTree, chain
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
+from draftsmith.eval.engine.target_runner import CausalLMRunner
+from draftsmith.eval.engine.tree import TokenTree, chain
 
 
 class OracleDrafter(Drafter):
@@ -21,7 +21,7 @@ class OracleDrafter(Drafter):
 
     def prepare(self, prompt: list[int], max_new_tokens: int) -> None:
         # Imported here: decode imports the drafter registry, which imports this module.
-        from draftsmith.eval.decode import autoregressive_greedy
+        from draftsmith.eval.engine.decode import autoregressive_greedy
 
         self.prompt_length = len(prompt)
         self.reference = list(prompt) + autoregressive_greedy(self.runner, prompt, max_new_tokens + 1)

@@ -10,7 +10,7 @@ verification and the cache's compaction order are computed there, so a step read
 tensor (the verdict: accepted nodes and last token); sampling with top-p may add one more (see
 ``sampling.probabilities``). Stops are checked on the step's new tokens only.
 
-The drafter's draft-length policy (:mod:`draftsmith.eval.policies`) decides each step whether it
+The drafter's draft-length policy (:mod:`draftsmith.eval.engine.policies`) decides each step whether it
 drafts at all (the confidence gate, whose flag rides on the verdict's read-back) and where its
 tree stops growing (the entropy threshold it passes in the context); verification is the same.
 """
@@ -25,13 +25,14 @@ import torch
 from torch.profiler import record_function
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
-from draftsmith.eval.policies import DraftPolicy, PolicyConfig
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
-from draftsmith.eval.stopping import StopChecker
-from draftsmith.eval.tree import device_tree
-from draftsmith.eval.verify import read_verdict, verify
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.engine.policies import DraftPolicy, PolicyConfig
+from draftsmith.eval.engine.sampling import SamplingConfig, probabilities, sample
+from draftsmith.eval.engine.stopping import StopChecker
+from draftsmith.eval.engine.target_runner import CausalLMRunner
+from draftsmith.eval.engine.tree import device_tree
+from draftsmith.eval.engine.verify import read_verdict, verify
+from draftsmith.target import eos_token_ids
 from draftsmith.timing import clock
 
 
@@ -56,18 +57,6 @@ class Generation:
     @property
     def seconds(self) -> float:
         return self.prefill_seconds + self.decode_seconds
-
-
-def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
-    """Every token id that ends a turn for this model."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None)
-        if value is not None:
-            ids.update(value if isinstance(value, (list, tuple)) else [value])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 class SpeculativeDecoder:

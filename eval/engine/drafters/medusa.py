@@ -13,9 +13,10 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.errors import UsageError
-from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
-from draftsmith.eval.sampling import choose
-from draftsmith.eval.tree import TokenTree, choice_slots, static_tree
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.engine.medusa_trees import choice_slots, static_tree
+from draftsmith.eval.engine.sampling import choose
+from draftsmith.eval.engine.tree import TokenTree
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.target import adapter_active
 

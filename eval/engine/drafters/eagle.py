@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
-from draftsmith.eval.runner import CausalLMRunner
-from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder, grow_tree
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.engine.target_runner import CausalLMRunner
+from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder, grow_tree
 
 
 class EagleDrafter(Drafter):

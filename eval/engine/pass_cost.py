@@ -3,7 +3,7 @@
 Tree sizes and speedup ceilings must come from this curve on the device at hand, not from GPU
 settings: on a small CPU a 64-token pass costs several single-token passes.
 
-    python eval/pass_cost.py --target default --dtype bfloat16 --prefix 200 --sizes 1,2,4,8,16,32,64
+    python eval/engine/pass_cost.py --target default --dtype bfloat16 --prefix 200 --sizes 1,2,4,8,16,32,64
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.eval.runner import CausalLMRunner, tree_rows
+from draftsmith.eval.engine.target_runner import CausalLMRunner, tree_rows
 from draftsmith.precision import DTYPE_CHOICES
 from draftsmith.target import load_target
 from draftsmith.timing import clock

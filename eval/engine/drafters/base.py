@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.eval.sampling import SamplingConfig
-from draftsmith.eval.tree import TokenTree
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.eval.engine.tree import TokenTree
 
 
 @dataclass

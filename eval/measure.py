@@ -18,9 +18,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import Prompt
 from draftsmith.errors import UsageError
-from draftsmith.eval.decode import Generation, SpeculativeDecoder, eos_token_ids
-from draftsmith.eval.drafters.base import Drafter
-from draftsmith.eval.sampling import SamplingConfig
+from draftsmith.eval.engine.decode import Generation, SpeculativeDecoder
+from draftsmith.eval.engine.drafters.base import Drafter
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.target import eos_token_ids
 from draftsmith.timing import clock
 
 BASELINE = "baseline"

@@ -5,7 +5,7 @@ reads the head's held-out top-1 accuracy at each draft depth (``depth_accuracy``
 checkpoint by training), measures on the device at hand what a verification pass of n tokens and
 one draft step cost, takes the chain depth with the best expected speedup (Leviathan et al., per
 depth) and widens the tree while its verification pass stays within 10% of the chain's
-(:func:`~draftsmith.eval.pass_cost.plan_tree`). Pass costs are measured once per target and dtype
+(:func:`~draftsmith.eval.engine.pass_cost.plan_tree`). Pass costs are measured once per target and dtype
 in a process.
 """
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from draftsmith.eval.pass_cost import measure_pass_cost, plan_tree
-from draftsmith.eval.runner import CausalLMRunner
+from draftsmith.eval.engine.pass_cost import measure_pass_cost, plan_tree
+from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.timing import clock
 
 MAX_BUDGET = 16  # tree nodes considered (pass sizes 1..17 are measured)

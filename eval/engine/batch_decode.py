@@ -1,13 +1,13 @@
 """Several prompts decoded together: one target pass per step for the whole batch, per-row acceptance.
 
 Each row keeps its own drafter, tree, generator and stop checks, as a
-:class:`~draftsmith.eval.decode.SpeculativeDecoder` run would; the target scores every row's
+:class:`~draftsmith.eval.engine.decode.SpeculativeDecoder` run would; the target scores every row's
 ``[last token] + tree`` in one forward of shape ``[batch, n]`` (``n``: the largest row, the
 others padded with rows that hang off the prefix, attended to by nobody and never verified),
-verification runs per row with :mod:`draftsmith.eval.verify` (device ops only), and all rows'
+verification runs per row with :mod:`draftsmith.eval.engine.verify` (device ops only), and all rows'
 verdicts come back in one transfer per step.
 
-Cache layout: one :class:`~draftsmith.eval.kv_cache.SlotCache` with a batch dimension and one
+Cache layout: one :class:`~draftsmith.eval.engine.kv_cache.SlotCache` with a batch dimension and one
 write position shared by all rows, so the decoder's in-place writes need no per-row offsets.
 Rows of different lengths leave *holes*: right-padding after a short prompt, and after a step
 the slots a row did not accept while a longer path in another row did. A per-row validity mask
@@ -26,15 +26,16 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.errors import UsageError
-from draftsmith.eval.decode import Generation, eos_token_ids
-from draftsmith.eval.drafters.base import DraftContext, Drafter, StepResult
-from draftsmith.eval.kv_cache import SlotCache
-from draftsmith.eval.policies import PolicyConfig
-from draftsmith.eval.runner import UnsupportedTargetError, _attention_layout
-from draftsmith.eval.sampling import SamplingConfig, probabilities, sample
-from draftsmith.eval.stopping import StopChecker
-from draftsmith.eval.tree import ancestor_mask, upload
-from draftsmith.eval.verify import read_verdict, verify
+from draftsmith.eval.engine.decode import Generation
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.engine.kv_cache import SlotCache
+from draftsmith.eval.engine.policies import PolicyConfig
+from draftsmith.eval.engine.sampling import SamplingConfig, probabilities, sample
+from draftsmith.eval.engine.stopping import StopChecker
+from draftsmith.eval.engine.target_runner import UnsupportedTargetError, _attention_layout
+from draftsmith.eval.engine.tree import ancestor_mask, upload
+from draftsmith.eval.engine.verify import read_verdict, verify
+from draftsmith.target import eos_token_ids
 from draftsmith.timing import clock
 
 

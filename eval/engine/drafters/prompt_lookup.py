@@ -12,8 +12,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from draftsmith.errors import UsageError
-from draftsmith.eval.drafters.base import DraftContext, Drafter
-from draftsmith.eval.tree import ROOT, TokenTree, TreeBuilder
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
+from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder
 
 
 class PromptLookupDrafter(Drafter):

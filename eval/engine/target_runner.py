@@ -17,8 +17,8 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.errors import UsageError
-from draftsmith.eval.kv_cache import SlotCache
-from draftsmith.eval.tree import ROOT, ancestor_mask
+from draftsmith.eval.engine.kv_cache import SlotCache
+from draftsmith.eval.engine.tree import ROOT, ancestor_mask
 
 MASKED_ATTENTION = ("sdpa", "eager")  # implementations that honour an additive 4D mask
 # Tree forwards padded up to one of these sizes (then to multiples of the last) when the decoder
@@ -69,7 +69,7 @@ def _on(values, device: torch.device) -> torch.Tensor:
 
 class CausalLMRunner:
     """Incremental forward passes (chains or trees) over one sequence with a preallocated
-    :class:`~draftsmith.eval.kv_cache.SlotCache`; masks and positions are built on the device."""
+    :class:`~draftsmith.eval.engine.kv_cache.SlotCache`; masks and positions are built on the device."""
 
     def __init__(
         self,
