@@ -25,6 +25,7 @@ demo: install-core
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+	$(PYTHON) scripts/lint_imports.py
 
 test: install lint
 	$(PYTHON) -m pytest
