@@ -9,8 +9,7 @@ steps after one warm-up. The batch is the first ``training.batch_size`` conversa
 recipe's data (ShareGPT's own replies: regeneration off, so nothing to generate first), at the
 recipe's precision; further ``--key value`` pairs override the recipe (e.g.
 ``--drafter.out_of_vocab_targets renormalise``). Writes ``DIR/unroll_cost.json``: ``step_s_k1``, ``step_s_k3``,
-``step_s_k7``,
-``tokens_per_s_k1`` (real tokens a second at k = 1), ``ratio_k7_k1`` and what it ran on. A P-EAGLE
+``step_s_k7``, ``tokens_per_s_k1`` (real tokens a second at k = 1), ``ratio_k7_k1`` and what it ran on. A P-EAGLE
 recipe (``--recipe recipes/smollm2-peagle.yaml``) times its parallel passes, chain-sampled as the
 recipe says (``--drafter.down_sample_ratio 1``: every position).
 """

@@ -9,8 +9,7 @@ Slot k is scored against the target's distribution (over the draft vocabulary) f
 where that token is supervised, weighted ``exp(-(k - 1) / decay_gamma)`` (DFlash) or by D-PACE
 (``weighting: dpace``: the chance the block's earlier slots were all accepted, from each slot's
 detached probability of the target's token). Data, regenerated replies, the draft vocabulary, online or offline
-features and
-the out-of-vocabulary mask are EAGLE-3's (:mod:`draftsmith.train.eagle3`).
+features and the out-of-vocabulary mask are EAGLE-3's (:mod:`draftsmith.train.eagle3`).
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ assistant tokens only. HASS (Zhang et al., 2025) is two options: ``ttt_steps > 1
 in which the head reads its own (detached) predicted features, every pass weighted alike (context
 alignment, see :mod:`draftsmith.train.unroll`), and ``top_k_loss`` adds ``top_k_weight`` x a
 distillation term over the target's top-K tokens to the loss. Features come from the frozen target inside the step
-(``online``) or from
-an on-disk cache written by ``draftsmith.data_prep.features`` (``offline``).
+(``online``) or from an on-disk cache written by ``draftsmith.data_prep.features`` (``offline``).
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ Training unrolls the same layout (:func:`draftsmith.train.unroll.unroll` with ``
 the real context and to the mask positions before it; the loss of pass j is the cross-entropy
 between the target's distribution over the draft vocabulary at depth j + 1 and the head's,
 weighted ``ttt_step_loss_decay ** j`` (default 1, as speculators weighs depths). Training samples draft chains as the
-P-EAGLE trainers do
-(:func:`draftsmith.train.unroll.chain_sample`: depth d trains a ``down_sample_ratio ** (d - 1)``
+P-EAGLE trainers do (:func:`draftsmith.train.unroll.chain_sample`: depth d trains a ``down_sample_ratio ** (d - 1)``
 share of the positions, at least ``down_sample_ratio_min``), so deep passes cost a fraction of a
 full one; held-out evaluation scores every chain. Everything else (data, regenerated replies, draft
 vocabulary, online or offline features, the out-of-vocabulary mask) is EAGLE-3's

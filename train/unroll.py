@@ -124,9 +124,8 @@ def unroll(
     back as the head's ``feedback`` input (its ``feedback_input``: ``head`` may be wrapped for
     DDP) with the tokens shifted j places left; ``detach`` stops gradients through the fed-back
     outputs (HASS), else later passes also train the earlier ones (EAGLE-3's training-time test). Attention runs as
-    :func:`unrolled_attention`,
-    except for heads whose layers soft-cap attention logits (Gemma-2: eager attention over the
-    dense :func:`pass_mask`). With ``parallel`` (P-EAGLE) pass j>0 reads the head's mask token and
+    :func:`unrolled_attention`, except for heads whose layers soft-cap attention logits (Gemma-2: eager attention over
+    the dense :func:`pass_mask`). With ``parallel`` (P-EAGLE) pass j>0 reads the head's mask token and
     mask feature instead, so no pass depends on another's output: the layout one drafting pass sees.
     ``chains`` (P-EAGLE's chain sampling, :func:`chain_sample`) runs pass j>0 on pass j's sampled
     positions only; the other rows of its output are zeros (no loss may read them).
