@@ -75,7 +75,7 @@ def recipe_sections(checkpoint: Path) -> tuple[TargetConfig, DataConfig]:
 def measure_draft_cost(heads: MedusaHeads, repeats: int = 20) -> float:
     """Median seconds of one Medusa draft step (all heads' logits and their top-k)."""
     param = next(heads.parameters())
-    hidden = torch.randn(1, heads.config.hidden_size, dtype=param.dtype, device=param.device)
+    hidden = torch.randn(1, heads.hidden_size, dtype=param.dtype, device=param.device)
     times = []
     for _ in range(repeats + 1):
         start = clock(param.device)

@@ -125,11 +125,3 @@ def decoder_classes(target: PreTrainedModel) -> tuple[type, type]:
     """The decoder-layer and rotary-embedding classes of ``target``'s decoder (what a head's layers are built from)."""
     decoder = target.get_decoder()
     return type(decoder.layers[0]), type(decoder.rotary_emb)
-
-
-def bind_loaded(head, target: PreTrainedModel | None):
-    """``head`` moved to ``target``'s device and bound to it (as it is without a target); for new and
-    loaded heads alike."""
-    if target is None:
-        return head
-    return head.to(device=next(target.parameters()).device).bind(target)

@@ -17,16 +17,15 @@ used by reference and never saved, as speculators does.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from draftsmith.heads.common import Fp32RotaryMixin, bind_loaded, load_head_parts, save_head
+from draftsmith.heads.base import Head
+from draftsmith.heads.common import Fp32RotaryMixin
 from draftsmith.heads.eagle3 import check_aux_layers, default_aux_layers
-from draftsmith.heads.vocab import DraftVocabMixin, register_vocab_maps
+from draftsmith.heads.vocab import d2t_for
 from draftsmith.target import target_record
 
 KIND = "dflash"
@@ -56,7 +55,7 @@ def draft_config(target_config: PretrainedConfig, num_layers: int) -> Qwen3Confi
     return config
 
 
-class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
+class DFlashHead(Fp32RotaryMixin, Head):
     """``fc`` + ``hidden_norm`` over fused target layers (the injected context), Qwen3 layers over the
     block, the final norm and a draft LM head."""
 
@@ -72,11 +71,10 @@ class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         d2t: torch.Tensor,
         target_info: dict | None = None,
     ):
-        super().__init__()
+        super().__init__(target_config.vocab_size, target_info)
         self.config = config = draft_config(target_config, num_layers)
         self.target_config = target_config  # recorded: the layers are built from it
         self.aux_layers, self.block_size, self.mask_token_id = list(aux_layers), int(block_size), int(mask_token_id)
-        self.target_info = target_info or {}
         hidden = config.hidden_size
         self.fc = nn.Linear(len(self.aux_layers) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
@@ -84,18 +82,13 @@ class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, d2t.numel(), bias=False)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        register_vocab_maps(self, d2t, config.vocab_size)
-        self._target: tuple = ()
+        self.keep_vocab_maps(d2t)
         self.depth_accuracy: list[float] | None = None  # held-out top-1 of block slots 1, 2, ...
 
     # -- scoring -------------------------------------------------------------------------------
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary ``[..., N]``."""
         return self.lm_head(self.norm(hidden))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits over the full vocabulary (``-inf`` outside the draft vocabulary)."""
-        return self.to_full_vocab(self.draft_logits(hidden))
 
     # -- forward -------------------------------------------------------------------------------
     def add_context(self, cache, features: torch.Tensor, position_ids: torch.Tensor) -> None:
@@ -158,46 +151,33 @@ class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         the draft vocabulary (None: the full vocabulary) and the final norm as the target's."""
         layers = target.config.num_hidden_layers
         aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(layers), layers)
-        vocab = draft_vocab if draft_vocab is not None else torch.arange(target.config.vocab_size)
         head = cls(
             target.config,
             aux,
             num_layers,
             block_size,
             mask_token_id,
-            vocab.long() - torch.arange(vocab.numel()),
+            d2t_for(draft_vocab, target.config.vocab_size),
             target_record(target, target_name),
         )
-        with torch.no_grad():
-            head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab].float())
-            final_norm = getattr(target.get_decoder(), "norm", None)
-            if final_norm is not None and getattr(final_norm, "weight", None) is not None:
-                head.norm.weight.copy_(final_norm.weight.float())
-        return bind_loaded(head, target)
+        head.copy_target_scoring(target)
+        return head.bound_to(target)
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""
-        save_head(
-            self,
-            path,
-            KIND,
-            {
-                "architectures": ["DFlashHead"],
-                "aux_layers": self.aux_layers,
-                "num_layers": len(self.layers),
-                "block_size": self.block_size,
-                "mask_token_id": self.mask_token_id,
-                "draft_vocab_size": int(self.d2t.numel()),
-                "depth_accuracy": self.depth_accuracy,
-                "target": self.target_info,
-                "target_config": self.target_config.to_dict(),
-            },
-        )
+    def checkpoint_config(self) -> dict:
+        return {
+            "aux_layers": self.aux_layers,
+            "num_layers": len(self.layers),
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "draft_vocab_size": int(self.d2t.numel()),
+            "depth_accuracy": self.depth_accuracy,
+            "target": self.target_info,
+            "target_config": self.target_config.to_dict(),
+        }
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> DFlashHead:
-        """Load a head; with ``target`` it is checked against the recorded target and bound to it."""
-        config, state, _ = load_head_parts(path, KIND, target)
+    def from_checkpoint(cls, config: dict, state: dict, layer_classes: tuple) -> DFlashHead:
+        # Qwen3 layers whatever the target: the target's layer classes are not used.
         head = cls(
             AutoConfig.for_model(**config["target_config"]),
             config["aux_layers"],
@@ -207,6 +187,5 @@ class DFlashHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
             state["d2t"],
             config["target"],
         )
-        head.load_state_dict(state)
         head.depth_accuracy = config.get("depth_accuracy")
-        return bind_loaded(head, target)
+        return head

@@ -11,30 +11,24 @@ vocabulary (the most frequent tokens) makes every draft step's LM head call that
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from draftsmith.heads.common import (
-    Fp32RotaryMixin,
-    bind_loaded,
-    decoder_classes,
-    load_head_parts,
-    save_head,
-)
-from draftsmith.heads.vocab import DraftVocabMixin
+from draftsmith.heads.base import Head
+from draftsmith.heads.common import Fp32RotaryMixin, decoder_classes
 from draftsmith.target import target_record
 
 KIND = "eagle"
 FULL = "full_attention"
 
 
-class EagleHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
+class EagleHead(Fp32RotaryMixin, Head):
     """``fc`` over ``[embedding ; feature]`` then decoder layers of the target's architecture."""
 
+    kind = KIND
     # The input that carries the head's own output into its next draft step: a predicted feature.
     feedback_input = "features"
 
@@ -47,27 +41,20 @@ class EagleHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         layer_class: type | None = None,
         rotary_class: type | None = None,
     ):
-        super().__init__()
+        super().__init__(target_config.vocab_size, target_info)
         self.config = config = head_config(target_config, num_layers)
-        self.target_info = target_info or {}
         if layer_class is None or rotary_class is None:
-            layer_class, rotary_class = _architecture(config)
+            layer_class, rotary_class = architecture_classes(config)
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layers = nn.ModuleList(layer_class(config, layer_idx=i) for i in range(num_layers))
         # The fc output is already a mixed feature: EAGLE drops the first layer's input norm.
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = rotary_class(config)
-        self._rotary_kwargs = _rotary_kwargs(rotary_class)
-        vocab = draft_vocab if draft_vocab is not None else torch.arange(config.vocab_size)
-        self.register_buffer("draft_vocab", vocab.long(), persistent=True)
-        self._target: tuple = ()
+        self._rotary_kwargs = rotary_kwargs(rotary_class)
+        self.keep_draft_vocab(draft_vocab)
         # Held-out top-1 at draft depths 1, 2, ... from training's last evaluation: what depth=auto plans from.
         self.depth_accuracy: list[float] | None = None
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits over the full vocabulary (``-inf`` outside the draft vocabulary)."""
-        return self.to_full_vocab(self.draft_logits(hidden))
 
     # -- forward -----------------------------------------------------------------------------
     def forward(
@@ -128,34 +115,28 @@ class EagleHead(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
             pass_last_feature_through(head)
         elif init != "random":
             raise ValueError(f"unknown EAGLE head init {init!r}; use 'identity' or 'random'")
-        return bind_loaded(head, target)
+        return head.bound_to(target)
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""
-        config = {
-            "architectures": ["EagleHead"],
+    def checkpoint_config(self) -> dict:
+        return {
             "num_layers": len(self.layers),
             "draft_vocab_size": int(self.draft_vocab.numel()),
             "depth_accuracy": self.depth_accuracy,
             "target": self.target_info,
             "target_config": self.config.to_dict(),
         }
-        save_head(self, path, KIND, config)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> EagleHead:
-        """Load a head; with ``target`` it is checked against the recorded target and bound to it."""
-        config, state, classes = load_head_parts(path, KIND, target)
+    def from_checkpoint(cls, config: dict, state: dict, layer_classes: tuple) -> EagleHead:
         head = cls(
             AutoConfig.for_model(**config["target_config"]),
             config["num_layers"],
             state["draft_vocab"],
             config["target"],
-            *classes,
+            *layer_classes,
         )
-        head.load_state_dict(state)
         head.depth_accuracy = config.get("depth_accuracy")
-        return bind_loaded(head, target)
+        return head
 
 
 def head_config(target_config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
@@ -169,7 +150,7 @@ def head_config(target_config: PretrainedConfig, num_layers: int) -> PretrainedC
     return config
 
 
-def _architecture(config: PretrainedConfig) -> tuple[type, type]:
+def architecture_classes(config: PretrainedConfig) -> tuple[type, type]:
     """Decoder-layer and rotary-embedding classes of ``config``'s architecture."""
     from transformers import AutoModel
 
@@ -191,7 +172,7 @@ def pass_last_feature_through(head: nn.Module) -> None:
             param.zero_()
 
 
-def _rotary_kwargs(rotary_class: type) -> dict:
+def rotary_kwargs(rotary_class: type) -> dict:
     """Rotary classes of mixed-layer models (Gemma-3) take the layer type they serve."""
     return {"layer_type": FULL} if "layer_type" in inspect.signature(rotary_class.forward).parameters else {}
 

@@ -16,23 +16,22 @@ embedding is the target's, used by reference and never saved.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.config import RecipeError
-from draftsmith.heads.common import (
-    Fp32RotaryMixin,
-    bind_loaded,
-    decoder_classes,
-    load_head_parts,
-    save_head,
+from draftsmith.heads.base import Head
+from draftsmith.heads.common import Fp32RotaryMixin, decoder_classes
+from draftsmith.heads.eagle import (
+    architecture_classes,
+    attention_4d,
+    head_config,
+    pass_last_feature_through,
+    rotary_kwargs,
 )
-from draftsmith.heads.eagle import _architecture, _rotary_kwargs, attention_4d, head_config, pass_last_feature_through
-from draftsmith.heads.vocab import DraftVocabMixin, register_vocab_maps
+from draftsmith.heads.vocab import d2t_for
 from draftsmith.target import target_record
 
 KIND = "eagle3"
@@ -83,7 +82,7 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
+class Eagle3Head(Fp32RotaryMixin, Head):
     """``fc`` over fused target layers, one EAGLE-3 decoder layer, its own norm and draft LM head."""
 
     # The input that carries the head's own output into its next draft step (the drafter uses it).
@@ -103,21 +102,19 @@ class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         rotary_class: type | None = None,
         norm_before_residual: bool = False,
     ):
-        super().__init__()
+        super().__init__(target_config.vocab_size, target_info)
         self.config = config = head_config(target_config, 1)
         self.aux_layers = list(aux_layers)
-        self.target_info = target_info or {}
         if layer_class is None or rotary_class is None:
-            layer_class, rotary_class = _architecture(config)
+            layer_class, rotary_class = architecture_classes(config)
         hidden = config.hidden_size
         self.fc = nn.Linear(len(self.aux_layers) * hidden, hidden, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(config, layer_class, norm_before_residual)])
         self.norm = type(self.layers[0].hidden_norm)(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, d2t.numel(), bias=False)
         self.rotary_emb = rotary_class(config)
-        self._rotary_kwargs = _rotary_kwargs(rotary_class)
-        register_vocab_maps(self, d2t, config.vocab_size)
-        self._target: tuple = ()
+        self._rotary_kwargs = rotary_kwargs(rotary_class)
+        self.keep_vocab_maps(d2t)
         # Held-out top-1 at draft depths 1, 2, ... from training's last evaluation: what depth=auto plans from.
         self.depth_accuracy: list[float] | None = None
 
@@ -125,10 +122,6 @@ class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary ``[..., N]`` (the head's own norm and LM head)."""
         return self.lm_head(self.norm(hidden))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits over the full vocabulary (``-inf`` outside the draft vocabulary)."""
-        return self.to_full_vocab(self.draft_logits(hidden))
 
     # -- forward -------------------------------------------------------------------------------
     def forward(
@@ -195,31 +188,24 @@ class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
         """
         num_layers = target.config.num_hidden_layers
         aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(num_layers), num_layers)
-        vocab = draft_vocab if draft_vocab is not None else torch.arange(target.config.vocab_size)
         head = cls(
             target.config,
             aux,
-            vocab.long() - torch.arange(vocab.numel()),
+            d2t_for(draft_vocab, target.config.vocab_size),
             target_record(target, target_name),
             *decoder_classes(target),
             norm_before_residual,
             **extra,
         )
-        with torch.no_grad():
-            head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab].float())
-            final_norm = getattr(target.get_decoder(), "norm", None)
-            if final_norm is not None and getattr(final_norm, "weight", None) is not None:
-                head.norm.weight.copy_(final_norm.weight.float())
-            if init == "identity":
-                pass_last_feature_through(head)
-            elif init != "random":
-                raise ValueError(f"unknown EAGLE-3 head init {init!r}; use 'identity' or 'random'")
-        return bind_loaded(head, target)
+        head.copy_target_scoring(target)
+        if init == "identity":
+            pass_last_feature_through(head)
+        elif init != "random":
+            raise ValueError(f"unknown EAGLE-3 head init {init!r}; use 'identity' or 'random'")
+        return head.bound_to(target)
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""
-        config = {
-            "architectures": [type(self).__name__],
+    def checkpoint_config(self) -> dict:
+        return {
             "num_layers": len(self.layers),
             "aux_layers": self.aux_layers,
             "draft_vocab_size": int(self.d2t.numel()),
@@ -229,22 +215,17 @@ class Eagle3Head(Fp32RotaryMixin, DraftVocabMixin, nn.Module):
             "target_config": self.config.to_dict(),
             **{key: getattr(self, key) for key in self.extra_config},
         }
-        save_head(self, path, self.kind, config)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> Eagle3Head:
-        """Load a head; with ``target`` it is checked against the recorded target and bound to it."""
-        config, state, classes = load_head_parts(path, cls.kind, target)
-        extra = {key: config[key] for key in cls.extra_config}
+    def from_checkpoint(cls, config: dict, state: dict, layer_classes: tuple) -> Eagle3Head:
         head = cls(
             AutoConfig.for_model(**config["target_config"]),
             config["aux_layers"],
             state["d2t"],
             config["target"],
-            *classes,
+            *layer_classes,
             config.get("norm_before_residual", False),
-            **extra,
+            **{key: config[key] for key in cls.extra_config},
         )
-        head.load_state_dict(state)
         head.depth_accuracy = config.get("depth_accuracy")
-        return bind_loaded(head, target)
+        return head

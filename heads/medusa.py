@@ -12,14 +12,11 @@ scoring to the N most frequent tokens (see :mod:`draftsmith.heads.vocab`).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from draftsmith.heads.common import bind_loaded, load_head_parts, save_head
-from draftsmith.heads.vocab import DraftVocabMixin
+from draftsmith.heads.base import Head, target_lm_rows
 from draftsmith.target import target_record
 
 KIND = "medusa"
@@ -71,15 +68,10 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-class _Shape:
-    """The few config fields the heads and the draft-vocabulary mixin read."""
-
-    def __init__(self, hidden_size: int, vocab_size: int):
-        self.hidden_size, self.vocab_size = hidden_size, vocab_size
-
-
-class MedusaHeads(DraftVocabMixin, nn.Module):
+class MedusaHeads(Head):
     """K Medusa heads over one target."""
+
+    kind = KIND
 
     def __init__(
         self,
@@ -92,24 +84,23 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
         target_info: dict | None = None,
         head_accuracy: list[list[float]] | None = None,
     ):
-        super().__init__()
+        super().__init__(vocab_size, target_info)
         if lm_head not in LM_HEAD_MODES:
             raise ValueError(f"Medusa lm_head must be one of {LM_HEAD_MODES}, got {lm_head!r}")
         if num_heads < 1 or num_layers < 0:
             raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads} and {num_layers}")
-        self.config = _Shape(hidden_size, vocab_size)
+        self.hidden_size = hidden_size
         self.num_heads, self.num_layers, self.lm_head_mode = num_heads, num_layers, lm_head
-        self.target_info = target_info or {}
         # Held-out top-k accuracy of each head (k = 1..10), written by the trainer; the drafter
         # builds its default tree from it.
         self.head_accuracy = head_accuracy
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers))) for _ in range(num_heads)
         )
-        vocab = draft_vocab if draft_vocab is not None else torch.arange(vocab_size)
-        self.register_buffer("draft_vocab", vocab.long(), persistent=True)
-        self.lm_weight = nn.Parameter(torch.zeros(num_heads, vocab.numel(), hidden_size)) if lm_head == "copy" else None
-        self._target: tuple = ()
+        self.keep_draft_vocab(draft_vocab)
+        self.lm_weight = (
+            nn.Parameter(torch.zeros(num_heads, self.draft_vocab.numel(), hidden_size)) if lm_head == "copy" else None
+        )
 
     # -- forward -----------------------------------------------------------------------------
     def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -166,33 +157,27 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
             draft_vocab,
             target_record(target, target_name),
         )
-        bind_loaded(heads, target)
+        heads.bound_to(target)
         if heads.lm_weight is not None:
             with torch.no_grad():
-                rows = target.get_output_embeddings().weight.detach()[heads.draft_vocab].float()
-                heads.lm_weight.copy_(rows.expand(num_heads, -1, -1))
+                heads.lm_weight.copy_(target_lm_rows(target, heads.draft_vocab).expand(num_heads, -1, -1))
         return heads
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (never the target's own weights)."""
-        config = {
-            "architectures": ["MedusaHeads"],
+    def checkpoint_config(self) -> dict:
+        return {
             "num_heads": self.num_heads,
             "num_layers": self.num_layers,
             "lm_head": self.lm_head_mode,
-            "hidden_size": self.config.hidden_size,
-            "vocab_size": self.config.vocab_size,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
             "draft_vocab_size": int(self.draft_vocab.numel()),
             "head_accuracy": self.head_accuracy,
             "target": self.target_info,
         }
-        save_head(self, path, KIND, config)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: PreTrainedModel | None = None) -> MedusaHeads:
-        """Load heads; with ``target`` they are checked against the recorded target and bound to it."""
-        config, state, _ = load_head_parts(path, KIND, target)
-        heads = cls(
+    def from_checkpoint(cls, config: dict, state: dict, layer_classes: tuple) -> MedusaHeads:
+        return cls(
             config["hidden_size"],
             config["vocab_size"],
             config["num_heads"],
@@ -202,5 +187,3 @@ class MedusaHeads(DraftVocabMixin, nn.Module):
             config["target"],
             config.get("head_accuracy"),
         )
-        heads.load_state_dict(state)
-        return bind_loaded(heads, target)

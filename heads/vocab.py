@@ -36,17 +36,11 @@ def scatter_to_vocab(
     return full.index_copy_(-1, token_ids, small)
 
 
-def register_vocab_maps(module: torch.nn.Module, d2t: torch.Tensor, vocab_size: int) -> None:
-    """Give ``module`` speculators' maps of its draft vocabulary as buffers: ``d2t`` (target id =
-    draft id + ``d2t[draft id]``) and ``t2d`` (marks the drafted target ids), both saved, and the
-    draft vocabulary's target ids ``draft_vocab`` (derived, not saved)."""
-    d2t = d2t.long()
-    draft_vocab = torch.arange(d2t.numel()) + d2t
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[draft_vocab] = True
-    module.register_buffer("d2t", d2t, persistent=True)
-    module.register_buffer("t2d", t2d, persistent=True)
-    module.register_buffer("draft_vocab", draft_vocab, persistent=False)
+def d2t_for(draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """speculators' ``d2t`` (target id = draft id + ``d2t[draft id]``) of a draft vocabulary of
+    sorted target ids (None: the full vocabulary of ``vocab_size``)."""
+    vocab = draft_vocab if draft_vocab is not None else torch.arange(vocab_size)
+    return vocab.long() - torch.arange(vocab.numel())
 
 
 def frequent_tokens(dataset, size: int, always: set[int], vocab_size: int = 0) -> torch.Tensor:
@@ -61,69 +55,6 @@ def draft_vocab_for(size: int | None, dataset, tokenizer, vocab_size: int) -> to
         return None
     special = {i for i in tokenizer.all_special_ids if i is not None}
     return frequent_tokens(dataset, size, special, vocab_size)
-
-
-class DraftVocabMixin:
-    """A head bound to its target (by reference: never registered as a submodule, never saved)
-    that scores through the target's LM head, restricted to ``self.draft_vocab``.
-
-    The host module provides ``self.draft_vocab`` (a long buffer of token ids),
-    ``self.config.vocab_size`` and ``self._target = ()`` before its first :meth:`bind`.
-    """
-
-    def bind(self, target):
-        """Use ``target``'s embedding and LM head (by reference, frozen); returns ``self``."""
-        self._target = (target,)  # a tuple: nn.Module neither registers nor saves it
-        return self
-
-    @property
-    def target(self):
-        if not self._target:
-            raise RuntimeError(f"bind(target) the {type(self).__name__} before running it")
-        return self._target[0]
-
-    @property
-    def full_vocab(self) -> bool:
-        return self.draft_vocab.numel() == self.config.vocab_size
-
-    def draft_lm_weight(self) -> torch.Tensor:
-        """The target LM head's rows for the draft vocabulary ``[N, h]`` (gathered once, then cached)."""
-        weight = self.target.get_output_embeddings().weight
-        if self.full_vocab:
-            return weight
-        # Gathering 8k of 49k rows on every call took 14% of a decode (torch.profiler); the
-        # target's LM head is frozen, so the gathered copy stays valid until it changes.
-        key = (weight.data_ptr(), weight.dtype, weight._version, self.draft_vocab.data_ptr())
-        if getattr(self, "_draft_weight_key", None) != key:
-            self._draft_weight = weight.detach()[self.draft_vocab]
-            self._draft_weight_key = key
-        return self._draft_weight
-
-    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's LM head over the draft vocabulary ``[..., N]`` (training targets from its features)."""
-        return hidden @ self.draft_lm_weight().to(hidden.dtype).T
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary ``[..., N]`` (heads with an LM head of their own override it)."""
-        return self.target_logits(hidden)
-
-    def to_full_vocab(self, small: torch.Tensor) -> torch.Tensor:
-        """fp32 logits over the full vocabulary from draft-vocabulary logits (``-inf`` elsewhere)."""
-        if self.full_vocab:
-            return small.float()
-        return scatter_to_vocab(small, self.draft_vocab, self.config.vocab_size)
-
-    def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Positions of full-vocabulary ``tokens`` in the draft vocabulary; -1 where absent."""
-        if self.full_vocab:
-            return tokens
-        # Built once per vocabulary and device: training maps every head's labels on every step.
-        key = (self.draft_vocab.data_ptr(), tokens.device)
-        if getattr(self, "_draft_lookup_key", None) != key:
-            lookup = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=tokens.device)
-            lookup[self.draft_vocab.to(tokens.device)] = torch.arange(self.draft_vocab.numel(), device=tokens.device)
-            self._draft_lookup, self._draft_lookup_key = lookup, key
-        return self._draft_lookup[tokens]
 
 
 def unused_token_id(tokenizer, dataset, vocab_size: int) -> int | None:
