@@ -11,7 +11,7 @@ from pathlib import Path
 from accelerate import PartialState
 
 from draftsmith.recipe import Recipe
-from draftsmith.train.loop import main_process_first
+from draftsmith.train.distributed import main_process_first
 
 state = PartialState(backend="gloo", timeout=timedelta(seconds=3))  # main_process_first takes it over
 marker = Path(sys.argv[1])

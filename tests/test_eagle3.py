@@ -32,7 +32,7 @@ from draftsmith.eval.engine.tree import ROOT
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head, default_aux_layers
 from draftsmith.target import load_tokenizer
-from draftsmith.train.loop import sequence_lengths
+from draftsmith.train.ordering import sequence_lengths
 from draftsmith.train.unroll import pass_mask, unroll
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -35,8 +35,8 @@ from draftsmith.atomic import staged
 from draftsmith.data_prep.regenerate import main as regenerate_main
 from draftsmith.export.cli import main as export_main
 from draftsmith.target import load_tokenizer
+from draftsmith.train.checkpoints import checkpoints
 from draftsmith.train.eagle import main as train_main
-from draftsmith.train.loop import checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

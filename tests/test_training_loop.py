@@ -16,6 +16,7 @@ from accelerate.state import AcceleratorState
 
 from draftsmith.recipe import Recipe
 from draftsmith.train.loop import Trainer
+from draftsmith.train.ordering import epoch_order, sequence_lengths
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -200,8 +201,6 @@ def test_progress_bar_runs_over_the_time_budget_and_ends_with_the_run(tmp_path, 
 
 def test_length_grouped_batches_pad_less_and_keep_every_row_once():
     from datasets import Dataset
-
-    from draftsmith.train.loop import epoch_order, sequence_lengths
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(20, 800, size=1000).tolist()

@@ -26,9 +26,9 @@ from draftsmith.hub import check_hub_id
 from draftsmith.precision import choose_cpu_dtype, resolve_dtype
 from draftsmith.recipe import Recipe
 from draftsmith.train.cli import parse_training_args
+from draftsmith.train.distributed import resolve_precision
 from draftsmith.train.eagle import EagleRecipe
 from draftsmith.train.eagle import main as eagle_main
-from draftsmith.train.loop import resolve_precision
 
 REPO = Path(__file__).resolve().parents[1]
 

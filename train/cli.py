@@ -11,7 +11,8 @@ from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.recipe import OVERRIDE_ALIASES
 from draftsmith.target import load_target
 from draftsmith.timing import stage
-from draftsmith.train.loop import Trainer, main_process_first, resolve_precision
+from draftsmith.train.distributed import main_process_first, resolve_precision
+from draftsmith.train.loop import Trainer
 
 
 def parse_training_args(recipe_class, argv: list[str] | None = None, description: str = ""):

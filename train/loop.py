@@ -1,47 +1,44 @@
 """The training loop every drafter kind shares.
 
-Accelerate drives devices, mixed precision, DDP or DeepSpeed (built from the recipe, so a bare
-``accelerate launch script.py recipe.yaml`` needs no extra flags) and the W&B tracker. A drafter
-kind supplies a :class:`TrainTask`: the trainable module, the loss of a batch and how to export
-a checkpoint. Checkpoints are written atomically (``checkpoint-N``: the exported drafter plus
-``state/`` with model, optimiser, scheduler and RNG states and the data position), and
-``--resume`` continues from the newest one so an interrupted run ends where an uninterrupted run
-would.
+A drafter kind supplies a :class:`TrainTask`: the trainable module, the loss of a batch and how to
+export a checkpoint. The :class:`Trainer` runs it under Accelerate (set up from the recipe by
+:mod:`draftsmith.train.distributed`), in the row order of :mod:`draftsmith.train.ordering`, and
+writes checkpoints atomically (:mod:`draftsmith.train.checkpoints`); ``--resume`` continues from
+the newest one so an interrupted run ends where an uninterrupted run would.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import netrc
-import os
-import re
-import shutil
-import socket
-from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import torch
-from accelerate import Accelerator, DeepSpeedPlugin, PartialState
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, parse_flag_from_env, set_seed
-from torch.utils.data import DataLoader, Subset
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from draftsmith.atomic import staged
-from draftsmith.config import dump_recipe, to_dict
-from draftsmith.precision import dtype_name, mixed_precision_for, resolve_dtype
+from draftsmith.config import dump_recipe
 from draftsmith.recipe import Recipe
-from draftsmith.target import default_device
 from draftsmith.timing import clock
+from draftsmith.train.checkpoints import (
+    FINAL,
+    TRAINER_STATE,
+    begin_staging,
+    newest_checkpoint,
+    prune,
+    publish,
+    staging_folder,
+    state_dir,
+)
+from draftsmith.train.distributed import make_accelerator, start_tracker
+from draftsmith.train.ordering import epoch_loader, sequence_lengths
 
-FINAL = "checkpoint-final"
 LOG_HISTORY = "log_history.jsonl"  # every logged metrics dict, a JSON line each
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 class TrainTask(Protocol):
@@ -76,194 +73,6 @@ class TrainState:
     batches_in_epoch: int = 0  # micro-batches of this epoch already consumed
     tokens: int = 0  # loss tokens seen, summed over processes
     seconds: float = 0.0  # wall time spent in the training loop, over every resumed run
-
-
-def _wandb_mode(mode: str) -> None:
-    if mode != "auto":
-        os.environ["WANDB_MODE"] = mode
-        return
-    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
-        return
-    try:
-        has_login = netrc.netrc().authenticators("api.wandb.ai") is not None
-    except (OSError, netrc.NetrcParseError):
-        has_login = False
-    if not has_login:  # W&B errors out without a key: log locally, `wandb sync` later
-        os.environ["WANDB_MODE"] = "offline"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _process_group(recipe: Recipe) -> InitProcessGroupKwargs | None:
-    """Process-group settings for ``recipe`` (None: Accelerate's defaults); sets up the
-    environment DeepSpeed needs when no launcher did."""
-    if recipe.distributed.backend == "deepspeed" and "RANK" not in os.environ:
-        # A single process started without a launcher: DeepSpeed would go looking for MPI.
-        os.environ.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
-        )
-    launched = "LOCAL_RANK" in os.environ  # started by accelerate launch / torchrun (or just above)
-    if launched and not torch.cuda.is_available():
-        # Multi-process CPU runs (and DeepSpeed on CPU) need gloo instead of NCCL.
-        return InitProcessGroupKwargs(backend="gloo")
-    return None
-
-
-def process_state(recipe: Recipe) -> PartialState:
-    """This run's processes before any model is wrapped (the state the Accelerator made by
-    :func:`make_accelerator` takes over), e.g. for :func:`main_process_first` around data preparation.
-
-    Not an Accelerator yet: under ZeRO-3 one would make ``from_pretrained`` partition the frozen
-    target, a collective that deadlocks while the other processes wait.
-    """
-    group = _process_group(recipe)
-    if recipe.distributed.backend == "deepspeed":
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as the Accelerator sets it: DeepSpeed's own init
-    return PartialState(parse_flag_from_env("ACCELERATE_USE_CPU"), **(group.to_kwargs() if group else {}))
-
-
-@contextmanager
-def main_process_first(recipe: Recipe, timeout: timedelta = timedelta(hours=24)):
-    """Run the block on the main process, then on the others (e.g. to read the caches it wrote).
-
-    The others may wait as long as a dataset takes to regenerate: they wait in a gloo group of
-    their own with a long ``timeout``, where a barrier of the default group gives up after 10
-    (NCCL) or 30 minutes. A failing main process still ends the run: the launcher stops the rest.
-    """
-    state = process_state(recipe)
-    if state.num_processes == 1:
-        yield
-        return
-    group = torch.distributed.new_group(backend="gloo", timeout=timeout)
-    if not state.is_main_process:
-        torch.distributed.barrier(group=group)
-    yield
-    if state.is_main_process:
-        torch.distributed.barrier(group=group)
-
-
-def resolve_precision(recipe: Recipe) -> None:
-    """Replace ``auto`` in ``target.dtype`` and ``training.mixed_precision`` by what this machine
-    runs fastest (so the saved recipe records the concrete choice)."""
-    if recipe.target.dtype == "auto":
-        recipe.target.dtype = dtype_name(resolve_dtype("auto", default_device()))
-    if recipe.training.mixed_precision == "auto":
-        recipe.training.mixed_precision = mixed_precision_for(resolve_dtype(recipe.target.dtype, log=False))
-
-
-def make_accelerator(recipe: Recipe) -> Accelerator:
-    """An Accelerator configured from the recipe's training, distributed and tracking sections."""
-    resolve_precision(recipe)  # recipes built in code may still say "auto"
-    train, dist, track = recipe.training, recipe.distributed, recipe.tracking
-    kwargs: dict = {
-        "gradient_accumulation_steps": train.gradient_accumulation_steps,
-        "mixed_precision": train.mixed_precision,
-        "project_dir": train.output_dir,
-    }
-    group = _process_group(recipe)
-    if group is not None:
-        kwargs["kwargs_handlers"] = [group]
-    if dist.backend == "deepspeed":
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
-            zero_stage=dist.zero_stage,
-            gradient_accumulation_steps=train.gradient_accumulation_steps,
-            gradient_clipping=train.max_grad_norm,
-            offload_optimizer_device="cpu" if dist.offload_optimizer else "none",
-            offload_param_device="cpu" if dist.offload_params else "none",
-            zero3_init_flag=False,
-        )
-    if track.report_to == "wandb" and track.mode != "disabled":
-        _wandb_mode(track.mode)
-        kwargs["log_with"] = "wandb"
-    accelerator = Accelerator(**kwargs)
-    if dist.backend == "deepspeed" and accelerator.distributed_type != DistributedType.DEEPSPEED:
-        raise RuntimeError(
-            "the recipe asks for DeepSpeed but Accelerate did not enable it: ACCELERATE_USE_CPU=true "
-            "drops DeepSpeed silently. Launch with `accelerate launch --multi_gpu --num_processes N "
-            "SCRIPT RECIPE` (without ACCELERATE_USE_CPU) or set distributed.backend: ddp."
-        )
-    return accelerator
-
-
-def checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete numbered checkpoints, oldest first."""
-    root = Path(output_dir)
-    found = [
-        (int(m.group(1)), p)
-        for p in root.glob("checkpoint-*")
-        if (m := _CHECKPOINT.match(p.name)) and (p / "state" / "trainer_state.json").is_file()
-    ]
-    return [p for _, p in sorted(found)]
-
-
-def _discarded(checkpoint: Path) -> Path:
-    """Rename ``checkpoint`` to a hidden name and return it, for deleting: a kill during the delete
-    then leaves no half checkpoint under a name that :func:`checkpoints` or a reader would take
-    (the next save removes the rest)."""
-    old = checkpoint.with_name(f".{checkpoint.name}.old")
-    os.replace(checkpoint, old)
-    return old
-
-
-GROUP_WINDOW = 32  # batches whose sequences are sorted together by length (HF's length-grouped sampler uses 50)
-
-
-def sequence_lengths(dataset) -> list[int] | None:
-    """Token count of every row of a training set (tokenised ``datasets`` or feature caches), read
-    without decoding the rows; None for data without ``input_ids``."""
-    if hasattr(dataset, "lengths"):
-        return dataset.lengths()
-    if "input_ids" not in (getattr(dataset, "column_names", None) or []):
-        return None
-    import pyarrow.compute as pc
-
-    lengths: list[int] = []
-    for chunk in dataset.select_columns(["input_ids"]).with_format("arrow").iter(batch_size=65536):
-        lengths += pc.list_value_length(chunk["input_ids"]).to_pylist()
-    return lengths
-
-
-def epoch_order(size: int, batch: int, seed: int, lengths: list[int] | None = None) -> list[int]:
-    """The rows of an epoch in training order: a seeded permutation; with ``lengths``, every
-    window of ``GROUP_WINDOW`` batches is sorted by length before it is cut into batches and the
-    full batches are shuffled, so a batch pads its sequences to a similar length (a padded
-    position costs as much as a real one in every pass of the head). The partial batch, if any,
-    stays last."""
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(size).tolist()
-    if lengths is None:
-        return order
-    window = batch * GROUP_WINDOW
-    batches = []
-    for start in range(0, size, window):
-        chunk = sorted(order[start : start + window], key=lambda i: -lengths[i])
-        batches += [chunk[k : k + batch] for k in range(0, len(chunk), batch)]
-    partial = [batches.pop()] if len(batches[-1]) < batch else []
-    return [i for b in [batches[j] for j in rng.permutation(len(batches))] + partial for i in b]
-
-
-def _epoch_loader(dataset, task: TrainTask, recipe: Recipe, epoch: int, lengths: list[int] | None = None) -> DataLoader:
-    """The epoch's loader; with ``lengths`` (``training.group_by_length``), batches of similar lengths."""
-    order = epoch_order(len(dataset), recipe.training.batch_size, recipe.training.seed + epoch, lengths)
-    # Its own generator: creating an iterator then draws its worker seed from it, not from the
-    # global RNG, so a resumed run consumes the global RNG exactly as an uninterrupted one.
-    generator = torch.Generator().manual_seed(recipe.training.seed + epoch)
-    return DataLoader(
-        Subset(dataset, order),
-        batch_size=recipe.training.batch_size,
-        shuffle=False,
-        collate_fn=task.collate,
-        num_workers=recipe.training.num_workers,
-        generator=generator,
-    )
 
 
 def _warmed(schedule, warmup: int, start: int = 0):
@@ -338,7 +147,7 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
         # DeepSpeed reads the micro-batch size from a prepared dataloader; give it one.
         self._lengths = sequence_lengths(train_data) if t.group_by_length else None
-        probe = _epoch_loader(train_data, task, recipe, 0, self._lengths)
+        probe = epoch_loader(train_data, task.collate, recipe, 0, self._lengths)
         self.model, self.optimizer, self.scheduler, _ = self.accelerator.prepare(
             task.model, optimizer, scheduler, probe
         )
@@ -351,45 +160,32 @@ class Trainer:
         ``extra_state`` in its ``trainer_state.json``)."""
         acc = self.accelerator
         final = self.output_dir / name
-        tmp = self.output_dir / f".{name}.tmp"
+        tmp = staging_folder(final)
         if acc.is_main_process:
-            # Left by a run killed while saving or deleting checkpoints.
-            for stale in [tmp, *self.output_dir.glob(".checkpoint-*.old")]:
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            begin_staging(tmp)
         acc.wait_for_everyone()
         self._count_tokens()
-        acc.save_state(str(tmp / "state"))
+        acc.save_state(str(state_dir(tmp)))
         acc.wait_for_everyone()  # every rank writes its random_states_{i}.pkl last: all in tmp before the rename
         if acc.is_main_process:
             self.task.save_pretrained(acc.unwrap_model(self.model), tmp)
-            (tmp / "state" / "trainer_state.json").write_text(
-                json.dumps({**self.state.__dict__, **(extra_state or {})})
-            )
+            (state_dir(tmp) / TRAINER_STATE).write_text(json.dumps({**self.state.__dict__, **(extra_state or {})}))
             dump_recipe(self.recipe, tmp / "recipe.yaml")
-            old = _discarded(final) if final.exists() else None
-            os.replace(tmp, final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            self._prune()
+            publish(tmp, final)
+            prune(self.output_dir, self.recipe.training.keep_checkpoints)
         acc.wait_for_everyone()
         return final
 
-    def _prune(self) -> None:
-        keep = self.recipe.training.keep_checkpoints
-        for old in checkpoints(self.output_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(_discarded(old), ignore_errors=True)
-
     def resume(self) -> bool:
         """Load the newest checkpoint under ``output_dir``; False when there is none."""
-        found = checkpoints(self.output_dir)
-        if not found:
+        newest = newest_checkpoint(self.output_dir)
+        if newest is None:
             self._trim_log(0)  # killed before its first checkpoint: the rerun starts the log again
             return False
-        self.accelerator.load_state(str(found[-1] / "state"))
-        self.state = TrainState(**json.loads((found[-1] / "state" / "trainer_state.json").read_text()))
+        self.accelerator.load_state(str(state_dir(newest)))
+        self.state = TrainState(**json.loads((state_dir(newest) / TRAINER_STATE).read_text()))
         self._trim_log(self.state.step)
-        self.accelerator.print(f"resumed from {found[-1]} at step {self.state.step}")
+        self.accelerator.print(f"resumed from {newest} at step {self.state.step}")
         return True
 
     def _trim_log(self, step: int) -> None:
@@ -429,19 +225,14 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def train(self, resume: bool = False) -> Path:
         """Train to ``max_steps`` (or ``stop_after_steps``); returns the last checkpoint written."""
-        acc, t, track = self.accelerator, self.recipe.training, self.recipe.tracking
+        acc, t = self.accelerator, self.recipe.training
         if resume:
             self.resume()
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             if not resume:  # a fresh run in a reused folder starts its own log
                 (self.output_dir / LOG_HISTORY).unlink(missing_ok=True)
-        if track.report_to == "wandb" and track.mode != "disabled":
-            acc.init_trackers(
-                track.project,
-                config=to_dict(self.recipe),
-                init_kwargs={"wandb": {"name": track.run_name, "dir": str(self.output_dir)}},
-            )
+        start_tracker(acc, self.recipe)
         stop_at = min(self.max_steps, t.stop_after_steps or self.max_steps)
         window: dict[str, float] = {}
         window_start = clock(acc.device)
@@ -451,7 +242,7 @@ class Trainer:
         self._started, out_of_time = clock(acc.device), False
         while self.state.step < stop_at and not out_of_time:
             loader = acc.prepare(
-                _epoch_loader(self.train_data, self.task, self.recipe, self.state.epoch, self._lengths)
+                epoch_loader(self.train_data, self.task.collate, self.recipe, self.state.epoch, self._lengths)
             )
             micro_batches = len(loader)
             if self.state.batches_in_epoch:
