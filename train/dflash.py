@@ -9,7 +9,7 @@ Slot k is scored against the target's distribution (over the draft vocabulary) f
 where that token is supervised, weighted ``exp(-(k - 1) / decay_gamma)`` (DFlash) or by D-PACE
 (``weighting: dpace``: the chance the block's earlier slots were all accepted, from each slot's
 detached probability of the target's token). Data, regenerated replies, the draft vocabulary, online or offline
-features and the out-of-vocabulary mask are EAGLE-3's (:mod:`draftsmith.train.eagle3`).
+features and the out-of-vocabulary mask are EAGLE-3's (:mod:`draftsmith.train.fused`).
 """
 
 from __future__ import annotations
@@ -20,14 +20,20 @@ from typing import Literal
 import torch
 from transformers import DynamicCache
 
+from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.vocab import mask_token_for
 from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
 from draftsmith.train.cli import run_training
-from draftsmith.train.eagle3 import Eagle3Task, _regenerated_data
-from draftsmith.train.eagle3 import build as build_eagle3
+from draftsmith.train.fused import build_fused, fused_target_features, regenerated_data
 from draftsmith.train.loop import Trainer
-from draftsmith.train.unroll import UnrollLoss, depth_rates, soft_target_cross_entropy, target_terms
+from draftsmith.train.unroll import (
+    UnrollLoss,
+    depth_rates,
+    record_depth_accuracy,
+    soft_target_cross_entropy,
+    target_terms,
+)
 
 
 @dataclass
@@ -64,7 +70,7 @@ class DFlashDrafterConfig(DrafterConfig):
 
 @dataclass
 class DFlashRecipe(Recipe):
-    data: DataConfig = field(default_factory=_regenerated_data)
+    data: DataConfig = field(default_factory=regenerated_data)
     drafter: DFlashDrafterConfig = field(default_factory=DFlashDrafterConfig)
 
 
@@ -116,10 +122,9 @@ def slot_weights(accept: torch.Tensor, supervised: torch.Tensor, cfg: DFlashDraf
     return reach.flip(-1).cumsum(-1).flip(-1) * supervised
 
 
-class DFlashTask(Eagle3Task):
-    """The DFlash block loss over a frozen target (EAGLE-3's features and vocabulary)."""
-
-    head_class = DFlashHead
+class DFlashTask:
+    """The DFlash block loss over a frozen target (the fused features and draft vocabulary of
+    :mod:`draftsmith.train.fused`, as EAGLE-3's)."""
 
     def __init__(self, recipe: DFlashRecipe, target, head: DFlashHead):
         self.cfg = recipe.drafter
@@ -127,13 +132,21 @@ class DFlashTask(Eagle3Task):
         self.model = head
         self.loss_config = UnrollLoss(mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask")
 
-    @classmethod
-    def new_head(cls, recipe: DFlashRecipe, target, draft_vocab, tokenizer, train_set) -> DFlashHead:
+    @staticmethod
+    def new_head(recipe: DFlashRecipe, target, draft_vocab, tokenizer, train_set) -> DFlashHead:
+        """A fresh drafter for ``target`` as ``recipe.drafter`` describes it."""
         drafter = recipe.drafter
         mask = mask_token_for(drafter.mask_token_id, tokenizer, train_set, len(tokenizer))
         return DFlashHead.for_target(
             target, recipe.target.name, drafter.aux_layers, drafter.num_layers, drafter.block_size, mask, draft_vocab
         )
+
+    collate = staticmethod(pad_batch)
+
+    def target_features(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(aux, last)``: the fused ``aux_layers`` states (the context) and the last hidden states
+        (see :func:`~draftsmith.train.fused.fused_target_features`)."""
+        return fused_target_features(self.target, self.model.aux_layers, batch)
 
     def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
         aux, last = self.target_features(batch)
@@ -201,10 +214,17 @@ class DFlashTask(Eagle3Task):
 
     finalise_metrics = staticmethod(depth_rates)
 
+    def on_evaluate(self, metrics: dict[str, float]) -> None:
+        record_depth_accuracy(self.model, metrics)
+
+    def save_pretrained(self, model, path) -> None:
+        model.save_pretrained(path)
+
 
 def build(recipe: DFlashRecipe):
     """Target, tokenised data (or features), drafter and task for ``recipe``."""
-    return build_eagle3(recipe, DFlashTask)
+    target, head, train_set, eval_set = build_fused(recipe, DFlashTask.new_head)
+    return DFlashTask(recipe, target, head), train_set, eval_set
 
 
 def main(argv: list[str] | None = None) -> Trainer:

@@ -18,12 +18,10 @@ from typing import Literal
 import torch
 
 from draftsmith.data_prep.dataset import pad_batch
-from draftsmith.data_prep.features import training_sets
-from draftsmith.heads.eagle3 import Eagle3Head, check_aux_layers
-from draftsmith.heads.vocab import draft_vocab_for
-from draftsmith.recipe import DataConfig, DrafterConfig, Recipe, RegenerateConfig
-from draftsmith.timing import stage
-from draftsmith.train.cli import run_training, target_and_data
+from draftsmith.heads.eagle3 import Eagle3Head
+from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
+from draftsmith.train.cli import run_training
+from draftsmith.train.fused import build_fused, fused_target_features, regenerated_data
 from draftsmith.train.loop import Trainer
 from draftsmith.train.unroll import UnrollLoss, depth_rates, record_depth_accuracy, unroll, unrolled_loss
 
@@ -62,14 +60,10 @@ class Eagle3DrafterConfig(DrafterConfig):
             raise ValueError(f"drafter.top_k_loss must be >= 1 or null, got {self.top_k_loss}")
 
 
-def _regenerated_data() -> DataConfig:
-    return DataConfig(regenerate=RegenerateConfig(enabled=True))
-
-
 @dataclass
 class Eagle3Recipe(Recipe):
     # EAGLE-3 learns the target's own replies by default: data.regenerate.enabled is true.
-    data: DataConfig = field(default_factory=_regenerated_data)
+    data: DataConfig = field(default_factory=regenerated_data)
     drafter: Eagle3DrafterConfig = field(default_factory=Eagle3DrafterConfig)
 
 
@@ -112,17 +106,10 @@ class Eagle3Task:
 
     collate = staticmethod(pad_batch)
 
-    @torch.no_grad()
     def target_features(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(aux, last)``: the fused ``aux_layers`` states and the last hidden states (what the
-        target's LM head reads), from the batch or computed."""
-        if "aux" in batch:
-            return batch["aux"], batch["hidden"]
-        out = self.target.get_decoder()(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
-        )
-        aux = torch.cat([out.hidden_states[layer] for layer in self.model.aux_layers], dim=-1)
-        return aux, out.last_hidden_state
+        """``(aux, last)``: the fused ``aux_layers`` states and the last hidden states (see
+        :func:`~draftsmith.train.fused.fused_target_features`)."""
+        return fused_target_features(self.target, self.model.aux_layers, batch)
 
     def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
         aux, last = self.target_features(batch)
@@ -157,15 +144,7 @@ class Eagle3Task:
 
 def build(recipe: Eagle3Recipe, task_class: type = Eagle3Task):
     """Target, tokenised data (or features), head and task (a ``task_class``) for ``recipe``."""
-    target, tokenizer, data = target_and_data(recipe)
-    num_layers = target.config.num_hidden_layers
-    if recipe.drafter.aux_layers is not None:
-        recipe.drafter.aux_layers = check_aux_layers(recipe.drafter.aux_layers, num_layers)
-    draft_vocab = draft_vocab_for(recipe.drafter.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
-    torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
-    head = task_class.new_head(recipe, target, draft_vocab, tokenizer, data["train"])
-    with stage(f"train: {recipe.drafter.features} feature sets"):
-        train_set, eval_set = training_sets(recipe, target, data, head.aux_layers)
+    target, head, train_set, eval_set = build_fused(recipe, task_class.new_head)
     return task_class(recipe, target, head), train_set, eval_set
 
 

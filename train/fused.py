@@ -1,0 +1,54 @@
+"""What the drafters that read the target's fused layers share in training (EAGLE-3, P-EAGLE, DFlash).
+
+Each of them reads the hidden states of several target layers (``drafter.aux_layers``) fused by
+its ``fc``, scores over a draft vocabulary of the training replies' most frequent tokens, and by
+default learns the target's own replies. Their tasks use these functions rather than one another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from draftsmith.data_prep.features import training_sets
+from draftsmith.heads.eagle3 import check_aux_layers
+from draftsmith.heads.vocab import draft_vocab_for
+from draftsmith.recipe import DataConfig, Recipe, RegenerateConfig
+from draftsmith.timing import stage
+from draftsmith.train.cli import target_and_data
+
+
+def regenerated_data() -> DataConfig:
+    """The data section these drafters default to: the target's own replies (``data.regenerate.enabled``)."""
+    return DataConfig(regenerate=RegenerateConfig(enabled=True))
+
+
+@torch.no_grad()
+def fused_target_features(target, aux_layers: list[int], batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(aux, last)``: the target's ``aux_layers`` states concatenated and its last hidden states
+    (what its LM head reads), from the batch (offline features) or computed."""
+    if "aux" in batch:
+        return batch["aux"], batch["hidden"]
+    out = target.get_decoder()(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
+    )
+    aux = torch.cat([out.hidden_states[layer] for layer in aux_layers], dim=-1)
+    return aux, out.last_hidden_state
+
+
+def build_fused(recipe: Recipe, new_head: Callable) -> tuple:
+    """``(target, head, train_set, eval_set)`` for ``recipe``: the target and its tokenised data, the
+    draft vocabulary, a head from ``new_head(recipe, target, draft_vocab, tokenizer, train_rows)``
+    (its initial weights set by ``training.seed``) and the training and held-out sets, with the
+    target's features cached first when ``drafter.features`` is offline."""
+    target, tokenizer, data = target_and_data(recipe)
+    num_layers = target.config.num_hidden_layers
+    if recipe.drafter.aux_layers is not None:
+        recipe.drafter.aux_layers = check_aux_layers(recipe.drafter.aux_layers, num_layers)
+    draft_vocab = draft_vocab_for(recipe.drafter.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
+    torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
+    head = new_head(recipe, target, draft_vocab, tokenizer, data["train"])
+    with stage(f"train: {recipe.drafter.features} feature sets"):
+        train_set, eval_set = training_sets(recipe, target, data, head.aux_layers)
+    return target, head, train_set, eval_set
