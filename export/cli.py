@@ -4,7 +4,8 @@ Formats: ``speculators`` (EAGLE-3; vLLM loads it), ``sglang`` (EAGLE-1 and EAGLE
 for ``--speculative-draft-model-path``), ``vllm-medusa`` and ``medusa`` (Medusa heads for vLLM's
 and the official loaders), ``hf`` (distilled draft LMs). Prints the command that serves the export.
 ``--check vllm`` then serves the export in vLLM and compares it with draftsmith's engine (the gate,
-:mod:`draftsmith.export.serve_check`): exit code 1 when they disagree.
+:mod:`draftsmith.export.serve_check`): exit code 1 when they disagree, 3 when the prompts run cannot
+tell (the export is kept either way).
 """
 
 from __future__ import annotations

@@ -5,9 +5,11 @@
 four ways: vLLM plain, vLLM with the exported drafter, draftsmith plain, and draftsmith with the
 *training checkpoint the export came from*, drafting a chain of the export's depth. A converter
 that drops, permutes or mislabels weights leaves draftsmith's figures unchanged and moves vLLM's,
-so the gate compares, per draft position, the share of drafts vLLM accepted with ours, and checks
+so the gate compares, per draft position, the drafts vLLM accepted with ours, as counts
+(:mod:`draftsmith.export.gate_stats` gives the verdict: passed, failed or inconclusive), and checks
 that vLLM's speculative output is token-identical to its plain output. It writes
-``DIR/serve_check.json`` and ``DIR/serve_check.md`` and exits 1 when it fails, 2 on bad input.
+``DIR/serve_check.json`` and ``DIR/serve_check.md`` and exits 0 when it passes, 1 when it fails,
+3 when the counts cannot tell the export from a broken one, and 2 on bad input.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import ArgumentParser, CheckpointError, UsageError, at_least, report_user_errors
+from draftsmith.export.gate_stats import ALPHA, FAILED, INCONCLUSIVE, PASSED, PositionCounts, judge, overall
 from draftsmith.vllm_engine import EngineError, engine_args, run_job, vllm_version
 
-TOLERANCE = 0.03  # largest per-position difference in acceptance rate that passes
 DEFAULT_LIMIT = 8  # MT-bench: the first question of each category
 DEFAULT_MAX_NEW_TOKENS = 128
 REPORT = "serve_check.json"
 TABLE = "serve_check.md"
 ENGINES = ("vllm",)
+EXIT_CODES = {PASSED: 0, FAILED: 1, INCONCLUSIVE: 3}  # 2: bad input (draftsmith.errors)
 
 
 @dataclass
@@ -43,11 +46,13 @@ class Served:
 class CheckResult:
     """``serve_check.json``."""
 
+    verdict: str  # passed, failed or inconclusive (draftsmith.export.gate_stats)
     passed: bool
     engine: str
     version: str
     num_speculative_tokens: int
-    positions: list[dict]  # per draft position: {"vllm": rate, "ours": rate}
+    # per draft position: drafts and accepted drafts in each engine, rates, margin, Fisher p-value, verdict
+    positions: list[dict]
     same_output: bool  # vLLM's speculative output equals its plain output on every prompt
     vllm_tok_s: float
     vllm_plain_tok_s: float
@@ -58,8 +63,8 @@ class CheckResult:
     same_as_ours: float  # share of prompts where vLLM's plain output equals draftsmith's plain output
     prompts: int
     max_new_tokens: int
-    tolerance: float = TOLERANCE
-    failures: list[str] = field(default_factory=list)
+    alpha: float = ALPHA
+    reasons: list[str] = field(default_factory=list)  # why it did not pass, one line each
     export: str = ""
     source: str = ""
     target: str = ""
@@ -146,9 +151,11 @@ def _our_spec(kind: str, source: str, depth: int):
     return DrafterSpec(kind, source, {"depth": depth, "top_k": 1, "budget": depth}, "ours")
 
 
-def position_rates(accepted_per_step: list[list[int]], drafted_per_step: list[list[int]], depth: int) -> list[float]:
-    """Per draft position, the share of drafts reaching that position that were accepted that far
-    (vLLM's ``num_accepted_tokens_per_pos / num_drafts``); ``accepted`` counts the target's bonus token.
+def position_counts(
+    accepted_per_step: list[list[int]], drafted_per_step: list[list[int]], depth: int
+) -> tuple[list[int], list[int]]:
+    """Per draft position, the drafts reaching that position and those accepted that far (as vLLM's
+    ``num_accepted_tokens_per_pos`` and ``num_drafts`` count them); ``accepted`` counts the target's bonus token.
 
     draftsmith never drafts past ``max_new_tokens`` (a chain near the end is shorter), vLLM drafts
     its full depth every step; so position p counts only the chains that reached it, or a
@@ -160,7 +167,7 @@ def position_rates(accepted_per_step: list[list[int]], drafted_per_step: list[li
             for position in range(min(nodes, depth)):
                 drafts[position] += 1
                 hits[position] += tokens - 1 > position
-    return [h / d if d else 0.0 for h, d in zip(hits, drafts)]
+    return hits, drafts
 
 
 def _ours(target_folder: str, spec, prompts: list[list[int]], max_new_tokens: int, depth: int) -> dict:
@@ -191,7 +198,7 @@ def _ours(target_folder: str, spec, prompts: list[list[int]], max_new_tokens: in
         result["drafted"].append(gen.drafted)
         result["plain_s"] += base.prefill_seconds + base.decode_seconds
         result["spec_s"] += gen.prefill_seconds + gen.decode_seconds
-    result["rates"] = position_rates(result["accepted"], result["drafted"], depth)
+    result["hits"], result["drafts"] = position_counts(result["accepted"], result["drafted"], depth)
     steps = sum(len(a) for a in result["accepted"])
     result["tau"] = sum(map(sum, result["accepted"])) / steps if steps else 0.0
     return result
@@ -240,7 +247,6 @@ def serve_check(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     source: str | Path | None = None,
     draft_tokens: int | None = None,
-    tolerance: float = TOLERANCE,
 ) -> CheckResult:
     """Serve the export in ``folder`` with ``engine`` and compare it with draftsmith's engine; writes
     ``serve_check.json`` and ``serve_check.md`` into ``folder`` and returns the result.
@@ -266,12 +272,12 @@ def serve_check(
     ours = _ours(target, _our_spec(meta["kind"], str(source), depth), ids, max_new_tokens, depth)
     job = {"task": "generate", "prompts": ids, "max_new_tokens": max_new_tokens, "stop_token_ids": ours["eos"]}
     plain = _plain_vllm({**job, "engine": engine_args(target)}, f"vLLM plain decoding of {target}")
-    failures: list[str] = []
+    reasons: list[str] = []
     spec_config = speculative_config(served, folder)
     try:
         spec = run_job({**job, "engine": engine_args(target, speculative_config=spec_config)}, f"vLLM serving {folder}")
     except EngineError as err:  # the export does not load: the gate's purpose is to say so
-        failures.append(f"vLLM could not serve the export: {err}")
+        reasons.append(f"vLLM could not serve the export: {err}")
         spec = {
             "outputs": [{"tokens": []} for _ in ids],
             "seconds": 0.0,
@@ -280,24 +286,24 @@ def serve_check(
     vllm_plain = [o["tokens"] for o in plain["outputs"]]
     vllm_spec = [o["tokens"] for o in spec["outputs"]]
     drafts = spec["spec"]["num_drafts"]
-    vllm_rates = [n / drafts if drafts else 0.0 for n in (spec["spec"]["per_position"] + [0] * depth)[:depth]]
-    positions = [{"vllm": round(v, 4), "ours": round(o, 4)} for v, o in zip(vllm_rates, ours["rates"])]
+    vllm_hits = (spec["spec"]["per_position"] + [0] * depth)[:depth]
+    counts = [PositionCounts(drafts, v, n, o) for v, n, o in zip(vllm_hits, ours["drafts"], ours["hits"])]
+    positions = [judge(c) for c in counts]
+    verdict, why = overall(positions, counts[0], len(ids))
     same_output = vllm_spec == vllm_plain
     if not same_output:
         differ = sum(a != b for a, b in zip(vllm_spec, vllm_plain))
-        failures.append(f"vLLM's speculative output differs from its plain output on {differ} of {len(ids)} prompts")
-    for k, pos in enumerate(positions, start=1):
-        if abs(pos["vllm"] - pos["ours"]) > tolerance:
-            failures.append(
-                f"position {k}: vLLM accepted {pos['vllm']:.3f} of drafts, draftsmith {pos['ours']:.3f} "
-                f"(tolerance {tolerance})"
-            )
+        reasons.append(f"vLLM's speculative output differs from its plain output on {differ} of {len(ids)} prompts")
+    reasons += why
+    if len(reasons) > len(why):  # the export did not load, or changed vLLM's output
+        verdict = FAILED
     result = CheckResult(
-        passed=not failures,
+        verdict=verdict,
+        passed=verdict == PASSED,
         engine=engine,
         version=plain.get("version") or vllm_version() or "?",
         num_speculative_tokens=depth,
-        positions=positions,
+        positions=[p.as_dict() for p in positions],
         same_output=same_output,
         vllm_tok_s=_tok_s(vllm_spec, spec["seconds"]),
         vllm_plain_tok_s=_tok_s(vllm_plain, plain["seconds"]),
@@ -308,8 +314,7 @@ def serve_check(
         same_as_ours=sum(a == b for a, b in zip(vllm_plain, ours["plain"])) / len(ids),
         prompts=len(ids),
         max_new_tokens=max_new_tokens,
-        tolerance=tolerance,
-        failures=failures,
+        reasons=reasons,
         export=str(folder),
         source=str(source.resolve()),
         target=str(target),
@@ -324,13 +329,18 @@ def table(result: CheckResult) -> str:
     lines = [
         f"serve check ({result.engine} {result.version}, {result.prompts} prompts x {result.max_new_tokens} "
         f"new tokens, greedy, chain of {result.num_speculative_tokens}): "
-        f"{'PASSED' if result.passed else 'FAILED'}",
+        f"{result.verdict.upper()}",
         "",
-        "| draft position | vLLM accepted | draftsmith accepted | difference |",
-        "|---|---|---|---|",
+        "| draft position | vLLM accepted / drafts | draftsmith accepted / drafts | difference | margin | Fisher p "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|",
     ]
     for k, pos in enumerate(result.positions, start=1):
-        lines.append(f"| {k} | {pos['vllm']:.3f} | {pos['ours']:.3f} | {pos['vllm'] - pos['ours']:+.3f} |")
+        lines.append(
+            f"| {k} | {pos['vllm_accepted']} / {pos['vllm_drafts']} ({pos['vllm']:.3f}) | {pos['ours_accepted']} / "
+            f"{pos['ours_drafts']} ({pos['ours']:.3f}) | {pos['vllm'] - pos['ours']:+.3f} | {pos['margin']:.3f} | "
+            f"{pos['p_value']:.2g} | {pos['verdict']} |"
+        )
     lines += [
         "",
         "| engine | acceptance length | tok/s with drafter | tok/s plain | speedup |",
@@ -344,7 +354,7 @@ def table(result: CheckResult) -> str:
         f"vLLM's speculative output equals its plain output: {'yes' if result.same_output else 'NO'}; "
         f"vLLM's plain output equals draftsmith's on {result.same_as_ours:.0%} of prompts.",
     ]
-    lines += [f"- {failure}" for failure in result.failures]
+    lines += [f"- {reason}" for reason in result.reasons]
     return "\n".join(lines)
 
 
@@ -365,11 +375,11 @@ def add_check_arguments(parser: ArgumentParser, prefix: str = "") -> None:
 
 
 def report(result: CheckResult) -> None:
-    """Print the table and exit 1 when the check failed."""
+    """Print the table; exit 1 when the check failed, 3 when it was inconclusive (:data:`EXIT_CODES`)."""
     print(table(result))
     print(f"\nwrote {Path(result.export) / REPORT} and {TABLE}")
-    if not result.passed:
-        sys.exit(1)
+    if result.verdict != PASSED:
+        sys.exit(EXIT_CODES[result.verdict])
 
 
 @report_user_errors
