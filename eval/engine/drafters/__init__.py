@@ -4,9 +4,9 @@ A spec is ``KIND[:PATH][?key=value&key=value]``, e.g. ``prompt_lookup``,
 ``prompt_lookup?num_tokens=4&branches=3``, ``draft_lm:HuggingFaceTB/SmolLM2-135M-Instruct?depth=5``,
 ``draft_lm?layers=4`` (a draft cut from the target: 4 evenly spaced layers, or ``layers=0,1,2,29``),
 ``oracle?num_tokens=8``, ``eagle:runs/x/checkpoint-final?depth=5&top_k=3&budget=12``,
-``eagle3:runs/y/checkpoint-final``. ``name=`` sets the label used in tables. Every kind also takes the engine's draft-length policy options (:data:`POLICY_OPTIONS`,
-e.g. ``draft_lm:PATH?depth=8&policy=entropy``). :data:`KINDS` documents every kind and option
-(``eval/run.py --help`` prints it).
+``eagle3:runs/y/checkpoint-final``. ``name=`` sets the label used in tables. Every kind also takes the engine's
+draft-length policy options (:data:`POLICY_OPTIONS`, e.g. ``draft_lm:PATH?depth=8&policy=entropy``).
+:data:`KINDS` documents every kind and option (``eval/run.py --help`` prints it).
 """
 
 from __future__ import annotations
