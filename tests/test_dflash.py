@@ -107,14 +107,14 @@ def test_the_drafter_proposes_what_the_training_pass_scores(make_tiny_llama):
 
 
 def test_anchors_are_distinct_supervised_positions_and_slot_weights_follow_dflash():
-    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 0, 0, 0, 0, 0, 0]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0]])
     padding = torch.tensor([[1] * 8, [1, 1, 1, 1, 0, 0, 0, 0]])
-    anchors, valid = sample_anchors(loss_mask, padding, 4, torch.Generator().manual_seed(0))
-    supervised_next = {0: {1, 2, 3, 5, 6}, 1: {0}}  # a where token a + 1 is supervised
+    anchors, valid = sample_anchors(loss_mask, padding, 2, torch.Generator().manual_seed(0))
+    allowed = {0: {2, 3, 6}, 1: {1}}  # a where tokens a and a + 1 are supervised
     for row in range(2):
         chosen = anchors[row][valid[row]].tolist()
-        assert chosen == sorted(set(chosen)) and set(chosen) <= supervised_next[row]
-        assert len(chosen) == min(4, len(supervised_next[row]))
+        assert chosen == sorted(set(chosen)) and set(chosen) <= allowed[row]
+        assert len(chosen) == min(2, len(allowed[row]))
     supervised = torch.tensor([[[True, True, False, True]]])
     decay = slot_weights(torch.zeros(1, 1, 4), supervised, DFlashDrafterConfig(decay_gamma=2.0))
     torch.testing.assert_close(decay, torch.tensor([[[1.0, math.exp(-0.5), 0.0, math.exp(-1.5)]]]))
@@ -123,6 +123,20 @@ def test_anchors_are_distinct_supervised_positions_and_slot_weights_follow_dflas
     # survival s = 0.5 accept + 0.5 where supervised (1, 0.75, -, 1), reach P = cumprod (1, 0.75, 0.75, 0.75),
     # weight = sum of later supervised reaches: (1 + 0.75 + 0.75, 0.75 + 0.75, 0, 0.75).
     torch.testing.assert_close(slot_weights(accept, supervised, cfg), torch.tensor([[[2.5, 1.5, 0.0, 0.75]]]))
+
+
+def test_blocks_are_anchored_on_reply_tokens_only():
+    """In serving a block's anchor is the target's bonus token, a reply token: so are training's,
+    as speculators (models/dflash/utils.py select_anchors: loss_mask[a]) and SpecForge
+    (_sample_anchor_positions) draw them, with token a + 1 supervised too (the block's first
+    slot). The prompt's last token (the assistant header's end), whose next token is the reply's
+    first, never anchors; nor does a reply's last token before the next prompt."""
+    #                    prompt       reply 1        prompt      reply 2     pad
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0]])
+    padding = torch.tensor([[1] * 13 + [0, 0]])
+    for generator in (torch.Generator().manual_seed(0), None):  # held-out draws, training's draws
+        anchors, valid = sample_anchors(loss_mask, padding, 16, generator)
+        assert anchors[0][valid[0]].tolist() == [3, 4, 5, 10, 11]  # every allowed anchor, and no other
 
 
 def test_greedy_dflash_is_lossless_and_drafts_in_one_pass(tiny_target, tmp_path):

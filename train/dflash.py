@@ -1,10 +1,11 @@
 """Train a DFlash drafter: ``accelerate launch train/dflash.py recipes/smollm2-dflash.yaml [--resume] [--key value]``.
 
 The drafter (:mod:`draftsmith.heads.dflash`) drafts a block in one pass. Each step samples up to
-``anchors_per_sequence`` anchor positions a in every conversation's supervised spans (where token
-a + 1 is supervised), builds the block ``[token a, MASK x (block_size - 1)]`` at positions
-``a .. a + block_size - 1`` for each, and runs all blocks of a conversation in one pass: a block's
-queries attend to the injected context at positions before a and to their own block, both ways.
+``anchors_per_sequence`` anchor positions a in every conversation's supervised spans (where tokens
+a and a + 1 are supervised: an anchor is a reply token, as the target's bonus token is), builds the
+block ``[token a, MASK x (block_size - 1)]`` at positions ``a .. a + block_size - 1`` for each, and
+runs all blocks of a conversation in one pass: a block's queries attend to the injected context at
+positions before a and to their own block, both ways.
 Slot k is scored against the target's distribution (over the draft vocabulary) for token a + k,
 where that token is supervised, weighted ``exp(-(k - 1) / decay_gamma)`` (DFlash) or by D-PACE
 (``weighting: dpace``: the chance the block's earlier slots were all accepted, from each slot's
@@ -78,13 +79,18 @@ def sample_anchors(
     loss_mask: torch.Tensor, padding: torch.Tensor, count: int, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(anchors, valid)`` ``[b, count]``: per row up to ``count`` distinct positions a (sorted)
-    whose next token is supervised, drawn uniformly; rows with fewer fill up with invalid ones.
+    where tokens a and a + 1 are both supervised, drawn uniformly; rows with fewer fill up with
+    invalid ones. In serving the anchor is always the target's bonus token, a reply token, never
+    the prompt's last one: speculators 0.9.0 (models/dflash/utils.py:44-45) and SpecForge
+    (core/dflash.py ``_sample_anchor_positions``) anchor only on supervised tokens, and a + 1
+    supervised keeps every block's first slot scored (neither reference trains the anchor slot).
 
     ``generator``: a CPU generator (the same anchors on any device); None draws from the device's
     default generator, whose state the trainer's checkpoints hold, so a resumed run draws what an
     uninterrupted one would."""
     candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
-    candidate[:, :-1] = loss_mask[:, 1:].bool() & padding[:, 1:].bool()
+    supervised = loss_mask.bool() & padding.bool()
+    candidate[:, :-1] = supervised[:, :-1] & supervised[:, 1:]
     if generator is None:
         scores = torch.rand(loss_mask.shape, device=loss_mask.device)
     else:
