@@ -21,8 +21,8 @@ P-EAGLE heads (``PEagleSpeculatorConfig``, ``models/peagle/{config,core}.py``; v
 ``update_peagle``) are EAGLE-3's layout plus ``speculators_model_type: peagle``, a required
 ``mask_token_id`` and a ``mask_hidden`` weight (``[1, 1, len(aux) * hidden]``, in ``fc``'s input
 space, so its blocks follow the aux layers' order as ``fc``'s columns do); ``embed_tokens.weight``
-is the target's with the mask token's row replaced by the head's own mask embedding (vLLM keeps a
-draft embedding that differs from the target's). vLLM serves them as ``eagle3`` with
+is the head's own trained table, mask token's row included (vLLM keeps a draft embedding that
+differs from the target's). vLLM serves them as ``eagle3`` with
 ``parallel_drafting: true``.
 
 speculators 0.9.0 has no EAGLE-1 or Medusa model (its EAGLE family is ``eagle3`` and ``peagle``), so
@@ -113,9 +113,12 @@ def _export_eagle3(source: Source, target: Target, out: Path, tree: dict) -> lis
     if config["draft_vocab_size"] == layer["vocab_size"]:
         for name in VOCAB_MAPS:
             tensors.pop(name)
-    tensors[SPECULATORS_EMBED] = target.model.get_input_embeddings().weight.detach().to(target.dtype)
+    # P-EAGLE's table is the head's own, trained (mask row included); EAGLE-3's is the target's.
+    own = tensors.get(SPECULATORS_EMBED)
+    tensors[SPECULATORS_EMBED] = (own if own is not None else target.model.get_input_embeddings().weight).detach()
+    tensors[SPECULATORS_EMBED] = tensors[SPECULATORS_EMBED].to(target.dtype)
     parallel = source.kind == "peagle"
-    if parallel:
+    if parallel and "mask_embedding" in tensors:  # a checkpoint from before the table trained: its mask row
         tensors[SPECULATORS_EMBED] = tensors[SPECULATORS_EMBED].clone()
         tensors[SPECULATORS_EMBED][config["mask_token_id"]] = tensors.pop("mask_embedding").to(target.dtype)
     write_config(

@@ -43,9 +43,9 @@ def rename_blocks(tensors: dict[str, torch.Tensor], pattern: re.Pattern, templat
 
 def _speculators_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
     tensors = load_file(str(folder / "model.safetensors"))
-    embed = tensors.pop(SPECULATORS_EMBED, None)  # the target's, used by reference (a DFlash export has none)
-    if config.get("speculators_model_type") == "peagle":  # but for the mask token's row
-        tensors["mask_embedding"] = embed[config["mask_token_id"]].float()
+    # EAGLE-3's table is the target's, used by reference (a DFlash export has none); P-EAGLE's is its own, trained.
+    if config.get("speculators_model_type") != "peagle":
+        tensors.pop(SPECULATORS_EMBED, None)
     if "d2t" not in tensors:  # full draft vocabulary: the identity maps
         vocab = config["transformer_layer_config"]["vocab_size"]
         tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)

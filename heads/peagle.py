@@ -2,31 +2,36 @@
 
 Drafting K tokens with EAGLE-3 takes K sequential head passes, each fed the previous one's output.
 P-EAGLE feeds the K - 1 positions after the last known token with stand-ins instead: a mask token
-(its embedding ``mask_embedding``, learned) and a mask feature (``mask_hidden``, a learned vector
+(its row of the head's embedding table) and a mask feature (``mask_hidden``, a learned vector
 in the fused target-layer space that goes through ``fc`` like real features). Position k attends
 to the context and to the mask positions before it, so one pass over ``[token, MASK x (K - 1)]``
 yields all K drafts; training runs the same layout (:func:`draftsmith.train.unroll.unroll` with
 ``parallel=True``), so pass j of training is draft depth j + 1.
 
-SmolLM2's tokenizer fills its whole embedding table, so there is no spare row for a mask token:
-the head picks a token id that never occurs in its training data (``mask_token_id``) and keeps
-its own embedding for it; exports write the target's embedding table with that row replaced,
-which vLLM then uses for the draft (it keeps a draft embedding that differs from the target's).
+Unlike EAGLE-3's, the token embedding is the head's own and trains (``embed_tokens``, speculators'
+name, started as the target's table): speculators' P-EAGLE config sets ``embed_requires_grad: True``
+("matches p-eagle-train", models/peagle/config.py:35-43) and saves ``embed_tokens.weight`` with the
+head. SmolLM2's tokenizer fills its whole embedding table, so there is no spare row for a mask token:
+the head picks a token id that never occurs in its training data (``mask_token_id``), whose row is
+then the mask embedding; exports ship the trained table, which vLLM uses for the draft (it keeps a
+draft embedding that differs from the target's).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
+from draftsmith.errors import CheckpointError
+from draftsmith.heads.common import load_head_parts
 from draftsmith.heads.eagle3 import Eagle3Head
 
 KIND = "peagle"
 
 
 class PEagleHead(Eagle3Head):
-    """:class:`~draftsmith.heads.eagle3.Eagle3Head` plus a mask token embedding and a mask feature."""
+    """:class:`~draftsmith.heads.eagle3.Eagle3Head` plus a mask feature, with a trained embedding table of its own."""
 
     kind = KIND
     extra_config = ("mask_token_id", "num_depths")
@@ -51,7 +56,7 @@ class PEagleHead(Eagle3Head):
         hidden = self.config.hidden_size
         # speculators' shape: [1, 1, len(aux_layers) * hidden], in the space fc reads.
         self.mask_hidden = nn.Parameter(torch.zeros(1, 1, len(self.aux_layers) * hidden))
-        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        self.embed_tokens = nn.Embedding(target_config.vocab_size, hidden)  # the mask token's row included
 
     @classmethod
     def for_target(
@@ -65,8 +70,8 @@ class PEagleHead(Eagle3Head):
         mask_token_id: int = 0,
         num_depths: int = 1,
     ) -> PEagleHead:
-        """A fresh head (see :meth:`Eagle3Head.for_target`) whose mask embedding starts as the
-        target's row for ``mask_token_id`` and whose mask feature starts small and random."""
+        """A fresh head (see :meth:`Eagle3Head.for_target`) whose embedding table (the mask token's
+        row included) starts as the target's and whose mask feature starts small and random."""
         head = super().for_target(
             target,
             target_name,
@@ -78,16 +83,30 @@ class PEagleHead(Eagle3Head):
             num_depths=num_depths,
         )
         with torch.no_grad():
-            head.mask_embedding.copy_(target.get_input_embeddings().weight[mask_token_id].float())
+            head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
             head.mask_hidden.normal_(std=0.02)
         return head
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The target's embeddings, with the head's own at ``mask_token_id``."""
-        embeds = super().embed(input_ids)
-        return torch.where(
-            (input_ids == self.mask_token_id).unsqueeze(-1), self.mask_embedding.to(embeds.dtype), embeds
-        )
+        """The head's own (trained) token embeddings, the mask token's included."""
+        return self.embed_tokens(input_ids)
+
+    @classmethod
+    def from_pretrained(cls, path, target: PreTrainedModel | None = None) -> PEagleHead:
+        """As :meth:`Head.from_pretrained`; a checkpoint from before the table trained (a
+        ``mask_embedding`` row, the target's table by reference) loads with the target's table."""
+        config, state, layer_classes = load_head_parts(path, cls.kind, target)
+        if "mask_embedding" in state:
+            if target is None:
+                raise CheckpointError(
+                    f"{path}: this P-EAGLE checkpoint keeps only its mask row: load it with its target"
+                )
+            table = target.get_input_embeddings().weight.detach().float().cpu().clone()
+            table[config["mask_token_id"]] = state.pop("mask_embedding").float()
+            state["embed_tokens.weight"] = table
+        head = cls.from_checkpoint(config, state, layer_classes)
+        head.load_state_dict(state)
+        return head.bound_to(target)
 
     def forward(
         self,

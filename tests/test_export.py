@@ -171,9 +171,9 @@ def _assert_same_logits(head, theirs, target, ids: list[int], steps: int = 2) ->
 def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(target, target_dir, tmp_path):
     """A P-EAGLE head exports as speculators' ``peagle`` (its config class validates it, its model
     loads every weight): EAGLE-3's layout with the mask token id, ``mask_hidden`` permuted with
-    ``fc``'s column blocks into ascending aux order, the mask embedding in the mask token's
-    ``embed_tokens`` row; vLLM is told to draft in parallel; the export loads back into draftsmith's
-    engine as the same head."""
+    ``fc``'s column blocks into ascending aux order, the head's own trained ``embed_tokens`` (the
+    mask token's row included); vLLM is told to draft in parallel; the export loads back into
+    draftsmith's engine as the same head."""
     pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
 
@@ -197,8 +197,9 @@ def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(
     theirs = PEagleDraftModel.from_pretrained(tmp_path / "out", config=config).eval()
     blocks = [head.mask_hidden.chunk(3, dim=-1)[i] for i in (1, 2, 0)]  # ours: layers 2, 0, 1
     assert torch.equal(theirs.mask_hidden, torch.cat(blocks, dim=-1))
-    assert torch.equal(theirs.embed_tokens.weight[16], head.mask_embedding.detach())
-    assert torch.equal(theirs.embed_tokens.weight[15], target.get_input_embeddings().weight[15])
+    trained = head.embed_tokens.weight.detach().to(target.dtype)  # the head's own table, trained (mask row 16)
+    assert torch.equal(theirs.embed_tokens.weight.to(target.dtype), trained)
+    assert not torch.equal(trained[15], target.get_input_embeddings().weight[15])  # not the target's
     assert torch.equal(theirs.fc.weight, torch.cat([head.fc.weight.chunk(3, dim=1)[i] for i in (1, 2, 0)], dim=1))
     back = build_drafter(f"peagle:{tmp_path / 'out'}", target)
     assert back.depth == 5 and back.head.mask_token_id == 16 and back.head.aux_layers == [0, 1, 2]

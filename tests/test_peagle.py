@@ -21,6 +21,7 @@ from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.heads.vocab import unused_token_id
 from draftsmith.target import load_tokenizer
+from draftsmith.train.peagle import PEagleDrafterConfig, PEagleRecipe, PEagleTask
 from draftsmith.train.unroll import chain_sample, supervised_next, unroll
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -133,6 +134,95 @@ def test_a_sampled_pass_computes_what_the_full_unroll_does_at_its_chains(make_ti
         assert rows.sum() > 0
         torch.testing.assert_close(sampled[j][rows], full[j][rows], atol=1e-5, rtol=1e-4)
         assert not sampled[j][~rows].any()
+
+
+def test_the_training_loss_is_one_mean_over_every_sampled_draft_of_every_depth(make_tiny_llama):
+    """As speculators (losses/utils.py loss_function over all COD-sampled rows) and SpecForge
+    (compute_peagle_metrics) reduce it: the soft cross-entropy of every scored draft, all depths
+    together, divided once by their count; chain sampling's row counts then weigh the depths
+    (not each depth's own mean, summed, which weighs a depth-7 draft like several depth-1 ones)."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = _head(target, mask=47).train()
+    steps = 4
+    drafter = PEagleDrafterConfig(ttt_steps=steps, aux_layers=[0, 1, 2], down_sample_ratio=0.5)
+    task = PEagleTask(PEagleRecipe(drafter=drafter), target, head)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 47, (2, 40))
+    padding = torch.ones_like(ids)
+    padding[1, 31:] = 0
+    loss_mask = padding.clone()
+    loss_mask[:, :6] = 0
+    batch = {"input_ids": ids, "attention_mask": padding, "loss_mask": loss_mask}
+    torch.manual_seed(5)
+    chains = task.sample_chains(batch)
+    torch.manual_seed(5)
+    loss, _ = task.loss(head, batch, training=True)
+    with torch.no_grad():
+        out = target.get_decoder()(input_ids=ids, attention_mask=padding, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[layer] for layer in (0, 1, 2)], dim=-1)
+        outputs = unroll(head, ids, features[:, :-1], padding, steps, head.feedback_input, parallel=True)
+        needed = supervised_next(loss_mask, padding)
+        per_depth = []
+        for j, pred in enumerate(outputs):
+            n = ids.shape[1] - 1 - j
+            rows = needed[:, j : j + n] & (chains[j - 1].rows(n + j)[:, :n] if j else True)
+            p = head.target_logits(out.last_hidden_state[:, 1:][:, j : j + n][rows]).softmax(-1)
+            per_depth.append(-(p * head.draft_logits(pred[:, :n][rows]).log_softmax(-1)).sum(-1))
+    counts = [len(ce) for ce in per_depth]
+    assert counts[0] > counts[1] > counts[2] > counts[3] > 0, counts  # sampling thins the deep depths
+    pooled = torch.cat(per_depth).mean()
+    torch.testing.assert_close(loss, pooled, atol=1e-5, rtol=1e-5)
+    assert abs(pooled - sum(ce.mean() for ce in per_depth)) > 1.0  # the old reduction is far from it
+
+
+def test_the_head_trains_its_own_embedding_table_and_drafts_with_it(make_tiny_llama, tmp_path):
+    """As speculators trains P-EAGLE (``embed_requires_grad: True``, "matches p-eagle-train"): the
+    head's token table starts as the target's and every row a batch reads gets a gradient, the
+    mask token's and the real tokens' (not the mask row only); the checkpoint keeps the trained
+    table and the engine's drafter embeds with it, not with the target's."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    torch.manual_seed(1)
+    head = PEagleHead.for_target(target, "tiny", [0, 1, 2], None, "random", mask_token_id=47, num_depths=3)
+    table = target.get_input_embeddings().weight
+    assert torch.equal(head.embed_tokens.weight, table) and head.embed_tokens.weight.requires_grad
+    drafter = PEagleDrafterConfig(ttt_steps=3, aux_layers=[0, 1, 2], down_sample_ratio=1.0)
+    task = PEagleTask(PEagleRecipe(drafter=drafter), target, head.train())
+    torch.manual_seed(2)
+    ids = torch.randint(0, 40, (2, 24))  # tokens 40..46 never occur
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    loss, _ = task.loss(head, batch, training=True)
+    loss.backward()
+    moved = head.embed_tokens.weight.grad.abs().sum(-1) > 0
+    read = set(ids[:, 1:].flatten().tolist()) | {47}  # pass 0 embeds tokens 1.., passes 1.. the mask token
+    assert set(moved.nonzero().flatten().tolist()) == read
+    with torch.no_grad():
+        head.embed_tokens.weight.sub_(0.5 * head.embed_tokens.weight.grad.sign())  # a "trained" table
+    head.eval().save_pretrained(tmp_path / "ckpt")
+    loaded = build_drafter(f"peagle:{tmp_path / 'ckpt'}", target).head
+    assert torch.equal(loaded.embed_tokens.weight, head.embed_tokens.weight)
+    features = torch.randn(1, 4, 3 * 32)
+    with torch.no_grad():
+        trained = loaded.draft_logits(loaded(ids[:1, :4], features).last_hidden_state)
+        torch.testing.assert_close(trained, head.draft_logits(head(ids[:1, :4], features).last_hidden_state))
+        loaded.embed_tokens.weight.copy_(table)
+        assert (loaded.draft_logits(loaded(ids[:1, :4], features).last_hidden_state) - trained).abs().max() > 1e-2
+
+
+def test_a_checkpoint_from_before_the_table_trained_loads_with_the_targets_table(make_tiny_llama, tmp_path):
+    """Checkpoints that kept only the mask row (``mask_embedding``) load with the target's table and
+    that row, which is what they drafted with."""
+    from safetensors.torch import load_file, save_file
+
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = _head(target, mask=47)
+    head.save_pretrained(tmp_path / "ckpt")
+    state = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    row = state.pop("embed_tokens.weight")[47].clone()
+    save_file({**state, "mask_embedding": row}, str(tmp_path / "ckpt" / "model.safetensors"))
+    loaded = PEagleHead.from_pretrained(tmp_path / "ckpt", target)
+    want = target.get_input_embeddings().weight.detach().clone()
+    want[47] = row
+    assert torch.equal(loaded.embed_tokens.weight, want)
 
 
 def test_the_drafter_proposes_what_the_parallel_unroll_scores(make_tiny_llama):

@@ -4,19 +4,20 @@ The head (:mod:`draftsmith.heads.peagle`) is an EAGLE-3 head that drafts ``ttt_s
 forward pass: the positions after the last known token read a learned mask token and mask feature.
 Training unrolls the same layout (:func:`draftsmith.train.unroll.unroll` with ``parallel``): pass
 0 reads the target's fused layers, pass j > 0 the mask inputs at position offset j, attending to
-the real context and to the mask positions before it; the loss of pass j is the cross-entropy
+the real context and to the mask positions before it; the loss of pass j's draft is the cross-entropy
 between the target's distribution over the draft vocabulary at depth j + 1 and the head's,
-weighted ``ttt_step_loss_decay ** j`` (default 1, as speculators weighs depths). Training samples draft chains as the
-P-EAGLE trainers do (:func:`draftsmith.train.unroll.chain_sample`: depth d trains a ``down_sample_ratio ** (d - 1)``
-share of the positions, at least ``down_sample_ratio_min``), so deep passes cost a fraction of a
-full one; held-out evaluation scores every chain. Everything else (data, regenerated replies, draft
-vocabulary, online or offline features, the out-of-vocabulary mask) is EAGLE-3's
+weighted ``ttt_step_loss_decay ** j`` (default 1), and the loss is one mean over every scored draft of every
+depth, as speculators and SpecForge reduce it. Training samples draft chains as the P-EAGLE trainers do
+(:func:`draftsmith.train.unroll.chain_sample`: depth d trains a ``down_sample_ratio ** (d - 1)`` share of the
+positions, at least ``down_sample_ratio_min``), so deep passes cost a fraction of a full one and, through the
+one mean, weigh that fraction of depth 1; held-out evaluation scores every chain. Everything else (data,
+regenerated replies, draft vocabulary, online or offline features, the out-of-vocabulary mask) is EAGLE-3's
 (:mod:`draftsmith.train.eagle3`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.heads.vocab import mask_token_for
@@ -33,7 +34,7 @@ class PEagleDrafterConfig(Eagle3DrafterConfig):
 
     kind: str = "peagle"
     ttt_steps: int = 7  # tokens drafted in one pass (draft depths trained, a pass each)
-    ttt_step_loss_decay: float = 1.0  # every depth weighs the same (speculators): chain sampling thins deep ones
+    ttt_step_loss_decay: float = 1.0  # a depth-(j + 1) draft weighs decay ** j (1: as upstream)
     mask_token_id: int | None = None  # null: the tokenizer's mask token, else a special token absent from the data
     # Chain sampling: depth d >= 2 trains max(ratio ** (d - 1), ratio_min) of the positions (ratio 1: all of them).
     down_sample_ratio: float = 0.7
@@ -56,6 +57,13 @@ class PEagleTask(Eagle3Task):
 
     head_class = PEagleHead
     parallel = True
+
+    def __init__(self, recipe: PEagleRecipe, target, head: PEagleHead):
+        super().__init__(recipe, target, head)
+        # One mean over every sampled row of every depth, as speculators 0.9.0 (models/peagle/metrics.py:50,
+        # losses/utils.py:301-304) and SpecForge (core/peagle.py compute_peagle_metrics, LogSoftmaxLoss's
+        # mean) reduce it: chain sampling's row counts set the depths' weights (7 depths: ~31/22/15/11/8/6/6 %).
+        self.loss_config = replace(self.loss_config, pool_depths=True)
 
     def sample_chains(self, batch: dict) -> list[Chains] | None:
         if self.cfg.down_sample_ratio == 1:

@@ -39,6 +39,9 @@ class UnrollLoss:
     top_k_weight: float = 1.0  # weight of the top-K term (HASS: 1.0, beside 0.1 x the full term for EAGLE-1)
     regression_weight: float = 0.0  # weight of Smooth-L1 on the target's next feature (EAGLE-1)
     mask_out_of_vocab: bool = False  # no token loss where the target's argmax is outside the draft vocabulary
+    # One mean over the scored rows of all passes (P-EAGLE, as speculators and SpecForge reduce it: each
+    # depth then weighs as many rows as it scores) instead of each pass's own mean, summed (EAGLE-3).
+    pool_depths: bool = False
 
 
 UNROLLED_ATTENTION = "draftsmith_unrolled"
@@ -319,9 +322,13 @@ def unrolled_loss(
     Metrics count every supervised position; with ``cfg.mask_out_of_vocab`` the loss skips those
     whose target token (full-vocabulary argmax) the draft vocabulary lacks (``t2d`` false), as the
     EAGLE-3 and SpecForge trainers do, instead of fitting the distribution renormalised over it.
-    With ``chains`` pass j > 0 scores its sampled positions only (each depth's mean over them).
+    With ``chains`` pass j > 0 scores its sampled positions only. The loss is the sum over passes of
+    ``decay ** j`` x each pass's mean over its scored rows, or with ``cfg.pool_depths`` one mean: the
+    sum of ``decay ** j`` x every pass's row losses over the rows all passes score.
     """
     total = outputs[0].new_zeros((), dtype=torch.float32)
+    # pool_depths: the passes' weighted row sums and row counts (token loss, regression), divided at the end.
+    pooled = {"token": total, "token_rows": total, "regression": total, "regression_rows": total}
     # The target's distribution at index i of target_next scores token i + 2: it is needed where
     # that token is supervised, by pass j at position i - j. Computed once for all passes, only there.
     needed = supervised_next(loss_mask, padding)
@@ -349,12 +356,20 @@ def unrolled_loss(
         logits = head.draft_logits(pred_t)
         ce, lse = soft_target_cross_entropy(logits, coeff.index_select(0, rows))
         kept = keep.index_select(0, rows)
-        loss = ce.sum() / kept.sum().clamp(min=1)
         if cfg.regression_weight:
             target_t = next_feature.index_select(0, rows)
             regression = F.smooth_l1_loss(pred_t.float(), target_t.float(), reduction="none").mean(-1)
-            loss = loss + cfg.regression_weight * regression.mean()
-        total = total + cfg.decay**step * loss
+        if cfg.pool_depths:
+            pooled["token"] = pooled["token"] + cfg.decay**step * ce.sum()
+            pooled["token_rows"] = pooled["token_rows"] + kept.sum()
+            if cfg.regression_weight:
+                pooled["regression"] = pooled["regression"] + cfg.decay**step * regression.sum()
+                pooled["regression_rows"] = pooled["regression_rows"] + regression.shape[0]
+        else:
+            loss = ce.sum() / kept.sum().clamp(min=1)
+            if cfg.regression_weight:
+                loss = loss + cfg.regression_weight * regression.mean()
+            total = total + cfg.decay**step * loss
         with torch.no_grad():
             best_t = best.index_select(0, rows)
             top3 = head.draft_vocab[logits.topk(min(3, logits.shape[-1]), dim=-1).indices]
@@ -369,6 +384,10 @@ def unrolled_loss(
                 sums["ce_loss"] = (lse - torch.bmm(probs_t.unsqueeze(1), logits.float().unsqueeze(2)).view(-1)).sum()
                 if cfg.regression_weight:
                     sums["regression_loss"] = regression.detach().sum()
+    if cfg.pool_depths:
+        total = total + pooled["token"] / pooled["token_rows"].clamp(min=1)
+        if cfg.regression_weight:
+            total = total + cfg.regression_weight * pooled["regression"] / pooled["regression_rows"].clamp(min=1)
     sums["loss"] = total.detach() * sums["tokens"]
     metrics = dict(zip(sums, torch.stack([v.float() for v in sums.values()]).tolist()))
     return total, metrics
