@@ -10,7 +10,7 @@ recipe's data (ShareGPT's own replies: regeneration off, so nothing to generate 
 recipe's precision; further ``--key value`` pairs override the recipe (e.g.
 ``--drafter.out_of_vocab_targets renormalise``). Writes ``DIR/unroll_cost.json``: ``step_s_k1``, ``step_s_k3``,
 ``step_s_k7``, ``tokens_per_s_k1`` (real tokens a second at k = 1), ``ratio_k7_k1`` and what it ran on. A P-EAGLE
-recipe (``--recipe recipes/smollm2-peagle.yaml``) times its parallel passes, chain-sampled as the
+recipe (``--recipe recipes/smollm2-*.yaml`` of a parallel kind) times its parallel passes, chain-sampled as the
 recipe says (``--drafter.down_sample_ratio 1``: every position).
 """
 
@@ -26,9 +26,11 @@ import torch
 import yaml
 
 from draftsmith.data_prep.dataset import pad_batch
+from draftsmith.kinds import for_recipe
+from draftsmith.plugins import register_builtin
 from draftsmith.timing import clock
-from draftsmith.train import eagle3, peagle
 from draftsmith.train.cli import parse_training_args
+from draftsmith.train.eagle3 import Eagle3Recipe
 
 PASSES = (1, 3, 7)
 
@@ -59,10 +61,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args, overrides = parser.parse_known_args()
     kind = yaml.safe_load(Path(args.recipe).read_text())["drafter"]["kind"]
-    module = {"eagle3": (eagle3.Eagle3Recipe, eagle3.build), "peagle": (peagle.PEagleRecipe, peagle.build)}
-    if kind not in module:
-        parser.error(f"{args.recipe}: drafter.kind {kind!r}: this bench times eagle3 and peagle recipes")
-    recipe_class, build = module[kind]
+    register_builtin()
+    training = for_recipe(kind).training
+    if not issubclass(training.recipe, Eagle3Recipe):
+        parser.error(f"{args.recipe}: drafter.kind {kind!r}: this bench times EAGLE-3 recipes and their kin")
+    recipe_class, build = training.recipe, training.build
     recipe, _ = parse_training_args(
         recipe_class,
         [

@@ -185,6 +185,20 @@ def merge(base: dict, update: dict) -> dict:
     return out
 
 
+def read_recipe_file(path: str | Path) -> dict:
+    """The YAML recipe at ``path`` as a mapping of sections, or a one-line :class:`RecipeError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} does not exist")
+    try:
+        data = read_yaml(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: the top level must be a mapping of sections")
+    return data
+
+
 def load_recipe(
     cls: type[T],
     path: str | Path | None,
@@ -195,18 +209,8 @@ def load_recipe(
 
     ``aliases`` maps short override names to key paths (``output_dir`` -> ``training.output_dir``).
     """
-    data: dict = {}
+    data = read_recipe_file(path) if path else {}
     source = str(path) if path else "<defaults>"
-    if path:
-        path = Path(path)
-        if not path.is_file():
-            raise RecipeError(f"recipe {path} does not exist")
-        try:
-            data = read_yaml(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise RecipeError(f"{path}: not valid YAML: {err}") from None
-        if not isinstance(data, dict):
-            raise RecipeError(f"{path}: the top level must be a mapping of sections")
     if overrides:
         extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         for short, full in (aliases or {}).items():

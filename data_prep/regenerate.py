@@ -38,7 +38,7 @@ from draftsmith.assets import cache_root
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.dataset import _source_identity, _tokenizer_identity
 from draftsmith.data_prep.sharegpt import load_conversations
-from draftsmith.errors import ArgumentParser, UsageError, report_user_errors
+from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
 from draftsmith.precision import DTYPE_CHOICES, dtype_name, resolve_dtype
 from draftsmith.recipe import DataConfig, RegenerateConfig
 from draftsmith.target import eos_token_ids, load_target, load_tokenizer, resolve_target, target_record
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="vllm (the serving engine), hf (transformers generate); auto: vllm where importable",
     )
     parser.add_argument("--data", default="sharegpt", help="'sharegpt' (bundled), a .json/.jsonl file or a hub id")
-    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--limit", type=at_least(1), default=None, help="regenerate the first N conversations")
     parser.add_argument("--max-new-tokens", type=int, default=RegenerateConfig.max_new_tokens)
     parser.add_argument("--max-turns", type=int, default=RegenerateConfig.max_turns)
     parser.add_argument("--temperature", type=float, default=RegenerateConfig.temperature)

@@ -26,12 +26,15 @@ from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.eval.engine.target_runner import CausalLMRunner, compile_decoder
 from draftsmith.eval.measure import HF_BASELINES, run_bench
 from draftsmith.eval.report import captions, depth_table, markdown_table, summarise, write_results
+from draftsmith.plugins import register_builtin
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
 from draftsmith.target import load_target
 from draftsmith.timing import stage
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, its ``--help`` listing every registered drafter kind."""
+    register_builtin()
     parser = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=kinds_help())
     parser.add_argument(
         "--target", default="default", help="'default' (bundled SmolLM2-135M-Instruct), hub id, folder or .gguf"

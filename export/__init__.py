@@ -1,9 +1,10 @@
 """Export trained drafters to the formats serving engines load: ``speculators`` (vLLM), SGLang's
 EAGLE folders, vLLM's and the official Medusa layouts, and plain Hugging Face draft LMs.
 
-One module per format; each has ``NAME``, ``KINDS`` (the drafter kinds it can hold),
-``why_not(kind)`` and ``export(source, target, out, ...)`` (writes the folder, returns the command
-lines that serve it). Reading the formats the engine loads back is :mod:`draftsmith.heads.exported`.
+One module per format; each has ``NAME`` and ``why_not(kind)``, and its converters
+``(source, target, out, tree)`` (write the folder, return the command lines that serve it). Which
+kinds a format holds, and with which converter, is the kinds' declarations' (``DrafterKind.formats``).
+Reading the formats the engine loads back is :mod:`draftsmith.heads.exported`.
 """
 
 from __future__ import annotations
@@ -13,35 +14,34 @@ from pathlib import Path
 
 from draftsmith.atomic import staged
 from draftsmith.errors import UsageError
-from draftsmith.eval.engine.drafters import KINDS, PLAN_FALLBACK, build_drafter
+from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.export import hf, medusa, sglang, speculators, vllm_medusa
 from draftsmith.export.card import write_card
 from draftsmith.export.common import find_target, read_source, record_export, refuse
+from draftsmith.kinds import DrafterKind, get
 from draftsmith.target import load_target
 
 FORMATS = {module.NAME: module for module in (speculators, sglang, vllm_medusa, medusa, hf)}
-COPIED = ("tree.yaml", "adapter")  # Medusa: the calibrated tree and a Medusa-2 LoRA adapter travel along
 
 
-def _tree(source, target, draft_tokens: int | None) -> dict:
-    """The draft tree the export serves with: for EAGLE heads the tree planned for the head on this
-    machine (:mod:`draftsmith.eval.engine.tree_plan`, with ``planned``: what it was planned for), else the
-    engine's defaults for the kind; Medusa's depth is its number of heads, P-EAGLE's the depths it
-    was trained for, DFlash's its block size - 1. ``draft_tokens`` overrides the depth."""
-    tree = {key: option.default for key, option in KINDS[source.kind].options.items()}
-    if source.kind in PLAN_FALLBACK:
+def _tree(source, kind: DrafterKind, target, draft_tokens: int | None) -> dict:
+    """The draft tree the export serves with: for kinds whose trees are planned (EAGLE heads) the
+    tree planned for the head on this machine (:mod:`draftsmith.eval.engine.tree_plan`, with
+    ``planned``: what it was planned for), else the engine's defaults for the kind, else the most
+    its checkpoint drafts (``DrafterKind.max_depth``). ``draft_tokens`` overrides the depth; more
+    than the checkpoint drafts is refused."""
+    tree = {key: option.default for key, option in kind.options.items()}
+    most = kind.max_depth(source.config) if kind.max_depth else None
+    if draft_tokens and most and draft_tokens > most:
+        raise UsageError(
+            f"--draft-tokens {draft_tokens}: this {kind.name} drafter drafts at most {most} tokens per step"
+        )
+    if kind.plan_fallback is not None:
         model, _ = load_target(str(target.folder), "auto")
         given = f"?depth={draft_tokens}" if draft_tokens else ""
         drafter = build_drafter(f"{source.kind}:{source.path}{given}", model)
         tree = {"depth": drafter.depth, "top_k": drafter.top_k, "budget": drafter.budget, "planned": drafter.tree_label}
-    trained = {
-        "medusa": source.config.get("num_heads"),
-        "peagle": source.config.get("num_depths"),
-        "dflash": source.config.get("block_size", 1) - 1,
-    }.get(source.kind)
-    tree["depth"] = draft_tokens or tree.get("depth") or trained
-    if source.kind == "medusa":  # a Medusa head per drafted token
-        tree["depth"] = min(tree["depth"], source.config["num_heads"])
+    tree["depth"] = draft_tokens or tree.get("depth") or most
     return tree
 
 
@@ -65,21 +65,24 @@ def export_checkpoint(
     """
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt}: choose from {', '.join(FORMATS)}")
-    module = FORMATS[fmt]
     source = read_source(checkpoint)
-    if source.kind not in module.KINDS:
-        raise refuse(fmt, source.kind, module.why_not(source.kind))
+    kind = get(source.kind, f"{checkpoint}: draftsmith_kind")
+    if fmt not in kind.formats:
+        elsewhere = " or ".join(f"--format {name}" for name in kind.formats) or "no format (nothing to export)"
+        raise refuse(
+            fmt, source.kind, f"{FORMATS[fmt].why_not(source.kind)}; export {source.kind} drafters with {elsewhere}"
+        )
     out = Path(out).expanduser().resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out}: exists and is not an empty folder; choose a new folder")
     found = find_target(source, target, target_hub_id)
-    tree = _tree(source, found, draft_tokens)
+    tree = _tree(source, kind, found, draft_tokens)
     # Written beside ``out`` and renamed into place: a refused or interrupted export leaves nothing
     # (the rerun removes what a killed one left).
     with staged(out, folder=True) as tmp:
-        serve = module.export(source, found, tmp, tree)
+        serve = kind.formats[fmt](source, found, tmp, tree)
         record_export(tmp, source, fmt, found, tree)
-        for name in COPIED if source.kind == "medusa" else ():
+        for name in kind.copied:
             item = source.path / name
             if item.exists():
                 (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / name)

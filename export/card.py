@@ -9,15 +9,7 @@ import yaml
 
 from draftsmith.eval.engine.drafters import parse_spec
 from draftsmith.export.common import Source, Target
-
-TITLES = {
-    "eagle": "EAGLE-1 head",
-    "eagle3": "EAGLE-3 head",
-    "peagle": "P-EAGLE head (parallel drafting)",
-    "dflash": "DFlash drafter",
-    "medusa": "Medusa heads",
-    "draft_lm": "draft LM",
-}
+from draftsmith.kinds import get
 
 
 def measured_tau(source: Source, results: Path | None) -> list[str]:
@@ -63,7 +55,7 @@ def write_card(
     trained = json.loads(state_file.read_text()) if state_file.is_file() else {}
     tau = measured_tau(source, results)
     lines = [
-        f"# {TITLES[source.kind]} for {target.name}",
+        f"# {get(source.kind).title} for {target.name}",
         "",
         f"A speculative-decoding drafter trained with draftsmith, exported with "
         f"`draftsmith-export {source.path} --format {fmt}`.",

@@ -14,18 +14,15 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from draftsmith.export.common import DRAFT_LM, Source, Target
+from draftsmith.export.common import Source, Target
 
 NAME = "hf"
-KINDS = (DRAFT_LM,)
 SKIP = {"state", "recipe.yaml", "README.md"}  # resumable training state; the recipe goes into the card
 
 
 def why_not(kind: str) -> str:
-    return (
-        "it is not a standalone language model (heads run on the target's features); export EAGLE-3 with "
-        "--format speculators, EAGLE-1 with --format sglang, Medusa with --format vllm-medusa or medusa"
-    )
+    """Why this format cannot hold ``kind`` drafters."""
+    return "it is not a standalone language model (heads run on the target's features)"
 
 
 def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:

@@ -20,17 +20,14 @@ from draftsmith.export.common import MEDUSA_BLOCK, Source, Target, export_block,
 from draftsmith.heads.exported import MEDUSA_HEADS_FILE, rename_blocks
 
 NAME = "medusa"
-KINDS = ("medusa",)
 MAX_HEADS = 5  # MedusaConfig's default head count, what the official code and its released heads use
 MIN_HEADS = 4  # the depth of its default tree, mc_sim_7b_63 (medusa_choices.py)
 BASE_MODEL_TYPES = ("llama", "mistral")  # what MedusaModel.from_pretrained dispatches on
 
 
 def why_not(kind: str) -> str:
-    return (
-        "the official Medusa layout holds Medusa heads only; export EAGLE-3 with --format speculators, "
-        "EAGLE-1 with --format sglang, draft LMs with --format hf"
-    )
+    """Why this format cannot hold ``kind`` drafters."""
+    return "the official Medusa layout holds Medusa heads only"
 
 
 def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:

@@ -20,9 +20,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from draftsmith.data_prep.chat import render_prompt
+from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
 from draftsmith.errors import ArgumentParser, CheckpointError, UsageError, at_least, report_user_errors
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import DrafterSpec, build_drafter
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.export.common import EXPORT_SIDECAR
 from draftsmith.export.gate_stats import ALPHA, FAILED, INCONCLUSIVE, PASSED, PositionCounts, judge, overall
+from draftsmith.heads.exported import EXPORT_KEY
+from draftsmith.kinds import Served, get
+from draftsmith.plugins import register_builtin
+from draftsmith.target import eos_token_ids, load_tokenizer
 from draftsmith.vllm_engine import EngineError, engine_args, run_job, vllm_version
 
 DEFAULT_LIMIT = 8  # MT-bench: the first question of each category
@@ -31,15 +42,13 @@ REPORT = "serve_check.json"
 TABLE = "serve_check.md"
 ENGINES = ("vllm",)
 EXIT_CODES = {PASSED: 0, FAILED: 1, INCONCLUSIVE: 3}  # 2: bad input (draftsmith.errors)
-
-
-@dataclass
-class Served:
-    """What vLLM must be told to serve an export: its speculative method and drafted tokens per step."""
-
-    method: str
-    num_speculative_tokens: int
-    parallel_drafting: bool = False  # P-EAGLE: the whole chain in one draft pass
+# Export formats vLLM loads no drafter from, and what to check instead.
+NOT_SERVED = {
+    "sglang": "this is the SGLang layout; vLLM serves EAGLE-3 heads from "
+    "`draftsmith-export CKPT --format speculators`: check that export",
+    "medusa": "vLLM has no loader for the 'medusa' layout (the official Medusa format); "
+    "export --format vllm-medusa and check that",
+}
 
 
 @dataclass
@@ -72,9 +81,6 @@ class CheckResult:
 
 def export_metadata(folder: Path) -> dict:
     """draftsmith's record of an export (format, kind, source checkpoint, target folder, depth)."""
-    from draftsmith.export.common import EXPORT_SIDECAR
-    from draftsmith.heads.exported import EXPORT_KEY
-
     config_file, sidecar = folder / "config.json", folder / EXPORT_SIDECAR
     if sidecar.is_file():
         return json.loads(sidecar.read_text())
@@ -89,42 +95,21 @@ def export_metadata(folder: Path) -> dict:
 
 
 def served_as(meta: dict, folder: Path, draft_tokens: int | None) -> Served:
-    """How vLLM serves this export, or a one-line refusal saying why it cannot and what to use."""
-    fmt, kind = meta.get("format"), meta.get("kind")
+    """How vLLM serves this export (its kind's declaration says), or a one-line refusal saying why
+    it cannot and what to use. The depth is ``draft_tokens``, else the export's own, at most what
+    the checkpoint drafts (``DrafterKind.max_depth``)."""
+    fmt = meta.get("format")
+    kind = get(meta.get("kind"), f"{folder}: kind")
     depth = draft_tokens or meta.get("num_speculative_tokens") or 3
-    if fmt == "speculators" and kind == "dflash":
-        return Served("dflash", depth)  # vLLM drafts DFlash blocks in parallel by itself
-    if fmt == "speculators":
-        return Served("eagle3", depth, parallel_drafting=kind == "peagle")
-    if fmt == "vllm-medusa":
-        if (folder / "adapter").is_dir():
-            raise UsageError(
-                f"{folder}: Medusa-2 heads verify with their LoRA-tuned target, which vLLM does not "
-                "load beside them; merge the adapter into the target (peft merge_and_unload) and serve "
-                "that, or check Medusa-1 heads"
-            )
-        heads = meta["config"]["num_heads"]
-        depth = min(depth, heads) if draft_tokens is None else depth
-        if depth > heads:
-            raise UsageError(f"--draft-tokens {depth}: these Medusa heads draft at most {heads} tokens")
-        return Served("medusa", depth)
-    if fmt == "hf":
-        return Served("draft_model", depth)
-    if fmt == "sglang" and kind == "eagle":
-        raise UsageError(
-            f"{folder}: vLLM cannot serve draftsmith's EAGLE-1 heads: vLLM's EAGLE-1 model "
-            "(model_executor/models/llama_eagle.py) builds fc without a bias, and these heads train one; "
-            "serve this export in SGLang, or train an EAGLE-3 head and export --format speculators"
-        )
-    if fmt == "sglang":
-        raise UsageError(
-            f"{folder}: this is the SGLang layout; vLLM serves EAGLE-3 heads from "
-            "`draftsmith-export CKPT --format speculators`: check that export"
-        )
-    raise UsageError(
-        f"{folder}: vLLM has no loader for the {fmt!r} layout (the official Medusa format); "
-        "export --format vllm-medusa and check that"
-    )
+    if kind.max_depth is not None:
+        most = kind.max_depth(meta["config"])
+        if draft_tokens is not None and depth > most:
+            raise UsageError(f"--draft-tokens {depth}: this {kind.name} drafter drafts at most {most} tokens per step")
+        depth = min(depth, most)
+    served = kind.serve(fmt, folder, depth) if kind.serve else None
+    if served is None:
+        raise UsageError(f"{folder}: {NOT_SERVED.get(fmt, f'vLLM serves no {fmt!r} export of {kind.name} drafters')}")
+    return served
 
 
 def speculative_config(served: Served, folder: str | Path) -> dict:
@@ -137,18 +122,9 @@ def speculative_config(served: Served, folder: str | Path) -> dict:
     }
 
 
-def _our_spec(kind: str, source: str, depth: int):
+def _our_spec(kind: str, source: str, depth: int) -> DrafterSpec:
     """The drafter spec that makes draftsmith draft the chain vLLM drafts: ``depth`` tokens, top-1 each."""
-    from draftsmith.eval.engine.drafters import DrafterSpec
-
-    if kind == "medusa":
-        chain = [[0] * (d + 1) for d in range(depth)]
-        return DrafterSpec("medusa", source, {"choices": json.dumps(chain)}, "ours")
-    if kind == "draft_lm":
-        return DrafterSpec("draft_lm", source, {"depth": depth, "top_k": 1}, "ours")
-    if kind in ("peagle", "dflash"):  # chains already
-        return DrafterSpec(kind, source, {"depth": depth}, "ours")
-    return DrafterSpec(kind, source, {"depth": depth, "top_k": 1, "budget": depth}, "ours")
+    return DrafterSpec(kind, source, get(kind).chain(depth), "ours")
 
 
 def position_counts(
@@ -172,13 +148,6 @@ def position_counts(
 
 def _ours(target_folder: str, spec, prompts: list[list[int]], max_new_tokens: int, depth: int) -> dict:
     """draftsmith's engine, plain and with the drafter, fp32 on the first accelerator (or CPU)."""
-    from transformers import AutoModelForCausalLM
-
-    from draftsmith.eval.engine.decode import SpeculativeDecoder
-    from draftsmith.eval.engine.drafters import build_drafter
-    from draftsmith.eval.engine.sampling import SamplingConfig
-    from draftsmith.target import eos_token_ids, load_tokenizer
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32).to(device).eval()
     tokenizer = load_tokenizer(target_folder)
@@ -209,10 +178,6 @@ def prompt_ids(
 ) -> list[list[int]]:
     """The first turns of ``prompts`` (a JSONL file; default MT-bench, one per category), rendered
     with the target's chat template: the first ``per_category`` of each category, then ``limit``."""
-    from draftsmith.data_prep.chat import render_prompt
-    from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
-    from draftsmith.target import load_tokenizer
-
     tokenizer = load_tokenizer(target_folder)
     if prompts:
         chosen = load_prompts(prompts, limit or (None if per_category else DEFAULT_LIMIT), per_category)
@@ -395,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         "--draft-tokens", type=at_least(1), default=None, help="tokens drafted per step (default: the export's own)"
     )
     args = parser.parse_args(argv)
+    register_builtin()
     report(
         serve_check(
             args.export, args.engine, args.prompts, args.limit, args.max_new_tokens, args.source, args.draft_tokens

@@ -38,16 +38,13 @@ from draftsmith.export.common import (
 from draftsmith.heads.exported import SGLANG_ARCHITECTURES, SGLANG_HOT_TOKEN_MAP
 
 NAME = "sglang"
-KINDS = ("eagle", "eagle3")
 VERSION = "0.5.23"
 ALGORITHMS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
 
 
 def why_not(kind: str) -> str:
-    return (
-        "SGLang's EAGLE folders hold EAGLE and EAGLE-3 heads only; export Medusa heads with "
-        "--format vllm-medusa or --format medusa, draft LMs with --format hf"
-    )
+    """Why this format cannot hold ``kind`` drafters."""
+    return "SGLang's EAGLE folders hold EAGLE and EAGLE-3 heads only"
 
 
 def _check_layer(source: Source, layer: dict) -> None:

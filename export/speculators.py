@@ -1,4 +1,4 @@
-"""EAGLE-3 and P-EAGLE heads in the format of vLLM's ``speculators`` library (0.9.0), which vLLM loads directly.
+"""EAGLE-3-family heads in the format of vLLM's ``speculators`` library (0.9.0), which vLLM loads directly.
 
 Every field and weight name below is read by ``speculators`` 0.9.0 (``config.py``,
 ``models/eagle3/{config,core}.py``, ``model.py``) or by vLLM 0.33.0's bridge
@@ -17,16 +17,12 @@ Every field and weight name below is read by ``speculators`` 0.9.0 (``config.py`
   target id = draft id + d2t[draft id]) and ``t2d`` (bool over the target vocabulary) are written
   only for a reduced draft vocabulary: with a full one neither library registers them.
 
-P-EAGLE heads (``PEagleSpeculatorConfig``, ``models/peagle/{config,core}.py``; vLLM's
-``update_peagle``) are EAGLE-3's layout plus ``speculators_model_type: peagle``, a required
-``mask_token_id`` and a ``mask_hidden`` weight (``[1, 1, len(aux) * hidden]``, in ``fc``'s input
-space, so its blocks follow the aux layers' order as ``fc``'s columns do); ``embed_tokens.weight``
-is the head's own trained table, mask token's row included (vLLM keeps a draft embedding that
-differs from the target's). vLLM serves them as ``eagle3`` with
-``parallel_drafting: true``.
+Heads drafting the chain in one pass with a learned mask token (``parallel=True``) add a
+``mask_token_id``; vLLM serves them as ``eagle3`` with ``parallel_drafting: true``. A kind's
+declaration (:mod:`draftsmith.plugins`) picks the converter and the architecture name.
 
-speculators 0.9.0 has no EAGLE-1 or Medusa model (its EAGLE family is ``eagle3`` and ``peagle``), so
-EAGLE-1 heads serve through ``--format sglang``.
+speculators 0.9.0 has no EAGLE-1 or Medusa model (its EAGLE family starts at EAGLE-3), so EAGLE-1
+heads serve through ``--format sglang``.
 """
 
 from __future__ import annotations
@@ -42,35 +38,25 @@ from draftsmith.export.common import (
     write_config,
     write_weights,
 )
-from draftsmith.heads.dflash import draft_config
 from draftsmith.heads.exported import SPECULATORS_EMBED
+from draftsmith.kinds import registered
 
 NAME = "speculators"
-KINDS = ("eagle3", "peagle", "dflash")
 VERSION = "0.9.0"
 LAYER_TYPES = ("llama", "qwen3")  # speculators 0.9.0 models/eagle3/model_definitions.model_classes
 VOCAB_MAPS = ("d2t", "t2d")
 
 
 def why_not(kind: str) -> str:
+    """Why this format cannot hold ``kind`` drafters."""
     if kind == "eagle":
-        return (
-            f"speculators {VERSION} has no EAGLE-1 model (its EAGLE family is eagle3 and peagle); export "
-            "EAGLE-1 heads with --format sglang"
-        )
-    return (
-        f"speculators {VERSION} has models for eagle3, mtp, dflash, dspark, peagle and xpress only; "
-        "export Medusa heads with --format vllm-medusa or --format medusa, draft LMs with --format hf"
-    )
+        return f"speculators {VERSION} has no EAGLE-1 model (its EAGLE family starts at EAGLE-3)"
+    held = [name for name, declared in registered().items() if NAME in declared.formats]
+    return f"speculators {VERSION} has models for {', '.join(held)} only (of draftsmith's drafter kinds)"
 
 
-def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
-    """Write the speculators folder; returns the vLLM command that serves it."""
-    _check_aux_layers(source)
-    return (_export_dflash if source.kind == "dflash" else _export_eagle3)(source, target, out, tree)
-
-
-def _check_aux_layers(source: Source) -> None:
+def check_aux_layers(source: Source) -> None:
+    """Refuse a head reading the target's last layer output, which vLLM captures at another point."""
     num_layers = source.record.get("num_hidden_layers")
     if num_layers in source.config["aux_layers"]:
         # HF's hidden_states[N] is the last layer's output after the final norm; vLLM's capture at
@@ -84,7 +70,8 @@ def _check_aux_layers(source: Source) -> None:
         )
 
 
-def _speculators_config(source: Source, target: Target, tokens: int) -> dict:
+def speculators_config(source: Source, target: Target, tokens: int) -> dict:
+    """The ``speculators_config`` block: the proposal method (greedy, ``tokens`` per step) and the verifier."""
     return {
         "algorithm": source.kind,
         "proposal_methods": [
@@ -95,7 +82,19 @@ def _speculators_config(source: Source, target: Target, tokens: int) -> dict:
     }
 
 
-def _export_eagle3(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
+def export_eagle3(
+    source: Source,
+    target: Target,
+    out: Path,
+    tree: dict,
+    architecture: str = "Eagle3Speculator",
+    parallel: bool = False,
+) -> list[str]:
+    """Write the speculators folder of an EAGLE-3-family head; returns the vLLM command that serves it.
+
+    ``parallel``: the head drafts its chain in one pass over a learned mask token
+    (``mask_token_id`` in the config, ``parallel_drafting`` in the serve command)."""
+    check_aux_layers(source)
     config, tensors = ascending_aux_layers(source)
     layer = target.engine_layer_config(config["target_config"])
     if layer.get("model_type") not in LAYER_TYPES:
@@ -117,14 +116,13 @@ def _export_eagle3(source: Source, target: Target, out: Path, tree: dict) -> lis
     own = tensors.get(SPECULATORS_EMBED)
     tensors[SPECULATORS_EMBED] = (own if own is not None else target.model.get_input_embeddings().weight).detach()
     tensors[SPECULATORS_EMBED] = tensors[SPECULATORS_EMBED].to(target.dtype)
-    parallel = source.kind == "peagle"
     if parallel and "mask_embedding" in tensors:  # a checkpoint from before the table trained: its mask row
         tensors[SPECULATORS_EMBED] = tensors[SPECULATORS_EMBED].clone()
         tensors[SPECULATORS_EMBED][config["mask_token_id"]] = tensors.pop("mask_embedding").to(target.dtype)
     write_config(
         out,
         {
-            "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
+            "architectures": [architecture],
             "speculators_model_type": source.kind,
             **({"mask_token_id": config["mask_token_id"]} if parallel else {}),
             "speculators_version": VERSION,
@@ -137,54 +135,11 @@ def _export_eagle3(source: Source, target: Target, out: Path, tree: dict) -> lis
             "fc_norm": False,
             "norm_output": False,
             "embed_requires_grad": False,
-            "speculators_config": _speculators_config(source, target, tree["depth"]),
+            "speculators_config": speculators_config(source, target, tree["depth"]),
             **export_block(source, NAME, config),
         },
     )
     write_weights(out, tensors, NAME)
     extra = ', "parallel_drafting": true' if parallel else ""
     spec = f'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {tree["depth"]}{extra}}}'
-    return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
-
-
-def _export_dflash(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
-    """speculators' ``dflash``: Qwen3 layers (whatever the target), every layer full attention and
-    ``sliding_window_non_causal: true`` so vLLM serves the block bidirectionally as it was trained
-    (vLLM applies that flag to every layer and serves causally without it); no embedding (the
-    target's, mask row included); the reduced-vocabulary LM head with ``d2t``/``t2d``."""
-    from transformers import AutoConfig
-
-    config, tensors = ascending_aux_layers(source)
-    vocab = config["target_config"]["vocab_size"]
-    if config["draft_vocab_size"] == vocab:
-        raise refuse(
-            NAME,
-            source.kind,
-            "its draft vocabulary is the full one: speculators' DFlash model then takes "
-            "the verifier's LM head in place of the drafter's trained one; train with "
-            "drafter.draft_vocab_size below the vocabulary size",
-        )
-    layer = draft_config(AutoConfig.for_model(**config["target_config"]), config["num_layers"]).to_dict()
-    layer = {key: value for key, value in layer.items() if key not in ("torch_dtype", "_attn_implementation_autoset")}
-    layer.update(dtype=target.dtype_name, layer_types=["full_attention"] * config["num_layers"])
-    write_config(
-        out,
-        {
-            "architectures": ["DFlashSpeculator"],
-            "speculators_model_type": "dflash",
-            "speculators_version": VERSION,
-            "transformer_layer_config": layer,
-            "draft_vocab_size": config["draft_vocab_size"],
-            "block_size": config["block_size"],
-            "target_hidden_size": None,
-            "aux_hidden_state_layer_ids": list(config["aux_layers"]),
-            "mask_token_id": config["mask_token_id"],
-            "sliding_window_non_causal": True,
-            "sample_from_anchor": False,
-            "speculators_config": _speculators_config(source, target, tree["depth"]),
-            **export_block(source, NAME, config),
-        },
-    )
-    write_weights(out, tensors, NAME)
-    spec = f'{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
     return [f"vllm serve {target.folder} --speculative-config '{spec}'"]

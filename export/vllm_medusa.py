@@ -28,15 +28,12 @@ from draftsmith.export.common import (
 from draftsmith.heads.exported import rename_blocks
 
 NAME = "vllm-medusa"
-KINDS = ("medusa",)
 VERSION = "0.32.0"
 
 
 def why_not(kind: str) -> str:
-    return (
-        "vLLM's Medusa loader holds Medusa heads only; export EAGLE-3 with --format speculators, "
-        "EAGLE-1 with --format sglang, draft LMs with --format hf"
-    )
+    """Why this format cannot hold ``kind`` drafters."""
+    return "vLLM's Medusa loader holds Medusa heads only"
 
 
 def unservable(lm_head: str, reduced_vocab: bool) -> str | None:

@@ -3,7 +3,7 @@
 A head uses the target's embedding (and, unless it has an LM head of its own, the target's LM head)
 by reference: the target is never registered as a submodule and never saved. Its draft vocabulary
 is either a saved buffer of token ids (``draft_vocab``: EAGLE-1, Medusa) or speculators' maps
-(``d2t`` and ``t2d`` saved, ``draft_vocab`` derived: EAGLE-3, P-EAGLE, DFlash), so that exports
+(``d2t`` and ``t2d`` saved, ``draft_vocab`` derived: the fused-feature heads), so that exports
 are copies. A checkpoint is a folder of ``config.json`` (``draftsmith_kind``, ``architectures``,
 then the head's own fields) and ``model.safetensors`` (the head's weights only).
 """

@@ -43,8 +43,9 @@ def rename_blocks(tensors: dict[str, torch.Tensor], pattern: re.Pattern, templat
 
 def _speculators_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
     tensors = load_file(str(folder / "model.safetensors"))
-    # EAGLE-3's table is the target's, used by reference (a DFlash export has none); P-EAGLE's is its own, trained.
-    if config.get("speculators_model_type") != "peagle":
+    # EAGLE-3's table is the target's, used by reference (a block drafter's export has none); a parallel
+    # EAGLE-3's, the one kind with a mask token and a table, is its own, trained.
+    if "mask_token_id" not in config:
         tensors.pop(SPECULATORS_EMBED, None)
     if "d2t" not in tensors:  # full draft vocabulary: the identity maps
         vocab = config["transformer_layer_config"]["vocab_size"]

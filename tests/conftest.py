@@ -6,7 +6,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftsmith.plugins import register_builtin
 from draftsmith.target import load_target
+
+# Tests build drafters and export through the registry as the entry points do.
+register_builtin()
 
 
 @pytest.fixture(scope="session")

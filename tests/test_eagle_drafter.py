@@ -22,6 +22,7 @@ from draftsmith.eval.engine.drafters.eagle import EagleDrafter
 from draftsmith.eval.engine.sampling import SamplingConfig, probabilities, sample
 from draftsmith.eval.engine.tree import ROOT
 from draftsmith.heads.eagle import EagleHead
+from draftsmith.kinds import get
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -222,8 +223,6 @@ def test_default_tree_is_planned_from_the_heads_recorded_accuracy(tiny_target, t
     device's measured costs: a head that is never right drafts one token a step; counts given in
     the spec win over the plan; a head without recorded accuracy drafts the fixed fallback tree
     and says why."""
-    from draftsmith.eval.engine.drafters import PLAN_FALLBACK
-
     head = _tiny_head(tiny_target, "random")
     head.save_pretrained(tmp_path / "unplanned")
     head.depth_accuracy = [0.0, 0.0, 0.0]
@@ -238,7 +237,7 @@ def test_default_tree_is_planned_from_the_heads_recorded_accuracy(tiny_target, t
     fixed = build_drafter(f"eagle:{tmp_path / 'hopeless'}?depth=2&top_k=2&budget=4", tiny_target)
     assert (fixed.depth, fixed.top_k, fixed.budget, fixed.tree_label) == (2, 2, 4, "")
     fallback = build_drafter(f"eagle:{tmp_path / 'unplanned'}", tiny_target)
-    assert (fallback.depth, fallback.top_k, fallback.budget) == tuple(PLAN_FALLBACK["eagle"].values())
+    assert (fallback.depth, fallback.top_k, fallback.budget) == tuple(get("eagle").plan_fallback.values())
     assert "records no held-out accuracy per draft depth" in fallback.tree_label
     out = capsys.readouterr().out
     assert planned.tree_label in out and fallback.tree_label in out

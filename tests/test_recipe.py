@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from draftsmith.config import RecipeError, load_recipe, parse_overrides
+from draftsmith.kinds import for_recipe
 from draftsmith.recipe import OVERRIDE_ALIASES, Recipe
 
 RECIPE = """
@@ -94,24 +95,10 @@ def test_drafter_section_is_typed_per_kind():
     "path", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")), ids=lambda p: p.name
 )
 def test_every_shipped_recipe_loads_into_its_training_script(path):
-    """A recipe we ship must parse and validate (no unknown keys) with the script its kind names."""
-    from draftsmith.train.dflash import DFlashRecipe
-    from draftsmith.train.distill import DistillRecipe
-    from draftsmith.train.eagle import EagleRecipe
-    from draftsmith.train.eagle3 import Eagle3Recipe
-    from draftsmith.train.medusa import MedusaRecipe
-    from draftsmith.train.peagle import PEagleRecipe
-
-    classes = {
-        "eagle": EagleRecipe,
-        "eagle3": Eagle3Recipe,
-        "peagle": PEagleRecipe,
-        "dflash": DFlashRecipe,
-        "medusa": MedusaRecipe,
-        "distill": DistillRecipe,
-    }
+    """A recipe we ship must parse and validate (no unknown keys) with the script its kind names
+    (the kind registry maps a recipe's drafter.kind to its recipe class)."""
     kind = yaml.safe_load(path.read_text())["drafter"]["kind"]
-    recipe = load_recipe(classes[kind], path)
+    recipe = load_recipe(for_recipe(kind).training.recipe, path)
     assert recipe.drafter.kind == kind
     if kind in ("eagle3", "peagle"):  # the EAGLE-3 and P-EAGLE recipes learn the target's own replies
         assert recipe.data.regenerate.enabled and recipe.drafter.ttt_steps == (

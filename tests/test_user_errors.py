@@ -8,6 +8,7 @@ exit code and the --debug traceback as a shell sees them.
 from __future__ import annotations
 
 import http.server
+import importlib
 import json
 import os
 import subprocess
@@ -20,12 +21,15 @@ import torch
 from cli_helpers import assert_user_error
 
 from draftsmith.config import load_recipe
+from draftsmith.data_prep.regenerate import main as regenerate_main
 from draftsmith.errors import UserError, report_user_errors
 from draftsmith.eval.run import main as eval_main
 from draftsmith.hub import check_hub_id
+from draftsmith.kinds import registered
 from draftsmith.precision import choose_cpu_dtype, resolve_dtype
 from draftsmith.recipe import Recipe
 from draftsmith.train.cli import parse_training_args
+from draftsmith.train.dflash import main as dflash_main
 from draftsmith.train.distributed import resolve_precision
 from draftsmith.train.eagle import EagleRecipe
 from draftsmith.train.eagle import main as eagle_main
@@ -118,9 +122,9 @@ def test_drafter_options_out_of_range_are_refused_before_loading(capsys, tmp_pat
 
 
 def test_every_numeric_drafter_option_has_a_range_and_help_shows_it(capsys):
-    from draftsmith.eval.engine.drafters import KINDS, POLICY_OPTIONS
+    from draftsmith.eval.engine.drafters import POLICY_OPTIONS
 
-    tables = [("all", POLICY_OPTIONS), *((kind, info.options) for kind, info in KINDS.items())]
+    tables = [("all", POLICY_OPTIONS), *((name, kind.options) for name, kind in registered().items())]
     numeric = {
         (kind, name): option
         for kind, table in tables
@@ -374,3 +378,69 @@ def test_auto_dtype_follows_the_measurement(capsys):
     resolve_precision(recipe)
     assert recipe.target.dtype == str(chosen).removeprefix("torch.")
     assert recipe.training.mixed_precision == {torch.bfloat16: "bf16", torch.float32: "no"}[chosen]
+
+
+# ---------------------------------------------------------------------------------------------
+# Values a kind cannot honour (its checkpoint's limits), refused before any model loads
+
+
+@pytest.mark.parametrize(
+    "config, spec, most",
+    [
+        ({"draftsmith_kind": "peagle", "num_depths": 7}, "peagle:CKPT?depth=99", 7),
+        ({"draftsmith_kind": "dflash", "block_size": 8}, "dflash:CKPT?depth=8", 7),
+    ],
+)
+def test_a_depth_past_what_the_checkpoint_drafts_is_refused(capsys, tmp_path, config, spec, most):
+    """A 7-depth P-EAGLE head asked for depth 99 ran at depth 7 without a word; now the spec is
+    refused with the range its checkpoint allows, read from its config.json (no model loads)."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    depth = spec.rpartition("=")[2]
+    assert_user_error(
+        capsys,
+        rf"depth={depth} is not allowed: {tmp_path} drafts at most {most} tokens per step, so depth must be an "
+        rf"integer in \[1, {most}\]",
+        eval_main,
+        ["--drafter", spec.replace("CKPT", str(tmp_path))],
+    )
+
+
+def test_regenerate_refuses_a_limit_below_one(capsys, tmp_path):
+    """``--limit -1`` regenerated one conversation (a slice to the last but one) without a word."""
+    assert_user_error(
+        capsys,
+        r"argument --limit: must be >= 1, got -1",
+        regenerate_main,
+        ["--engine", "vllm", "--limit", "-1", "--out", str(tmp_path / "regen.jsonl")],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# draftsmith-train: dispatch on the recipe's drafter.kind
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+train_dispatch = importlib.import_module("draftsmith.train.__main__").main
+
+
+def test_draftsmith_train_help_is_the_kinds_own(capsys):
+    """``draftsmith-train RECIPE --help`` prints what the recipe's own trainer prints: its schema."""
+    with pytest.raises(SystemExit):
+        dflash_main(["--help"])
+    own = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        train_dispatch([str(RECIPES / "smollm2-dflash.yaml"), "--help"])
+    assert capsys.readouterr().out == own and "drafter.block_size" in own
+
+
+def test_draftsmith_train_needs_a_recipe_of_a_trainable_kind(capsys, tmp_path):
+    assert_user_error(capsys, r"give a recipe \(draftsmith-train RECIPE.yaml", train_dispatch, [])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("drafter:\n  kind: prompt_lookup\n")
+    assert_user_error(
+        capsys,
+        rf"{recipe}: drafter.kind 'prompt_lookup': choose from distill, eagle, eagle3, peagle, dflash, medusa",
+        train_dispatch,
+        [str(recipe)],
+    )
+    recipe.write_text("training:\n  batch_size: 1\n")
+    assert_user_error(capsys, rf"{recipe}: drafter.kind is not set", train_dispatch, [str(recipe)])

@@ -14,6 +14,8 @@ from draftsmith.timing import stage
 from draftsmith.train.distributed import main_process_first, resolve_precision
 from draftsmith.train.loop import Trainer
 
+OWN_FLAGS = ("-h", "--help", "--resume")  # the entry points' own flags; every other word is the recipe or an override
+
 
 def parse_training_args(recipe_class, argv: list[str] | None = None, description: str = ""):
     """``(recipe, resume)`` from the command line; overrides are any ``--section.field value``."""
@@ -25,11 +27,18 @@ def parse_training_args(recipe_class, argv: list[str] | None = None, description
     parser.add_argument("recipe", nargs="?", help="YAML recipe (defaults apply where it is silent)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output dir")
     argv = list(sys.argv[1:] if argv is None else argv)
-    own = ("-h", "--help", "--resume")
-    args = parser.parse_args([w for w in argv if w in own])
-    # argparse would take the value of a leading `--section.field VALUE` for the recipe: the recipe is
-    # the first word that is not such a value.
-    words = [w for w in argv if w not in own]
+    args = parser.parse_args([w for w in argv if w in OWN_FLAGS])
+    recipe_path, overrides = split_recipe([w for w in argv if w not in OWN_FLAGS])
+    recipe = load_recipe(recipe_class, recipe_path, overrides, aliases=OVERRIDE_ALIASES)
+    resolve_precision(recipe)
+    return recipe, args.resume
+
+
+def split_recipe(words: list[str]) -> tuple[str | None, list[str]]:
+    """``(recipe path, overrides)`` from the command line's words (its own flags taken out).
+
+    argparse would take the value of a leading ``--section.field VALUE`` for the recipe: the recipe
+    is the first word that is not such a value."""
     recipe_path, overrides, i = None, [], 0
     while i < len(words):
         word = words[i]
@@ -42,9 +51,7 @@ def parse_training_args(recipe_class, argv: list[str] | None = None, description
         else:
             recipe_path = word
         i += 1
-    recipe = load_recipe(recipe_class, recipe_path, overrides, aliases=OVERRIDE_ALIASES)
-    resolve_precision(recipe)
-    return recipe, args.resume
+    return recipe_path, overrides
 
 
 def run_training(recipe_class, build, argv: list[str] | None = None, description: str = ""):

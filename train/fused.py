@@ -1,4 +1,4 @@
-"""What the drafters that read the target's fused layers share in training (EAGLE-3, P-EAGLE, DFlash).
+"""What the drafters that read the target's fused layers share in training (EAGLE-3 and its parallel kin).
 
 Each of them reads the hidden states of several target layers (``drafter.aux_layers``) fused by
 its ``fc``, scores over a draft vocabulary of the training replies' most frequent tokens, and by

@@ -329,7 +329,7 @@ def grow_chain(
     vocab: torch.Tensor | None = None,
     vocab_size: int | None = None,
 ) -> TokenTree:
-    """A chain drafted in one pass (P-EAGLE, DFlash): row d of ``logits`` ``[K, V]`` is depth d + 1's
+    """A chain drafted in one pass (the parallel drafters): row d of ``logits`` ``[K, V]`` is depth d + 1's
     distribution, which does not depend on the tokens chosen above it, so every depth's token is
     chosen at once and read back together (one host sync, where :func:`grow_tree` takes one per
     level). ``vocab``/``vocab_size`` and ``max_entropy`` as in :func:`grow_tree`: the chain ends

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.eval.engine.policies import PolicyConfig
 from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.eval.engine.tree import TokenTree
 
@@ -72,3 +73,19 @@ class Drafter(ABC):
     def accept(self, result: StepResult) -> None:
         """Update internal state (caches, features) after verification. Steps may also come
         without a ``propose`` before them (a policy let the target decode alone)."""
+
+
+@dataclass
+class DrafterSpec:
+    """A parsed ``KIND[:PATH][?options]`` string (:func:`~draftsmith.eval.engine.drafters.parse_spec`)."""
+
+    kind: str
+    path: str | None = None
+    options: dict = field(default_factory=dict)
+    name: str = ""
+    policy: PolicyConfig = PolicyConfig()
+
+
+def load_head(head_class, spec: DrafterSpec, target: torch.nn.Module) -> torch.nn.Module:
+    """The head of ``head_class`` in ``spec.path``, bound to ``target`` and in its dtype."""
+    return head_class.from_pretrained(spec.path, target).to(next(target.parameters()).dtype)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult, load_head
 from draftsmith.eval.engine.tree import TokenTree, grow_chain
+from draftsmith.heads.dflash import DFlashHead
 
 
 class DFlashDrafter(Drafter):
@@ -63,3 +64,8 @@ class DFlashDrafter(Drafter):
         return grow_chain(
             logits, context.sampling, context.generator, context.max_entropy, vocab, self.head.config.vocab_size
         )
+
+
+def build(spec: DrafterSpec, target) -> DFlashDrafter:
+    """The drafter of ``dflash:PATH?depth=K``."""
+    return DFlashDrafter(load_head(DFlashHead, spec, target), **spec.options)

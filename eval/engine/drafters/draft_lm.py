@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
+from draftsmith.errors import UsageError
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder, grow_tree
+from draftsmith.heads.draft_lm import derive_draft_lm, draft_vocab_from_counts, load_draft_lm
 from draftsmith.heads.vocab import scatter_to_vocab
 
 
@@ -99,3 +101,34 @@ class DraftLMDrafter(Drafter):
         )
         self.runner.commit([])  # drafted rows never stay: accepted ones are re-fed with the bonus token
         return tree
+
+
+def build(spec: DrafterSpec, target: PreTrainedModel) -> DraftLMDrafter:
+    """The drafter of ``draft_lm[:PATH]?...``: the model in ``PATH``, or layers cut from ``target``."""
+    options = dict(spec.options)
+    layers = options.pop("layers", 4)
+    vocab = options.pop("vocab", None)
+    if vocab is not None and not spec.path:
+        raise UsageError("draft_lm option vocab=N needs a trained draft LM (draft_lm:PATH) with token counts")
+    if spec.path:
+        param = next(target.parameters())
+        model = load_draft_lm(spec.path, param.dtype, param.device)
+        if vocab is not None:
+            options["draft_vocab"] = draft_vocab_from_counts(spec.path, int(vocab), model)
+    else:
+        model = cut_from_target(target, layers, "draft_lm option layers")
+    return DraftLMDrafter(model, **options)
+
+
+def cut_from_target(target: PreTrainedModel, layers, field: str) -> PreTrainedModel:
+    """A draft LM of the target's own layers: ``layers`` is a count (evenly spaced, first and last
+    kept) or comma-separated indices (``0,1,8,29``), as a spec's option gives it (``field`` names it)."""
+    if isinstance(layers, int):
+        return derive_draft_lm(target, num_layers=layers)
+    try:
+        indices = [int(i) for i in str(layers).split(",")]
+    except ValueError:
+        raise UsageError(
+            f"{field}={layers!r}: give a count or comma-separated layer indices, e.g. 4 or 0,1,2,29"
+        ) from None
+    return derive_draft_lm(target, layers=indices)

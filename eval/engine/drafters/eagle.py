@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.errors import UsageError
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult, load_head
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder, grow_tree
+from draftsmith.eval.engine.tree_plan import plan_head_tree
+from draftsmith.kinds import COUNT, Option
+
+AUTO = "auto"
 
 
 class EagleDrafter(Drafter):
@@ -80,3 +85,53 @@ class EagleDrafter(Drafter):
         )
         self.runner.commit([])
         return tree
+
+
+def tree_options(fallback: dict[str, int]) -> dict[str, Option]:
+    """An EAGLE head's tree options: each a count, or ``auto`` (planned, :mod:`draftsmith.eval.engine.tree_plan`);
+    ``fallback``: the tree of a head that records no held-out accuracy."""
+    unplanned = f"depth {fallback['depth']}, top_k {fallback['top_k']}, budget {fallback['budget']}"
+    return {
+        "depth": Option(
+            AUTO,
+            "tree depth (draft steps per verification): a count, or auto: planned from the head's "
+            "held-out accuracy per depth and this device's measured pass costs (a head recording none: "
+            f"{unplanned})",
+            COUNT,
+            text=True,
+        ),
+        "top_k": Option(AUTO, "children expanded per node: a count, or auto (planned)", COUNT, text=True),
+        "budget": Option(AUTO, "tree nodes verified per step: a count, or auto (planned)", COUNT, text=True),
+    }
+
+
+def build_planned(spec: DrafterSpec, target, head_class, fallback: dict[str, int]) -> EagleDrafter:
+    """An EAGLE drafter of a ``head_class`` head whose ``auto`` tree options (the default) come from
+    the tree planned for the head on ``target``'s device (:func:`~draftsmith.eval.engine.tree_plan.plan_head_tree`;
+    ``fallback`` when the head records no held-out accuracy); counts given in the spec win over the plan."""
+    head = load_head(head_class, spec, target)
+    options = dict(spec.options)
+    tree = {key: options.pop(key, AUTO) for key in ("depth", "top_k", "budget")}
+    for key, value in tree.items():
+        if isinstance(value, str) and value != AUTO:
+            raise UsageError(f"--drafter {spec.kind}:{spec.path}: {key}={value} is not allowed: give a count or auto")
+    label = ""
+    if AUTO in tree.values():
+        plan = plan_head_tree(target, head)
+        if plan is None:
+            planned = fallback
+            label = (
+                f"{spec.path} records no held-out accuracy per draft depth (trained without held-out data): "
+                f"unplanned tree depth {planned['depth']}, top_k {planned['top_k']}, budget {planned['budget']}"
+            )
+        else:
+            planned = {"depth": plan.depth, "top_k": plan.top_k, "budget": plan.budget}
+            label = plan.describe()
+        given = {key: value for key, value in tree.items() if value != AUTO}
+        tree = {key: given.get(key, planned[key]) for key in tree}
+        if "budget" not in given:  # a depth given deeper than the plan's still gets a node per level
+            tree["budget"] = max(tree["budget"], tree["depth"])
+        print(f"{spec.name}: {label}" + (f" (given: {given})" if given else ""))
+    drafter = EagleDrafter(head, **tree, **options)
+    drafter.tree_label = label
+    return drafter

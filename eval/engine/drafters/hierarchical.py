@@ -27,12 +27,18 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
-from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.errors import UsageError
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult
+from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter, cut_from_target
 from draftsmith.eval.engine.policies import DEFAULT_ENTROPY_TAU, EntropyRule, entropy
 from draftsmith.eval.engine.sampling import probabilities, sample
 from draftsmith.eval.engine.tree import ROOT, TokenTree, chain
 from draftsmith.eval.engine.verify import residual
+from draftsmith.heads.draft_lm import draft_vocab_from_counts, load_draft_lm
+
+# Untrained cuts of SmolLM2 (30 layers) are accepted only from ~26 layers up: a 6-layer M2
+# never was (acceptance length 1.00), a 28-layer one makes the default draft above 1.0.
+DEFAULT_LAYERS = {"m1": 6, "m2": 28}
 
 
 class HierarchicalDrafter(Drafter):
@@ -136,3 +142,24 @@ class HierarchicalDrafter(Drafter):
         if accepted < len(self._pending):  # the target rejected the pending token at this position
             self.rule2.rejected(self._m2_entropy[accepted])
         self._pending, self._m2_entropy = [], []
+
+
+def build(spec: DrafterSpec, target: PreTrainedModel) -> HierarchicalDrafter:
+    """The drafter of ``hierarchical?...``: M1 and M2 trained draft LMs (``m1=``/``m2=``) or cut from ``target``."""
+    param = next(target.parameters())
+    options = dict(spec.options)
+    vocab = options.pop("vocab", None)
+    models = []
+    for m in ("m1", "m2"):  # a trained draft LM, or layers cut from the target
+        path = options.pop(m, None)
+        layers = options.pop(f"{m}_layers", DEFAULT_LAYERS[m])
+        if path is None and vocab is not None:
+            raise UsageError(f"hierarchical option vocab=N needs trained draft LMs (m1=PATH&m2=PATH); {m} has none")
+        models.append(
+            load_draft_lm(str(path), param.dtype, param.device)
+            if path is not None
+            else cut_from_target(target, layers, f"hierarchical option {m}_layers")
+        )
+        if vocab is not None:
+            options[f"{m}_vocab"] = draft_vocab_from_counts(str(path), int(vocab), models[-1])
+    return HierarchicalDrafter(*models, **options)

@@ -9,16 +9,18 @@ distributed as the target's (lossless; Medusa's typical acceptance is not offere
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.errors import UsageError
-from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
-from draftsmith.eval.engine.medusa_trees import choice_slots, static_tree
+from draftsmith.errors import CheckpointError, UsageError
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult
+from draftsmith.eval.engine.medusa_trees import choice_slots, load_choices, optimal_choices, static_tree
 from draftsmith.eval.engine.sampling import choose
 from draftsmith.eval.engine.tree import TokenTree
-from draftsmith.heads.medusa import MedusaHeads
-from draftsmith.target import adapter_active
+from draftsmith.heads.medusa import DEFAULT_TREE_SIZE, MedusaHeads, rank_accuracy
+from draftsmith.target import adapter_active, attach_adapter
 
 
 class MedusaDrafter(Drafter):
@@ -75,3 +77,36 @@ class MedusaDrafter(Drafter):
             candidates.append(tokens[0].tolist())
             probs.append(q[0] if q is not None else None)
         return static_tree(self.choices, candidates, None if context.sampling.greedy else probs)
+
+
+def build(spec: DrafterSpec, target: PreTrainedModel) -> MedusaDrafter:
+    """The drafter of ``medusa:PATH?...``, verified by the target with the checkpoint's LoRA adapter
+    when it has one (Medusa-2)."""
+    options = dict(spec.options)
+    heads, choices, verifier = _parts(spec.path, target, options.pop("choices", None), options.pop("budget", None))
+    drafter = MedusaDrafter(heads, choices, verifier=verifier, **options)
+    if verifier is not None:
+        drafter.verifier_label = f"target + LoRA adapter {spec.path}/adapter (unmerged, on for this drafter only)"
+    return drafter
+
+
+def _parts(path: str, target: PreTrainedModel, choices, budget):
+    """Heads, tree and (for Medusa-2 checkpoints) the target with its LoRA adapter to verify with.
+
+    The tree is ``choices`` (a file or a literal), else the optimal ``budget``-node tree for the
+    heads' recorded held-out accuracies, else the checkpoint's calibrated ``tree.yaml``, else the
+    optimal tree of Medusa's default size (63 nodes).
+    """
+    heads = MedusaHeads.from_pretrained(path, target).to(next(target.parameters()).dtype)
+    adapter = Path(path) / "adapter"
+    verifier = attach_adapter(target, adapter) if adapter.is_dir() else None
+    if verifier is not None:
+        heads.bind(verifier)
+    if choices is not None:
+        return heads, load_choices(str(choices)), verifier
+    calibrated = Path(path) / "tree.yaml"
+    if budget is None and calibrated.is_file():
+        return heads, load_choices(str(calibrated)), verifier
+    if not heads.head_accuracy:
+        raise CheckpointError(f"{path} records no head accuracies: pass choices=FILE or run eval/calibrate_tree.py")
+    return heads, optimal_choices(rank_accuracy(heads.head_accuracy), int(budget or DEFAULT_TREE_SIZE)), verifier

@@ -6,7 +6,7 @@ the chosen draft length: what is left is the cost of verification passes and eng
 
 from __future__ import annotations
 
-from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.eval.engine.tree import TokenTree, chain
 
@@ -31,3 +31,8 @@ class OracleDrafter(Drafter):
         if context.tokens != self.reference[:n]:  # sampling diverged: nothing left to replay
             return TokenTree()
         return chain(self.reference[n : n + min(self.num_tokens, context.max_tokens)])
+
+
+def build(spec: DrafterSpec, target) -> OracleDrafter:
+    """The drafter of ``oracle?...``: ``target``'s own greedy continuation."""
+    return OracleDrafter(CausalLMRunner(target), **spec.options)

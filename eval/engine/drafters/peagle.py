@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.engine.drafters.base import DraftContext
+from draftsmith.eval.engine.drafters.base import DraftContext, DrafterSpec, load_head
 from draftsmith.eval.engine.drafters.eagle import EagleDrafter
 from draftsmith.eval.engine.tree import TokenTree, grow_chain
+from draftsmith.heads.peagle import PEagleHead
 
 
 class PEagleDrafter(EagleDrafter):
@@ -45,3 +46,8 @@ class PEagleDrafter(EagleDrafter):
         return grow_chain(
             logits, context.sampling, context.generator, context.max_entropy, vocab, self.head.config.vocab_size
         )
+
+
+def build(spec: DrafterSpec, target) -> PEagleDrafter:
+    """The drafter of ``peagle:PATH?depth=K``."""
+    return PEagleDrafter(load_head(PEagleHead, spec, target), **spec.options)

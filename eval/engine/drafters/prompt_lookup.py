@@ -12,7 +12,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from draftsmith.errors import UsageError
-from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec
 from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder
 
 
@@ -62,3 +62,8 @@ class PromptLookupDrafter(Drafter):
             for token, node in zip(trie[prefix], ids):
                 node_of[prefix + (token,)] = node
         return builder.build()
+
+
+def build(spec: DrafterSpec, target) -> PromptLookupDrafter:
+    """The drafter of ``prompt_lookup?...`` (the target is not needed: it looks in the context)."""
+    return PromptLookupDrafter(**spec.options)

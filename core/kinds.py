@@ -1,0 +1,156 @@
+"""The drafter-kind registry: what a drafter kind is, declared once and looked up by every layer.
+
+A :class:`DrafterKind` holds everything draftsmith knows about one kind: its spec options (with
+defaults and allowed ranges), how the engine builds its drafter, how it trains, how it exports and
+how vLLM serves the export. Each kind is declared in its own module of :mod:`draftsmith.plugins`,
+which registers the built-in kinds; the engine, training, export and the gate look kinds up here by
+name, so none of them holds a table of kinds. This module sits at the bottom of the layers and
+imports nothing of draftsmith's: a kind's parts are plain callables and classes of the layers above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from draftsmith.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option allows: ``low`` / ``high`` bounds (None: unbounded), each closed
+    unless ``open_low`` / ``open_high``; ``integer`` for counts."""
+
+    low: float | None = None
+    high: float | None = None
+    integer: bool = False
+    open_low: bool = False
+    open_high: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        # Written so that NaN is outside every range.
+        above = self.low is None or (value > self.low if self.open_low else value >= self.low)
+        below = self.high is None or (value < self.high if self.open_high else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        what = "an integer" if self.integer else "a number"
+        if self.low is not None and self.high is not None:
+            return (
+                f"{what} in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+            )
+        if self.low is not None:
+            return f"{what} {'>' if self.open_low else '>='} {self.low:g}"
+        return f"{what} {'<' if self.open_high else '<='} {self.high:g}" if self.high is not None else what
+
+
+COUNT = Range(1, integer=True)
+POSITIVE = Range(0, open_low=True)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``?key=value`` option of a drafter spec: its default, its meaning and, for a number, the
+    values allowed (checked when the spec is parsed, before any model loads)."""
+
+    default: object
+    doc: str
+    range: Range | None = None  # None: free text (a path, a file, a name)
+    text: bool = False  # a numeric option that also takes text (layers=0,1,2,29), checked where it is used
+
+    def help(self, name: str) -> str:
+        """The option's ``--help`` line: ``name=default``, its meaning and its range."""
+        allowed = f" ({self.range})" if self.range else ""
+        return f"      {name}={'' if self.default is None else self.default}".ljust(26) + f" {self.doc}{allowed}"
+
+
+@dataclass(frozen=True)
+class Served:
+    """What vLLM must be told to serve an export: its speculative method and drafted tokens per step."""
+
+    method: str
+    num_speculative_tokens: int
+    parallel_drafting: bool = False  # the whole chain in one draft pass
+
+
+@dataclass(frozen=True)
+class Training:
+    """How a kind trains: the recipe's ``drafter.kind`` (a draft LM's is ``distill``), the recipe
+    class, the entry point of its ``train/<kind>.py`` (``main(argv)``) and its ``build(recipe) ->
+    (task, train_set, eval_set)``."""
+
+    recipe_kind: str
+    recipe: type
+    main: Callable[[list[str] | None], Any]
+    build: Callable[[Any], tuple]
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One drafter kind, as every layer sees it.
+
+    The engine's part: ``summary``, ``path`` (what ``KIND:PATH`` is: "" for none, ending in
+    "(required)" when a checkpoint must be given), ``options``, ``build(spec, target)`` (the
+    drafter for a parsed spec), ``has_distribution`` (drafts from a distribution, so
+    ``policy=entropy`` applies), ``entropy_note`` (why ``policy=entropy`` is refused when the kind
+    has entropy rules of its own), ``plan_fallback`` (kinds whose trees are planned, ``depth=auto``:
+    the tree of a head that records no held-out accuracy) and ``max_depth(config)`` (the most
+    tokens one step drafts, read off the checkpoint's config.json: a deeper ``depth`` is refused).
+
+    The layers above: ``training``; ``title`` (the model card's); ``formats`` (export format ->
+    converter ``(source, target, out, tree) -> serve command lines``); ``copied`` (checkpoint
+    files an export carries along); ``serve(fmt, folder, depth)`` (how vLLM serves an export of
+    that format, None when it cannot, or a :class:`~draftsmith.errors.UsageError` saying why);
+    ``chain(depth)`` (the spec options that make the engine draft the chain vLLM drafts, for the gate).
+    """
+
+    name: str
+    summary: str
+    build: Callable[[Any, Any], Any]
+    path: str = ""
+    options: Mapping[str, Option] = field(default_factory=dict)
+    has_distribution: bool = False
+    entropy_note: str = ""
+    plan_fallback: Mapping[str, int] | None = None
+    max_depth: Callable[[dict], int] | None = None
+    training: Training | None = None
+    title: str = ""
+    formats: Mapping[str, Callable[..., list[str]]] = field(default_factory=dict)
+    copied: tuple[str, ...] = ()
+    serve: Callable[[str, Any, int], Served | None] | None = None
+    chain: Callable[[int], dict] | None = None
+
+
+_KINDS: dict[str, DrafterKind] = {}
+
+
+def register(kind: DrafterKind) -> None:
+    """Add ``kind`` to the registry (again is a no-op; another kind of the same name is an error)."""
+    if _KINDS.setdefault(kind.name, kind) is not kind:
+        raise ValueError(f"drafter kind {kind.name!r} is registered twice")
+
+
+def registered() -> dict[str, DrafterKind]:
+    """Every registered kind by name, in registration order."""
+    return dict(_KINDS)
+
+
+def get(name: str, what: str = "drafter kind") -> DrafterKind:
+    """The kind called ``name``, or a one-line error naming the registered ones (``what``: how the
+    caller's user gave the name)."""
+    if name not in _KINDS:
+        raise UsageError(
+            f"{what} {name!r} is not a drafter kind: choose from {', '.join(_KINDS) or '(none registered)'}"
+        )
+    return _KINDS[name]
+
+
+def for_recipe(recipe_kind: str, what: str = "drafter.kind") -> DrafterKind:
+    """The kind a recipe's ``drafter.kind`` trains, or a one-line error naming the trainable ones."""
+    trainable = {kind.training.recipe_kind: kind for kind in _KINDS.values() if kind.training}
+    if recipe_kind not in trainable:
+        raise UsageError(f"{what} {recipe_kind!r}: choose from {', '.join(trainable)}")
+    return trainable[recipe_kind]

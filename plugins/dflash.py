@@ -1,0 +1,93 @@
+"""DFlash drafters: Qwen3 layers over ``[anchor, MASK x (block_size - 1)]`` with the target's fused
+layers injected as context, drafting a block in one pass; trained by ``train/dflash.py``.
+
+Exported as speculators' ``dflash`` (vLLM serves it with ``method: dflash``, drafting the block in
+parallel by itself): Qwen3 layers (whatever the target), every layer full attention and
+``sliding_window_non_causal: true`` so vLLM serves the block bidirectionally as it was trained
+(vLLM applies that flag to every layer and serves causally without it); no embedding (the
+target's, mask row included); the reduced-vocabulary LM head with ``d2t``/``t2d``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from draftsmith.eval.engine.drafters import dflash
+from draftsmith.export import speculators
+from draftsmith.export.common import (
+    Source,
+    Target,
+    ascending_aux_layers,
+    export_block,
+    refuse,
+    write_config,
+    write_weights,
+)
+from draftsmith.heads.dflash import draft_config
+from draftsmith.kinds import COUNT, DrafterKind, Option, Served, Training
+from draftsmith.train import dflash as training
+
+
+def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
+    """Write the speculators ``dflash`` folder; returns the vLLM command that serves it."""
+    speculators.check_aux_layers(source)
+    config, tensors = ascending_aux_layers(source)
+    vocab = config["target_config"]["vocab_size"]
+    if config["draft_vocab_size"] == vocab:
+        raise refuse(
+            speculators.NAME,
+            source.kind,
+            "its draft vocabulary is the full one: speculators' DFlash model then takes "
+            "the verifier's LM head in place of the drafter's trained one; train with "
+            "drafter.draft_vocab_size below the vocabulary size",
+        )
+    layer = draft_config(AutoConfig.for_model(**config["target_config"]), config["num_layers"]).to_dict()
+    layer = {key: value for key, value in layer.items() if key not in ("torch_dtype", "_attn_implementation_autoset")}
+    layer.update(dtype=target.dtype_name, layer_types=["full_attention"] * config["num_layers"])
+    write_config(
+        out,
+        {
+            "architectures": ["DFlashSpeculator"],
+            "speculators_model_type": "dflash",
+            "speculators_version": speculators.VERSION,
+            "transformer_layer_config": layer,
+            "draft_vocab_size": config["draft_vocab_size"],
+            "block_size": config["block_size"],
+            "target_hidden_size": None,
+            "aux_hidden_state_layer_ids": list(config["aux_layers"]),
+            "mask_token_id": config["mask_token_id"],
+            "sliding_window_non_causal": True,
+            "sample_from_anchor": False,
+            "speculators_config": speculators.speculators_config(source, target, tree["depth"]),
+            **export_block(source, speculators.NAME, config),
+        },
+    )
+    write_weights(out, tensors, speculators.NAME)
+    spec = f'{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
+    return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
+
+
+def serve(fmt: str, folder: Path, depth: int) -> Served | None:
+    """vLLM serves the speculators export as ``dflash`` (it drafts the block in parallel by itself)."""
+    return Served("dflash", depth) if fmt == speculators.NAME else None
+
+
+KIND = DrafterKind(
+    name="dflash",
+    summary="a trained DFlash drafter: Qwen3 layers over [last token, MASK...] with the target's "
+    "features injected as context, drafting the block in one forward pass",
+    build=dflash.build,
+    path="checkpoint or speculators export folder (required)",
+    options={
+        "depth": Option(None, "tokens drafted per step, in one pass (default and most: the block size - 1)", COUNT),
+    },
+    has_distribution=True,
+    max_depth=lambda config: config["block_size"] - 1,  # the anchor takes the block's first slot
+    training=Training("dflash", training.DFlashRecipe, training.main, training.build),
+    title="DFlash drafter",
+    formats={speculators.NAME: to_speculators},
+    serve=serve,
+    chain=lambda depth: {"depth": depth},  # a chain already
+)

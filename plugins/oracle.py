@@ -1,0 +1,13 @@
+"""The oracle: the target's own greedy continuation, the engine's ceiling (a diagnostic)."""
+
+from __future__ import annotations
+
+from draftsmith.eval.engine.drafters import oracle
+from draftsmith.kinds import COUNT, DrafterKind, Option
+
+KIND = DrafterKind(
+    name="oracle",
+    summary="the target's own greedy continuation: the engine's ceiling (diagnostic)",
+    build=oracle.build,
+    options={"num_tokens": Option(8, "tokens drafted per step", COUNT)},
+)
