@@ -32,8 +32,9 @@ from draftsmith.eval.engine.tree import ROOT
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head, default_aux_layers
 from draftsmith.target import load_tokenizer
+from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
 from draftsmith.train.ordering import sequence_lengths
-from draftsmith.train.unroll import pass_mask, unroll
+from draftsmith.train.unroll import chain_sample, pass_mask, supervised_next, unroll
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -133,6 +134,74 @@ def _dense_unroll(head, input_ids, features, padding, steps):
         )
         inputs = {head.feedback_input: outputs[-1]}
     return outputs
+
+
+def _batch(seed: int = 2, vocab: int = V):
+    torch.manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 40))
+    padding = torch.ones_like(ids)
+    padding[1, 31:] = 0
+    loss_mask = padding.clone()
+    loss_mask[:, :6] = 0
+    return ids, padding, loss_mask
+
+
+def test_chain_sampled_passes_compute_what_the_full_unroll_does_at_their_chains(tiny_target):
+    """Chain sampling (issue 33, item 8) changes which drafts of passes 2.. are trained, not their
+    values or gradients: a sampled row of pass j, fed the previous pass's output at its chain,
+    equals the full sequential unroll's, and the gradient it sends back to pass 0 is the same."""
+    head = _head3(tiny_target)
+    ids, padding, loss_mask = _batch()
+    steps = 5
+    features = torch.cat([_features(tiny_target, row.tolist(), [0, 1, 2]) for row in ids]).detach()
+    chains = chain_sample(supervised_next(loss_mask, padding), steps, 0.5, 0.25)
+    results = []
+    for sampled in (None, chains):
+        feats = features[:, :-1].clone().requires_grad_()
+        out = unroll(head, ids, feats, padding, steps, head.feedback_input, chains=sampled)
+        rows = [c.rows(ids.shape[1] - 1) for c in chains]
+        # A loss on the sampled rows only: the full unroll's gradient from them must be the sampled one's.
+        loss = sum((out[j][rows[j - 1]] ** 2).sum() for j in range(1, steps))
+        loss.backward()
+        results.append((out, feats.grad))
+    (full, full_grad), (sampled, sampled_grad) = results
+    torch.testing.assert_close(sampled[0], full[0], atol=1e-5, rtol=1e-4)
+    for j, chain in enumerate(chains, start=1):
+        rows = chain.rows(ids.shape[1] - 1)
+        assert 0 < rows.sum() < padding[:, 1:].sum()
+        torch.testing.assert_close(sampled[j][rows], full[j][rows], atol=1e-5, rtol=1e-4)
+        assert not sampled[j][~rows].any()
+    torch.testing.assert_close(sampled_grad, full_grad, atol=1e-4, rtol=1e-3)
+
+
+def test_eagle3_chain_sampling_trains_a_decaying_share_of_deep_drafts(tiny_target):
+    """``down_sample_ratio`` < 1 on EAGLE-3: pass d scores max(ratio ** (d - 1), min) of depth 1's
+    positions (nested chains, as P-EAGLE's), evaluation scores them all, and 1 turns it off."""
+    head = _head3(tiny_target).train()
+    ids, padding, loss_mask = _batch()
+    batch = {"input_ids": ids, "attention_mask": padding, "loss_mask": loss_mask}
+    features = torch.cat([_features(tiny_target, row.tolist(), [0, 1, 2]) for row in ids]).detach()
+    hidden = torch.cat([_features(tiny_target, row.tolist(), None) for row in ids]).detach()
+
+    def task_for(ratio: float) -> Eagle3Task:
+        drafter = Eagle3DrafterConfig(ttt_steps=4, aux_layers=[0, 1, 2], down_sample_ratio=ratio, draft_vocab_size=None)
+        task = Eagle3Task(Eagle3Recipe(drafter=drafter), tiny_target, head)
+        task.target_features = lambda batch: (features, hidden)  # the same features, computed once
+        return task
+
+    sampled, full = task_for(0.5), task_for(1.0)
+    assert full.sample_chains(batch) is None
+    _, metrics = sampled.loss(head, batch, training=True)
+    rows = [metrics[f"rows@{d}"] for d in (1, 2, 3, 4)]
+    supervised = supervised_next(loss_mask, padding)
+    assert rows[0] == supervised.sum()
+    for d in (2, 3, 4):
+        share = max(0.5 ** (d - 1), 0.2)
+        assert rows[d - 1] <= share * rows[0] + 2 and rows[d - 1] > 0.5 * share * rows[0] - 2, (d, rows)
+    _, held_out = sampled.loss(head, batch, training=False)  # evaluation: every chain
+    _, everything = full.loss(head, batch, training=True)
+    assert [held_out[f"rows@{d}"] for d in (1, 2, 3, 4)] == [everything[f"rows@{d}"] for d in (1, 2, 3, 4)]
+    assert everything["rows@4"] > 2 * rows[3]
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle_hass"])

@@ -23,7 +23,16 @@ from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
 from draftsmith.train.cli import run_training
 from draftsmith.train.fused import build_fused, fused_target_features, regenerated_data
 from draftsmith.train.loop import Trainer
-from draftsmith.train.unroll import UnrollLoss, depth_rates, record_depth_accuracy, unroll, unrolled_loss
+from draftsmith.train.unroll import (
+    Chains,
+    UnrollLoss,
+    chain_sample,
+    depth_rates,
+    record_depth_accuracy,
+    supervised_next,
+    unroll,
+    unrolled_loss,
+)
 
 
 @dataclass
@@ -42,6 +51,10 @@ class Eagle3DrafterConfig(DrafterConfig):
     ttt_step_loss_decay: float = 0.8  # the loss of pass j is weighted decay ** j
     top_k_loss: int | None = None  # HASS: add a distillation term over the target's K most likely tokens (null: off)
     top_k_weight: float = 1.0  # weight of the top-K term
+    # Chain sampling (P-EAGLE's COD): pass d >= 2 trains max(ratio ** (d - 1), ratio_min) of the positions,
+    # nested (each sampled draft's ancestors are trained too) and runs on those rows only; 1: every position.
+    down_sample_ratio: float = 1.0
+    down_sample_ratio_min: float = 0.2
     # mask: no token loss where the target's next token (full-vocabulary argmax) is outside the draft
     # vocabulary, as the EAGLE-3 and SpecForge trainers do (one full LM-head pass over the batch a step);
     # renormalise: fit the target's distribution renormalised over the draft vocabulary there too.
@@ -58,6 +71,9 @@ class Eagle3DrafterConfig(DrafterConfig):
             raise ValueError(f"drafter.draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
         if self.top_k_loss is not None and self.top_k_loss < 1:
             raise ValueError(f"drafter.top_k_loss must be >= 1 or null, got {self.top_k_loss}")
+        for name in ("down_sample_ratio", "down_sample_ratio_min"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"drafter.{name} must be in (0, 1], got {getattr(self, name)}")
 
 
 @dataclass
@@ -129,9 +145,16 @@ class Eagle3Task:
             self.model, outputs, last, batch["loss_mask"], batch["attention_mask"], self.loss_config, training, chains
         )
 
-    def sample_chains(self, batch: dict):
-        """The draft chains each training pass j > 0 trains (P-EAGLE's sampling); None: all of them."""
-        return None
+    def sample_chains(self, batch: dict) -> list[Chains] | None:
+        """The draft chains each training pass j > 0 trains (:func:`chain_sample`); None: all of them."""
+        if self.cfg.down_sample_ratio == 1:
+            return None
+        return chain_sample(
+            supervised_next(batch["loss_mask"], batch["attention_mask"]),
+            self.cfg.ttt_steps,
+            self.cfg.down_sample_ratio,
+            self.cfg.down_sample_ratio_min,
+        )
 
     finalise_metrics = staticmethod(depth_rates)
 

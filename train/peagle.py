@@ -25,7 +25,6 @@ from draftsmith.train.cli import run_training
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
 from draftsmith.train.eagle3 import build as build_eagle3
 from draftsmith.train.loop import Trainer
-from draftsmith.train.unroll import Chains, chain_sample, supervised_next
 
 
 @dataclass
@@ -36,15 +35,7 @@ class PEagleDrafterConfig(Eagle3DrafterConfig):
     ttt_steps: int = 7  # tokens drafted in one pass (draft depths trained, a pass each)
     ttt_step_loss_decay: float = 1.0  # a depth-(j + 1) draft weighs decay ** j (1: as upstream)
     mask_token_id: int | None = None  # null: the tokenizer's mask token, else a special token absent from the data
-    # Chain sampling: depth d >= 2 trains max(ratio ** (d - 1), ratio_min) of the positions (ratio 1: all of them).
-    down_sample_ratio: float = 0.7
-    down_sample_ratio_min: float = 0.2
-
-    def validate(self) -> None:
-        super().validate()
-        for name in ("down_sample_ratio", "down_sample_ratio_min"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"drafter.{name} must be in (0, 1], got {getattr(self, name)}")
+    down_sample_ratio: float = 0.7  # chain sampling as speculators' and SpecForge's P-EAGLE trainers
 
 
 @dataclass
@@ -64,16 +55,6 @@ class PEagleTask(Eagle3Task):
         # losses/utils.py:301-304) and SpecForge (core/peagle.py compute_peagle_metrics, LogSoftmaxLoss's
         # mean) reduce it: chain sampling's row counts set the depths' weights (7 depths: ~31/22/15/11/8/6/6 %).
         self.loss_config = replace(self.loss_config, pool_depths=True)
-
-    def sample_chains(self, batch: dict) -> list[Chains] | None:
-        if self.cfg.down_sample_ratio == 1:
-            return None
-        return chain_sample(
-            supervised_next(batch["loss_mask"], batch["attention_mask"]),
-            self.cfg.ttt_steps,
-            self.cfg.down_sample_ratio,
-            self.cfg.down_sample_ratio_min,
-        )
 
     @staticmethod
     def head_options(recipe: PEagleRecipe, tokenizer, train_set) -> dict:

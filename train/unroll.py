@@ -130,8 +130,9 @@ def unroll(
     :func:`unrolled_attention`, except for heads whose layers soft-cap attention logits (Gemma-2: eager attention over
     the dense :func:`pass_mask`). With ``parallel`` (P-EAGLE) pass j>0 reads the head's mask token and
     mask feature instead, so no pass depends on another's output: the layout one drafting pass sees.
-    ``chains`` (P-EAGLE's chain sampling, :func:`chain_sample`) runs pass j>0 on pass j's sampled
-    positions only; the other rows of its output are zeros (no loss may read them).
+    ``chains`` (chain sampling, :func:`chain_sample`) runs pass j>0 on pass j's sampled positions
+    only, fed (sequential unroll) the previous pass's outputs there; the other rows of its output are
+    zeros (no loss may read them).
     """
     tokens, padding = input_ids[:, 1:], padding[:, 1:]
     batch, n = tokens.shape
@@ -146,7 +147,15 @@ def unroll(
     with _attention_implementation(config, implementation):
         for step in range(steps):
             if chains is not None and step:
-                outputs.append(_sampled_pass(head, chains[:step], padding, step, cache))
+                own = chains[step - 1].positions
+                if parallel:
+                    ids, fed = torch.full_like(own, getattr(head, "module", head).mask_token_id), {}
+                else:  # token t + step (0 past the end) and the previous pass's output at t
+                    later = own + step
+                    ids = tokens.gather(1, later.clamp(max=n - 1)).masked_fill(later >= n, 0)
+                    fed = {feedback: outputs[-1].gather(1, own[:, :, None].expand(-1, -1, outputs[-1].shape[-1]))}
+                    fed = {key: value.detach() if detach else value for key, value in fed.items()}
+                outputs.append(_sampled_pass(head, chains[:step], padding, step, cache, ids, fed))
                 continue
             if parallel and step:
                 shifted, inputs = torch.full_like(tokens, getattr(head, "module", head).mask_token_id), {}
@@ -210,9 +219,12 @@ def chain_sample(supervised: torch.Tensor, steps: int, ratio: float, floor: floa
     return chains
 
 
-def _sampled_pass(head, chains: list[Chains], padding: torch.Tensor, step: int, cache) -> torch.Tensor:
-    """Pass ``step`` (> 0, parallel) over its sampled chains, scattered back to ``[b, n, h]``: each
-    query reads the mask inputs at its position + step and attends to the real context up to its
+def _sampled_pass(
+    head, chains: list[Chains], padding: torch.Tensor, step: int, cache, input_ids: torch.Tensor, inputs: dict
+) -> torch.Tensor:
+    """Pass ``step`` (> 0) over its sampled chains, scattered back to ``[b, n, h]``: each query reads
+    ``input_ids`` ``[b, m]`` and ``inputs`` (the previous pass's outputs at its chain; none for
+    P-EAGLE's mask inputs) at its position + step and attends to the real context up to its
     position and to its own chain's keys in passes 1..step."""
     own = chains[-1]
     batch, n = padding.shape
@@ -225,13 +237,13 @@ def _sampled_pass(head, chains: list[Chains], padding: torch.Tensor, step: int, 
             & own.valid[:, :, None]
         )
     blocks.append(torch.eye(own.positions.shape[1], dtype=torch.bool, device=padding.device).expand(batch, -1, -1))
-    mask_id = getattr(head, "module", head).mask_token_id
     out = head(
-        torch.full_like(own.positions, mask_id),
+        input_ids,
         position_ids=own.positions + step,
         past_key_values=cache,
         use_cache=True,
         attention_mask=torch.cat(blocks, dim=-1)[:, None],
+        **inputs,
     ).last_hidden_state
     index = own.positions[:, :, None].expand_as(out)
     return out.new_zeros(batch, n, out.shape[-1]).scatter(1, index, out * own.valid[:, :, None])
