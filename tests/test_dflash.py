@@ -22,7 +22,16 @@ from draftsmith.eval.engine.drafters.dflash import DFlashDrafter
 from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.target import load_tokenizer
-from draftsmith.train.dflash import DFlashDrafterConfig, block_attention, sample_anchors, slot_weights
+from draftsmith.train.dflash import (
+    DFlashDrafterConfig,
+    DFlashTask,
+    block_attention,
+    block_sparse_attention,
+    blocks_per_group,
+    grouped_block_attention,
+    sample_anchors,
+    slot_weights,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,6 +84,66 @@ def test_one_training_pass_over_many_blocks_equals_a_drafting_pass_for_each(make
                 head.draft_logits(trained[0, i]), head.draft_logits(drafted[0]), atol=1e-5, rtol=1e-4
             )
         assert (trained[0, 0, 1] - trained[0, 1, 1]).abs().max() > 1e-3
+
+
+def test_block_sparse_attention_equals_dense_masked_sdpa_in_values_and_gradients():
+    """Blocks scored in groups (three groups of 3 blocks, the last padded by two) over grouped-query
+    heads give dense SDPA's output under block_attention's mask, and the same gradients for the
+    queries, keys and values, with invalid anchors and a padded row among them."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, length, block, count = 2, 4, 2, 8, 40, 3, 7
+    assert blocks_per_group(count, length, block) == 3
+    padding = torch.ones(batch, length, dtype=torch.long)
+    padding[1, 30:] = 0
+    anchors = torch.tensor([[1, 5, 9, 17, 20, 33, 38], [2, 3, 11, 25, 28, 0, 0]])
+    valid = torch.tensor([[True] * 7, [True] * 5 + [False] * 2])
+    q = torch.randn(batch, heads, count * block, dim, requires_grad=True)
+    k = torch.randn(batch, kv_heads, length + count * block, dim, requires_grad=True)
+    v = torch.randn(batch, kv_heads, length + count * block, dim, requires_grad=True)
+    mask = grouped_block_attention(anchors, valid, padding, block)
+    assert mask.shape == (batch * 3, 1, 3 * block, length + 3 * block)
+    sparse, _ = block_sparse_attention(torch.nn.Module(), q, k, v, mask, scaling=dim**-0.5)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=block_attention(anchors, valid, padding, block), enable_gqa=True, scale=dim**-0.5
+    ).transpose(1, 2)
+    torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-5)
+    weights = torch.randn_like(dense)
+    grads = [torch.autograd.grad((out * weights).sum(), (q, k, v)) for out in (sparse, dense)]
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_training_step_is_unchanged_by_block_sparse_attention(make_tiny_llama):
+    """The DFlash loss and every gradient of the drafter are the dense path's, over a padded batch
+    whose anchors fill several groups (and leave invalid ones in the short row)."""
+    from types import SimpleNamespace
+
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = _head(target, mask=47, block=3, draft_vocab=[0, 1, 2, 3, 5, 8, 13, 21, 34, 40, 47]).train()
+    cfg = DFlashDrafterConfig(aux_layers=[0, 1, 2], block_size=3, anchors_per_sequence=9)
+    task = DFlashTask(SimpleNamespace(drafter=cfg), target, head)
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, 47, (2, 40), generator=generator)
+    padding = torch.ones_like(ids)
+    padding[1, 22:] = 0
+    loss_mask = padding.clone()
+    loss_mask[:, :4] = 0
+    batch = {"input_ids": ids, "attention_mask": padding, "loss_mask": loss_mask}
+    assert blocks_per_group(9, 40, 3) == 3  # three groups a row
+    results = []
+    for sparse in (True, False):
+        task.block_sparse = sparse
+        head.zero_grad()
+        loss, metrics = task.loss(head, batch, training=False)  # held-out anchors: the same blocks twice
+        loss.backward()
+        results.append((loss.detach(), metrics, {n: p.grad.clone() for n, p in head.named_parameters()}))
+    (loss, metrics, grads), (dense_loss, dense_metrics, dense_grads) = results
+    assert metrics["tokens"] == dense_metrics["tokens"] > 10
+    torch.testing.assert_close(loss, dense_loss, atol=1e-6, rtol=1e-5)
+    assert grads.keys() == dense_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], dense_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert head.config._attn_implementation == "sdpa"  # the drafting pass's attention is left as it was
 
 
 def test_the_drafter_proposes_what_the_training_pass_scores(make_tiny_llama):

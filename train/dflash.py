@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from transformers import DynamicCache
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
 
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.heads.dflash import DFlashHead
@@ -30,6 +31,7 @@ from draftsmith.train.fused import build_fused, fused_target_features, regenerat
 from draftsmith.train.loop import Trainer
 from draftsmith.train.unroll import (
     UnrollLoss,
+    _attention_implementation,
     depth_rates,
     record_depth_accuracy,
     soft_target_cross_entropy,
@@ -102,17 +104,103 @@ def sample_anchors(
     return anchors.gather(-1, order), valid.gather(-1, order)
 
 
+def _context_rows(anchors: torch.Tensor, valid: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[b, A, L]``: the real context positions before each valid anchor."""
+    context = torch.arange(padding.shape[1], device=anchors.device)[None, None, :] < anchors[:, :, None]
+    return context & padding.bool()[:, None, :] & valid[:, :, None]
+
+
 def block_attention(anchors: torch.Tensor, valid: torch.Tensor, padding: torch.Tensor, block: int) -> torch.Tensor:
     """Boolean ``[b, 1, A * block, L + A * block]`` mask: a block's queries see the real context
-    before its anchor and their own block, in both directions (an invalid anchor's block sees only itself)."""
-    batch, length = padding.shape
-    count = anchors.shape[1]
-    context = torch.arange(length, device=anchors.device)[None, None, :] < anchors[:, :, None]  # [b, A, L]
-    context = context & padding.bool()[:, None, :] & valid[:, :, None]
+    before its anchor and their own block, in both directions (an invalid anchor's block sees only itself).
+    The dense layout (one drafting pass, the reference of :func:`block_sparse_attention`)."""
+    batch, count = anchors.shape
     own = torch.eye(count, dtype=torch.bool, device=anchors.device)  # [A, A]: block a sees block a
     blocks = own[None, :, :, None].expand(batch, count, count, block).reshape(batch, count, count * block)
-    rows = torch.cat([context, blocks], dim=-1)  # [b, A, L + A * block]
+    rows = torch.cat([_context_rows(anchors, valid, padding), blocks], dim=-1)  # [b, A, L + A * block]
     return rows.repeat_interleave(block, dim=1)[:, None]
+
+
+def blocks_per_group(count: int, length: int, block: int) -> int:
+    """Blocks scored together by :func:`block_sparse_attention`: about ``length / 4`` queries a group,
+    so a query scores at most a quarter of the context in other blocks' keys while the context keys,
+    copied once per group, take at most four times the queries' room (one group, the dense layout,
+    when all blocks fit)."""
+    return min(count, max(1, length // (4 * block)))
+
+
+def grouped_block_attention(
+    anchors: torch.Tensor, valid: torch.Tensor, padding: torch.Tensor, block: int
+) -> torch.Tensor:
+    """Boolean ``[b * G, 1, P * block, L + P * block]``: :func:`block_attention`'s mask for each group
+    of P consecutive blocks (:func:`blocks_per_group`) over the context and the group's own keys;
+    blocks that pad the last group see only themselves. :func:`block_sparse_attention` reads G and P
+    from its shape."""
+    batch, length = padding.shape
+    count = anchors.shape[1]
+    per = blocks_per_group(count, length, block)
+    groups = -(-count // per)
+    context = F.pad(_context_rows(anchors, valid, padding), (0, 0, 0, groups * per - count))  # [b, G * P, L]
+    rows = context.repeat_interleave(block, dim=1).view(batch * groups, per * block, length)
+    own = torch.eye(per, dtype=torch.bool, device=anchors.device).repeat_interleave(block, 0)
+    own = own.repeat_interleave(block, 1).expand(batch * groups, -1, -1)  # [b * G, P * block, P * block]
+    return torch.cat([rows, own], dim=-1)[:, None]
+
+
+BLOCK_SPARSE_ATTENTION = "draftsmith_dflash_blocks"
+
+
+def block_sparse_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """DFlash's training attention (an ``AttentionInterface`` function, HF's calling convention).
+
+    ``query`` ``[b, heads, A * block, d]``, the blocks' queries; ``key``/``value`` ``[b, kv_heads,
+    L + A * block, d]``: the L context keys, then the blocks'. ``attention_mask`` is
+    :func:`grouped_block_attention`'s ``[b * G, 1, P * block, L + P * block]``: each group of P
+    blocks runs as one batch row of a fused ``scaled_dot_product_attention`` over the context and
+    its own blocks' keys, so the scores between blocks of different groups are never computed; the
+    result equals dense SDPA under :func:`block_attention`'s mask. Static shapes (no host syncs);
+    grouped-query heads share their kv head's keys (the queries of a kv head's g heads are stacked).
+    """
+    batch, heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    group_heads = heads // kv_heads
+    rows, span = attention_mask.shape[-2:]
+    groups = attention_mask.shape[0] // batch
+    length = span - rows
+
+    def by_group(x: torch.Tensor) -> torch.Tensor:  # [b, n, A * block, d] -> [b * G, n, P * block, d]
+        x = F.pad(x, (0, 0, 0, groups * rows - x.shape[2]))
+        return x.unflatten(2, (groups, rows)).transpose(1, 2).flatten(0, 1)
+
+    def with_context(x: torch.Tensor) -> torch.Tensor:  # the context's keys (values) ahead of each group's
+        context = x[:, None, :, :length].expand(batch, groups, -1, -1, -1).flatten(0, 1)
+        return torch.cat([context, by_group(x[:, :, length:])], dim=2)
+
+    q = by_group(query).unflatten(1, (kv_heads, group_heads)).flatten(2, 3)  # [b * G, kv, g * P * block, d]
+    mask = attention_mask.repeat(1, 1, group_heads, 1) if group_heads > 1 else attention_mask
+    out = F.scaled_dot_product_attention(
+        q.contiguous(),
+        with_context(key),
+        with_context(value),
+        attn_mask=mask,
+        dropout_p=dropout if module.training else 0.0,
+        scale=scaling,
+    )
+    out = out.unflatten(2, (group_heads, rows)).flatten(1, 2)  # [b * G, heads, P * block, d]
+    out = out.unflatten(0, (batch, groups)).transpose(1, 2).flatten(2, 3)[:, :, :queries]
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(BLOCK_SPARSE_ATTENTION, block_sparse_attention)
 
 
 def slot_weights(accept: torch.Tensor, supervised: torch.Tensor, cfg: DFlashDrafterConfig) -> torch.Tensor:
@@ -137,6 +225,7 @@ class DFlashTask:
         self.target = target
         self.model = head
         self.loss_config = UnrollLoss(mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask")
+        self.block_sparse = True  # False: dense SDPA under block_attention's mask (the reference; bench/dflash_cost.py)
 
     @staticmethod
     def new_head(recipe: DFlashRecipe, target, draft_vocab, tokenizer, train_set) -> DFlashHead:
@@ -167,15 +256,19 @@ class DFlashTask:
         positions = anchors[:, :, None] + offsets  # [b, A, block]
         tokens = torch.full_like(positions, model.mask_token_id)
         tokens[:, :, 0] = ids.gather(1, anchors)
-        cache = DynamicCache()
-        hidden = head(
-            tokens.flatten(1),
-            positions.flatten(1),
-            cache,
-            block_attention(anchors, valid, padding, block),
-            context=aux,
-            context_positions=torch.arange(length, device=ids.device).expand(batch_size, length),
-        ).view(batch_size, count, block, -1)
+        if self.block_sparse:
+            mask, attention = grouped_block_attention(anchors, valid, padding, block), BLOCK_SPARSE_ATTENTION
+        else:
+            mask, attention = block_attention(anchors, valid, padding, block), "sdpa"
+        with _attention_implementation(model.config, attention):
+            hidden = head(
+                tokens.flatten(1),
+                positions.flatten(1),
+                DynamicCache(),
+                mask,
+                context=aux,
+                context_positions=torch.arange(length, device=ids.device).expand(batch_size, length),
+            ).view(batch_size, count, block, -1)
         # Slot k >= 1 drafts token a + k, scored with the target's distribution at a + k - 1.
         labels = positions[:, :, 1:]
         inside = labels < length
