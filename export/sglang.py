@@ -85,6 +85,16 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
                 f"it was trained with norm_before_residual, which SGLang {VERSION}'s "
                 "EAGLE-3 layer does not implement; use --format speculators",
             )
+        if config["num_layers"] > 1:
+            # SGLang 0.5.23's llama_eagle3.py names layer 0 ``midlayer`` and later ones
+            # ``additional_layers.N`` with ``hidden_norm`` as their input norm: not vLLM's (and the
+            # head's) ``layers.N.input_layernorm``, so the weights would not be a copy.
+            raise refuse(
+                NAME,
+                source.kind,
+                f"it has {config['num_layers']} decoder layers and SGLang {VERSION}'s EAGLE-3 model "
+                "names and norms the layers past the first otherwise; use --format speculators",
+            )
         num_layers = source.record.get("num_hidden_layers")
         if num_layers in config["aux_layers"]:
             raise refuse(

@@ -3,15 +3,23 @@
 At position i the head reads the embedding of token i+1 and a hidden state: for tokens the target
 has processed, ``fc`` over the concatenated hidden states of several target layers
 (``aux_layers``, by default 2, N/2 and N-3: HF ``hidden_states[L]``, the input of decoder layer
-L); for tokens it drafted itself, its own previous output. One decoder layer of the target's
-architecture, whose q/k/v projections take ``[input_layernorm(embedding) ; hidden_norm(hidden)]``,
-turns that into the next hidden state, and the head's own norm and LM head (over a reduced draft
-vocabulary) score the next token. There is no feature regression: training unrolls the head on
-its own outputs (training-time test, see :mod:`draftsmith.train.unroll`).
+L); for tokens it drafted itself, its own previous output. ``num_layers`` decoder layers of the
+target's architecture (1 by default; upstream P-EAGLE drafters use 4) turn that into the next hidden
+state: the first one's q/k/v projections take ``[input_layernorm(embedding) ; hidden_norm(hidden)]``
+(``2 * hidden`` inputs), the later ones are the target's plain decoder layers over the hidden state
+alone (no embedding, no ``hidden_norm``). The head's own norm and LM head (over a reduced draft
+vocabulary) score the next token from the last layer's output, which is also what a later draft
+step reads back. There is no feature regression: training unrolls the head on its own outputs
+(training-time test, see :mod:`draftsmith.train.unroll`).
 
-Parameter and buffer names are those of ``speculators``' ``Eagle3DraftModel`` (``fc``,
-``layers.0.hidden_norm``, ``norm``, ``lm_head``, ``d2t``, ``t2d``), so export is a copy. The token
-embedding is the target's, used by reference and never saved.
+That layer layout is the one vLLM 0.32 and speculators 0.9.0 build from ``num_hidden_layers``:
+vLLM's ``llama_eagle3.py`` / ``qwen3_eagle3.py`` give layer 0 ``2 * hidden`` q/k/v inputs and
+layers 1.. ``hidden`` ones, fed the hidden state and residual only; speculators' ``Eagle3DraftModel``
+builds its first-layer class at index 0 and the verifier's own decoder layer class at 1.. (without
+``hidden_norm``, which vLLM builds but never reads past layer 0). Parameter and buffer names are
+speculators' (``fc``, ``layers.0.hidden_norm``, ``layers.N.self_attn.q_proj``, ``norm``,
+``lm_head``, ``d2t``, ``t2d``), so export is a copy. Each layer has its own ``layer_idx`` (its slot
+in a KV cache). The token embedding is the target's, used by reference and never saved.
 """
 
 from __future__ import annotations
@@ -83,7 +91,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(Fp32RotaryMixin, Head):
-    """``fc`` over fused target layers, one EAGLE-3 decoder layer, its own norm and draft LM head."""
+    """``fc`` over fused target layers, an EAGLE-3 first layer and ``num_layers - 1`` plain decoder
+    layers, its own norm and draft LM head."""
 
     # The input that carries the head's own output into its next draft step (the drafter uses it).
     feedback_input = "hidden_states"
@@ -101,15 +110,23 @@ class Eagle3Head(Fp32RotaryMixin, Head):
         layer_class: type | None = None,
         rotary_class: type | None = None,
         norm_before_residual: bool = False,
+        num_layers: int = 1,
     ):
         super().__init__(target_config.vocab_size, target_info)
-        self.config = config = head_config(target_config, 1)
+        if num_layers < 1:
+            raise ValueError(f"an EAGLE-3 head needs at least one decoder layer, got num_layers={num_layers}")
+        self.config = config = head_config(target_config, num_layers)
         self.aux_layers = list(aux_layers)
         if layer_class is None or rotary_class is None:
             layer_class, rotary_class = architecture_classes(config)
         hidden = config.hidden_size
         self.fc = nn.Linear(len(self.aux_layers) * hidden, hidden, bias=False)
-        self.layers = nn.ModuleList([Eagle3Layer(config, layer_class, norm_before_residual)])
+        # Layer 0 reads [embedding ; hidden]; layers 1.. are the target's own over the hidden state
+        # (vLLM's and speculators' layout), each with its own layer_idx: its KV cache slot.
+        self.layers = nn.ModuleList(
+            [Eagle3Layer(config, layer_class, norm_before_residual)]
+            + [layer_class(config, layer_idx=i) for i in range(1, num_layers)]
+        )
         self.norm = type(self.layers[0].hidden_norm)(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, d2t.numel(), bias=False)
         self.rotary_emb = rotary_class(config)
@@ -151,16 +168,17 @@ class Eagle3Head(Fp32RotaryMixin, Head):
             position_ids = torch.arange(past, past + n, device=hidden.device).expand(batch, n)
         attention_mask = attention_4d(attention_mask, batch, n, past, hidden)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids, **self._rotary_kwargs)
-        for layer in self.layers:
-            hidden = layer(
-                embeds,
-                hidden,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                position_embeddings=position_embeddings,
-            )
+        attention = {
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": past_key_values,
+            "use_cache": use_cache,
+            "position_embeddings": position_embeddings,
+        }
+        hidden = self.layers[0](embeds, hidden, **attention)
+        for layer in self.layers[1:]:  # the target's own layers: the hidden state only
+            hidden = layer(hidden, **attention)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -177,17 +195,19 @@ class Eagle3Head(Fp32RotaryMixin, Head):
         draft_vocab: torch.Tensor | None = None,
         init: str = "identity",
         norm_before_residual: bool = False,
+        num_layers: int = 1,
         **extra,
     ) -> Eagle3Head:
-        """A fresh head for ``target``; ``draft_vocab`` (sorted target ids) or None for the full vocabulary.
+        """A fresh head of ``num_layers`` decoder layers for ``target``; ``draft_vocab`` (sorted
+        target ids) or None for the full vocabulary.
 
         The LM head starts as the target's rows for the draft vocabulary and the norm as the
         target's final norm. ``identity`` also makes ``fc`` pass the highest aux layer through and
-        zeroes the layer's residual branches, so the head starts as an early exit of the target at
-        that layer; ``random`` leaves ``fc`` and the layer as initialised.
+        zeroes every layer's residual branches, so the head starts as an early exit of the target at
+        that layer; ``random`` leaves ``fc`` and the layers as initialised.
         """
-        num_layers = target.config.num_hidden_layers
-        aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(num_layers), num_layers)
+        depth = target.config.num_hidden_layers
+        aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(depth), depth)
         head = cls(
             target.config,
             aux,
@@ -195,6 +215,7 @@ class Eagle3Head(Fp32RotaryMixin, Head):
             target_record(target, target_name),
             *decoder_classes(target),
             norm_before_residual,
+            num_layers=num_layers,
             **extra,
         )
         head.copy_target_scoring(target)
@@ -225,6 +246,7 @@ class Eagle3Head(Fp32RotaryMixin, Head):
             config["target"],
             *layer_classes,
             config.get("norm_before_residual", False),
+            num_layers=config.get("num_layers", 1),  # checkpoints from before several layers: 1
             **{key: config[key] for key in cls.extra_config},
         )
         head.depth_accuracy = config.get("depth_accuracy")

@@ -47,8 +47,18 @@ class PEagleHead(Eagle3Head):
         norm_before_residual: bool = False,
         mask_token_id: int = 0,
         num_depths: int = 1,
+        num_layers: int = 1,
     ):
-        super().__init__(target_config, aux_layers, d2t, target_info, layer_class, rotary_class, norm_before_residual)
+        super().__init__(
+            target_config,
+            aux_layers,
+            d2t,
+            target_info,
+            layer_class,
+            rotary_class,
+            norm_before_residual,
+            num_layers=num_layers,
+        )
         if not 0 <= mask_token_id < target_config.vocab_size:
             raise ValueError(f"mask_token_id {mask_token_id} is outside the vocabulary [0, {target_config.vocab_size})")
         self.mask_token_id = int(mask_token_id)
@@ -69,9 +79,11 @@ class PEagleHead(Eagle3Head):
         norm_before_residual: bool = False,
         mask_token_id: int = 0,
         num_depths: int = 1,
+        num_layers: int = 1,
     ) -> PEagleHead:
-        """A fresh head (see :meth:`Eagle3Head.for_target`) whose embedding table (the mask token's
-        row included) starts as the target's and whose mask feature starts small and random."""
+        """A fresh head of ``num_layers`` decoder layers (see :meth:`Eagle3Head.for_target`) whose
+        embedding table (the mask token's row included) starts as the target's and whose mask
+        feature starts small and random."""
         head = super().for_target(
             target,
             target_name,
@@ -79,6 +91,7 @@ class PEagleHead(Eagle3Head):
             draft_vocab,
             init,
             norm_before_residual,
+            num_layers,
             mask_token_id=mask_token_id,
             num_depths=num_depths,
         )

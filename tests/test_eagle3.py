@@ -47,10 +47,12 @@ def tiny_target(make_tiny_llama):
     return make_tiny_llama(vocab_size=V, hidden_size=32, layers=3, seed=0, scale=15.0)
 
 
-def _head3(target, init: str = "random", draft_vocab=None, seed: int = 1) -> Eagle3Head:
+def _head3(target, init: str = "random", draft_vocab=None, seed: int = 1, num_layers: int = 1) -> Eagle3Head:
     torch.manual_seed(seed)
     vocab = torch.tensor(draft_vocab) if draft_vocab is not None else None
-    head = Eagle3Head.for_target(target, "tiny", aux_layers=[0, 1, 2], draft_vocab=vocab, init=init)
+    head = Eagle3Head.for_target(
+        target, "tiny", aux_layers=[0, 1, 2], draft_vocab=vocab, init=init, num_layers=num_layers
+    )
     if init == "random":  # the LM head starts as the target's: perturb it so the test sees the head's own
         with torch.no_grad():
             head.lm_head.weight.add_(torch.randn_like(head.lm_head.weight))
@@ -68,12 +70,14 @@ def _features(target, ids: list[int], layers):
 # Training-time test == drafting
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle_hass"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_three_layers", "eagle_hass"])
 def test_unrolled_passes_equal_the_engine_drafting_chains(make_tiny_llama, kind):
     target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
     torch.manual_seed(2)
-    if kind == "eagle3":
-        head = _head3(target, draft_vocab=[0, 1, 2, 3, 5, 8, 13, 21, 34, 40])
+    if kind.startswith("eagle3"):
+        layers = 3 if kind == "eagle3_three_layers" else 1
+        head = _head3(target, draft_vocab=[0, 1, 2, 3, 5, 8, 13, 21, 34, 40], num_layers=layers)
+        assert len(head.layers) == layers
     else:
         head = EagleHead.for_target(target, "tiny", init="random").eval()
     layers = getattr(head, "aux_layers", None)
@@ -204,12 +208,16 @@ def test_eagle3_chain_sampling_trains_a_decaying_share_of_deep_drafts(tiny_targe
     assert everything["rows@4"] > 2 * rows[3]
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle_hass"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_two_layers", "eagle_hass"])
 def test_blockwise_unroll_attention_equals_dense_masked_attention_and_skips_masked_scores(make_tiny_llama, kind):
     """Padded batch, grouped-query heads: outputs and gradients equal the dense masked reference,
-    and 7 passes spend attention FLOPs on one causal block per pass plus diagonals (dense: 1+..+7 blocks)."""
+    and 7 passes spend attention FLOPs on one causal block per pass plus diagonals (dense: 1+..+7 blocks),
+    in every layer of a head of several."""
     target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
-    head = _head3(target) if kind == "eagle3" else EagleHead.for_target(target, "tiny", init="random")
+    if kind.startswith("eagle3"):
+        head = _head3(target, num_layers=2 if kind == "eagle3_two_layers" else 1)
+    else:
+        head = EagleHead.for_target(target, "tiny", init="random")
     head.train()
     layers = getattr(head, "aux_layers", None)
     ids = torch.tensor([[3, 9, 4, 17, 6, 11, 2, 30, 8, 5, 14, 22], [7, 2, 19, 4, 25, 6, 1, 1, 1, 1, 1, 1]])

@@ -65,7 +65,9 @@ def _draft_vocab(target, size: int = 500) -> torch.Tensor:
     return torch.tensor(sorted(set(ids) | {0, 1, 2}))
 
 
-def _eagle3(target, target_dir, folder, aux=(0, 1, 2), draft_vocab=None, noise: float | None = None) -> Eagle3Head:
+def _eagle3(
+    target, target_dir, folder, aux=(0, 1, 2), draft_vocab=None, noise: float | None = None, num_layers: int = 1
+) -> Eagle3Head:
     """A random EAGLE-3 head, or (``noise``) an early exit of the target at its highest aux layer
     with every weight moved by ``noise``: it drafts well, and every weight changes what it drafts."""
     torch.manual_seed(1)
@@ -75,6 +77,7 @@ def _eagle3(target, target_dir, folder, aux=(0, 1, 2), draft_vocab=None, noise: 
         aux_layers=list(aux),
         draft_vocab=draft_vocab,
         init="random" if noise is None else "identity",
+        num_layers=num_layers,
     )
     if noise is None:
         with torch.no_grad():  # the LM head starts as the target's rows: make it the head's own
@@ -168,12 +171,17 @@ def _assert_same_logits(head, theirs, target, ids: list[int], steps: int = 2) ->
     assert (logits[1][0, : n - 1] - logits[0][0, : n - 1]).abs().max() > 1e-2  # pass 1 is not pass 0 again
 
 
-def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(target, target_dir, tmp_path):
+@pytest.mark.parametrize("num_layers", [1, 4], ids=["one_layer", "four_layers"])
+def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(
+    target, target_dir, tmp_path, num_layers
+):
     """A P-EAGLE head exports as speculators' ``peagle`` (its config class validates it, its model
     loads every weight): EAGLE-3's layout with the mask token id, ``mask_hidden`` permuted with
     ``fc``'s column blocks into ascending aux order, the head's own trained ``embed_tokens`` (the
     mask token's row included); vLLM is told to draft in parallel; the export loads back into
-    draftsmith's engine as the same head."""
+    draftsmith's engine as the same head. Four layers (upstream's P-EAGLE size) export as
+    ``num_hidden_layers: 4``, from which speculators builds its first layer and three plain ones
+    that take every one of our weights by name."""
     pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
 
@@ -182,7 +190,14 @@ def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(
 
     torch.manual_seed(1)
     head = PEagleHead.for_target(
-        target, str(target_dir), [2, 0, 1], _draft_vocab(target), "random", mask_token_id=16, num_depths=5
+        target,
+        str(target_dir),
+        [2, 0, 1],
+        _draft_vocab(target),
+        "random",
+        mask_token_id=16,
+        num_depths=5,
+        num_layers=num_layers,
     )
     _perturb(head)
     head.save_pretrained(tmp_path / "ckpt")
@@ -194,7 +209,13 @@ def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(
     assert config.speculators_config.proposal_methods[0].speculative_tokens == 5
     config.transformer_layer_config._attn_implementation = "eager"
     config.speculators_config.verifier.name_or_path = str(target_dir)
+    assert config.transformer_layer_config.num_hidden_layers == num_layers
     theirs = PEagleDraftModel.from_pretrained(tmp_path / "out", config=config).eval()
+    assert len(theirs.layers) == num_layers
+    their_state = theirs.state_dict()
+    for name, value in head.layers.state_dict().items():  # every layer's weights, under their names
+        assert torch.equal(their_state[f"layers.{name}"], value), name
+    assert not any(k.startswith("layers.") and k[len("layers.") :] not in head.layers.state_dict() for k in their_state)
     blocks = [head.mask_hidden.chunk(3, dim=-1)[i] for i in (1, 2, 0)]  # ours: layers 2, 0, 1
     assert torch.equal(theirs.mask_hidden, torch.cat(blocks, dim=-1))
     trained = head.embed_tokens.weight.detach().to(target.dtype)  # the head's own table, trained (mask row 16)
@@ -203,6 +224,7 @@ def test_peagle_exports_as_speculators_peagle_and_loads_in_speculators_and_back(
     assert torch.equal(theirs.fc.weight, torch.cat([head.fc.weight.chunk(3, dim=1)[i] for i in (1, 2, 0)], dim=1))
     back = build_drafter(f"peagle:{tmp_path / 'out'}", target)
     assert back.depth == 5 and back.head.mask_token_id == 16 and back.head.aux_layers == [0, 1, 2]
+    assert len(back.head.layers) == num_layers
     features = torch.randn(1, 4, 3 * target.config.hidden_size)
     ids = torch.tensor([[3, 16, 16, 16]])
     with torch.no_grad():
@@ -314,6 +336,36 @@ def test_speculators_eagle3_draft_logits_equal_ours(target, target_dir, tmp_path
         assert theirs.d2t is None and theirs.t2d is None
 
     _assert_same_logits(head, theirs, target, [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22])
+
+
+def test_a_head_of_three_layers_exports_in_the_layout_speculators_and_vllm_build(target, target_dir, tmp_path, capsys):
+    """``num_hidden_layers: 3``; layer 0 as before, layers 1 and 2 the target's plain layers (q/k/v
+    over hidden, no ``hidden_norm``: vLLM's ``llama_eagle3.py`` sizes qkv_proj ``2 * hidden`` for
+    layer 0 only); speculators' own model, built from the exported config, computes our draft logits
+    over two training-time-test passes. SGLang's EAGLE-3 model names its later layers otherwise, so
+    that format refuses the head."""
+    pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
+    head = _eagle3(target, target_dir, tmp_path / "ckpt", draft_vocab=_draft_vocab(target), num_layers=3)
+    head.bind(target)
+    export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out")
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert raw["transformer_layer_config"]["num_hidden_layers"] == 3
+    h = target.config.hidden_size
+    shapes = _weights(tmp_path / "out")
+    assert shapes["layers.0.self_attn.q_proj.weight"][0][1] == 2 * h and "layers.0.hidden_norm.weight" in shapes
+    for i in (1, 2):
+        assert shapes[f"layers.{i}.self_attn.q_proj.weight"][0][1] == h
+        assert shapes[f"layers.{i}.self_attn.v_proj.weight"][0][1] == h
+        assert f"layers.{i}.input_layernorm.weight" in shapes and f"layers.{i}.hidden_norm.weight" not in shapes
+    theirs = _load_speculators(tmp_path / "out", verifier=target_dir)
+    assert len(theirs.layers) == 3
+    _assert_same_logits(head, theirs, target, [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22])
+    assert_user_error(
+        capsys,
+        r"3 decoder layers.*SGLang.*--format speculators",
+        export_main,
+        [str(tmp_path / "ckpt"), "--format", "sglang", "--out", str(tmp_path / "sgl")],
+    )
 
 
 def test_unsorted_aux_layers_export_sorted_with_fc_permuted(target, target_dir, tmp_path):

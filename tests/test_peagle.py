@@ -36,10 +36,12 @@ def tiny_target(make_tiny_llama):
     return make_tiny_llama(vocab_size=8, hidden_size=32, layers=3, seed=0, scale=15.0)
 
 
-def _head(target, mask: int, draft_vocab=None, init: str = "random", seed: int = 1) -> PEagleHead:
+def _head(target, mask: int, draft_vocab=None, init: str = "random", seed: int = 1, num_layers: int = 1) -> PEagleHead:
     torch.manual_seed(seed)
     vocab = torch.tensor(draft_vocab) if draft_vocab is not None else None
-    head = PEagleHead.for_target(target, "tiny", [0, 1, 2], vocab, init, mask_token_id=mask, num_depths=4)
+    head = PEagleHead.for_target(
+        target, "tiny", [0, 1, 2], vocab, init, mask_token_id=mask, num_depths=4, num_layers=num_layers
+    )
     with torch.no_grad():  # move every weight off its start so the test sees the head's own
         for param in head.parameters():
             param.add_(torch.randn_like(param) * 0.3)
@@ -51,12 +53,18 @@ def _features(target, ids: list[int]) -> torch.Tensor:
     return torch.cat([out.hidden_states[layer] for layer in (0, 1, 2)], dim=-1)
 
 
-@pytest.mark.parametrize("draft_vocab", [None, [0, 1, 2, 3, 5, 8, 13, 21, 34, 40]], ids=["full_vocab", "reduced_vocab"])
-def test_parallel_unroll_equals_one_drafting_pass(make_tiny_llama, draft_vocab):
+@pytest.mark.parametrize(
+    ("draft_vocab", "num_layers"),
+    [(None, 1), ([0, 1, 2, 3, 5, 8, 13, 21, 34, 40], 1), (None, 3)],
+    ids=["full_vocab", "reduced_vocab", "three_layers"],
+)
+def test_parallel_unroll_equals_one_drafting_pass(make_tiny_llama, draft_vocab, num_layers):
     """Pass j at position t of the parallel unroll is the draft at depth j + 1 after token t + 1:
-    what the drafter's one pass over ``[..., token t + 1, MASK x j]`` gives in its row j."""
+    what the drafter's one pass over ``[..., token t + 1, MASK x j]`` gives in its row j. With
+    several layers, each keeps its own keys in training's one cache (and the engine's) and attends
+    blockwise (``unrolled_attention``) in every pass."""
     target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
-    head = _head(target, mask=47, draft_vocab=draft_vocab)
+    head = _head(target, mask=47, draft_vocab=draft_vocab, num_layers=num_layers)
     ids = [3, 9, 4, 17, 6, 11, 2, 30, 8, 5, 14, 22]
     steps = 4
     with torch.no_grad():
@@ -225,6 +233,63 @@ def test_a_checkpoint_from_before_the_table_trained_loads_with_the_targets_table
     assert torch.equal(loaded.embed_tokens.weight, want)
 
 
+def test_a_head_of_four_layers_has_vllms_layout_and_saves_and_loads_with_its_layers(make_tiny_llama, tmp_path):
+    """``num_layers=4``: layer 0 reads ``[embedding ; hidden]`` (q/k/v over 2 x hidden, ``hidden_norm``),
+    layers 1..3 are the target's plain decoder layers over the hidden state (q/k/v over hidden, no
+    ``hidden_norm``), as vLLM's ``llama_eagle3.py`` and speculators' ``Eagle3DraftModel`` build them,
+    each with its own cache slot; every layer changes the drafts; the checkpoint records 4 layers and
+    reloads (directly and through the registry) with the same outputs; a checkpoint from before the
+    option (no ``num_layers``) loads with one layer."""
+    import json
+
+    from safetensors.torch import load_file
+
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = _head(target, mask=47, num_layers=4)
+    assert len(head.layers) == 4 and head.config.num_hidden_layers == 4
+    assert [layer.self_attn.layer_idx for layer in head.layers] == [0, 1, 2, 3]
+    head.save_pretrained(tmp_path / "ckpt")
+    state = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert state["layers.0.self_attn.q_proj.weight"].shape == (32, 64) and "layers.0.hidden_norm.weight" in state
+    for i in (1, 2, 3):
+        assert state[f"layers.{i}.self_attn.q_proj.weight"].shape == (32, 32)
+        assert state[f"layers.{i}.self_attn.k_proj.weight"].shape == (16, 32)
+        assert f"layers.{i}.input_layernorm.weight" in state and f"layers.{i}.mlp.down_proj.weight" in state
+        assert f"layers.{i}.hidden_norm.weight" not in state
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["num_layers"] == 4 and config["target_config"]["num_hidden_layers"] == 4
+
+    ids = torch.tensor([[3, 9, 4, 17, 47, 47]])
+    features = _features(target, [3, 9, 4, 17, 6, 11])
+    loaded = PEagleHead.from_pretrained(tmp_path / "ckpt", target).eval()
+    served = build_drafter(f"peagle:{tmp_path / 'ckpt'}", target).head
+    with torch.no_grad():
+        want = head.draft_logits(head(ids, features).last_hidden_state)
+        assert len(loaded.layers) == len(served.layers) == 4
+        assert torch.equal(loaded.draft_logits(loaded(ids, features).last_hidden_state), want)
+        assert torch.equal(served.draft_logits(served(ids, features).last_hidden_state), want)
+        for i in (1, 3):  # every layer is in the path: zeroing one's MLP output moves the drafts
+            loaded.layers[i].mlp.down_proj.weight.zero_()
+            assert (loaded.draft_logits(loaded(ids, features).last_hidden_state) - want).abs().max() > 1e-2
+
+    one = _head(target, mask=47)
+    one.save_pretrained(tmp_path / "old")
+    old = json.loads((tmp_path / "old" / "config.json").read_text())
+    del old["num_layers"]  # written before the option
+    (tmp_path / "old" / "config.json").write_text(json.dumps(old))
+    again = PEagleHead.from_pretrained(tmp_path / "old", target).eval()
+    assert len(again.layers) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(
+            again.draft_logits(again(ids, features).last_hidden_state),
+            one.draft_logits(one(ids, features).last_hidden_state),
+            rtol=0,
+            atol=0,
+        )
+    with pytest.raises(ValueError, match="at least one decoder layer"):
+        PEagleHead.for_target(target, "tiny", [0, 1, 2], None, mask_token_id=47, num_layers=0)
+
+
 def test_the_drafter_proposes_what_the_parallel_unroll_scores(make_tiny_llama):
     """Through the engine's protocol, the drafter's greedy chain after token t + 1 is the parallel
     unroll's argmax of pass j at position t for every depth j + 1."""
@@ -313,3 +378,32 @@ def test_training_lowers_the_loss_and_saves_a_head_the_engine_drafts_with(tiny_r
     assert (head.mask_token_id, head.num_depths, len(head.depth_accuracy)) == (mask, 3, 3)
     trained = trainer.task.model.state_dict()
     assert all(torch.equal(value, trained[key].to(value.dtype)) for key, value in head.state_dict().items())
+
+
+def test_training_a_head_of_two_layers_trains_both_and_saves_them(tiny_recipe, tmp_path, capsys):
+    """``drafter.num_layers: 2``: the head is built with two layers, training moves the second (its
+    output projections start at zero with the identity init, so only gradients through it move
+    them), and the checkpoint reloads with both, as trained; ``num_layers: 0`` is a one-line error."""
+    from cli_helpers import assert_user_error
+
+    from draftsmith.train.peagle import main
+
+    run = tmp_path / "run"
+    trainer = main(
+        [str(tiny_recipe), "--output_dir", str(run), "--drafter.num_layers", "2", "--training.max_steps", "4"]
+    )
+    losses = [h["train/loss"] for h in trainer.history if "train/loss" in h]
+    assert losses and all(torch.isfinite(torch.tensor(losses))), losses
+    head = PEagleHead.from_pretrained(trainer.last_checkpoint)
+    assert len(head.layers) == 2 and head.layers[1].self_attn.layer_idx == 1
+    trained = trainer.task.model.state_dict()
+    assert all(torch.equal(value, trained[key].to(value.dtype)) for key, value in head.state_dict().items())
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):  # zero at the start: moved by training
+        assert head.layers[1].get_submodule(name.rsplit(".", 1)[0]).weight.abs().max() > 0, name
+    assert_user_error(
+        capsys,
+        r"drafter\.num_layers must be >= 1, got 0",
+        main,
+        [str(tiny_recipe), "--output_dir", str(tmp_path / "never"), "--drafter.num_layers", "0"],
+    )
+    assert not (tmp_path / "never").exists()

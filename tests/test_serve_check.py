@@ -104,7 +104,7 @@ def trained(tmp_path_factory):
         for line in regenerated.read_text().splitlines():
             messages = json.loads(line)["messages"]
             out.write(json.dumps({"prompt": next(m["content"] for m in messages if m["role"] == "user")}) + "\n")
-    return {"target": target_dir, "prompts": prompts, **checkpoints}
+    return {"target": target_dir, "prompts": prompts, "data": data, **checkpoints}
 
 
 def _check(folder: Path, prompts: Path, *extra: str) -> tuple[int, dict]:
@@ -160,6 +160,57 @@ def test_gate_passes_a_trained_eagle3_head_and_fails_a_permuted_fc(vllm, trained
     result = json.loads((out / "serve_check.json").read_text())
     _assert_passed(0, result, 3)
     assert "PASSED" in (out / "serve_check.md").read_text() and "PASSED" in capsys.readouterr().out
+
+
+def test_gate_passes_a_trained_peagle_head_of_two_layers(vllm, trained, tmp_path, capsys):
+    """A P-EAGLE head of two decoder layers (upstream's drafters have 4): exported with
+    ``num_hidden_layers: 2`` and layer 1 under vLLM's names, vLLM builds and loads both layers and
+    drafts in parallel what draftsmith's engine drafts."""
+    from draftsmith.export.cli import main as export_main
+    from draftsmith.train.peagle import main as train_peagle
+
+    root = tmp_path / "pe"
+    root.mkdir()
+    recipe = write_recipe(
+        root,
+        trained["target"],
+        {"kind": "peagle", "aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048, "num_layers": 2},
+        data=trained["data"],
+        learning_rate=3e-3,
+        lr_schedule="constant",
+        max_steps=400,
+        log_every=100,
+        eval_every=1000,
+        save_every=1000,
+    )
+    checkpoint = train_peagle([str(recipe), "--output_dir", str(root / "run")]).last_checkpoint
+    out = tmp_path / "pe-export"
+    export_main(
+        [
+            str(checkpoint),
+            "--format",
+            "speculators",
+            "--out",
+            str(out),
+            "--draft-tokens",
+            "3",
+            "--check",
+            "vllm",
+            "--check-prompts",
+            str(trained["prompts"]),
+            "--check-limit",
+            "4",
+            "--check-max-new-tokens",
+            "32",
+        ]
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["transformer_layer_config"]["num_hidden_layers"] == 2
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["layers.1.self_attn.q_proj.weight"].shape[1] == 128 and "layers.1.hidden_norm.weight" not in weights
+    result = json.loads((out / "serve_check.json").read_text())
+    _assert_passed(0, result, 3)
+    assert "PASSED" in capsys.readouterr().out
 
 
 BREAKAGES = {

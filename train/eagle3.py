@@ -47,6 +47,8 @@ class Eagle3DrafterConfig(DrafterConfig):
     # the N most frequent tokens of the training replies (d2t/t2d); null: the full vocabulary
     draft_vocab_size: int | None = 8192
     norm_before_residual: bool = False  # residual from the normed hidden state (speculators' option of the same name)
+    # The first layer reads [embedding ; hidden], the rest the hidden state only (vLLM's and speculators' layout).
+    num_layers: int = 1  # decoder layers of the target's architecture in the head (upstream P-EAGLE drafters: 4)
     ttt_steps: int = 7  # passes of the training-time test (draft depths trained)
     ttt_step_loss_decay: float = 0.8  # the loss of pass j is weighted decay ** j
     top_k_loss: int | None = None  # HASS: add a distillation term over the target's K most likely tokens (null: off)
@@ -63,6 +65,8 @@ class Eagle3DrafterConfig(DrafterConfig):
     features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
 
     def validate(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
         if self.ttt_steps < 1:
             raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
         if not 0 < self.ttt_step_loss_decay <= 1:
@@ -105,6 +109,7 @@ class Eagle3Task:
             draft_vocab,
             drafter.init,
             drafter.norm_before_residual,
+            num_layers=drafter.num_layers,
             **cls.head_options(recipe, tokenizer, train_set),
         )
 
