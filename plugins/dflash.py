@@ -5,13 +5,18 @@ Exported as speculators' ``dflash`` (vLLM serves it with ``method: dflash``, dra
 parallel by itself): Qwen3 layers (whatever the target), every layer full attention and
 ``sliding_window_non_causal: true`` so vLLM serves the block bidirectionally as it was trained
 (vLLM applies that flag to every layer and serves causally without it); no embedding (the
-target's, mask row included); the reduced-vocabulary LM head with ``d2t``/``t2d``.
+target's); the reduced-vocabulary LM head with ``d2t``/``t2d``. A learned mask row
+(``drafter.learn_mask_embedding``) ships as ``mask_embedding.pt`` (``{"embedding", "mask_token_id"}``),
+which vLLM 0.32's DFlash loader substitutes for the target's row
+(``qwen3_dflash.py``: ``_read_mask_embedding``, ``embed_input_ids``); a drafter reading the target's
+row is refused where that row is near zero (never trained).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig
 
 from draftsmith.eval.engine.drafters import dflash
@@ -25,7 +30,8 @@ from draftsmith.export.common import (
     write_config,
     write_weights,
 )
-from draftsmith.heads.dflash import draft_config
+from draftsmith.heads.dflash import draft_config, weak_mask_row
+from draftsmith.heads.exported import DFLASH_MASK_EMBEDDING
 from draftsmith.kinds import COUNT, DrafterKind, Option, Served, Training
 from draftsmith.train import dflash as training
 
@@ -43,6 +49,18 @@ def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> lis
             "the verifier's LM head in place of the drafter's trained one; train with "
             "drafter.draft_vocab_size below the vocabulary size",
         )
+    mask_row = tensors.pop("mask_embedding", None)
+    if mask_row is None:
+        weak = weak_mask_row(target.model.get_input_embeddings().weight, config["mask_token_id"])
+        if weak is not None:
+            raise refuse(
+                speculators.NAME,
+                source.kind,
+                f"its mask slots read the target's embedding row for drafter.mask_token_id = "
+                f"{config['mask_token_id']}, of norm {weak[0]:.3g} beside the table's median {weak[1]:.3g} "
+                "(never trained): vLLM would feed every mask slot ~0; retrain with "
+                "drafter.learn_mask_embedding: true (or another drafter.mask_token_id)",
+            )
     layer = draft_config(AutoConfig.for_model(**config["target_config"]), config["num_layers"]).to_dict()
     layer = {key: value for key, value in layer.items() if key not in ("torch_dtype", "_attn_implementation_autoset")}
     layer.update(dtype=target.dtype_name, layer_types=["full_attention"] * config["num_layers"])
@@ -65,6 +83,11 @@ def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> lis
         },
     )
     write_weights(out, tensors, speculators.NAME)
+    if mask_row is not None:
+        torch.save(
+            {"embedding": mask_row.detach().to(target.dtype).cpu(), "mask_token_id": config["mask_token_id"]},
+            out / DFLASH_MASK_EMBEDDING,
+        )
     spec = f'{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
     return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
 
@@ -81,7 +104,12 @@ KIND = DrafterKind(
     build=dflash.build,
     path="checkpoint or speculators export folder (required)",
     options={
-        "depth": Option(None, "tokens drafted per step, in one pass (default and most: the block size - 1)", COUNT),
+        "depth": Option(
+            None,
+            "tokens K drafted per step, in one pass over [anchor, MASK x K] as vLLM runs it "
+            "(default and most: the block size - 1, the block trained)",
+            COUNT,
+        ),
     },
     has_distribution=True,
     max_depth=lambda config: config["block_size"] - 1,  # the anchor takes the block's first slot

@@ -15,6 +15,8 @@ from stats_helpers import assert_distributed_as_target
 from training_helpers import save_tiny_target, write_recipe
 from transformers import DynamicCache
 
+from draftsmith.config import RecipeError
+from draftsmith.errors import UsageError
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.eval.engine.drafters.base import DraftContext
@@ -148,31 +150,40 @@ def test_a_training_step_is_unchanged_by_block_sparse_attention(make_tiny_llama)
 
 def test_the_drafter_proposes_what_the_training_pass_scores(make_tiny_llama):
     """Through the engine's protocol (begin with the prompt's features, propose after the root),
-    the drafter's greedy chain is the training pass's argmax at every slot of the anchor's block,
-    also when it drafts fewer tokens than the block holds."""
+    the drafter's greedy chain of K tokens is the argmax at every slot of the anchor's block
+    ``[anchor, MASK x K]``: the training pass's block for K = block_size - 1, and for fewer the
+    shorter block vLLM runs (1 + num_speculative_tokens query slots), whose slots differ from the
+    full block's (they attend both ways), so the gate compares what vLLM serves."""
     target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
     block, vocab = 4, [0, 1, 2, 3, 5, 8, 13, 21, 34, 40, 47]
     head = _head(target, mask=47, block=block, draft_vocab=vocab)
     ids = [3, 9, 4, 17, 6, 11, 2, 30]
     a = 6
+    hidden = {}
     with torch.no_grad():
         features = _features(target, ids)
-        cache = DynamicCache()
-        head.add_context(cache, features, torch.arange(len(ids))[None])
-        anchors, valid = torch.tensor([[a]]), torch.tensor([[True]])
-        tokens = torch.tensor([[ids[a]] + [47] * (block - 1)])
-        trained = head(
-            tokens,
-            anchors + torch.arange(block),
-            cache,
-            block_attention(anchors, valid, torch.ones(1, len(ids), dtype=torch.long), block),
-        )
-        want = head.draft_vocab[head.draft_logits(trained[0, 1:]).argmax(-1)].tolist()
-    for depth in (block - 1, 2):
+        for slots in (block, block - 1):
+            cache = DynamicCache()
+            head.add_context(cache, features, torch.arange(len(ids))[None])
+            anchors, valid = torch.tensor([[a]]), torch.tensor([[True]])
+            tokens = torch.tensor([[ids[a]] + [47] * (slots - 1)])
+            hidden[slots - 1] = head(
+                tokens,
+                anchors + torch.arange(slots),
+                cache,
+                block_attention(anchors, valid, torch.ones(1, len(ids), dtype=torch.long), slots),
+            )[0, 1:]
+    assert not torch.allclose(hidden[block - 2], hidden[block - 1][: block - 2], atol=1e-3)
+    for depth in (block - 1, block - 2):
+        want = head.draft_vocab[head.draft_logits(hidden[depth]).argmax(-1)].tolist()
         drafter = DFlashDrafter(head, depth)
         drafter.begin(ids[: a + 1], features[0, :a])
         tree = drafter.propose(DraftContext(ids[: a + 1], SamplingConfig(), None, max_tokens=10))
-        assert tree.tokens == want[:depth] and tree.parents == list(range(-1, depth - 1))
+        assert tree.tokens == want and tree.parents == list(range(-1, depth - 1))
+        # Near the output's end fewer tokens are wanted, but vLLM still runs the K-slot block.
+        drafter.begin(ids[: a + 1], features[0, :a])
+        tree = drafter.propose(DraftContext(ids[: a + 1], SamplingConfig(), None, max_tokens=1))
+        assert tree.tokens == want[:1]
 
 
 def test_anchors_are_distinct_supervised_positions_and_slot_weights_follow_dflash():
@@ -301,3 +312,182 @@ def test_a_resumed_run_draws_the_anchors_an_uninterrupted_one_draws(dflash_recip
     expected = load_file(str(whole.last_checkpoint / "model.safetensors"))
     got = load_file(str(resumed.last_checkpoint / "model.safetensors"))
     assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.fixture(scope="module")
+def reserved_mask_target(tmp_path_factory):
+    """A saved tiny target (the bundled tokenizer) whose row for the mask token 16 was never
+    trained: zero, as Llama-3's reserved tokens are near zero."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_target(tmp_path_factory.mktemp("reserved") / "target", load_tokenizer("default"), layers=3)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        target.get_input_embeddings().weight[16] = 0
+    target.save_pretrained(folder)
+    return folder, target
+
+
+def test_a_near_zero_mask_row_is_refused_at_training_start_unless_the_row_is_learned(reserved_mask_target):
+    """Every mask slot would enter layer 0 as ~0: training refuses it in one line naming
+    drafter.mask_token_id (a recipe error: exit code 2), and with drafter.learn_mask_embedding the
+    head learns a row of its own, started at the table's median norm, which training moves."""
+    from types import SimpleNamespace
+
+    folder, target = reserved_mask_target
+    tokenizer = load_tokenizer("default")
+    cfg = DFlashDrafterConfig(aux_layers=[0, 1, 2], num_layers=1, block_size=4, mask_token_id=16)
+    recipe = SimpleNamespace(drafter=cfg, target=SimpleNamespace(name=str(folder)))
+    refusal = r"drafter\.mask_token_id = 16: .* norm 0, near zero .*learn_mask_embedding: true"
+    with pytest.raises(RecipeError, match=refusal) as error:
+        DFlashTask.new_head(recipe, target, None, tokenizer, [])
+    assert "\n" not in str(error.value)
+    cfg.learn_mask_embedding = True
+    head = DFlashTask.new_head(recipe, target, torch.arange(600), tokenizer, [])
+    norms = target.get_input_embeddings().weight.norm(dim=-1)
+    assert head.mask_embedding.norm().item() == pytest.approx(norms.median().item(), rel=1e-4)
+    task = DFlashTask(SimpleNamespace(drafter=cfg), target, head.train())
+    ids = torch.randint(20, 600, (1, 24), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    loss, _ = task.loss(head, batch, training=True)
+    loss.backward()
+    assert head.mask_embedding.grad.abs().sum() > 0  # trained, not a frozen copy
+
+
+def test_a_learned_mask_row_feeds_the_mask_slots_and_exports_as_vllms_mask_embedding(reserved_mask_target, tmp_path):
+    """The learned row replaces the target's in the mask slots only; it survives save and load,
+    exports as mask_embedding.pt (vLLM 0.32's DFlash loader: {"embedding", "mask_token_id"}, in the
+    target's dtype) outside model.safetensors and loads back as the same drafter; the export of a
+    head that reads the target's near-zero row is refused; checkpoints from before the option load."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from draftsmith.export import export_checkpoint
+
+    folder, target = reserved_mask_target
+    torch.manual_seed(0)
+    head = DFlashHead.for_target(target, str(folder), [0, 1, 2], 1, 4, 16, torch.arange(600), True)
+    with torch.no_grad():
+        head.mask_embedding.add_(torch.randn_like(head.mask_embedding))
+    ids = torch.tensor([[5, 16, 16, 16]])
+    embedded = head.embed(ids)
+    torch.testing.assert_close(embedded[0, 1:], head.mask_embedding.detach().expand(3, -1))
+    torch.testing.assert_close(embedded[0, 0], target.get_input_embeddings().weight[5])
+    head.save_pretrained(tmp_path / "ckpt")
+    loaded = DFlashHead.from_pretrained(tmp_path / "ckpt", target)
+    assert torch.equal(loaded.mask_embedding, head.mask_embedding)
+
+    export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out")
+    shipped = torch.load(tmp_path / "out" / "mask_embedding.pt", weights_only=True)
+    assert shipped["mask_token_id"] == 16 and shipped["embedding"].dtype == torch.float32
+    assert torch.equal(shipped["embedding"], head.mask_embedding.detach())
+    assert "mask_embedding" not in load_file(str(tmp_path / "out" / "model.safetensors"))
+    back = build_drafter(f"dflash:{tmp_path / 'out'}", target)
+    assert torch.equal(back.head.mask_embedding, head.mask_embedding)
+    features = torch.randn(1, 6, 3 * target.config.hidden_size)
+    with torch.no_grad():
+        outs = []
+        for model in (head.eval(), back.head):
+            cache = DynamicCache()
+            model.add_context(cache, features, torch.arange(6)[None])
+            outs.append(model(ids, torch.arange(6, 10)[None], cache, torch.ones(1, 1, 4, 10, dtype=torch.bool)))
+        torch.testing.assert_close(outs[0], outs[1])
+
+    frozen = DFlashHead.for_target(target, str(folder), [0, 1, 2], 1, 4, 16, torch.arange(600))
+    frozen.save_pretrained(tmp_path / "frozen")
+    with pytest.raises(UsageError, match=r"drafter\.mask_token_id = 16, of norm 0 .*learn_mask_embedding: true"):
+        export_checkpoint(tmp_path / "frozen", "speculators", tmp_path / "frozen-out")
+
+    config = json.loads((tmp_path / "frozen" / "config.json").read_text())
+    del config["learn_mask_embedding"]  # a checkpoint from before the option
+    (tmp_path / "frozen" / "config.json").write_text(json.dumps(config))
+    assert DFlashHead.from_pretrained(tmp_path / "frozen", target).mask_embedding is None
+
+
+@pytest.mark.slow
+def test_vllm_serves_a_learned_mask_row_from_the_export(tmp_path, monkeypatch, capfd):
+    """The real vLLM (0.32) reads the exported mask_embedding.pt: a DFlash drafter trained with a
+    learned mask row on a target whose mask row is zero passes the gate (vLLM's acceptance per
+    position matches ours), vLLM logs loading the row, and without the file (every mask slot ~0,
+    what the target's row gives, and what our engine then reads too) vLLM's acceptance falls."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.export import export_checkpoint
+    from draftsmith.export.serve_check import main as check_main
+    from draftsmith.train.dflash import main as train
+    from draftsmith.vllm_engine import why_unavailable
+
+    reason = why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    tokenizer = load_tokenizer("default")
+    folder = save_tiny_target(tmp_path / "target", tokenizer, hidden_size=128, layers=4, scale=8.0)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        target.get_input_embeddings().weight[16] = 0  # never trained, as Llama-3's reserved rows
+    target.save_pretrained(folder)
+    regenerated = tmp_path / "regenerated.jsonl"
+    data = {
+        "limit": 16,
+        "max_length": 160,
+        "held_out_fraction": 0.1,
+        "regenerate": {"enabled": True, "max_new_tokens": 64, "output": str(regenerated)},
+    }
+    drafter = {
+        "kind": "dflash",
+        "aux_layers": [0, 1, 2],
+        "num_layers": 1,
+        "block_size": 4,
+        "anchors_per_sequence": 32,
+        "draft_vocab_size": 2048,
+        "mask_token_id": 16,
+        "learn_mask_embedding": True,
+    }
+    recipe = write_recipe(
+        tmp_path,
+        folder,
+        drafter,
+        data=data,
+        learning_rate=3e-3,
+        lr_schedule="constant",
+        max_steps=300,
+        log_every=100,
+        eval_every=0,
+    )
+    checkpoint = train([str(recipe), "--output_dir", str(tmp_path / "run")]).last_checkpoint
+    prompts = tmp_path / "prompts.jsonl"
+    with prompts.open("w") as out:
+        for line in regenerated.read_text().splitlines():
+            messages = json.loads(line)["messages"]
+            out.write(json.dumps({"prompt": next(m["content"] for m in messages if m["role"] == "user")}) + "\n")
+    export_checkpoint(checkpoint, "speculators", tmp_path / "out")
+    assert (tmp_path / "out" / "mask_embedding.pt").is_file()
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    results = {}
+    for name in ("learned", "without"):
+        folder_out = tmp_path / "out" if name == "learned" else tmp_path / "without"
+        if name == "without":
+            shutil.copytree(tmp_path / "out", folder_out)
+            (folder_out / "mask_embedding.pt").unlink()
+            config = json.loads((folder_out / "config.json").read_text())  # ours reads the target's row too
+            config["draftsmith_export"]["config"]["learn_mask_embedding"] = False
+            (folder_out / "config.json").write_text(json.dumps(config))
+        capfd.readouterr()
+        try:
+            check_main([str(folder_out), "--prompts", str(prompts), "--limit", "4", "--max-new-tokens", "32"])
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+        log = capfd.readouterr()
+        results[name] = (code, json.loads((folder_out / "serve_check.json").read_text()), log.out + log.err)
+    code, result, log = results["learned"]
+    assert "Loaded DFlash mask embedding for mask_token_id 16 from mask_embedding.pt" in log
+    assert code == 0 and result["passed"] and result["same_output"] is True, result
+    assert result["positions"][0]["ours"] > 0.1 and result["positions"][0]["vllm"] > 0.1, result["positions"]
+    code, without, log = results["without"]
+    assert "Loaded DFlash mask embedding" not in log
+    assert without["positions"][0]["vllm"] < result["positions"][0]["vllm"] / 2, (without["positions"], result)

@@ -1,5 +1,5 @@
-"""DFlash drafting: one pass over ``[last token, MASK x (block_size - 1)]`` drafts a chain of up to block_size - 1
-tokens.
+"""DFlash drafting: one pass over ``[last token, MASK x K]`` drafts a chain of K <= block_size - 1 tokens
+(vLLM's layout: 1 + ``num_speculative_tokens`` query slots, v1/worker/gpu/spec_decode/dflash/speculator.py).
 
 The drafter's cache holds the injected context: the keys and values of the target's fused layers
 at every verified position (added as the target verifies them, through
@@ -50,9 +50,11 @@ class DFlashDrafter(Drafter):
         depth = min(self.depth, context.max_tokens)
         if depth < 1:
             return TokenTree()
-        # The whole trained block even when fewer tokens are drafted: its slots attend to each other
-        # both ways, so a shorter block would change every slot's output.
-        block = self.head.block_size
+        # [anchor, MASK x K] for the configured K even where fewer tokens are wanted (the output's end):
+        # the slots attend to each other both ways, so the block's length changes every slot's output,
+        # and vLLM always runs 1 + num_speculative_tokens slots. K < block_size - 1 is therefore a
+        # shorter block than training ran, measured as vLLM serves it.
+        block = self.depth + 1
         ids = torch.full((1, block), self.head.mask_token_id, dtype=torch.long, device=param.device)
         ids[0, 0] = context.tokens[-1]  # the anchor sits right after the context
         positions = torch.arange(self._length, self._length + block, device=param.device)[None]
