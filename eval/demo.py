@@ -1,6 +1,6 @@
-"""The main job: train an EAGLE head for the bundled SmolLM2 target on ShareGPT, then benchmark it
-on MT-bench against plain decoding and prompt lookup, and print the acceptance table and the wall
-time of every stage.
+"""The main job: train a drafter for the bundled SmolLM2 target on ShareGPT (the kind its recipe's
+``drafter.kind`` names: an EAGLE head by default), then benchmark it on MT-bench against plain
+decoding and prompt lookup, and print the acceptance table and the wall time of every stage.
 
     python eval/demo.py                      # what `make demo` runs
     python eval/demo.py --train-minutes 10 --per-category 2 --max-new-tokens 256
@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
+from draftsmith.config import RecipeError
 from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.eval.run import main as eval_main
+from draftsmith.kinds import for_recipe
+from draftsmith.plugins import register_builtin
 from draftsmith.timing import stage_table
-from draftsmith.train.eagle import main as train_main
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-eagle-demo.yaml"
 
@@ -29,7 +33,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-eagle-demo.y
 def main(argv: list[str] | None = None) -> dict:
     """Train, benchmark, print the table and the stage times; returns the benchmark summary."""
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", default=str(RECIPE), help="EAGLE recipe to train")
+    parser.add_argument("--recipe", default=str(RECIPE), help="recipe of the drafter to train (any trainable kind)")
     parser.add_argument("--out-dir", default="runs/demo", help="training output (the head: OUT_DIR/checkpoint-final)")
     parser.add_argument("--results", default="results/demo", help="benchmark output folder")
     parser.add_argument("--train-minutes", type=float, default=None, help="training budget (default: the recipe's)")
@@ -40,7 +44,9 @@ def main(argv: list[str] | None = None) -> dict:
     overrides = ["--output_dir", args.out_dir, "--target.dtype", args.dtype, *train_overrides]
     if args.train_minutes is not None:
         overrides += ["--training.max_minutes", str(args.train_minutes)]
-    trainer = train_main([args.recipe, *overrides])
+    register_builtin()
+    kind = for_recipe(_recipe_kind(args.recipe), f"{args.recipe}: drafter.kind")
+    trainer = kind.training.main([args.recipe, *overrides])
     summary = eval_main(
         [
             "--target",
@@ -56,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
             "--temperature",
             "0",
             "--drafter",
-            f"eagle:{trainer.last_checkpoint}",
+            f"{kind.name}:{trainer.last_checkpoint}",
             "--drafter",
             "prompt_lookup",
             "--out",
@@ -65,6 +71,14 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(f"\nwall time per stage:\n{stage_table()}")
     return summary
+
+
+def _recipe_kind(path: str) -> str:
+    """The recipe's ``drafter.kind`` (the trainer then reads and validates the whole recipe)."""
+    try:
+        return yaml.safe_load(Path(path).read_text())["drafter"]["kind"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as error:
+        raise RecipeError(f"{path}: no readable drafter.kind ({error}); give a training recipe") from None
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from cli_helpers import assert_user_error
 from draftsmith.config import load_recipe
 from draftsmith.data_prep.regenerate import main as regenerate_main
 from draftsmith.errors import UserError, report_user_errors
+from draftsmith.eval.demo import main as demo_main
 from draftsmith.eval.run import main as eval_main
 from draftsmith.hub import check_hub_id
 from draftsmith.kinds import registered
@@ -74,6 +75,20 @@ def test_counts_below_one_are_refused(capsys, flag, value):
 )
 def test_bad_drafter_specs_are_one_line(capsys, spec, pattern):
     assert_user_error(capsys, pattern, eval_main, ["--drafter", spec])
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ("data: {}\n", r"demo\.yaml: no readable drafter\.kind"),
+        ("drafter: {kind: eagle4}\n", r"drafter\.kind 'eagle4'"),
+    ],
+)
+def test_the_main_job_names_a_recipe_without_a_trainable_kind(capsys, tmp_path, text, pattern):
+    """The main job trains whatever kind its ``--recipe`` names, and refuses one it cannot train."""
+    recipe = tmp_path / "demo.yaml"
+    recipe.write_text(text)
+    assert_user_error(capsys, pattern, demo_main, ["--recipe", str(recipe), "--out-dir", str(tmp_path / "run")])
 
 
 def test_checkpoint_of_another_kind_is_named(capsys, tmp_path):
