@@ -11,8 +11,11 @@ head's LM head (over a reduced draft vocabulary), scores the token at ``anchor +
 keeps the context keys in its cache and drops the block's after each pass.
 
 Parameter names are speculators' ``DFlashDraftModel``'s (``fc``, ``hidden_norm``, ``layers.N.*``,
-``norm``, ``lm_head``, ``d2t``, ``t2d``); the token embedding (mask row included) is the target's,
-used by reference and never saved, as speculators does.
+``norm``, ``lm_head``, ``d2t``, ``t2d``); the token embedding is the target's, used by reference and
+never saved, as speculators does. The mask slots read the target's row for ``mask_token_id`` too,
+unless the head learns its own (``learn_mask_embedding``: a ``mask_embedding`` vector, which vLLM
+0.32 reads from an export's ``mask_embedding.pt``), as it must where that row was never trained
+(Llama-3's reserved tokens: near zero, :func:`weak_mask_row`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,26 @@ from draftsmith.heads.vocab import d2t_for
 from draftsmith.target import target_record
 
 KIND = "dflash"
+WEAK_MASK_ROW = 0.05  # a mask row under this fraction of the table's median row norm was never trained
+
+
+def weak_mask_row(embedding: torch.Tensor, mask_token_id: int) -> tuple[float, float] | None:
+    """``(row norm, median row norm)`` when ``embedding``'s row for the mask token is near zero
+    (under :data:`WEAK_MASK_ROW` of the table's median row norm: an untrained reserved token, every
+    mask slot entering layer 0 as ~0), else None."""
+    norms = embedding.detach().float().norm(dim=-1)
+    row, median = float(norms[mask_token_id]), float(norms.median())
+    return (row, median) if row < WEAK_MASK_ROW * median else None
+
+
+def initial_mask_embedding(embedding: torch.Tensor, mask_token_id: int) -> torch.Tensor:
+    """A learned mask row's start: the target's row, or where that is near zero the table's mean
+    row scaled to the median row norm."""
+    table = embedding.detach().float()
+    if weak_mask_row(table, mask_token_id) is None:
+        return table[mask_token_id].clone()
+    mean = table.mean(0)
+    return mean * table.norm(dim=-1).median() / mean.norm().clamp(min=1e-12)
 
 
 def draft_config(target_config: PretrainedConfig, num_layers: int) -> Qwen3Config:
@@ -70,6 +93,7 @@ class DFlashHead(Fp32RotaryMixin, Head):
         mask_token_id: int,
         d2t: torch.Tensor,
         target_info: dict | None = None,
+        learn_mask_embedding: bool = False,
     ):
         super().__init__(target_config.vocab_size, target_info)
         self.config = config = draft_config(target_config, num_layers)
@@ -82,6 +106,8 @@ class DFlashHead(Fp32RotaryMixin, Head):
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, d2t.numel(), bias=False)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        # The mask slots' input when learned (else the target's row for mask_token_id).
+        self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if learn_mask_embedding else None
         self.keep_vocab_maps(d2t)
         self.depth_accuracy: list[float] | None = None  # held-out top-1 of block slots 1, 2, ...
 
@@ -106,6 +132,15 @@ class DFlashHead(Fp32RotaryMixin, Head):
             keys = keys * cos.unsqueeze(1) + rotate_half(keys) * sin.unsqueeze(1)
             cache.update(keys, values, attention.layer_idx)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The block's inputs: the target's embedding, the mask slots replaced by the learned row if
+        there is one (as vLLM's ``embed_input_ids`` does with ``mask_embedding.pt``)."""
+        hidden = self.target.get_input_embeddings()(input_ids).to(self.fc.weight.dtype)
+        if self.mask_embedding is None:
+            return hidden
+        is_mask = (input_ids == self.mask_token_id)[..., None]
+        return torch.where(is_mask, self.mask_embedding.to(hidden.dtype), hidden)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -122,7 +157,7 @@ class DFlashHead(Fp32RotaryMixin, Head):
         does, inside this call, so a wrapped head (DDP, ZeRO-3) gathers and reduces ``fc``."""
         if context is not None:
             self.add_context(past_key_values, context, context_positions)
-        hidden = self.target.get_input_embeddings()(input_ids).to(self.fc.weight.dtype)
+        hidden = self.embed(input_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
             hidden = layer(
@@ -146,9 +181,11 @@ class DFlashHead(Fp32RotaryMixin, Head):
         block_size: int,
         mask_token_id: int,
         draft_vocab: torch.Tensor | None = None,
+        learn_mask_embedding: bool = False,
     ) -> DFlashHead:
         """A fresh head for ``target``: random layers, the LM head starting as the target's rows for
-        the draft vocabulary (None: the full vocabulary) and the final norm as the target's."""
+        the draft vocabulary (None: the full vocabulary), the final norm as the target's and a learned
+        mask row (``learn_mask_embedding``) as :func:`initial_mask_embedding`."""
         layers = target.config.num_hidden_layers
         aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(layers), layers)
         head = cls(
@@ -159,8 +196,12 @@ class DFlashHead(Fp32RotaryMixin, Head):
             mask_token_id,
             d2t_for(draft_vocab, target.config.vocab_size),
             target_record(target, target_name),
+            learn_mask_embedding,
         )
         head.copy_target_scoring(target)
+        if head.mask_embedding is not None:
+            with torch.no_grad():
+                head.mask_embedding.copy_(initial_mask_embedding(target.get_input_embeddings().weight, mask_token_id))
         return head.bound_to(target)
 
     def checkpoint_config(self) -> dict:
@@ -169,6 +210,7 @@ class DFlashHead(Fp32RotaryMixin, Head):
             "num_layers": len(self.layers),
             "block_size": self.block_size,
             "mask_token_id": self.mask_token_id,
+            "learn_mask_embedding": self.mask_embedding is not None,
             "draft_vocab_size": int(self.d2t.numel()),
             "depth_accuracy": self.depth_accuracy,
             "target": self.target_info,
@@ -186,6 +228,7 @@ class DFlashHead(Fp32RotaryMixin, Head):
             config["mask_token_id"],
             state["d2t"],
             config["target"],
+            config.get("learn_mask_embedding", False),  # older checkpoints: the target's row
         )
         head.depth_accuracy = config.get("depth_accuracy")
         return head

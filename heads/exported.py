@@ -22,6 +22,9 @@ from draftsmith.errors import CheckpointError
 # folder's config.json, so the engine can load the export back (see :mod:`draftsmith.export`).
 EXPORT_KEY = "draftsmith_export"
 SPECULATORS_EMBED = "embed_tokens.weight"  # the target's embedding, shipped in speculators folders
+# A DFlash drafter's learned mask row: vLLM 0.32 reads this file beside a dflash export
+# (qwen3_dflash.py, DFlashQwen3ForCausalLM._read_mask_embedding: {"embedding", "mask_token_id"}).
+DFLASH_MASK_EMBEDDING = "mask_embedding.pt"
 SGLANG_ARCHITECTURES = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
 SGLANG_HOT_TOKEN_MAP = "hot_token_map.pt"  # an EAGLE-1 head's draft vocabulary, for SGLang
 MEDUSA_HEADS_FILE = "medusa_lm_head.pt"  # the official Medusa layout's weights
@@ -47,6 +50,10 @@ def _speculators_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
     # EAGLE-3's, the one kind with a mask token and a table, is its own, trained.
     if "mask_token_id" not in config:
         tensors.pop(SPECULATORS_EMBED, None)
+    mask = folder / DFLASH_MASK_EMBEDDING
+    if mask.is_file():
+        row = torch.load(mask, weights_only=True)  # vLLM takes a bare tensor too
+        tensors["mask_embedding"] = (row["embedding"] if isinstance(row, dict) else row).reshape(-1)
     if "d2t" not in tensors:  # full draft vocabulary: the identity maps
         vocab = config["transformer_layer_config"]["vocab_size"]
         tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)

@@ -406,11 +406,12 @@ def test_a_learned_mask_row_feeds_the_mask_slots_and_exports_as_vllms_mask_embed
 
 
 @pytest.mark.slow
-def test_vllm_serves_a_learned_mask_row_from_the_export(tmp_path, monkeypatch, capfd):
+def test_vllm_serves_a_learned_mask_row_from_the_export(tmp_path):
     """The real vLLM (0.32) reads the exported mask_embedding.pt: a DFlash drafter trained with a
-    learned mask row on a target whose mask row is zero passes the gate (vLLM's acceptance per
-    position matches ours), vLLM logs loading the row, and without the file (every mask slot ~0,
-    what the target's row gives, and what our engine then reads too) vLLM's acceptance falls."""
+    learned mask row on a target whose mask row is zero is served as our engine drafts it (the
+    gate: vLLM's acceptance per position within the margin of ours, or too few drafts to tell; none
+    differ), and the same export without the file (vLLM then feeds every mask slot the target's
+    zero row) is accepted nowhere and fails the gate."""
     import json
     import shutil
 
@@ -466,28 +467,23 @@ def test_vllm_serves_a_learned_mask_row_from_the_export(tmp_path, monkeypatch, c
             out.write(json.dumps({"prompt": next(m["content"] for m in messages if m["role"] == "user")}) + "\n")
     export_checkpoint(checkpoint, "speculators", tmp_path / "out")
     assert (tmp_path / "out" / "mask_embedding.pt").is_file()
-    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
     results = {}
     for name in ("learned", "without"):
         folder_out = tmp_path / "out" if name == "learned" else tmp_path / "without"
         if name == "without":
             shutil.copytree(tmp_path / "out", folder_out)
             (folder_out / "mask_embedding.pt").unlink()
-            config = json.loads((folder_out / "config.json").read_text())  # ours reads the target's row too
-            config["draftsmith_export"]["config"]["learn_mask_embedding"] = False
-            (folder_out / "config.json").write_text(json.dumps(config))
-        capfd.readouterr()
         try:
             check_main([str(folder_out), "--prompts", str(prompts), "--limit", "4", "--max-new-tokens", "32"])
             code = 0
         except SystemExit as exit:
             code = exit.code
-        log = capfd.readouterr()
-        results[name] = (code, json.loads((folder_out / "serve_check.json").read_text()), log.out + log.err)
-    code, result, log = results["learned"]
-    assert "Loaded DFlash mask embedding for mask_token_id 16 from mask_embedding.pt" in log
-    assert code == 0 and result["passed"] and result["same_output"] is True, result
-    assert result["positions"][0]["ours"] > 0.1 and result["positions"][0]["vllm"] > 0.1, result["positions"]
-    code, without, log = results["without"]
-    assert "Loaded DFlash mask embedding" not in log
-    assert without["positions"][0]["vllm"] < result["positions"][0]["vllm"] / 2, (without["positions"], result)
+        results[name] = (code, json.loads((folder_out / "serve_check.json").read_text()))
+    code, result = results["learned"]
+    assert result["same_output"] is True and result["verdict"] in ("passed", "inconclusive"), result
+    assert all(position["verdict"] != "failed" for position in result["positions"]), result["positions"]
+    first = result["positions"][0]
+    assert first["verdict"] == "passed" and first["vllm"] > 0.5, result["positions"]
+    code, without = results["without"]
+    assert code != 0 and without["verdict"] == "failed", without
+    assert all(position["vllm_accepted"] == 0 for position in without["positions"]), without["positions"]

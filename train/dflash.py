@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
+from draftsmith.config import RecipeError
 from draftsmith.data_prep.dataset import pad_batch
-from draftsmith.heads.dflash import DFlashHead
+from draftsmith.heads.dflash import DFlashHead, weak_mask_row
 from draftsmith.heads.vocab import mask_token_for
 from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
 from draftsmith.train.cli import run_training
@@ -54,6 +55,9 @@ class DFlashDrafterConfig(DrafterConfig):
     dpace_alpha: float = 0.5  # D-PACE: a slot's survival is (1 - alpha) exp(-loss) + alpha
     draft_vocab_size: int | None = 8192  # the N most frequent tokens of the training replies; null: all
     mask_token_id: int | None = None  # null: the tokenizer's mask token, else a special token absent from the data
+    # Learn the mask slots' input row (exported as mask_embedding.pt, which vLLM 0.32 reads) instead of
+    # reading the target's frozen row, which training refuses where it is near zero (never trained).
+    learn_mask_embedding: bool = False
     out_of_vocab_targets: Literal["mask", "renormalise"] = "mask"  # as EAGLE-3's
     features: Literal["online", "offline"] = "online"
     features_dir: str | None = None
@@ -232,8 +236,23 @@ class DFlashTask:
         """A fresh drafter for ``target`` as ``recipe.drafter`` describes it."""
         drafter = recipe.drafter
         mask = mask_token_for(drafter.mask_token_id, tokenizer, train_set, len(tokenizer))
+        weak = weak_mask_row(target.get_input_embeddings().weight, mask)
+        if weak is not None and not drafter.learn_mask_embedding:
+            raise RecipeError(
+                f"drafter.mask_token_id = {mask}: the target's embedding row for it has norm {weak[0]:.3g}, "
+                f"near zero beside the table's median row norm {weak[1]:.3g} (a token never trained), so every "
+                "mask slot would enter the drafter as zeros; set drafter.learn_mask_embedding: true "
+                "(exported as mask_embedding.pt, which vLLM reads) or choose another drafter.mask_token_id"
+            )
         return DFlashHead.for_target(
-            target, recipe.target.name, drafter.aux_layers, drafter.num_layers, drafter.block_size, mask, draft_vocab
+            target,
+            recipe.target.name,
+            drafter.aux_layers,
+            drafter.num_layers,
+            drafter.block_size,
+            mask,
+            draft_vocab,
+            drafter.learn_mask_embedding,
         )
 
     collate = staticmethod(pad_batch)
