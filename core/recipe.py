@@ -99,6 +99,9 @@ class TrainingConfig:
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     num_workers: int = 0  # DataLoader workers
     group_by_length: bool = True  # batch sequences of similar length (less padding); the batches' order stays random
+    # pack whole conversations into batch_size rows of data.max_length tokens, attention stopping at each one's
+    # boundary (no padding but each row's tail; group_by_length is then moot); the batches' order stays random
+    packing: bool = False
     # wall-clock budget of the training loop: the schedule runs to its end by then (null: none)
     max_minutes: float | None = None
     stop_after_steps: int | None = None  # end this invocation early (time-sliced jobs); resume later

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from draftsmith.assets import asset_path, cache_root
 from draftsmith.atomic import staged
 from draftsmith.data_prep.chat import tokenize_conversation
+from draftsmith.data_prep.packing import pack_batch
 from draftsmith.data_prep.sharegpt import BUNDLED, DataError, load_conversations
 from draftsmith.recipe import DataConfig
 
@@ -171,9 +172,12 @@ def _load(folder: Path, cfg: DataConfig, verbose: bool) -> datasets.DatasetDict:
     return dataset
 
 
-def pad_batch(rows: list[dict]) -> dict:
+def pad_batch(rows: list[dict] | list[list[dict]]) -> dict:
     """Right-pad tokenised rows (``input_ids``, ``loss_mask`` and, when present, cached features
-    ``hidden`` and ``aux``) into a batch with an ``attention_mask``."""
+    ``hidden`` and ``aux``) into a batch with an ``attention_mask``; packed rows (lists of such
+    rows, ``training.packing``) into a packed batch (:func:`~draftsmith.data_prep.packing.pack_batch`)."""
+    if isinstance(rows[0], list):
+        return pack_batch(rows)
     longest = max(len(r["input_ids"]) for r in rows)
     batch = {
         "input_ids": torch.zeros(len(rows), longest, dtype=torch.long),

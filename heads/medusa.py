@@ -31,8 +31,10 @@ def rank_accuracy(top_k_accuracy: list[list[float]]) -> list[list[float]]:
 
 
 def head_positions(batch: dict, num_heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per head k: flat indices of positions i whose label (token i+k+2) is an assistant token, and those labels."""
+    """Per head k: flat indices of positions i whose label (token i+k+2) is an assistant token of
+    the same conversation (a packed batch's ``attention_mask`` holds each token's conversation), and those labels."""
     ids, mask = batch["input_ids"], batch["loss_mask"]
+    segments = batch.get("attention_mask", torch.ones_like(ids))
     n = ids.shape[1]
     positions, labels = [], []
     for k in range(num_heads):
@@ -40,7 +42,7 @@ def head_positions(batch: dict, num_heads: int) -> tuple[list[torch.Tensor], lis
         valid = torch.zeros_like(mask)
         shifted = torch.zeros_like(ids)
         if n > shift:
-            valid[:, : n - shift] = mask[:, shift:]
+            valid[:, : n - shift] = mask[:, shift:] & (segments[:, shift:] == segments[:, : n - shift])
             shifted[:, : n - shift] = ids[:, shift:]
         index = valid.flatten().nonzero().squeeze(1)
         positions.append(index)

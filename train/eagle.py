@@ -20,6 +20,7 @@ import torch
 
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.data_prep.features import training_sets
+from draftsmith.data_prep.packing import target_inputs
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
@@ -90,7 +91,7 @@ class EagleTask:
         if "hidden" in batch:
             return batch["hidden"]
         decoder = self.target.get_decoder()
-        return decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        return decoder(**target_inputs(batch)).last_hidden_state
 
     def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
         features = self.target_features(batch)

@@ -159,6 +159,7 @@ class Eagle3Task:
             self.cfg.ttt_steps,
             self.cfg.down_sample_ratio,
             self.cfg.down_sample_ratio_min,
+            batch["attention_mask"],
         )
 
     finalise_metrics = staticmethod(depth_rates)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from draftsmith.data_prep.features import training_sets
+from draftsmith.data_prep.packing import target_inputs
 from draftsmith.heads.eagle3 import check_aux_layers
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DataConfig, Recipe, RegenerateConfig
@@ -30,9 +31,7 @@ def fused_target_features(target, aux_layers: list[int], batch: dict) -> tuple[t
     (what its LM head reads), from the batch (offline features) or computed."""
     if "aux" in batch:
         return batch["aux"], batch["hidden"]
-    out = target.get_decoder()(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
-    )
+    out = target.get_decoder()(**target_inputs(batch), output_hidden_states=True)
     aux = torch.cat([out.hidden_states[layer] for layer in aux_layers], dim=-1)
     return aux, out.last_hidden_state
 

@@ -36,7 +36,7 @@ from draftsmith.train.checkpoints import (
     state_dir,
 )
 from draftsmith.train.distributed import make_accelerator, start_tracker
-from draftsmith.train.ordering import epoch_loader, sequence_lengths
+from draftsmith.train.ordering import epoch_items, epoch_loader, sequence_lengths
 
 LOG_HISTORY = "log_history.jsonl"  # every logged metrics dict, a JSON line each
 
@@ -117,11 +117,10 @@ class Trainer:
         self.accelerator = make_accelerator(recipe)
         set_seed(recipe.training.seed)
         t = recipe.training
-        # Per process (Accelerate evens batches out); it also steps the optimiser at the end of
-        # every epoch, after a short last group of micro-batches: ceil, not floor.
-        micro_batches = math.ceil(len(train_data) / t.batch_size / self.accelerator.num_processes)
-        self.steps_per_epoch = math.ceil(micro_batches / t.gradient_accumulation_steps)
-        self.max_steps = t.max_steps or self.steps_per_epoch * t.num_epochs
+        self._lengths = sequence_lengths(train_data) if t.group_by_length or t.packing else None
+        if t.packing and self._lengths is None:
+            raise ValueError("training.packing needs tokenised rows (input_ids); this drafter's data has none")
+        self.max_steps = t.max_steps or sum(self._steps_in_epoch(e) for e in range(t.num_epochs))
         if hasattr(task, "param_groups"):
             groups = [dict(g) for g in task.param_groups()]
         else:
@@ -146,13 +145,21 @@ class Trainer:
         # A new scheduler, so that the first optimiser step already uses these factors.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
         # DeepSpeed reads the micro-batch size from a prepared dataloader; give it one.
-        self._lengths = sequence_lengths(train_data) if t.group_by_length else None
         probe = epoch_loader(train_data, task.collate, recipe, 0, self._lengths)
         self.model, self.optimizer, self.scheduler, _ = self.accelerator.prepare(
             task.model, optimizer, scheduler, probe
         )
         self._pending_tokens = 0.0  # this process's loss tokens not yet summed into state.tokens
         self.history: list[dict] = []  # every logged metrics dict, with its step
+
+    def _steps_in_epoch(self, epoch: int) -> int:
+        """Optimiser steps of ``epoch``: per process (Accelerate evens batches out), and it also steps
+        the optimiser at the end of every epoch, after a short last group of micro-batches: ceil, not
+        floor. Packed epochs hold as many rows as their packing gives (it varies with the epoch)."""
+        t = self.recipe.training
+        items = len(epoch_items(self.train_data, self.recipe, epoch, self._lengths) if t.packing else self.train_data)
+        micro_batches = math.ceil(items / t.batch_size / self.accelerator.num_processes)
+        return math.ceil(micro_batches / t.gradient_accumulation_steps)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self, name: str, extra_state: dict | None = None) -> Path:

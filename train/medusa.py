@@ -25,6 +25,7 @@ from torch import nn
 
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.data_prep.features import training_sets
+from draftsmith.data_prep.packing import same_segment, target_inputs
 from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, head_positions, top_k_hits
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
@@ -105,12 +106,9 @@ class JointMedusa(nn.Module):
         super().__init__()
         self.target, self.heads = target, heads
 
-    def forward(self, input_ids, attention_mask, positions):
-        hidden = (
-            self.target.get_base_model()
-            .get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
-            .last_hidden_state
-        )
+    def forward(self, inputs: dict, positions):
+        """``inputs``: the target's forward arguments (:func:`~draftsmith.data_prep.packing.target_inputs`)."""
+        hidden = self.target.get_base_model().get_decoder()(**inputs).last_hidden_state
         return hidden, self.heads(hidden, positions)
 
 
@@ -162,16 +160,14 @@ class MedusaTask:
         positions, labels = head_positions(batch, self.cfg.num_heads)
         metrics: dict[str, float] = {}
         if self.cfg.lora.enabled:
-            hidden, head_logits = model(batch["input_ids"], batch["attention_mask"], positions)
+            hidden, head_logits = model(target_inputs(batch), positions)
             target_loss = self._target_loss(hidden, batch, metrics)
         else:
             with torch.no_grad():
                 hidden = (
                     batch["hidden"]
                     if "hidden" in batch
-                    else self.target.get_decoder()(
-                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                    ).last_hidden_state
+                    else self.target.get_decoder()(**target_inputs(batch)).last_hidden_state
                 )
             head_logits = model(hidden.to(next(self.heads.parameters()).dtype), positions)
             target_loss = None
@@ -198,7 +194,7 @@ class MedusaTask:
     def _target_loss(self, hidden: torch.Tensor, batch: dict, metrics: dict) -> torch.Tensor:
         """How far the tuned target moved, on assistant positions (next-token predictions)."""
         mask = torch.zeros_like(batch["loss_mask"])
-        mask[:, :-1] = batch["loss_mask"][:, 1:]
+        mask[:, :-1] = batch["loss_mask"][:, 1:] & same_segment(batch["attention_mask"], 1)  # within a conversation
         rows = hidden[mask]
         lm_head = self.target.get_output_embeddings()
         # fp32 LoRA adapters can lift the tuned hidden states out of the target's dtype.
@@ -210,11 +206,7 @@ class MedusaTask:
             reference = None
         else:
             with torch.no_grad(), self.target.disable_adapter():
-                base = (
-                    self.target.get_base_model()
-                    .get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-                    .last_hidden_state
-                )
+                base = self.target.get_base_model().get_decoder()(**target_inputs(batch)).last_hidden_state
                 reference = lm_head(base[mask].to(lm_head.weight.dtype)).float()
             loss = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum")
         metrics["target/tokens"] = float(rows.shape[0])

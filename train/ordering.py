@@ -1,4 +1,4 @@
-"""The order of training rows: a seeded permutation per epoch, grouped by length when asked.
+"""The order of training rows: a seeded permutation per epoch, grouped by length or packed when asked.
 
 The order depends only on the seed and the epoch, so a resumed run skips exactly the batches an
 uninterrupted one consumed.
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
+from draftsmith.data_prep.packing import epoch_rows
 from draftsmith.recipe import Recipe
 
 GROUP_WINDOW = 32  # batches whose sequences are sorted together by length (HF's length-grouped sampler uses 50)
@@ -49,15 +50,38 @@ def epoch_order(size: int, batch: int, seed: int, lengths: list[int] | None = No
     return [i for b in [batches[j] for j in rng.permutation(len(batches))] + partial for i in b]
 
 
+class PackedRows(Dataset):
+    """Item i: the conversations of packed row ``rows[i]`` (a list of ``dataset``'s rows)."""
+
+    def __init__(self, dataset, rows: list[list[int]]):
+        self.dataset, self.rows = dataset, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> list:
+        return [self.dataset[i] for i in self.rows[index]]
+
+
+def epoch_items(dataset, recipe: Recipe, epoch: int, lengths: list[int] | None = None) -> Dataset:
+    """The epoch's items in training order, ``training.batch_size`` a batch: rows of ``dataset``
+    (grouped by length with ``lengths``), or with ``training.packing`` packed rows of them
+    (:func:`draftsmith.data_prep.packing.epoch_rows`, ``lengths`` then required)."""
+    t, seed = recipe.training, recipe.training.seed + epoch
+    if t.packing:
+        return PackedRows(dataset, epoch_rows(len(dataset), lengths, recipe.data.max_length, t.batch_size, seed))
+    return Subset(dataset, epoch_order(len(dataset), t.batch_size, seed, lengths))
+
+
 def epoch_loader(dataset, collate, recipe: Recipe, epoch: int, lengths: list[int] | None = None) -> DataLoader:
     """The epoch's loader of batches padded by ``collate``; with ``lengths`` (``training.group_by_length``),
-    batches of similar lengths."""
-    order = epoch_order(len(dataset), recipe.training.batch_size, recipe.training.seed + epoch, lengths)
+    batches of similar lengths; with ``training.packing``, batches of packed rows (``collate`` gets
+    lists of conversations)."""
     # Its own generator: creating an iterator then draws its worker seed from it, not from the
     # global RNG, so a resumed run consumes the global RNG exactly as an uninterrupted one.
     generator = torch.Generator().manual_seed(recipe.training.seed + epoch)
     return DataLoader(
-        Subset(dataset, order),
+        epoch_items(dataset, recipe, epoch, lengths),
         batch_size=recipe.training.batch_size,
         shuffle=False,
         collate_fn=collate,

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from draftsmith.data_prep.packing import block_causal_mask, head_segments, same_segment, segment_positions
+
 
 @dataclass
 class UnrollLoss:
@@ -50,11 +52,12 @@ UNROLLED_ATTENTION = "draftsmith_unrolled"
 def pass_mask(padding: torch.Tensor, step: int) -> torch.Tensor:
     """Boolean ``[b, 1, n, (step + 1) n]`` mask of pass ``step`` over the keys of passes 0..step
     (the head turns it into an additive mask in its own dtype). With :func:`unrolled_attention`
-    only the first block (``step=0``: causal over the real tokens) is given."""
+    only the first block (``step=0``: causal over the real tokens of the query's own conversation)
+    is given. ``padding`` ``[b, n]``: the head positions' segments (:func:`head_segments`; 0 on
+    padding, which sees earlier padding only)."""
     batch, n = padding.shape
     eye = torch.eye(n, dtype=torch.bool, device=padding.device)
-    causal = torch.ones(n, n, dtype=torch.bool, device=padding.device).tril()
-    first = causal[None] & padding.bool()[:, None, :]
+    first = block_causal_mask(padding)[:, 0]
     return torch.cat([first] + [eye.expand(batch, n, n)] * step, dim=-1)[:, None]
 
 
@@ -122,22 +125,24 @@ def unroll(
 ) -> list[torch.Tensor]:
     """The head's outputs ``[b, n, h]`` for passes ``0..steps-1``.
 
-    ``input_ids`` ``[b, L]`` and ``features`` ``[b, L - 1, d]`` (the target's, paired with the
-    next token); ``padding`` ``[b, L]`` is 1 on real tokens. Pass j>0 feeds the previous outputs
-    back as the head's ``feedback`` input (its ``feedback_input``: ``head`` may be wrapped for
-    DDP) with the tokens shifted j places left; ``detach`` stops gradients through the fed-back
-    outputs (HASS), else later passes also train the earlier ones (EAGLE-3's training-time test). Attention runs as
-    :func:`unrolled_attention`, except for heads whose layers soft-cap attention logits (Gemma-2: eager attention over
-    the dense :func:`pass_mask`). With ``parallel`` (P-EAGLE) pass j>0 reads the head's mask token and
-    mask feature instead, so no pass depends on another's output: the layout one drafting pass sees.
-    ``chains`` (chain sampling, :func:`chain_sample`) runs pass j>0 on pass j's sampled positions
-    only, fed (sequential unroll) the previous pass's outputs there; the other rows of its output are
-    zeros (no loss may read them).
+    ``input_ids`` ``[b, L]`` and ``features`` ``[b, L - 1, d]`` (the target's, paired with the next
+    token); ``padding`` ``[b, L]`` is 1 on real tokens, or a packed batch's segment ids
+    (:mod:`draftsmith.data_prep.packing`): attention and positions then stop at each conversation. Pass
+    j>0 feeds the previous outputs back as the head's ``feedback`` input (its ``feedback_input``:
+    ``head`` may be wrapped for DDP) with the tokens shifted j places left; ``detach`` stops gradients
+    through the fed-back outputs (HASS), else later passes also train the earlier ones (EAGLE-3's
+    training-time test). Attention runs as :func:`unrolled_attention`, except for heads whose layers
+    soft-cap attention logits (Gemma-2: eager attention over the dense :func:`pass_mask`). With
+    ``parallel`` (P-EAGLE) pass j>0 reads the head's mask token and mask feature instead, so no pass
+    depends on another's output: the layout one drafting pass sees. ``chains`` (chain sampling,
+    :func:`chain_sample`) runs pass j>0 on pass j's sampled positions only, fed (sequential unroll) the
+    previous pass's outputs there; the other rows of its output are zeros (no loss may read them).
     """
-    tokens, padding = input_ids[:, 1:], padding[:, 1:]
+    # Head position t reads token t's feature and token t + 1: a pair of one conversation (packed
+    # rows hold several; ``padding`` holds their segment ids), at token t's position within it.
+    tokens, positions, padding = input_ids[:, 1:], segment_positions(padding)[:, :-1], head_segments(padding)
     batch, n = tokens.shape
     cache = DynamicCache()
-    positions = torch.arange(n, device=tokens.device).expand(batch, n)
     outputs: list[torch.Tensor] = []
     inputs = {"features": features}
     config = getattr(head, "module", head).config
@@ -155,7 +160,7 @@ def unroll(
                     ids = tokens.gather(1, later.clamp(max=n - 1)).masked_fill(later >= n, 0)
                     fed = {feedback: outputs[-1].gather(1, own[:, :, None].expand(-1, -1, outputs[-1].shape[-1]))}
                     fed = {key: value.detach() if detach else value for key, value in fed.items()}
-                outputs.append(_sampled_pass(head, chains[:step], padding, step, cache, ids, fed))
+                outputs.append(_sampled_pass(head, chains[:step], padding, positions, step, cache, ids, fed))
                 continue
             if parallel and step:
                 shifted, inputs = torch.full_like(tokens, getattr(head, "module", head).mask_token_id), {}
@@ -191,7 +196,9 @@ class Chains:
         )
 
 
-def chain_sample(supervised: torch.Tensor, steps: int, ratio: float, floor: float) -> list[Chains]:
+def chain_sample(
+    supervised: torch.Tensor, steps: int, ratio: float, floor: float, segments: torch.Tensor | None = None
+) -> list[Chains]:
     """P-EAGLE's chain (COD) sampling for passes ``1..steps-1``: pass j trains the drafts at depth
     j + 1 of a random ``max(ratio ** j, floor)`` share of the positions whose depth-(j + 1) token is
     supervised, drawn among the chains pass j - 1 kept (so every sampled draft's ancestors are
@@ -199,13 +206,15 @@ def chain_sample(supervised: torch.Tensor, steps: int, ratio: float, floor: floa
     default generator (checkpointed with the run); reads back the largest row count once.
 
     ``supervised`` ``[b, n]``: whether position i's target (the token two places on) is supervised
-    (:func:`supervised_next`); pass j's position t is scored there at ``t + j``.
+    (:func:`supervised_next`); pass j's position t is scored there at ``t + j`` if that token is
+    in t's conversation (:func:`scored_rows`; ``segments`` ``[b, n + 1]``: a packed batch's
+    ``attention_mask``, None: one conversation a row).
     """
     batch, n = supervised.shape
     if steps < 2:
         return []
     shares = [max(ratio**j, floor) for j in range(1, steps)]
-    shifted = [torch.cat([supervised[:, j:], supervised.new_zeros(batch, j)], dim=1) for j in range(1, steps)]
+    shifted = [scored_rows(supervised, segments, j) for j in range(1, steps)]
     counts = torch.stack([(s.sum(-1) * share).floor().long() for s, share in zip(shifted, shares)])  # [steps-1, b]
     widths = counts.amax(-1).clamp(min=1).tolist()  # the one host sync: each pass's row width
     chains, kept = [], torch.ones_like(supervised)
@@ -220,16 +229,24 @@ def chain_sample(supervised: torch.Tensor, steps: int, ratio: float, floor: floa
 
 
 def _sampled_pass(
-    head, chains: list[Chains], padding: torch.Tensor, step: int, cache, input_ids: torch.Tensor, inputs: dict
+    head,
+    chains: list[Chains],
+    padding: torch.Tensor,
+    positions: torch.Tensor,
+    step: int,
+    cache,
+    input_ids: torch.Tensor,
+    inputs: dict,
 ) -> torch.Tensor:
     """Pass ``step`` (> 0) over its sampled chains, scattered back to ``[b, n, h]``: each query reads
     ``input_ids`` ``[b, m]`` and ``inputs`` (the previous pass's outputs at its chain; none for
     P-EAGLE's mask inputs) at its position + step and attends to the real context up to its
-    position and to its own chain's keys in passes 1..step."""
+    position in its own conversation (``padding``: the head positions' segments, as :func:`pass_mask`;
+    ``positions`` theirs within the conversation) and to its own chain's keys in passes 1..step."""
     own = chains[-1]
     batch, n = padding.shape
     context = torch.arange(n, device=padding.device)[None, None, :] <= own.positions[:, :, None]
-    blocks = [context & padding.bool()[:, None, :]]
+    blocks = [context & (padding[:, None, :] == padding.gather(1, own.positions)[:, :, None])]
     for earlier in chains[:-1]:
         blocks.append(
             (earlier.positions[:, None, :] == own.positions[:, :, None])
@@ -239,7 +256,7 @@ def _sampled_pass(
     blocks.append(torch.eye(own.positions.shape[1], dtype=torch.bool, device=padding.device).expand(batch, -1, -1))
     out = head(
         input_ids,
-        position_ids=own.positions + step,
+        position_ids=positions.gather(1, own.positions) + step,
         past_key_values=cache,
         use_cache=True,
         attention_mask=torch.cat(blocks, dim=-1)[:, None],
@@ -247,6 +264,15 @@ def _sampled_pass(
     ).last_hidden_state
     index = own.positions[:, :, None].expand_as(out)
     return out.new_zeros(batch, n, out.shape[-1]).scatter(1, index, out * own.valid[:, :, None])
+
+
+def scored_rows(supervised: torch.Tensor, segments: torch.Tensor | None, step: int) -> torch.Tensor:
+    """Boolean ``[b, n]``: position t of pass ``step`` is scored, i.e. token ``t + step + 2`` is
+    supervised (``supervised`` from :func:`supervised_next`) and of position t's conversation
+    (``segments`` ``[b, n + 1]``, a packed batch's ``attention_mask``; None: one a row)."""
+    batch = supervised.shape[0]
+    rows = torch.cat([supervised[:, step:], supervised.new_zeros(batch, step)], dim=1)
+    return rows if segments is None else rows & same_segment(segments, step + 2)
 
 
 def supervised_next(loss_mask: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
@@ -354,8 +380,8 @@ def unrolled_loss(
     sums: dict[str, torch.Tensor] = {}  # read back together at the end: one host sync for all metrics
     for step, pred in enumerate(outputs):
         n = pred.shape[1] - step
-        # Position t scores token t + step + 2 with the target's distribution at t + step + 1.
-        mask = needed[:, step : step + n]
+        # Position t scores token t + step + 2 (of its own conversation) with the target's distribution at t + step + 1.
+        mask = scored_rows(needed, padding, step)[:, :n]
         if chains is not None and step:
             mask = mask & chains[step - 1].rows(pred.shape[1])[:, :n]
         rows = row_of[:, step : step + n][mask]
