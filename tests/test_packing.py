@@ -20,11 +20,13 @@ from training_helpers import save_tiny_target, write_recipe
 
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.data_prep.packing import epoch_rows, pack_rows, segment_positions
+from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.target import load_tokenizer
+from draftsmith.train.dflash import DFlashDrafterConfig, DFlashRecipe, DFlashTask
 from draftsmith.train.eagle import EagleDrafterConfig, EagleRecipe, EagleTask
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
 from draftsmith.train.medusa import MedusaDrafterConfig, MedusaRecipe, MedusaTask
@@ -108,7 +110,15 @@ def _medusa(target):
     return MedusaTask(MedusaRecipe(drafter=MedusaDrafterConfig(num_heads=3)), target, heads)
 
 
-TASKS = {"eagle_hass": _eagle, "eagle3": _eagle3, "peagle": _peagle, "medusa": _medusa}
+def _dflash(target):
+    """Anchors at every candidate (more allowed than there are): the same blocks in both layouts."""
+    torch.manual_seed(1)
+    head = _perturbed(DFlashHead.for_target(target, "tiny", [0, 1, 2], 1, 4, 1, None))
+    drafter = DFlashDrafterConfig(aux_layers=[0, 1, 2], block_size=4, anchors_per_sequence=64, draft_vocab_size=None)
+    return DFlashTask(DFlashRecipe(drafter=drafter), target, head)
+
+
+TASKS = {"eagle_hass": _eagle, "eagle3": _eagle3, "peagle": _peagle, "medusa": _medusa, "dflash": _dflash}
 
 
 @pytest.mark.parametrize("kind", sorted(TASKS))

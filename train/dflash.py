@@ -24,6 +24,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from draftsmith.config import RecipeError
 from draftsmith.data_prep.dataset import pad_batch
+from draftsmith.data_prep.packing import same_segment, segment_positions
 from draftsmith.heads.dflash import DFlashHead, weak_mask_row
 from draftsmith.heads.vocab import mask_token_for
 from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
@@ -96,7 +97,7 @@ def sample_anchors(
     uninterrupted one would."""
     candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
     supervised = loss_mask.bool() & padding.bool()
-    candidate[:, :-1] = supervised[:, :-1] & supervised[:, 1:]
+    candidate[:, :-1] = supervised[:, :-1] & supervised[:, 1:] & same_segment(padding, 1)
     if generator is None:
         scores = torch.rand(loss_mask.shape, device=loss_mask.device)
     else:
@@ -109,9 +110,11 @@ def sample_anchors(
 
 
 def _context_rows(anchors: torch.Tensor, valid: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[b, A, L]``: the real context positions before each valid anchor."""
+    """Boolean ``[b, A, L]``: the real context positions before each valid anchor, in its own
+    conversation (``padding``: a packed batch's segment ids)."""
     context = torch.arange(padding.shape[1], device=anchors.device)[None, None, :] < anchors[:, :, None]
-    return context & padding.bool()[:, None, :] & valid[:, :, None]
+    own = padding[:, None, :] == padding.gather(1, anchors)[:, :, None]
+    return context & own & padding.bool()[:, None, :] & valid[:, :, None]
 
 
 def block_attention(anchors: torch.Tensor, valid: torch.Tensor, padding: torch.Tensor, block: int) -> torch.Tensor:
@@ -272,7 +275,10 @@ class DFlashTask:
         anchors, valid = sample_anchors(loss_mask, padding, self.cfg.anchors_per_sequence, generator)
         count = anchors.shape[1]
         offsets = torch.arange(block, device=ids.device)
-        positions = anchors[:, :, None] + offsets  # [b, A, block]
+        positions = anchors[:, :, None] + offsets  # [b, A, block]: where slot k's token lies in the row
+        # Positions within each conversation (a packed row holds several).
+        context_positions = segment_positions(padding)
+        block_positions = context_positions.gather(1, anchors)[:, :, None] + offsets
         tokens = torch.full_like(positions, model.mask_token_id)
         tokens[:, :, 0] = ids.gather(1, anchors)
         if self.block_sparse:
@@ -282,11 +288,11 @@ class DFlashTask:
         with _attention_implementation(model.config, attention):
             hidden = head(
                 tokens.flatten(1),
-                positions.flatten(1),
+                block_positions.flatten(1),
                 DynamicCache(),
                 mask,
                 context=aux,
-                context_positions=torch.arange(length, device=ids.device).expand(batch_size, length),
+                context_positions=context_positions,
             ).view(batch_size, count, block, -1)
         # Slot k >= 1 drafts token a + k, scored with the target's distribution at a + k - 1.
         labels = positions[:, :, 1:]
@@ -296,6 +302,7 @@ class DFlashTask:
             inside
             & valid[:, :, None]
             & (loss_mask.bool() & padding.bool()).gather(1, clamped.flatten(1)).view_as(labels)
+            & (padding.gather(1, clamped.flatten(1)).view_as(labels) == padding.gather(1, anchors)[:, :, None])
         )
         with torch.no_grad():
             source = (clamped - 1)[supervised]
