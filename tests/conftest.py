@@ -13,27 +13,6 @@ from draftsmith.target import load_target
 register_builtin()
 
 
-def pytest_addoption(parser):
-    parser.addoption(
-        "--device",
-        default="cpu",
-        help="default device of the tests' tensors and tiny models (e.g. cuda: the engine and trainers "
-        "on a GPU, unchanged; tests that pin the CPU, such as the bundled target's, stay there)",
-    )
-
-
-@pytest.fixture(autouse=True, scope="session")
-def default_device(pytestconfig):
-    """``--device``: the tensors and models the tests build land there (``torch.set_default_device``)."""
-    device = pytestconfig.getoption("--device")
-    if device == "cpu":  # a default-device mode costs every torch call a Python hop: none on the CPU
-        yield device
-        return
-    torch.set_default_device(device)
-    yield device
-    torch.set_default_device(None)
-
-
 @pytest.fixture(scope="session")
 def smollm2():
     """The bundled SmolLM2-135M-Instruct in fp32 on the CPU, with its tokenizer."""
