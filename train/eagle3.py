@@ -55,7 +55,8 @@ class Eagle3DrafterConfig(DrafterConfig):
     top_k_weight: float = 1.0  # weight of the top-K term
     # Chain sampling (P-EAGLE's COD): pass d >= 2 trains max(ratio ** (d - 1), ratio_min) of the positions,
     # nested (each sampled draft's ancestors are trained too) and runs on those rows only; 1: every position.
-    down_sample_ratio: float = 1.0
+    # 0.7 beat every position at equal wall time (BENCHMARKS.md, issue 33 round 2).
+    down_sample_ratio: float = 0.7
     down_sample_ratio_min: float = 0.2
     # mask: no token loss where the target's next token (full-vocabulary argmax) is outside the draft
     # vocabulary, as the EAGLE-3 and SpecForge trainers do (one full LM-head pass over the batch a step);

@@ -35,7 +35,6 @@ class PEagleDrafterConfig(Eagle3DrafterConfig):
     ttt_steps: int = 7  # tokens drafted in one pass (draft depths trained, a pass each)
     ttt_step_loss_decay: float = 1.0  # a depth-(j + 1) draft weighs decay ** j (1: as upstream)
     mask_token_id: int | None = None  # null: the tokenizer's mask token, else a special token absent from the data
-    down_sample_ratio: float = 0.7  # chain sampling as speculators' and SpecForge's P-EAGLE trainers
 
 
 @dataclass
