@@ -93,7 +93,8 @@ def _eagle(target):
 def _eagle3(target):
     torch.manual_seed(1)
     head = _perturbed(Eagle3Head.for_target(target, "tiny", [0, 1, 2], torch.arange(0, V, 2), "random"))
-    drafter = Eagle3DrafterConfig(ttt_steps=3, aux_layers=[0, 1, 2], draft_vocab_size=24)
+    # Every position (chain sampling draws other rows in the two layouts).
+    drafter = Eagle3DrafterConfig(ttt_steps=3, aux_layers=[0, 1, 2], down_sample_ratio=1.0, draft_vocab_size=24)
     return Eagle3Task(Eagle3Recipe(drafter=drafter), target, head)
 
 

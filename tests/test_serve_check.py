@@ -61,7 +61,8 @@ def trained(tmp_path_factory):
     eagle3 = write_recipe(
         root / "e3",
         target_dir,
-        {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048},
+        # Every position trained, as when the negative controls below were sized on this head.
+        {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048, "down_sample_ratio": 1.0},
         data=data,
         learning_rate=3e-3,
         lr_schedule="constant",
