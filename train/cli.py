@@ -9,7 +9,7 @@ from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.regenerate import prepare_data_config
 from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.recipe import OVERRIDE_ALIASES
-from draftsmith.target import load_target
+from draftsmith.target import load_target, move_target
 from draftsmith.timing import stage
 from draftsmith.train.distributed import main_process_first, resolve_precision
 from draftsmith.train.loop import Trainer
@@ -70,7 +70,7 @@ def _train(argv: list[str] | None, recipe_class, build, description: str):
     with main_process_first(recipe):
         task, train_set, eval_set = build(recipe)
     trainer = Trainer(recipe, task, train_set, eval_set)
-    task.target.to(trainer.accelerator.device)
+    move_target(task.target, trainer.accelerator.device)
     with stage("train: training loop"):
         trainer.last_checkpoint = trainer.train(resume=resume)
     return trainer
