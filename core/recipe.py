@@ -52,6 +52,28 @@ class RegenerateConfig:
 
 
 @dataclass
+class FeaturesConfig:
+    """Stored or served target features (``drafter.features: offline`` or ``served``)."""
+
+    # who writes an offline store: vllm (the serving engine's extract_hidden_states in a child process; with
+    # data.regenerate, regeneration and extraction in one job), hf (the target in the trainer); auto: vllm if importable
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    # auto: the target's dtype; float8: e4m3 with a scale per token and layer (half of bf16)
+    storage_dtype: Literal["auto", "float8"] = "auto"
+    tensor_parallel_size: int = 1  # vLLM: GPUs per model replica
+    data_parallel_size: int = 1  # vLLM: model replicas
+    # served: base URL of a running `vllm serve` extracting hidden states (`draftsmith-features --serve` starts one)
+    server: str | None = None
+    window: int = 16  # served: conversations requested ahead of the training step (the bound on what is held)
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError("data.features.tensor_parallel_size and data_parallel_size must be >= 1")
+        if self.window < 1:
+            raise ValueError(f"data.features.window must be >= 1, got {self.window}")
+
+
+@dataclass
 class DataConfig:
     """Training conversations and how they are tokenised."""
 
@@ -62,6 +84,7 @@ class DataConfig:
     limit: int | None = None  # use only the first N valid conversations
     cache_dir: str | None = None  # tokenised-set cache; defaults to the draftsmith cache
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
 
     def validate(self) -> None:
         if self.max_length < 8:

@@ -1,10 +1,17 @@
-"""Offline target features for EAGLE training: the frozen target's hidden states, on disk.
+"""Stored target features: the frozen target's hidden states on disk, written once, read by training.
 
-Each split is written as shards (``shard-00000.safetensors``: the conversations' token ids,
-loss masks, offsets and last hidden states in the target's dtype, plus for EAGLE-3 the fused
-hidden states of its ``aux_layers``). Shards are written atomically and
-skipped when present, so an interrupted extraction resumes where it stopped; ``manifest.json``
-records the size. ShareGPT features of an 8B model fill hundreds of GB: use ``online`` there.
+A store is a folder with one folder per split of sharded safetensors files
+(``shard-00000.safetensors``: the conversations' token ids, loss masks, offsets and last hidden
+states, plus for EAGLE-3-style heads the states of their ``aux_layers`` concatenated in the order
+the head fuses them) and ``identity.json``: the target, tokenizer, layers and storage it was
+written for, checked before a store is resumed or read. Shards are written atomically and skipped
+when present and readable (a truncated one is written again), so an interrupted extraction resumes
+where it stopped; ``manifest.json``, written last, records the sizes and marks the store complete.
+
+Two engines fill a store: ``hf`` (the target in this process, one conversation at a time) and
+``vllm`` (the serving engine's ``extract_hidden_states``; :mod:`draftsmith.data_prep.vllm_features`).
+Storage is the target's dtype, or ``float8`` (e4m3 with a scale per token and layer: half of bf16).
+ShareGPT features of an 8B model fill hundreds of GB: compute them ``online`` or ``served`` there.
 """
 
 from __future__ import annotations
@@ -12,40 +19,150 @@ from __future__ import annotations
 import hashlib
 import json
 from bisect import bisect_right
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from draftsmith.assets import cache_root
 from draftsmith.atomic import staged
+from draftsmith.data_prep.dataset import _tokenizer_identity
+from draftsmith.errors import UserError
+from draftsmith.recipe import TargetConfig
+from draftsmith.target import target_record
 
 SHARD_SIZE = 64  # conversations per shard
+SHARD_KEYS = ("hidden", "input_ids", "loss_mask", "offsets")
+FLOAT8 = torch.float8_e4m3fn
+# Which recipe field to change when a store's identity does not match the recipe's.
+IDENTITY_FIELDS = {
+    "target": "target.name",
+    "tokenizer": "target.name / target.chat_template",
+    "layers": "drafter.aux_layers",
+    "storage": "data.features.storage_dtype",
+}
+
+# The features of a chunk of conversations (token-id lists): per conversation ``(hidden, aux)``,
+# ``hidden`` the last hidden states ``[tokens, hidden]`` (after the final norm: what the LM head
+# reads) and ``aux`` the layers' states concatenated ``[tokens, layers * hidden]`` (or None).
+Compute = Callable[[list[list[int]]], list[tuple[torch.Tensor, torch.Tensor | None]]]
 
 
-def features_dir(recipe, data, layers: list[int] | None = None) -> Path:
-    """Where the features of ``recipe``'s target over ``data`` live (keyed by both and the layers)."""
-    if recipe.drafter.features_dir:
-        return Path(recipe.drafter.features_dir)
-    identity = [recipe.target.name, recipe.target.dtype, {s: data[s]._fingerprint for s in data}]
+def features_dir(
+    target: TargetConfig, data, layers: list[int] | None = None, storage: str = "auto", folder: str | None = None
+) -> Path:
+    """Where the features of ``target`` over ``data`` live (keyed by both, the layers and the
+    storage dtype), or ``folder`` (``drafter.features_dir``) where the recipe names one."""
+    if folder:
+        return Path(folder)
+    identity = [target.name, target.dtype, {s: data[s]._fingerprint for s in data}]
     if layers:
         identity.append(list(layers))
+    if storage != "auto":
+        identity.append(storage)
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
     return cache_root() / "features" / key
 
 
-@torch.no_grad()
-def extract_features(
-    target, data, root: Path, shard_size: int = SHARD_SIZE, show: bool = True, layers: list[int] | None = None
+def recipe_features_dir(recipe, data, layers: list[int] | None = None) -> Path:
+    """:func:`features_dir` for a recipe's target, storage and ``drafter.features_dir``."""
+    return features_dir(recipe.target, data, layers, recipe.data.features.storage_dtype, recipe.drafter.features_dir)
+
+
+def store_identity(target_name: str, target, tokenizer, layers: list[int] | None, storage: str = "auto") -> dict:
+    """What a store's features depend on: the target's weights (embedding signature), its tokenizer
+    and chat template, the layers and the storage dtype."""
+    return {
+        "target": [target_name, target_record(target, target_name)["embedding_signature"]],
+        # without the folder it was read from
+        "tokenizer": _tokenizer_identity(tokenizer).split("|", 1)[1] if tokenizer is not None else None,
+        "layers": list(layers or []),
+        "storage": storage,
+    }
+
+
+def check_identity(root: Path, identity: dict) -> None:
+    """Refuse a store written for another target, tokenizer, layers or storage (one line naming the
+    recipe field); a store without an identity yet is claimed for ``identity``."""
+    file = root / "identity.json"
+    if not file.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        with staged(file) as tmp:
+            tmp.write_text(json.dumps(identity, indent=1))
+        return
+    stored = json.loads(file.read_text())
+    for key, field in IDENTITY_FIELDS.items():
+        # A head that reads the last hidden state only (EAGLE-1, Medusa) shares any store of its target.
+        if key == "layers" and not identity["layers"]:
+            continue
+        if stored.get(key) != identity[key]:
+            theirs = stored.get(key)
+            raise UserError(
+                f"features store {root} was written for {key} {_brief(theirs)}, but the recipe gives "
+                f"{_brief(identity[key])} ({field}): set drafter.features_dir to another folder, or delete this one"
+            )
+
+
+def _brief(value) -> str:
+    if isinstance(value, list) and value and isinstance(value[-1], list):  # [name, signature]: the name says it
+        return repr(value[0])
+    return repr(value)
+
+
+def is_complete(root: Path, data) -> bool:
+    """Whether the store at ``root`` holds every conversation of every split of ``data``."""
+    manifest = Path(root) / "manifest.json"
+    if not manifest.is_file():
+        return False
+    splits = json.loads(manifest.read_text())["splits"]
+    return all(splits.get(split, {}).get("conversations") == len(data[split]) for split in data)
+
+
+def _readable(path: Path) -> bool:
+    """Whether a shard is whole: its header parses and names every key (a truncated file does not)."""
+    try:
+        with safe_open(str(path), "pt") as shard:
+            keys = set(shard.keys())
+            offsets = shard.get_tensor("offsets")
+            length = shard.get_slice("input_ids").get_shape()[0]
+    except (SafetensorError, OSError, KeyError):
+        return False
+    return set(SHARD_KEYS) <= keys and int(offsets[-1]) == length and path.stat().st_size > 0
+
+
+def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[tokens, groups * h]`` as float8 e4m3 and a float32 scale per token and group."""
+    chunks = x.float().unflatten(-1, (groups, -1))
+    scale = chunks.abs().amax(-1).clamp(min=1e-12) / torch.finfo(FLOAT8).max
+    return (chunks / scale.unsqueeze(-1)).to(FLOAT8).flatten(-2), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of :func:`quantize`, in ``dtype``."""
+    return (q.float().unflatten(-1, (scale.shape[-1], -1)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def write_store(
+    data,
+    root: Path,
+    compute: Compute,
+    identity: dict,
+    shard_size: int = SHARD_SIZE,
+    show: bool = True,
 ) -> dict:
-    """Write the target's last hidden states (and with ``layers`` those layers' states, fused, as
-    ``aux``) for every split of ``data`` under ``root``; resumable."""
+    """Write the features ``compute`` gives for every split of ``data`` under ``root``; resumable.
+
+    ``identity`` (:func:`store_identity`) is checked against the store's (a mismatch is refused)
+    and decides the storage dtype. Returns the manifest (conversations, tokens, shards, bytes).
+    """
     root = Path(root)
-    decoder = target.get_decoder()
-    device = next(target.parameters()).device
+    check_identity(root, identity)
+    float8 = identity["storage"] == "float8"
+    groups = max(1, len(identity["layers"]))
     manifest = {"splits": {}, "bytes": 0, "tokens": 0}
     for split in data:
         rows = data[split]
@@ -54,24 +171,26 @@ def extract_features(
         shards = range(0, len(rows), shard_size)
         for number, start in enumerate(tqdm(shards, desc=f"features {split}", disable=not show)):
             path = out / f"shard-{number:05d}.safetensors"
-            if path.is_file():
+            if path.is_file() and _readable(path):
                 continue
             chunk = rows[start : start + shard_size]
-            hidden, aux = [], []
-            for ids in chunk["input_ids"]:
-                states = decoder(input_ids=torch.tensor([ids], device=device), output_hidden_states=bool(layers))
-                hidden.append(states.last_hidden_state[0].cpu())
-                if layers:
-                    aux.append(torch.cat([states.hidden_states[layer][0] for layer in layers], dim=-1).cpu())
+            states = compute(chunk["input_ids"])
+            hidden = torch.cat([h for h, _ in states]).contiguous()
             lengths = torch.tensor([len(ids) for ids in chunk["input_ids"]])
             tensors = {
-                "hidden": torch.cat(hidden).contiguous(),
                 "input_ids": torch.tensor([t for ids in chunk["input_ids"] for t in ids], dtype=torch.int32),
                 "loss_mask": torch.tensor([m for mask in chunk["loss_mask"] for m in mask], dtype=torch.int8),
                 "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
             }
-            if layers:
-                tensors["aux"] = torch.cat(aux).contiguous()
+            aux = torch.cat([a for _, a in states]).contiguous() if identity["layers"] else None
+            if float8:
+                tensors["hidden"], tensors["hidden_scale"] = quantize(hidden, 1)
+                if aux is not None:
+                    tensors["aux"], tensors["aux_scale"] = quantize(aux, groups)
+            else:
+                tensors["hidden"] = hidden
+                if aux is not None:
+                    tensors["aux"] = aux
             with staged(path) as tmp:
                 save_file(tensors, str(tmp))
         files = sorted(out.glob("shard-*.safetensors"))
@@ -87,8 +206,43 @@ def extract_features(
     return manifest
 
 
+def hf_compute(target, layers: list[int] | None) -> Compute:
+    """:data:`Compute` by the target in this process, one conversation per forward pass."""
+    decoder = target.get_decoder()
+    device = next(target.parameters()).device
+
+    @torch.no_grad()
+    def compute(chunk: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        out = []
+        for ids in chunk:
+            states = decoder(input_ids=torch.tensor([ids], device=device), output_hidden_states=bool(layers))
+            aux = torch.cat([states.hidden_states[layer][0] for layer in layers], dim=-1).cpu() if layers else None
+            out.append((states.last_hidden_state[0].cpu(), aux))
+        return out
+
+    return compute
+
+
+def extract_features(
+    target,
+    data,
+    root: Path,
+    shard_size: int = SHARD_SIZE,
+    show: bool = True,
+    layers: list[int] | None = None,
+    identity: dict | None = None,
+) -> dict:
+    """Write ``target``'s features (last hidden states and, with ``layers``, those layers' states
+    fused as ``aux``) for every split of ``data`` under ``root`` in this process; resumable.
+    ``identity``: the store's (:func:`store_identity`; default: ``target`` by its config's name)."""
+    if identity is None:
+        identity = store_identity(str(target.config.name_or_path), target, None, layers)
+    return write_store(data, root, hf_compute(target, layers), identity, shard_size, show)
+
+
 class FeatureDataset(Dataset):
-    """Rows ``{input_ids, loss_mask, hidden[, aux]}`` read lazily from one split's feature shards."""
+    """Rows ``{input_ids, loss_mask, hidden[, aux]}`` read lazily from one split's feature shards
+    (float8 stores come back in float32)."""
 
     def __init__(self, folder: str | Path):
         self.files = sorted(Path(folder).glob("shard-*.safetensors"))
@@ -116,22 +270,37 @@ class FeatureDataset(Dataset):
         local = index - self.starts[shard]
         lo, hi = self.offsets[shard][local].item(), self.offsets[shard][local + 1].item()
         with safe_open(str(self.files[shard]), "pt") as handle:
+            keys = set(handle.keys())
             row = {
                 "input_ids": handle.get_slice("input_ids")[lo:hi].long(),
                 "loss_mask": handle.get_slice("loss_mask")[lo:hi].bool(),
-                "hidden": handle.get_slice("hidden")[lo:hi],
             }
-            if "aux" in handle.keys():
-                row["aux"] = handle.get_slice("aux")[lo:hi]
+            for name in ("hidden", "aux"):
+                if name not in keys:
+                    continue
+                values = handle.get_slice(name)[lo:hi]
+                scale = f"{name}_scale"
+                row[name] = dequantize(values, handle.get_slice(scale)[lo:hi]) if scale in keys else values
             return row
 
 
-def training_sets(recipe, target, data, layers: list[int] | None = None):
-    """``(train, held_out)``: the tokenised splits (``drafter.features: online``) or their offline
-    feature caches (with ``layers``: EAGLE-3's fused states too), extracted first where missing."""
+def training_sets(
+    recipe, target, tokenizer, data, layers: list[int] | None = None, full_target: Callable | None = None
+):
+    """``(train, held_out)``: the tokenised splits (``drafter.features: online``) or their stored
+    features (``offline``; with ``layers`` the fused states too), extracted first where missing.
+
+    ``target`` may be head-only (:func:`~draftsmith.target.load_target_head`): ``full_target()``
+    then loads the whole target where the ``hf`` engine has to extract (vLLM's extraction runs
+    before the data is loaded: :func:`~draftsmith.data_prep.vllm_features.prepare_with_vllm`)."""
     if recipe.drafter.features != "offline":
         return data["train"], data["held_out"]
-    root = features_dir(recipe, data, layers)
-    extract_features(target, data, root, layers=layers)
+    root = recipe_features_dir(recipe, data, layers)
+    identity = store_identity(recipe.target.name, target, tokenizer, layers, recipe.data.features.storage_dtype)
+    if not is_complete(root, data):
+        model = full_target() if full_target is not None else target
+        extract_features(model, data, root, layers=layers, identity=identity)
+    else:
+        check_identity(root, identity)
     # No held-out conversation (a small data.limit): no shards to read, and nothing to evaluate on.
     return FeatureDataset(root / "train"), FeatureDataset(root / "held_out") if len(data["held_out"]) else None

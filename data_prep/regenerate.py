@@ -40,7 +40,7 @@ from draftsmith.data_prep.dataset import _source_identity, _tokenizer_identity
 from draftsmith.data_prep.sharegpt import load_conversations
 from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
 from draftsmith.precision import DTYPE_CHOICES, dtype_name, resolve_dtype
-from draftsmith.recipe import DataConfig, RegenerateConfig
+from draftsmith.recipe import DataConfig, FeaturesConfig, RegenerateConfig
 from draftsmith.target import eos_token_ids, load_target, load_tokenizer, resolve_target, target_record
 from draftsmith.vllm_engine import engine_args, run_job, why_unavailable
 
@@ -245,24 +245,68 @@ def _identity(target) -> list:
     return target_record(target, "")["embedding_signature"]
 
 
-def prepare_data_config(data: DataConfig, target, target_name: str, tokenizer) -> DataConfig:
-    """``data`` itself, or (with ``data.regenerate.enabled``) a copy pointing at its regenerated file."""
+def prepare_data_config(
+    data: DataConfig,
+    target,
+    target_name: str,
+    tokenizer,
+    full_target: Callable | None = None,
+    generate: Generate | None = None,
+) -> DataConfig:
+    """``data`` itself, or (with ``data.regenerate.enabled``) a copy pointing at its regenerated file,
+    written first where it is missing or incomplete.
+
+    ``target`` may be head-only (:func:`~draftsmith.target.load_target_head`; its embeddings key the
+    file): ``full_target()`` loads the whole target where the ``hf`` engine has to generate.
+    ``generate``: the replies' writer to use whatever the engine (vLLM's child process passes its own).
+    """
     if not data.regenerate.enabled:
         return data
-    cfg = replace(data.regenerate, engine=resolve_engine(data.regenerate.engine))
-    if cfg.max_prompt_tokens is None:  # a prompt longer than max_length leaves nothing to train on
-        cfg = replace(cfg, max_prompt_tokens=data.max_length)
-    data = replace(data, regenerate=cfg)
-    path = regenerated_path(data, target_name, tokenizer, _identity(target))
-    if cfg.engine == "vllm":
+    data, path = _resolved(data, target, target_name, tokenizer)
+    cfg = data.regenerate
+    conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
+    if not _pending(conversations, path, tokenizer, cfg):
+        stats = "complete"
+    elif generate is not None:
+        stats = regenerate(generate, tokenizer, conversations, path, cfg)
+    elif cfg.engine == "vllm":
         stats = regenerate_with_vllm(
             resolve_target(target_name), dtype_name(next(target.parameters()).dtype), data, path
         )
     else:
-        conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
-        stats = regenerate(hf_generator(target, tokenizer, cfg), tokenizer, conversations, path, cfg)
+        model = full_target() if full_target is not None else target
+        stats = regenerate(hf_generator(model, tokenizer, cfg), tokenizer, conversations, path, cfg)
     print(f"regenerated assistant turns in {path} ({cfg.engine}): {stats}")
     return replace(data, path=str(path), split="train")
+
+
+def _resolved(data: DataConfig, target, target_name: str, tokenizer) -> tuple[DataConfig, Path]:
+    """``data`` with its regeneration engine and prompt limit resolved, and its regenerated file."""
+    cfg = replace(data.regenerate, engine=resolve_engine(data.regenerate.engine))
+    if cfg.max_prompt_tokens is None:  # a prompt longer than max_length leaves nothing to train on
+        cfg = replace(cfg, max_prompt_tokens=data.max_length)
+    data = replace(data, regenerate=cfg)
+    return data, regenerated_path(data, target_name, tokenizer, _identity(target))
+
+
+def regeneration_pending(data: DataConfig, target, target_name: str, tokenizer) -> bool:
+    """Whether :func:`prepare_data_config` would still have replies to generate for ``data``."""
+    if not data.regenerate.enabled:
+        return False
+    data, path = _resolved(data, target, target_name, tokenizer)
+    conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
+    return _pending(conversations, path, tokenizer, data.regenerate)
+
+
+def _pending(conversations: list[dict], path: Path, tokenizer, cfg: RegenerateConfig) -> bool:
+    """Whether some conversation still has to be regenerated into ``path`` (those whose first
+    prompt is too long are never written)."""
+    done = _done_ids(path)
+    limit = cfg.max_prompt_tokens or float("inf")
+    return any(
+        c["id"] not in done and len(render_prompt(tokenizer, _through_first_user(c["messages"]))) <= limit
+        for c in conversations
+    )
 
 
 def regenerate_with_vllm(model: str, dtype: str, data: DataConfig, out: Path) -> dict:
@@ -283,27 +327,49 @@ def regenerate_with_vllm(model: str, dtype: str, data: DataConfig, out: Path) ->
 
 def run_vllm_regeneration(job: dict) -> dict:
     """Regeneration's job for :func:`draftsmith.vllm_engine.run_job` (runs in vLLM's child process)."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
-    data = DataConfig(**{**job["data"], "regenerate": RegenerateConfig(**job["data"]["regenerate"])})
+    data = data_config(job["data"])
     cfg = data.regenerate
     tokenizer = load_tokenizer(job["model"])
-    config = AutoConfig.from_pretrained(job["model"])
-    longest = getattr(config, "max_position_embeddings", None) or 1 << 20
-    # The context vLLM reserves per sequence: the longest prompt kept plus a reply, within the model's.
-    context = min(longest, (cfg.max_prompt_tokens or longest) + cfg.max_new_tokens)
     llm = LLM(
         **engine_args(
             job["model"],
             job["dtype"],
-            max_model_len=context,
+            max_model_len=regeneration_context(job["model"], cfg),
             tensor_parallel_size=job["tensor_parallel_size"],
             data_parallel_size=job["data_parallel_size"],
         )
     )
+    conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
+    return regenerate(vllm_generator(llm, job["model"], tokenizer, cfg), tokenizer, conversations, job["out"], cfg)
+
+
+def data_config(fields: dict) -> DataConfig:
+    """A :class:`DataConfig` back from its ``asdict`` (a job's JSON)."""
+    return DataConfig(
+        **{
+            **fields,
+            "regenerate": RegenerateConfig(**fields["regenerate"]),
+            "features": FeaturesConfig(**fields["features"]),
+        }
+    )
+
+
+def regeneration_context(model: str, cfg: RegenerateConfig) -> int:
+    """The context vLLM reserves per sequence: the longest prompt kept plus a reply, within the model's."""
+    longest = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None) or 1 << 20
+    return min(longest, (cfg.max_prompt_tokens or longest) + cfg.max_new_tokens)
+
+
+def vllm_generator(llm, model: str, tokenizer, cfg: RegenerateConfig) -> Generate:
+    """:data:`Generate` by a ``vllm.LLM`` serving ``model`` (in vLLM's child process)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     # No weights load in this process: the configs are all eos_token_ids reads.
-    eos = eos_token_ids(SimpleNamespace(config=config, generation_config=_generation_config(job["model"])), tokenizer)
+    config = AutoConfig.from_pretrained(model)
+    eos = eos_token_ids(SimpleNamespace(config=config, generation_config=_generation_config(model)), tokenizer)
 
     def generate(histories: list[list[dict]], seeds: list[int]) -> list[Reply]:
         prompts = [TokensPrompt(prompt_token_ids=render_prompt(tokenizer, h)) for h in histories]
@@ -322,8 +388,7 @@ def run_vllm_regeneration(job: dict) -> dict:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [_reply(list(o.outputs[0].token_ids), eos) for o in outputs]
 
-    conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
-    return regenerate(generate, tokenizer, conversations, job["out"], cfg)
+    return generate
 
 
 @report_user_errors

@@ -413,6 +413,7 @@ def test_aux_layers_out_of_range_is_a_one_line_error(tiny_recipe, tmp_path, caps
 def test_offline_features_train_exactly_as_online(tiny_recipe, tmp_path):
     """The offline cache (last hidden states plus the fused aux layers) feeds the same numbers as
     computing them in the step; an EAGLE-1 run can share the same cache."""
+    from draftsmith.target import is_head_only
     from draftsmith.train.eagle import main as main_eagle1
     from draftsmith.train.eagle3 import main
 
@@ -430,7 +431,14 @@ def test_offline_features_train_exactly_as_online(tiny_recipe, tmp_path):
             str(tmp_path / "features"),
         ]
     )
-    assert sorted(p.name for p in (tmp_path / "features").iterdir()) == ["held_out", "manifest.json", "train"]
+    assert sorted(p.name for p in (tmp_path / "features").iterdir()) == [
+        "held_out",
+        "identity.json",
+        "manifest.json",
+        "train",
+    ]
+    # Trained from the store without the target's decoder layers: they were never loaded.
+    assert is_head_only(offline.task.target) and not is_head_only(online.task.target)
     logged = [[h for h in run.history if "train/loss" in h] for run in (online, offline)]
     assert len(logged[0]) == len(logged[1]) == 2
     for a, b in zip(*logged):

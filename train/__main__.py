@@ -8,6 +8,7 @@ recipe schema of that kind) and the run are exactly those of ``python train/<kin
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from draftsmith.config import read_recipe_file
 from draftsmith.errors import UsageError, report_user_errors
@@ -34,6 +35,16 @@ def main(argv: list[str] | None = None):
     if name is None:
         raise UsageError(f"{recipe}: drafter.kind is not set; set it to one of: {trainable}")
     return for_recipe(name, f"{recipe}: drafter.kind").training.main(argv)
+
+
+@report_user_errors
+def features(argv: list[str] | None = None):
+    """``draftsmith-features RECIPE.yaml [--section.field VALUE ...]``: fill the recipe's offline
+    feature store (``data.features.engine``: vLLM where it is installed) and stop; training with
+    ``--drafter.features offline`` then loads no target weights beyond what the head copies."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _, train_set, _ = main([*argv, "--prepare-only", "--drafter.features", "offline"])
+    print(f"feature store: {Path(train_set.files[0]).parent.parent}")
 
 
 if __name__ == "__main__":

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 import sys
+
+from transformers import AutoConfig
 
 from draftsmith.config import load_recipe, schema_help
 from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.regenerate import prepare_data_config
+from draftsmith.data_prep.vllm_features import prepare_with_vllm, resolve_engine
 from draftsmith.errors import ArgumentParser, report_user_errors
+from draftsmith.heads.eagle3 import check_aux_layers, default_aux_layers
 from draftsmith.recipe import OVERRIDE_ALIASES
-from draftsmith.target import load_target, move_target
+from draftsmith.target import load_target, load_target_head, move_target, resolve_target
 from draftsmith.timing import stage
 from draftsmith.train.distributed import main_process_first, resolve_precision
 from draftsmith.train.loop import Trainer
 
-OWN_FLAGS = ("-h", "--help", "--resume")  # the entry points' own flags; every other word is the recipe or an override
+# the entry points' own flags; every other word is the recipe or an override
+OWN_FLAGS = ("-h", "--help", "--resume", "--prepare-only")
 
 
 def parse_training_args(recipe_class, argv: list[str] | None = None, description: str = ""):
-    """``(recipe, resume)`` from the command line; overrides are any ``--section.field value``."""
+    """``(recipe, args)`` from the command line (``args.resume``, ``args.prepare_only``); overrides are
+    any ``--section.field value``."""
     parser = ArgumentParser(
         description=description,
         epilog="recipe fields (any of them is a flag: --section.field "
@@ -26,12 +33,17 @@ def parse_training_args(recipe_class, argv: list[str] | None = None, description
     )
     parser.add_argument("recipe", nargs="?", help="YAML recipe (defaults apply where it is silent)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output dir")
+    parser.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="prepare the data (regeneration, tokenising, an offline feature store) and stop before training",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args([w for w in argv if w in OWN_FLAGS])
     recipe_path, overrides = split_recipe([w for w in argv if w not in OWN_FLAGS])
     recipe = load_recipe(recipe_class, recipe_path, overrides, aliases=OVERRIDE_ALIASES)
     resolve_precision(recipe)
-    return recipe, args.resume
+    return recipe, args
 
 
 def split_recipe(words: list[str]) -> tuple[str | None, list[str]]:
@@ -58,30 +70,59 @@ def run_training(recipe_class, build, argv: list[str] | None = None, description
     """Parse the command line, ``build(recipe) -> (task, train_set, eval_set)`` and train.
 
     Returns the finished :class:`~draftsmith.train.loop.Trainer` (``.history``, ``.task``,
-    ``.last_checkpoint``). Bad input ends the program with one line on stderr and exit code 2.
+    ``.last_checkpoint``), or with ``--prepare-only`` ``(task, train_set, eval_set)`` untrained.
+    Bad input ends the program with one line on stderr and exit code 2.
     """
     return report_user_errors(_train)(argv, recipe_class, build, description)
 
 
 def _train(argv: list[str] | None, recipe_class, build, description: str):
-    recipe, resume = parse_training_args(recipe_class, argv, description)
+    recipe, args = parse_training_args(recipe_class, argv, description)
     # Under `accelerate launch` the main process prepares the data (regeneration, tokenised
     # cache, features, token counts) while the others wait, then they find it all cached.
     with main_process_first(recipe):
         task, train_set, eval_set = build(recipe)
+    if args.prepare_only:
+        return task, train_set, eval_set
     trainer = Trainer(recipe, task, train_set, eval_set)
     move_target(task.target, trainer.accelerator.device)
     with stage("train: training loop"):
-        trainer.last_checkpoint = trainer.train(resume=resume)
+        trainer.last_checkpoint = trainer.train(resume=args.resume)
     return trainer
 
 
-def target_and_data(recipe):
-    """The recipe's target (frozen), its tokenizer and the tokenised train/held-out set, after
-    self-distillation when ``data.regenerate`` asks for it."""
+def feature_layers(recipe) -> list[int] | None:
+    """The target layers whose states the recipe's head fuses (``drafter.aux_layers``, checked,
+    or the default ``[2, N/2, N-3]``), or None for heads that read the last hidden state only."""
+    if not hasattr(recipe.drafter, "aux_layers"):
+        return None
+    num_layers = AutoConfig.from_pretrained(resolve_target(recipe.target.name, "target.name")).num_hidden_layers
+    if recipe.drafter.aux_layers is None:
+        return default_aux_layers(num_layers)
+    return check_aux_layers(recipe.drafter.aux_layers, num_layers)
+
+
+def target_and_data(recipe, layers: list[int] | None = None):
+    """``(target, tokenizer, data, full_target)``: the recipe's target (frozen), its tokenizer and
+    the tokenised train/held-out set, after self-distillation when ``data.regenerate`` asks for it.
+
+    Where the features come from a store or a server (``drafter.features`` offline or served) the
+    target is head-only (:func:`~draftsmith.target.load_target_head`: embeddings, LM head, final
+    norm) and ``full_target()`` loads the whole one only if something has to run it (the ``hf``
+    engines); with ``data.features.engine`` vllm the store is filled first (``layers``: the head's
+    aux layers), in the same vLLM job as the regeneration. Online: the whole target, and
+    ``full_target()`` returns it."""
+    name, dtype, template = recipe.target.name, recipe.target.dtype, recipe.target.chat_template
+    field = "target.name"
     with stage("train: load target and tokenise data"):
-        target, tokenizer = load_target(
-            recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template, field="target.name"
-        )
-        data, _ = build_dataset(prepare_data_config(recipe.data, target, recipe.target.name, tokenizer), tokenizer)
-    return target, tokenizer, data
+        if getattr(recipe.drafter, "features", "online") == "online":
+            target, tokenizer = load_target(name, dtype, chat_template=template, field=field)
+            full_target = lambda: target  # noqa: E731 (the loader's stand-in: nothing more to load)
+        else:
+            target, tokenizer = load_target_head(name, dtype, chat_template=template, field=field)
+            full_target = functools.cache(lambda: load_target(name, dtype, chat_template=template, field=field)[0])
+            if recipe.drafter.features == "offline" and resolve_engine(recipe.data.features.engine) == "vllm":
+                prepare_with_vllm(recipe, layers, target, tokenizer, full_target)
+        prepared = prepare_data_config(recipe.data, target, name, tokenizer, full_target=full_target)
+        data, _ = build_dataset(prepared, tokenizer)
+    return target, tokenizer, data, full_target

@@ -310,7 +310,7 @@ class DistillTask:
 def build(recipe: DistillRecipe):
     """Target, prompt/response pairs, student and task for ``recipe``."""
     cfg = recipe.drafter
-    target, tokenizer, data = target_and_data(recipe)
+    target, tokenizer, data, _ = target_and_data(recipe)
     splits = {}
     for split in ("train", "held_out"):
         splits[split], too_long = prompt_response_pairs(data[split], cfg.max_prompt_tokens)

@@ -123,12 +123,12 @@ class EagleTask:
 
 def build(recipe: EagleRecipe):
     """Target, tokenised data (or features), head and task for ``recipe``."""
-    target, tokenizer, data = target_and_data(recipe)
+    target, tokenizer, data, full_target = target_and_data(recipe)
     draft_vocab = draft_vocab_for(recipe.drafter.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
     torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
     head = EagleHead.for_target(target, recipe.target.name, recipe.drafter.num_layers, draft_vocab, recipe.drafter.init)
     with stage(f"train: {recipe.drafter.features} feature sets"):
-        train_set, eval_set = training_sets(recipe, target, data)
+        train_set, eval_set = training_sets(recipe, target, tokenizer, data, full_target=full_target)
     return EagleTask(recipe, target, head), train_set, eval_set
 
 

@@ -238,12 +238,12 @@ class MedusaTask:
 
 def build(recipe: MedusaRecipe):
     """Target, tokenised data (or features), heads and task for ``recipe``."""
-    target, tokenizer, data = target_and_data(recipe)
+    target, tokenizer, data, full_target = target_and_data(recipe)
     cfg = recipe.drafter
     draft_vocab = draft_vocab_for(cfg.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
     torch.manual_seed(recipe.training.seed)
     heads = MedusaHeads.for_target(target, recipe.target.name, cfg.num_heads, cfg.num_layers, cfg.lm_head, draft_vocab)
-    train_set, eval_set = training_sets(recipe, target, data)
+    train_set, eval_set = training_sets(recipe, target, tokenizer, data, full_target=full_target)
     return MedusaTask(recipe, target, heads), train_set, eval_set
 
 

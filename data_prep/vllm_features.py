@@ -1,0 +1,192 @@
+"""Target features from vLLM: the serving engine's ``extract_hidden_states`` fills a feature store.
+
+vLLM 0.32 captures, for every prompt token, the residual stream at the layer ids its
+``eagle_aux_hidden_state_layer_ids`` lists (id L: after L decoder layers, HF's
+``hidden_states[L]``; id N, the last, is the state *before* the final norm) into a KV-cache-like
+buffer, and a KV connector writes each finished request's states to a file. draftsmith asks for
+the head's aux layers plus N, applies the target's final norm to N itself (HF's
+``last_hidden_state``, what the LM head reads and training uses) and writes the same store the
+``hf`` engine writes (:mod:`draftsmith.data_prep.features`). Prompts are whole conversations,
+prefilled with ``max_tokens=1``. Where the recipe regenerates its data, one vLLM job regenerates,
+tokenises and extracts, so the engine starts once.
+
+On GPUs the connector is vLLM's own; without CUDA it is draftsmith's
+(:mod:`draftsmith.hidden_states_connector`), chosen by :func:`transfer_config`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from draftsmith.data_prep.dataset import build_dataset
+from draftsmith.data_prep.features import (
+    Compute,
+    features_dir,
+    is_complete,
+    recipe_features_dir,
+    store_identity,
+    write_store,
+)
+from draftsmith.data_prep.regenerate import (
+    data_config,
+    prepare_data_config,
+    regeneration_context,
+    regeneration_pending,
+    vllm_generator,
+)
+from draftsmith.data_prep.regenerate import resolve_engine as resolve_generation_engine
+from draftsmith.errors import UsageError
+from draftsmith.precision import dtype_name
+from draftsmith.recipe import TargetConfig
+from draftsmith.target import load_target_head, load_tokenizer, resolve_target
+from draftsmith.vllm_engine import engine_args, run_job, why_unavailable
+
+CPU_CONNECTOR = ("CPUHiddenStatesConnector", "draftsmith.hidden_states_connector")
+GPU_CONNECTOR = "ExampleHiddenStatesConnector"
+
+
+def resolve_engine(engine: str) -> str:
+    """``auto`` is vLLM where it is importable here, else the target in this process (``hf``)."""
+    if engine == "auto":
+        return "hf" if why_unavailable() else "vllm"
+    if engine == "vllm" and why_unavailable():
+        raise UsageError(f"data.features.engine vllm: {why_unavailable()}; or use engine: hf")
+    return engine
+
+
+def capture_ids(layers: list[int] | None, num_layers: int) -> list[int]:
+    """The vLLM layer ids to capture: ``layers`` in the head's order, then N (the final state)."""
+    return list(dict.fromkeys([*(layers or []), num_layers]))
+
+
+def split_states(
+    states: torch.Tensor, layers: list[int] | None, num_layers: int, norm
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(hidden, aux)`` as the store keeps them from vLLM's ``[tokens, captured, hidden]`` states
+    (captured as :func:`capture_ids` orders them): N through the final ``norm`` (HF's
+    ``hidden_states[N]`` is normed too), the others as they are."""
+    slot = {layer: j for j, layer in enumerate(capture_ids(layers, num_layers))}
+
+    def state(layer: int) -> torch.Tensor:
+        value = states[:, slot[layer]]
+        return norm(value) if layer == num_layers else value
+
+    hidden = state(num_layers)
+    return hidden, torch.cat([state(layer) for layer in layers], dim=-1) if layers else None
+
+
+def transfer_config(storage: str | Path, connector: str | None = None) -> dict:
+    """vLLM's ``kv_transfer_config`` writing hidden states under ``storage``: vLLM's connector on
+    GPUs, draftsmith's CPU one elsewhere (or ``connector``: ``cpu`` / ``vllm``)."""
+    cpu = connector == "cpu" if connector else not torch.cuda.is_available()
+    config = {"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    if cpu:
+        config["kv_connector"], config["kv_connector_module_path"] = CPU_CONNECTOR
+    else:
+        config["kv_connector"] = GPU_CONNECTOR
+    return config
+
+
+def speculative_config(layers: list[int] | None, num_layers: int) -> dict:
+    """vLLM's ``speculative_config`` for extracting the states :func:`capture_ids` lists."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture_ids(layers, num_layers)}},
+    }
+
+
+def vllm_compute(llm, layers: list[int] | None, num_layers: int, norm) -> Compute:
+    """:data:`~draftsmith.data_prep.features.Compute` by a ``vllm.LLM`` built with
+    :func:`speculative_config` and :func:`transfer_config` (in vLLM's child process)."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, detokenize=False)
+
+    @torch.no_grad()
+    def compute(chunk: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in chunk], params, use_tqdm=False)
+        rows = []
+        for ids, output in zip(chunk, outputs):
+            path = output.kv_transfer_params["hidden_states_path"]
+            saved = load_hidden_states(path)
+            cleanup_hidden_states(path)
+            if saved["token_ids"].tolist() != list(ids):
+                raise RuntimeError(f"vLLM wrote the states of other tokens than asked for ({path})")
+            rows.append(split_states(saved["hidden_states"], layers, num_layers, norm))
+        return rows
+
+    return compute
+
+
+def prepare_with_vllm(recipe, layers: list[int] | None, target, tokenizer, full_target) -> None:
+    """Fill the recipe's feature store with vLLM (regenerating its data first where the recipe asks,
+    in the same job) unless it is complete. ``target``: the head-only target (its identity);
+    ``full_target()``: the whole one, for a recipe that regenerates with ``hf``."""
+    name = recipe.target.name
+    pending = regeneration_pending(recipe.data, target, name, tokenizer)
+    if pending and resolve_generation_engine(recipe.data.regenerate.engine) == "hf":
+        prepare_data_config(recipe.data, target, name, tokenizer, full_target=full_target)
+        pending = False
+    if not pending:
+        data, _ = build_dataset(prepare_data_config(recipe.data, target, name, tokenizer), tokenizer, verbose=False)
+        if is_complete(recipe_features_dir(recipe, data, layers), data):
+            return
+    job = {
+        "task": "draftsmith.data_prep.vllm_features:run_vllm_features",
+        "model": resolve_target(name, "target.name"),
+        "dtype": dtype_name(next(target.parameters()).dtype),
+        "target": asdict(recipe.target),
+        "data": asdict(recipe.data),
+        "layers": layers,
+        "features_dir": recipe.drafter.features_dir,
+    }
+    run_job(job, "extracting target features with vLLM (data.features.engine)", echo=True)
+
+
+def run_vllm_features(job: dict) -> dict:
+    """The features job for :func:`draftsmith.vllm_engine.run_job` (in vLLM's child process):
+    regenerate where asked, tokenise, extract every split into the store; returns the manifest."""
+    from vllm import LLM
+
+    target_cfg, data_cfg = TargetConfig(**job["target"]), data_config(job["data"])
+    model, layers = job["model"], job["layers"]
+    num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
+    tokenizer = load_tokenizer(target_cfg.name, target_cfg.chat_template, "target.name")
+    head, _ = load_target_head(target_cfg.name, job["dtype"], "cpu", target_cfg.chat_template, "target.name")
+    features = data_cfg.features
+    context = data_cfg.max_length + 1
+    if data_cfg.regenerate.enabled:
+        context = max(context, regeneration_context(model, data_cfg.regenerate))
+    with tempfile.TemporaryDirectory(prefix="draftsmith-states-") as storage:
+        llm = LLM(
+            **engine_args(
+                model,
+                job["dtype"],
+                max_model_len=context,
+                speculative_config=speculative_config(layers, num_layers),
+                kv_transfer_config=transfer_config(storage),
+                # The connector saves what the request prefilled: whole prompts, not chunks of them.
+                enable_chunked_prefill=False,
+                tensor_parallel_size=features.tensor_parallel_size,
+                data_parallel_size=features.data_parallel_size,
+            )
+        )
+        # Regeneration with hf is done by the parent before this job; what is left is vLLM's.
+        generate = vllm_generator(llm, model, tokenizer, data_cfg.regenerate)
+        prepared = prepare_data_config(data_cfg, head, target_cfg.name, tokenizer, generate=generate)
+        data, _ = build_dataset(prepared, tokenizer)
+        root = features_dir(target_cfg, data, layers, features.storage_dtype, job["features_dir"])
+        identity = store_identity(target_cfg.name, head, tokenizer, layers, features.storage_dtype)
+        norm = head.get_decoder().norm
+        return write_store(data, root, vllm_compute(llm, layers, num_layers, norm), identity)
