@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
@@ -123,15 +123,17 @@ def is_complete(root: Path, data) -> bool:
 
 
 def _readable(path: Path) -> bool:
-    """Whether a shard is whole: its header parses and names every key (a truncated file does not)."""
+    """Whether a shard is whole: its header parses, names every key and accounts for every byte
+    (a truncated file's header still parses; its size gives it away)."""
     try:
-        with safe_open(str(path), "pt") as shard:
-            keys = set(shard.keys())
-            offsets = shard.get_tensor("offsets")
-            length = shard.get_slice("input_ids").get_shape()[0]
-    except (SafetensorError, OSError, KeyError):
+        with path.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+    except (OSError, ValueError):
         return False
-    return set(SHARD_KEYS) <= keys and int(offsets[-1]) == length and path.stat().st_size > 0
+    header.pop("__metadata__", None)
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    return set(SHARD_KEYS) <= set(header) and path.stat().st_size == 8 + size + end
 
 
 def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,14 +289,20 @@ class FeatureDataset(Dataset):
 def training_sets(
     recipe, target, tokenizer, data, layers: list[int] | None = None, full_target: Callable | None = None
 ):
-    """``(train, held_out)``: the tokenised splits (``drafter.features: online``) or their stored
-    features (``offline``; with ``layers`` the fused states too), extracted first where missing.
+    """``(train, held_out)``: the tokenised splits (``drafter.features: online``), their stored
+    features (``offline``; with ``layers`` the fused states too), extracted first where missing, or
+    their features from the server at ``data.features.server`` (``served``).
 
     ``target`` may be head-only (:func:`~draftsmith.target.load_target_head`): ``full_target()``
     then loads the whole target where the ``hf`` engine has to extract (vLLM's extraction runs
     before the data is loaded: :func:`~draftsmith.data_prep.vllm_features.prepare_with_vllm`)."""
-    if recipe.drafter.features != "offline":
+    if recipe.drafter.features == "online":
         return data["train"], data["held_out"]
+    if recipe.drafter.features == "served":
+        # Imported here: it imports this module (through vllm_features).
+        from draftsmith.data_prep.served_features import served_sets
+
+        return served_sets(recipe, target, data, layers)
     root = recipe_features_dir(recipe, data, layers)
     identity = store_identity(recipe.target.name, target, tokenizer, layers, recipe.data.features.storage_dtype)
     if not is_complete(root, data):
