@@ -80,13 +80,24 @@ def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
         cfg.limit,
         cfg.held_out_fraction,
     ]
+    if cfg.held_out_path:
+        parts.append(_source_identity(cfg.held_out_path))
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
-def _tokenize(conversations: list[dict], tokenizer, cfg: DataConfig) -> tuple[datasets.DatasetDict, TokenizedSummary]:
+def _tokenize(
+    conversations: list[dict], tokenizer, cfg: DataConfig, held_out: list[dict] | None = None
+) -> tuple[datasets.DatasetDict, TokenizedSummary]:
+    """The splits of ``conversations``: held out by id hash, or (``held_out``: the conversations of
+    ``data.held_out_path``) those are the held-out split and their ids leave the training one."""
     summary = TokenizedSummary()
     rows = {TRAIN: [], HELD_OUT: []}
     dropped = Counter()
+    fixed = {conv["id"] for conv in held_out or []}
+    if held_out is not None:
+        if overlap := sum(conv["id"] in fixed for conv in conversations):
+            dropped["in_data_held_out_path"] = overlap
+        conversations = [conv for conv in conversations if conv["id"] not in fixed] + held_out
     for conv in conversations:
         encoded = tokenize_conversation(tokenizer, conv["messages"], cfg.max_length)
         summary.truncated += encoded["truncated"]
@@ -94,7 +105,8 @@ def _tokenize(conversations: list[dict], tokenizer, cfg: DataConfig) -> tuple[da
             # A prompt longer than max_length leaves nothing to learn from.
             dropped["no_assistant_tokens_within_max_length"] += 1
             continue
-        split = HELD_OUT if is_held_out(conv["id"], cfg.held_out_fraction) else TRAIN
+        in_held_out = conv["id"] in fixed if held_out is not None else is_held_out(conv["id"], cfg.held_out_fraction)
+        split = HELD_OUT if in_held_out else TRAIN
         rows[split].append({"id": conv["id"], "input_ids": encoded["input_ids"], "loss_mask": encoded["loss_mask"]})
     if not rows[TRAIN]:
         kept = f"{len(rows[HELD_OUT])} held out, " if rows[HELD_OUT] else ""
@@ -142,7 +154,10 @@ def build_dataset(
             print(f"loaded cached tokenised set from {target}\n{summary}")
         return _load(target, cfg, verbose), summary
     conversations, load_summary = load_conversations(cfg.path, cfg.split, cfg.limit, verbose=verbose)
-    dataset, summary = _tokenize(conversations, tokenizer, cfg)
+    held_out = None
+    if cfg.held_out_path:
+        held_out, _ = load_conversations(cfg.held_out_path, "train", None, verbose=verbose)
+    dataset, summary = _tokenize(conversations, tokenizer, cfg, held_out)
     summary.load_summary = str(load_summary)
     try:
         with staged(target, folder=True) as tmp:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from bisect import bisect_right
 from collections.abc import Callable
 from pathlib import Path
@@ -159,13 +160,14 @@ def write_store(
     """Write the features ``compute`` gives for every split of ``data`` under ``root``; resumable.
 
     ``identity`` (:func:`store_identity`) is checked against the store's (a mismatch is refused)
-    and decides the storage dtype. Returns the manifest (conversations, tokens, shards, bytes).
+    and decides the storage dtype. Returns the manifest (conversations, tokens, shards, bytes; and
+    ``written_tokens`` and ``seconds``: what this call computed and wrote, and how long it took).
     """
     root = Path(root)
     check_identity(root, identity)
     float8 = identity["storage"] == "float8"
     groups = max(1, len(identity["layers"]))
-    manifest = {"splits": {}, "bytes": 0, "tokens": 0}
+    manifest = {"splits": {}, "bytes": 0, "tokens": 0, "written_tokens": 0, "seconds": 0.0}
     for split in data:
         rows = data[split]
         out = root / split
@@ -176,6 +178,7 @@ def write_store(
             if path.is_file() and _readable(path):
                 continue
             chunk = rows[start : start + shard_size]
+            began = time.perf_counter()  # compute() hands back host tensors: nothing left queued on a device
             states = compute(chunk["input_ids"])
             hidden = torch.cat([h for h, _ in states]).contiguous()
             lengths = torch.tensor([len(ids) for ids in chunk["input_ids"]])
@@ -195,6 +198,8 @@ def write_store(
                     tensors["aux"] = aux
             with staged(path) as tmp:
                 save_file(tensors, str(tmp))
+            manifest["seconds"] += time.perf_counter() - began
+            manifest["written_tokens"] += len(tensors["input_ids"])
         files = sorted(out.glob("shard-*.safetensors"))
         size = sum(f.stat().st_size for f in files)
         tokens = sum(len(ids) for ids in rows["input_ids"])
@@ -204,7 +209,11 @@ def write_store(
     with staged(root / "manifest.json") as tmp:
         tmp.write_text(json.dumps(manifest, indent=1))
     if show:
-        print(f"features: {manifest['tokens']:,} tokens, {manifest['bytes'] / 2**30:.2f} GiB in {root}")
+        rate = manifest["written_tokens"] / max(manifest["seconds"], 1e-9)
+        print(
+            f"features: {manifest['tokens']:,} tokens, {manifest['bytes'] / 2**30:.2f} GiB in {root} "
+            f"({manifest['written_tokens']:,} written now, {rate:,.0f} tokens/s)"
+        )
     return manifest
 
 

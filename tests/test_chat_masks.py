@@ -63,3 +63,32 @@ def test_tokenised_set_is_split_deterministically_and_cached(tokenizer, tmp_path
     row = first["train"][0]
     assert len(row["input_ids"]) == len(row["loss_mask"]) <= 256
     assert summary.tokens["train"] == sum(len(x) for x in first["train"]["input_ids"])
+
+
+def test_a_fixed_held_out_file_is_the_held_out_split_and_leaves_training(tokenizer, tmp_path):
+    """``data.held_out_path``: its conversations are the held-out split whatever the fraction, those
+    also in ``data.path`` leave training (counted), and the file is part of the cache key."""
+    import json
+
+    held = [
+        {"id": "fixed-a", "messages": MESSAGES},
+        {"id": "fixed-b", "messages": MESSAGES[:2]},
+    ]
+    train = [{"id": f"t{i}", "messages": MESSAGES} for i in range(5)] + [{"id": "fixed-a", "messages": MESSAGES}]
+    for name, rows in (("held.jsonl", held), ("train.jsonl", train)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(
+        path=str(tmp_path / "train.jsonl"),
+        held_out_path=str(tmp_path / "held.jsonl"),
+        held_out_fraction=0.5,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    data, summary = build_dataset(cfg, tokenizer, verbose=False)
+    assert list(data["held_out"]["id"]) == ["fixed-a", "fixed-b"]
+    assert list(data["train"]["id"]) == [f"t{i}" for i in range(5)]
+    assert summary.dropped == {"in_data_held_out_path": 1}
+    assert data["held_out"][1]["input_ids"] == tokenize_conversation(tokenizer, MESSAGES[:2], 2048)["input_ids"]
+    # Another held-out file is another tokenised set, not the cached one.
+    (tmp_path / "held.jsonl").write_text(json.dumps(held[1]) + "\n")
+    again, _ = build_dataset(cfg, tokenizer, verbose=False)
+    assert list(again["held_out"]["id"]) == ["fixed-b"] and len(again["train"]) == 6
