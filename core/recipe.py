@@ -39,8 +39,12 @@ class RegenerateConfig:
     on_length: Literal["keep", "drop"] = "keep"
     tensor_parallel_size: int = 1  # vLLM: GPUs per model replica
     data_parallel_size: int = 1  # vLLM: model replicas
+    # rewrite the first N conversations only and keep the others' own replies (a mix; null: rewrite all)
+    conversations: int | None = None
 
     def validate(self) -> None:
+        if self.conversations is not None and self.conversations < 0:
+            raise ValueError(f"data.regenerate.conversations must be >= 0 or null, got {self.conversations}")
         if self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("data.regenerate.max_new_tokens and batch_size must be >= 1")
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:

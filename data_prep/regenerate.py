@@ -134,7 +134,8 @@ def regenerate(
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out)
-    todo = list(conversations)  # done ones too: the batches are those of an uninterrupted run
+    kept = conversations[cfg.conversations :] if cfg.conversations is not None else []
+    todo = list(conversations[: cfg.conversations])  # done ones too: the batches are those of an uninterrupted run
     stats = {
         "written": 0,
         "skipped": sum(c["id"] in done for c in todo),
@@ -200,15 +201,22 @@ def regenerate(
         # Every conversation is written, even one left without a reply, so a restart does not
         # redo it; the loader then drops it under its own counted reason.
         new = [(c, r) for c, r in zip(chunk, results) if c["id"] not in done]
-        lines = "".join(json.dumps({"id": c["id"], "messages": r}) + "\n" for c, r in new)
-        with out.open("a", encoding="utf-8") as handle:
-            handle.write(lines)
-            handle.flush()
-            os.fsync(handle.fileno())
+        _append(out, [{"id": c["id"], "messages": r} for c, r in new])
         stats["written"] += len(new)
         bar.update(len(new))
     bar.close()
+    # The rest of a mix keeps its own replies, appended once the rewritten ones are all in.
+    _append(out, [c for c in kept if c["id"] not in done])
+    stats["kept"] = len(kept)
     return stats
+
+
+def _append(out: Path, conversations: list[dict]) -> None:
+    """Append ``conversations`` to ``out`` in one flushed write (an interruption loses whole lines only)."""
+    with out.open("a", encoding="utf-8") as handle:
+        handle.write("".join(json.dumps({"id": c["id"], "messages": c["messages"]}) + "\n" for c in conversations))
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def resolve_engine(engine: str) -> str:

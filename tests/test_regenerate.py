@@ -98,6 +98,27 @@ def test_replies_keep_their_ids_and_cut_off_ones_stay_open_or_are_dropped(tokeni
     assert all(not json.loads(line)["messages"] for line in (tmp_path / "drop.jsonl").read_text().splitlines())
 
 
+def test_a_mix_rewrites_the_first_conversations_and_keeps_the_others_own_replies(tokenizer, tmp_path):
+    """``data.regenerate.conversations: N``: the first N get the target's replies, the rest keep
+    ShareGPT's own, every conversation is in the file once, and a finished file is left alone."""
+    target_dir = save_tiny_target(tmp_path / "target", tokenizer, scale=8.0)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    conversations, _ = load_conversations("sharegpt", limit=5, verbose=False)
+    cfg = RegenerateConfig(enabled=True, engine="hf", max_new_tokens=3, batch_size=2, conversations=2)
+    out = tmp_path / "mix.jsonl"
+    stats = regenerate(hf_generator(target, tokenizer, cfg), tokenizer, conversations, out, cfg, show=False)
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert len(rows) == 5 and stats["kept"] == 3 and stats["written"] == 2
+    for i, conversation in enumerate(conversations):
+        replies = [m for m in rows[conversation["id"]]["messages"] if m["role"] == "assistant"]
+        if i < 2:  # rewritten: the target's ids, one turn
+            assert len(replies) == 1 and len(replies[0]["token_ids"]) == 3
+        else:
+            assert rows[conversation["id"]]["messages"] == conversation["messages"]
+    again = regenerate(hf_generator(target, tokenizer, cfg), tokenizer, conversations, out, cfg, show=False)
+    assert again["written"] == 0 and len(out.read_text().splitlines()) == 5
+
+
 def test_the_cache_key_covers_engine_options_and_target_weights(tokenizer):
     data = DataConfig(limit=8, regenerate=RegenerateConfig(enabled=True, engine="hf"))
     base = regenerated_path(data, "org/model", tokenizer, [1.0, 2.0])

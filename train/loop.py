@@ -383,7 +383,8 @@ class Trainer:
                 self.task.on_evaluate(metrics)
             self.accelerator.log(metrics, step=self.state.step)
             self._count_tokens()
-            self._record({"step": self.state.step, "tokens_seen": self.state.tokens, **metrics})
+            entry = {"step": self.state.step, "tokens_seen": self.state.tokens, "seconds": self._elapsed()}
+            self._record({**entry, **metrics})
             if self.accelerator.is_main_process:
                 tqdm.write(f"step {self.state.step} held-out: { {k: round(v, 4) for k, v in metrics.items()} }")
 
