@@ -60,7 +60,7 @@ class DFlashDrafterConfig(DrafterConfig):
     # reading the target's frozen row, which training refuses where it is near zero (never trained).
     learn_mask_embedding: bool = False
     out_of_vocab_targets: Literal["mask", "renormalise"] = "mask"  # as EAGLE-3's
-    features: Literal["online", "offline"] = "online"
+    features: Literal["online", "offline", "served"] = "online"
     features_dir: str | None = None
 
     def validate(self) -> None:

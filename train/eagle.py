@@ -43,7 +43,7 @@ class EagleDrafterConfig(DrafterConfig):
     feature_noise: float = 0.1
     regression_weight: float = 1.0  # weight of the Smooth-L1 loss on the next feature
     ce_weight: float = 0.1  # weight of the soft cross-entropy against the target's next-token distribution
-    features: Literal["online", "offline"] = "online"  # target features computed in each step, or cached on disk first
+    features: Literal["online", "offline", "served"] = "online"  # target features: per step, on disk first, or served
     features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
     ttt_steps: int = 1  # HASS context alignment: passes over the head's own predicted features (1: off; HASS uses 3)
     ttt_step_loss_decay: float = 1.0  # the loss of pass j is weighted decay ** j (HASS weighs the passes equally)

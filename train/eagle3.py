@@ -62,7 +62,7 @@ class Eagle3DrafterConfig(DrafterConfig):
     # vocabulary, as the EAGLE-3 and SpecForge trainers do (one full LM-head pass over the batch a step);
     # renormalise: fit the target's distribution renormalised over the draft vocabulary there too.
     out_of_vocab_targets: Literal["mask", "renormalise"] = "mask"
-    features: Literal["online", "offline"] = "online"  # target features computed in each step, or cached on disk first
+    features: Literal["online", "offline", "served"] = "online"  # target features: per step, on disk first, or served
     features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
 
     def validate(self) -> None:

@@ -73,8 +73,8 @@ class MedusaDrafterConfig(DrafterConfig):
     lm_head: Literal["shared", "copy"] = "shared"  # the target's LM head by reference, or a trainable copy per head
     draft_vocab_size: int | None = None  # None: the full vocabulary; N: the N most frequent assistant tokens
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
-    # target hidden states computed in each step, or cached on disk first
-    features: Literal["online", "offline"] = "online"
+    # target hidden states computed in each step, cached on disk first, or served (data.features.server)
+    features: Literal["online", "offline", "served"] = "online"
     features_dir: str | None = None  # offline cache (default: under the draftsmith cache, shared with EAGLE)
     lora: LoraSettings = field(default_factory=LoraSettings)
 
@@ -87,7 +87,7 @@ class MedusaDrafterConfig(DrafterConfig):
             raise ValueError(f"drafter.head_decay must be in (0, 1], got {self.head_decay}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
             raise ValueError(f"drafter.draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
-        if self.lora.enabled and self.features == "offline":
+        if self.lora.enabled and self.features != "online":
             raise ValueError(
                 "drafter.features must be 'online' with drafter.lora.enabled: the tuned target's "
                 "hidden states change as it trains"
