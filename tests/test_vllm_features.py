@@ -166,3 +166,21 @@ def test_a_truncated_shard_is_written_again_not_read(store):
     assert all(torch.equal(again[k], whole[k]) for k in whole)
     rows = FeatureDataset(root / "train")
     assert [len(rows[i]["input_ids"]) for i in range(len(rows))] == [4, 3, 2]
+
+
+def test_a_float8_store_reads_back_within_e4m3s_precision(store, tmp_path):
+    """``data.features.storage_dtype: float8``: half the bytes of bf16 (a byte a value plus a scale per
+    token and layer), rows read back in float32 within e4m3's relative precision of each layer."""
+    target, data, root, identity = store
+    f8 = tmp_path / "f8"
+    extract_features(
+        target, data, f8, shard_size=2, show=False, layers=[1, 2], identity={**identity, "storage": "float8"}
+    )
+    exact, coarse = FeatureDataset(root / "train"), FeatureDataset(f8 / "train")
+    shard = load_file(f8 / "train" / "shard-00000.safetensors")
+    assert shard["aux"].dtype == torch.float8_e4m3fn and shard["aux_scale"].shape == (7, 2)
+    for i in range(len(exact)):
+        for name in ("hidden", "aux"):
+            x, y = exact[i][name], coarse[i][name]
+            assert y.dtype == torch.float32 and y.shape == x.shape
+            assert ((y - x).abs().max(-1).values <= x.abs().max(-1).values / 16).all()
