@@ -209,4 +209,7 @@ def served_sets(recipe, target, data, layers: list[int] | None) -> tuple[ServedF
     train = ServedFeatures(
         data["train"], features.server, model, layers, target.config.num_hidden_layers, norm, features.window
     )
+    # One conversation now, in this process: a server that extracts nothing or other layers is a
+    # one-line error before training starts, not a failure in a DataLoader worker.
+    train.__getitems__([0])
     return train, train.with_rows(data["held_out"]) if len(data["held_out"]) else None

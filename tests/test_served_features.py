@@ -6,7 +6,8 @@ training reads them.
   last state, fp32), and it leaves no file behind.
 - EAGLE-3 trains on it with a head-only target and logs the losses it logs on the offline store;
   files never outnumber ``data.features.window``, and none is left after training.
-- A server that does not answer, or none given, is a one-line error naming data.features.server.
+- A server that does not answer, none given, or one capturing other layers is a one-line error
+  naming data.features.server.
 """
 
 from __future__ import annotations
@@ -252,3 +253,27 @@ def test_no_server_is_a_one_line_error(recipe, tmp_path, capsys, server_option):
         [str(recipe), "--output_dir", str(tmp_path / "run"), "--drafter.features", "served", *options],
     )
     assert (url in line and "does not answer" in line) if options else "needs data.features.server" in line
+
+
+@pytest.mark.slow
+def test_a_server_for_other_layers_is_a_one_line_error_at_start_up(server, recipe, tmp_path, capsys):
+    from draftsmith.train.eagle3 import main
+
+    url, storage = server
+    assert_user_error(
+        capsys,
+        r"data\.features\.server .* captures 4 layers of size 128, .* need 3 of size 128",
+        main,
+        [
+            str(recipe),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--drafter.features",
+            "served",
+            "--data.features.server",
+            url,
+            "--drafter.aux_layers",
+            "[1, 2]",
+        ],
+    )
+    assert list(storage.iterdir()) == []
