@@ -67,10 +67,11 @@ def capture_ids(layers: list[int] | None, num_layers: int) -> list[int]:
 def split_states(
     states: torch.Tensor, layers: list[int] | None, num_layers: int, norm
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(hidden, aux)`` as the store keeps them from vLLM's ``[tokens, captured, hidden]`` states
-    (captured as :func:`capture_ids` orders them): N through the final ``norm`` (HF's
-    ``hidden_states[N]`` is normed too), the others as they are."""
-    slot = {layer: j for j, layer in enumerate(capture_ids(layers, num_layers))}
+    """``(hidden, aux)`` as the store keeps them from vLLM's ``[tokens, captured, hidden]`` states:
+    ``aux`` in the head's order of ``layers``, N through the final ``norm`` (HF's
+    ``hidden_states[N]`` is normed too), the others as they are. vLLM captures the layers as its
+    forward pass meets them, in ascending order, whatever order its config lists them in."""
+    slot = {layer: j for j, layer in enumerate(sorted(capture_ids(layers, num_layers)))}
 
     def state(layer: int) -> torch.Tensor:
         value = states[:, slot[layer]]

@@ -22,7 +22,7 @@ from draftsmith.vllm_engine import why_unavailable
 
 # Every kind's layers: EAGLE-3 / P-EAGLE / DFlash default to [2, 15, 27] on SmolLM2's 30 layers; 1 and
 # 30 (the final state, normed in HF's hidden_states) make sure any id a recipe may name comes out right.
-LAYERS = [1, 2, 15, 27, 30]
+LAYERS = [27, 1, 30, 15, 2]  # not sorted: vLLM captures in layer order, the head fuses in its own
 
 
 def prepare(tmp_path, name: str, *overrides: str):
@@ -85,18 +85,18 @@ def test_vllm_features_equal_the_targets_own(tmp_path):
 
 
 def test_vllm_states_are_split_as_hf_orders_them():
-    """vLLM captures the head's layers then N; the store's ``aux`` keeps the head's order and only
-    N goes through the norm (it is the pre-norm state in vLLM, the normed one in HF)."""
+    """vLLM captures the layers in ascending order (as its forward pass meets them); the store's ``aux``
+    keeps the head's order and only N goes through the norm (pre-norm in vLLM, normed in HF)."""
     layers, n = [27, 2, 30], 30
     assert capture_ids(layers, n) == [27, 2, 30] and capture_ids(None, n) == [30] and capture_ids([5], n) == [5, 30]
-    states = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    states = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)  # captured: layers 2, 27, 30
 
     def norm(x):
         return -x
 
     hidden, aux = split_states(states, layers, n, norm)
     assert torch.equal(hidden, -states[:, 2])
-    assert torch.equal(aux, torch.cat([states[:, 0], states[:, 1], -states[:, 2]], dim=-1))
+    assert torch.equal(aux, torch.cat([states[:, 1], states[:, 0], -states[:, 2]], dim=-1))
     hidden, aux = split_states(states[:, :1], None, n, norm)
     assert torch.equal(hidden, -states[:, 0]) and aux is None
 
