@@ -289,6 +289,7 @@ class Trainer:
             bar.total = bar.n
         bar.close()
         self.state.seconds = self._elapsed()
+        self._started = clock(acc.device)  # what follows (the final evaluation) counts on from state.seconds
         if out_of_time:
             acc.print(
                 f"training.max_minutes={t.max_minutes} reached at step {self.state.step} of {self.max_steps}: "
