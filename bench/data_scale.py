@@ -89,8 +89,16 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--arms", nargs="+", default=["regenerated", "own", "mix"])
+    parser.add_argument("--report-only", action="store_true", help="the tables and plot of the runs in --out")
     args = parser.parse_args()
     out = Path(args.out)
+    if not args.report_only:
+        run(args, out)
+    report(json.loads((out / "data_scale.json").read_text()), out, args.minutes)
+
+
+def run(args, out: Path) -> None:
+    """Prepare and train every arm; their preparation times go to ``OUT/data_scale.json``."""
     out.mkdir(parents=True, exist_ok=True)
     held_out = held_out_set(out, max(args.own, args.regenerated), args.held_out, args.max_new_tokens)
     common = [
@@ -118,6 +126,9 @@ def main() -> None:
     results = [run_arm(name, [*common, *arms[name]], out, args.minutes) for name in args.arms]
     (out / "data_scale.json").write_text(json.dumps(results, indent=1))
 
+
+def report(results: list[dict], out: Path, minutes: float) -> None:
+    """Print the arms' table and draw ``OUT/data_scale.png`` from their logs."""
     figure, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(11, 4.5))
     print("| arm | data preparation | steps | supervised tokens seen | epochs | held-out top-1 @1 / @2 / @3 |")
     print("|---|---|---|---|---|---|")
@@ -137,7 +148,7 @@ def main() -> None:
             f"| {result['arm']} | {result['prep_s'] / 60:.1f} min | {last['step']} | {last['tokens_seen']:,} "
             f"| {epochs} | {depths}% |"
         )
-    by_time.axvline(args.minutes, color="grey", lw=0.5)
+    by_time.axvline(minutes, color="grey", lw=0.5)
     by_time.set_xlabel("wall minutes (data preparation, then training)")
     by_tokens.set_xlabel("supervised tokens seen")
     for axes in (by_time, by_tokens):
