@@ -137,8 +137,8 @@ def report(results: list[dict], out: Path, minutes: float) -> None:
             print(f"| {result['arm']} | {result['prep_s'] / 60:.1f} min | (no time left to train) | | | |")
             continue
         points = curve(out / result["arm"])
-        minutes = [(result["prep_s"] + p["seconds"]) / 60 for p in points]
-        by_time.plot(minutes, [100 * p["eval/top1@1"] for p in points], marker="o", label=result["arm"])
+        wall = [(result["prep_s"] + p["seconds"]) / 60 for p in points]
+        by_time.plot(wall, [100 * p["eval/top1@1"] for p in points], marker="o", label=result["arm"])
         by_tokens.plot([p["tokens_seen"] for p in points], [100 * p["eval/top1@1"] for p in points], marker="o")
         last = points[-1]
         epoch = [json.loads(x) for x in (out / result["arm"] / "log_history.jsonl").read_text().splitlines()]

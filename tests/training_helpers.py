@@ -98,8 +98,8 @@ def write_recipe(root: Path, target: Path, drafter: dict, data: dict | None = No
     """A tiny recipe file under ``root``: 8 conversations of at most 128 tokens, batch 2, no tracker;
     ``data`` and ``training`` entries override those defaults."""
     data = dict(data or {})
-    # Hugging Face generate regenerates and extracts features here: vLLM (the default where installed) costs ~20 s to start
-    # and its CPU attention needs head sizes of 32 and up, which these tiny targets do not have.
+    # Hugging Face generate regenerates and extracts features here: vLLM (the default where installed) costs
+    # ~20 s to start and its CPU attention needs head sizes of 32 and up, which these tiny targets do not have.
     data["regenerate"] = {"engine": "hf", **data.get("regenerate", {})}
     data["features"] = {"engine": "hf", **data.get("features", {})}
     recipe = {
