@@ -62,7 +62,7 @@ def main() -> None:
     began = time.perf_counter()
     target, _ = load_target("default", dtype, device="cpu")
     startup = time.perf_counter() - began
-    identity = store_identity("default", target, tokenizer, layers)
+    identity = store_identity("default", target, tokenizer, layers, data=data)
     manifest = extract_features(target, data, out / f"hf-{dtype}", layers=layers, identity=identity)
     results["hf"] = {"startup_s": startup, **manifest}
     del target
@@ -84,8 +84,8 @@ def main() -> None:
     print("| engine | extraction tokens/s | start-up s | end to end tokens/s |")
     print("|---|---|---|---|")
     for engine, r in results.items():
-        rate = r["written_tokens"] / r["seconds"]
-        whole = r["written_tokens"] / (r["seconds"] + r["startup_s"])
+        rate = r["written_tokens"] / max(r["seconds"], 1e-9)  # 0 written: the store was complete already
+        whole = r["written_tokens"] / max(r["seconds"] + r["startup_s"], 1e-9)
         print(f"| {engine} | {rate:,.0f} | {r['startup_s']:.1f} | {whole:,.0f} |")
         r["tokens_per_s"] = rate
     print(f"\nvLLM / hf: {results['vllm']['tokens_per_s'] / results['hf']['tokens_per_s']:.2f}x")

@@ -61,7 +61,8 @@ def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
 def target_record(target: PreTrainedModel, name: str) -> dict:
     """Identity of ``target``: its name, shape and an embedding checksum (dtype independent)."""
     embedding = target.get_input_embeddings().weight
-    rows = embedding[: min(256, embedding.shape[0])].detach().double()
+    # Summed on the CPU: the same weights give the same record on every device (keys and checks compare it exactly).
+    rows = embedding[: min(256, embedding.shape[0])].detach().to("cpu", torch.float64)
     return {
         "name": name,
         "model_type": target.config.model_type,

@@ -41,6 +41,7 @@ SHARD_KEYS = ("hidden", "input_ids", "loss_mask", "offsets")
 FLOAT8 = torch.float8_e4m3fn
 # Which recipe field to change when a store's identity does not match the recipe's.
 IDENTITY_FIELDS = {
+    "data": "data (its conversations, limit, max_length, held-out set, regeneration)",
     "target": "target.name",
     "tokenizer": "target.name / target.chat_template",
     "layers": "drafter.aux_layers",
@@ -74,10 +75,14 @@ def recipe_features_dir(recipe, data, layers: list[int] | None = None) -> Path:
     return features_dir(recipe.target, data, layers, recipe.data.features.storage_dtype, recipe.drafter.features_dir)
 
 
-def store_identity(target_name: str, target, tokenizer, layers: list[int] | None, storage: str = "auto") -> dict:
-    """What a store's features depend on: the target's weights (embedding signature), its tokenizer
-    and chat template, the layers and the storage dtype."""
+def store_identity(
+    target_name: str, target, tokenizer, layers: list[int] | None, storage: str = "auto", data=None
+) -> dict:
+    """What a store's features depend on: the tokenised ``data`` (its splits' fingerprints), the
+    target's weights (embedding signature), its tokenizer and chat template, the layers and the
+    storage dtype."""
     return {
+        "data": {split: data[split]._fingerprint for split in data} if data is not None else None,
         "target": [target_name, target_record(target, target_name)["embedding_signature"]],
         # without the folder it was read from
         "tokenizer": _tokenizer_identity(tokenizer).split("|", 1)[1] if tokenizer is not None else None,
@@ -97,8 +102,9 @@ def check_identity(root: Path, identity: dict) -> None:
         return
     stored = json.loads(file.read_text())
     for key, field in IDENTITY_FIELDS.items():
-        # A head that reads the last hidden state only (EAGLE-1, Medusa) shares any store of its target.
-        if key == "layers" and not identity["layers"]:
+        # A head that reads the last hidden state only (EAGLE-1, Medusa) shares any store of its target;
+        # stores written before they recorded their data are checked on the rest.
+        if (key == "layers" and not identity["layers"]) or (key == "data" and None in (stored.get(key), identity[key])):
             continue
         if stored.get(key) != identity[key]:
             theirs = stored.get(key)
@@ -247,7 +253,7 @@ def extract_features(
     fused as ``aux``) for every split of ``data`` under ``root`` in this process; resumable.
     ``identity``: the store's (:func:`store_identity`; default: ``target`` by its config's name)."""
     if identity is None:
-        identity = store_identity(str(target.config.name_or_path), target, None, layers)
+        identity = store_identity(str(target.config.name_or_path), target, None, layers, data=data)
     return write_store(data, root, hf_compute(target, layers), identity, shard_size, show)
 
 
@@ -313,7 +319,7 @@ def training_sets(
 
         return served_sets(recipe, target, data, layers)
     root = recipe_features_dir(recipe, data, layers)
-    identity = store_identity(recipe.target.name, target, tokenizer, layers, recipe.data.features.storage_dtype)
+    identity = store_identity(recipe.target.name, target, tokenizer, layers, recipe.data.features.storage_dtype, data)
     if not is_complete(root, data):
         model = full_target() if full_target is not None else target
         extract_features(model, data, root, layers=layers, identity=identity)

@@ -219,12 +219,13 @@ def _append(out: Path, conversations: list[dict]) -> None:
         os.fsync(handle.fileno())
 
 
-def resolve_engine(engine: str) -> str:
-    """``auto`` is vLLM where it is importable here, else Hugging Face ``generate``."""
+def resolve_engine(engine: str, field: str = "data.regenerate.engine") -> str:
+    """``auto`` is vLLM where it is importable here, else Hugging Face (``hf``: the target in this
+    process); ``vllm`` where it is not is a one-line error naming ``field``."""
     if engine == "auto":
         return "hf" if why_unavailable() else "vllm"
     if engine == "vllm" and why_unavailable():
-        raise UsageError(f"data.regenerate.engine vllm: {why_unavailable()}; or use engine: hf")
+        raise UsageError(f"{field} vllm: {why_unavailable()}; or use engine: hf")
     return engine
 
 

@@ -172,7 +172,13 @@ class ServedFeatures(Dataset):
             path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
             if path is None:
                 raise UserError(f"data.features.server {self.server} does not extract hidden states: {SERVE_HINT}")
-            saved = take_states(path)
+            try:
+                saved = take_states(path)
+            except FileNotFoundError:
+                raise UserError(
+                    f"data.features.server {self.server} wrote {path}, which this machine cannot read: run the "
+                    "trainer where the server's storage folder is mounted at the same path (a shared file system)"
+                ) from None
         if saved["token_ids"].tolist() != ids:
             raise RuntimeError(f"the server wrote the states of other tokens than asked for ({path})")
         states = saved["hidden_states"].to(self.norm.weight.dtype)

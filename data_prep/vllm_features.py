@@ -16,6 +16,7 @@ On GPUs the connector is vLLM's own; without CUDA it is draftsmith's
 
 from __future__ import annotations
 
+import fcntl
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -40,23 +41,18 @@ from draftsmith.data_prep.regenerate import (
     vllm_generator,
 )
 from draftsmith.data_prep.regenerate import resolve_engine as resolve_generation_engine
-from draftsmith.errors import UsageError
 from draftsmith.precision import dtype_name
 from draftsmith.recipe import TargetConfig
 from draftsmith.target import load_target_head, load_tokenizer, resolve_target
-from draftsmith.vllm_engine import engine_args, run_job, why_unavailable
+from draftsmith.vllm_engine import engine_args, run_job
 
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "draftsmith.hidden_states_connector")
 GPU_CONNECTOR = "ExampleHiddenStatesConnector"
 
 
 def resolve_engine(engine: str) -> str:
-    """``auto`` is vLLM where it is importable here, else the target in this process (``hf``)."""
-    if engine == "auto":
-        return "hf" if why_unavailable() else "vllm"
-    if engine == "vllm" and why_unavailable():
-        raise UsageError(f"data.features.engine vllm: {why_unavailable()}; or use engine: hf")
-    return engine
+    """The engine that fills a store (``data.features.engine``): as regeneration resolves its own."""
+    return resolve_generation_engine(engine, "data.features.engine")
 
 
 def capture_ids(layers: list[int] | None, num_layers: int) -> list[int]:
@@ -130,6 +126,16 @@ def vllm_compute(llm, layers: list[int] | None, num_layers: int, norm) -> Comput
     return compute
 
 
+def discard_states(storage: Path) -> None:
+    """Delete the states files under ``storage`` once their writers are done (each holds its
+    ``.lock`` file's lock until its file is written)."""
+    for lock in storage.glob("*.lock"):
+        with lock.open() as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+            Path(str(lock)[: -len(".lock")]).unlink(missing_ok=True)
+        lock.unlink()
+
+
 def prepare_with_vllm(recipe, layers: list[int] | None, target, tokenizer, full_target) -> None:
     """Fill the recipe's feature store with vLLM (regenerating its data first where the recipe asks,
     in the same job) unless it is complete. ``target``: the head-only target (its identity);
@@ -184,10 +190,17 @@ def run_vllm_features(job: dict) -> dict:
             )
         )
         # Regeneration with hf is done by the parent before this job; what is left is vLLM's.
-        generate = vllm_generator(llm, model, tokenizer, data_cfg.regenerate)
+        replies = vllm_generator(llm, model, tokenizer, data_cfg.regenerate)
+
+        def generate(histories: list[list[dict]], seeds: list[int]):
+            # The connector writes every finished request's prompt states, generation's too: not needed.
+            out = replies(histories, seeds)
+            discard_states(Path(storage))
+            return out
+
         prepared = prepare_data_config(data_cfg, head, target_cfg.name, tokenizer, generate=generate)
         data, _ = build_dataset(prepared, tokenizer)
         root = features_dir(target_cfg, data, layers, features.storage_dtype, job["features_dir"])
-        identity = store_identity(target_cfg.name, head, tokenizer, layers, features.storage_dtype)
+        identity = store_identity(target_cfg.name, head, tokenizer, layers, features.storage_dtype, data)
         norm = head.get_decoder().norm
         return write_store(data, root, vllm_compute(llm, layers, num_layers, norm), identity)

@@ -255,7 +255,7 @@ def test_misspelled_override_names_the_key(recipe, tmp_path, capsys):
     )
     assert_user_error(
         capsys,
-        r"drafter\.features: expected one of 'online' \| 'offline', got 3",
+        r"drafter\.features: expected one of 'online' \| 'offline' \| 'served', got 3",
         train,
         recipe,
         tmp_path / "run",

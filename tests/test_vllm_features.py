@@ -135,7 +135,7 @@ def store(make_tiny_llama, tmp_path):
     target = make_tiny_llama(seed=1)
     rows = {"input_ids": [[1, 2, 3, 4], [5, 6, 7], [8, 9]], "loss_mask": [[0, 1, 1, 1], [0, 0, 1], [1, 1]]}
     data = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)})
-    identity = store_identity("tiny", target, None, [1, 2])
+    identity = store_identity("tiny", target, None, [1, 2], data=data)
     extract_features(target, data, tmp_path / "store", shard_size=2, show=False, layers=[1, 2], identity=identity)
     return target, data, tmp_path / "store", identity
 
@@ -150,6 +150,20 @@ def test_a_store_refuses_other_layers_and_targets_in_one_line(store, make_tiny_l
         extract_features(target, data, root, show=False, layers=[1, 2], identity=other)
     # A head reading the last hidden state only shares the store.
     extract_features(target, data, root, show=False, identity={**identity, "layers": []})
+    # Other conversations under the same drafter.features_dir (another limit, mix or held-out set) are refused
+    # too, even where the split sizes agree and the shards would read.
+    import datasets
+
+    other = datasets.DatasetDict({"train": data["train"].map(lambda row: {"input_ids": row["input_ids"][::-1]})})
+    with pytest.raises(UserError, match=r"written for data .*\(data \(its conversations"):
+        extract_features(
+            target,
+            other,
+            root,
+            show=False,
+            layers=[1, 2],
+            identity=store_identity("tiny", target, None, [1, 2], data=other),
+        )
 
 
 def test_a_truncated_shard_is_written_again_not_read(store):
