@@ -213,7 +213,9 @@ def write_store(
         manifest["bytes"] += size
         manifest["tokens"] += tokens
     with staged(root / "manifest.json") as tmp:
-        tmp.write_text(json.dumps(manifest, indent=1))
+        # What the store holds, not what this call did: a resumed store's manifest is an uninterrupted one's.
+        kept = {key: value for key, value in manifest.items() if key not in ("written_tokens", "seconds")}
+        tmp.write_text(json.dumps(kept, indent=1))
     if show:
         rate = manifest["written_tokens"] / max(manifest["seconds"], 1e-9)
         print(
