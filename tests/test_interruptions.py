@@ -270,7 +270,8 @@ def _checkpoint_started(out: Path) -> int:
 
 def _training_outputs(roots: list[Path]) -> dict:
     """The files of a run, ``trainer_state.json`` without its wall time and ``log_history.jsonl``
-    without its throughputs (the interrupted run's logs must read as the uninterrupted one's)."""
+    without its throughputs and wall times (the interrupted run's logs must read as the uninterrupted
+    one's)."""
     snapshot = files(roots)
     for name in [n for n in snapshot if n.endswith("trainer_state.json")]:
         state = json.loads(snapshot[name])
@@ -278,7 +279,8 @@ def _training_outputs(roots: list[Path]) -> dict:
         snapshot[name] = state
     for name in [n for n in snapshot if n.endswith("log_history.jsonl")]:
         entries = [json.loads(line) for line in snapshot[name].splitlines()]
-        snapshot[name] = [{k: v for k, v in e.items() if k != "train/tokens_per_second"} for e in entries]
+        timing = ("train/tokens_per_second", "seconds")
+        snapshot[name] = [{k: v for k, v in e.items() if k not in timing} for e in entries]
     return snapshot
 
 
