@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from bisect import bisect_right
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ from draftsmith.data_prep.dataset import _tokenizer_identity
 from draftsmith.errors import UserError
 from draftsmith.recipe import TargetConfig
 from draftsmith.target import target_record
+from draftsmith.timing import clock
 
 SHARD_SIZE = 64  # conversations per shard
 SHARD_KEYS = ("hidden", "input_ids", "loss_mask", "offsets")
@@ -184,7 +184,7 @@ def write_store(
             if path.is_file() and _readable(path):
                 continue
             chunk = rows[start : start + shard_size]
-            began = time.perf_counter()  # compute() hands back host tensors: nothing left queued on a device
+            began = clock("cpu")  # compute() hands back host tensors: nothing left queued on a device
             states = compute(chunk["input_ids"])
             hidden = torch.cat([h for h, _ in states]).contiguous()
             lengths = torch.tensor([len(ids) for ids in chunk["input_ids"]])
@@ -204,7 +204,7 @@ def write_store(
                     tensors["aux"] = aux
             with staged(path) as tmp:
                 save_file(tensors, str(tmp))
-            manifest["seconds"] += time.perf_counter() - began
+            manifest["seconds"] += clock("cpu") - began
             manifest["written_tokens"] += len(tensors["input_ids"])
         files = sorted(out.glob("shard-*.safetensors"))
         size = sum(f.stat().st_size for f in files)
