@@ -25,10 +25,11 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import matplotlib
+
+from draftsmith.timing import clock  # noqa: E402
 
 matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
@@ -59,9 +60,9 @@ def run_arm(name: str, words: list[str], out: Path, minutes: float) -> dict:
     """Prepare the arm's store (timed), then train for the rest of ``minutes``."""
     run = out / name
     common = [str(RECIPE), *words, "--output_dir", str(run)]
-    began = time.perf_counter()
+    began = clock("cpu")
     subprocess.run(["draftsmith-features", *common], check=True)
-    prepared = time.perf_counter() - began
+    prepared = clock("cpu") - began
     left = minutes - prepared / 60
     if left <= 0.5:
         return {"arm": name, "prep_s": prepared, "trained": False}

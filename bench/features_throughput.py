@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from draftsmith.heads.eagle3 import default_aux_layers
 from draftsmith.precision import dtype_name, resolve_dtype
 from draftsmith.recipe import DataConfig, TargetConfig
 from draftsmith.target import load_target, load_tokenizer, resolve_target
+from draftsmith.timing import clock  # noqa: E402
 from draftsmith.vllm_engine import run_job
 
 
@@ -59,9 +59,9 @@ def main() -> None:
     data, _ = build_dataset(data_cfg, tokenizer, verbose=False)
     results = {}
 
-    began = time.perf_counter()
+    began = clock("cpu")
     target, _ = load_target("default", dtype, device="cpu")
-    startup = time.perf_counter() - began
+    startup = clock("cpu") - began
     identity = store_identity("default", target, tokenizer, layers, data=data)
     manifest = extract_features(target, data, out / f"hf-{dtype}", layers=layers, identity=identity)
     results["hf"] = {"startup_s": startup, **manifest}
@@ -76,9 +76,9 @@ def main() -> None:
         "layers": layers,
         "features_dir": str(out / f"vllm-{dtype}"),
     }
-    began = time.perf_counter()
+    began = clock("cpu")
     manifest = run_job(job, "feature extraction benchmark", echo=False)
-    results["vllm"] = {"startup_s": time.perf_counter() - began - manifest["seconds"], **manifest}
+    results["vllm"] = {"startup_s": clock("cpu") - began - manifest["seconds"], **manifest}
 
     print(f"\n{manifest['tokens']:,} tokens ({args.limit} conversations, max {args.max_length}), {dtype}\n")
     print("| engine | extraction tokens/s | start-up s | end to end tokens/s |")
