@@ -4,7 +4,7 @@
 GGUF files are dequantised once and cached as safetensors, since dequantising takes ~25 s and
 the cached copy reloads in ~2 s with identical logits.
 
-:func:`load_target_head` loads only what a drafter copies from its target (input embeddings,
+:func:`load_target` with ``head_only`` loads only what a drafter copies from its target (input embeddings,
 LM head, final norm) for training from stored features; the decoder layers stay on the meta
 device, so the target costs its embedding tables' memory instead of the whole model's.
 """
@@ -29,7 +29,7 @@ DEFAULT_TARGET = "default"
 # The hub repository the bundled target was quantised from (the bundled file is its Q4_1 GGUF):
 # what exports name as the verifier, since engines on other machines load targets by hub id.
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# Set on targets from load_target_head, whose decoder layers stay on the meta device.
+# Set on targets loaded head_only, whose decoder layers stay on the meta device.
 HEAD_ONLY_ATTR = "draftsmith_head_only"
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -140,21 +140,13 @@ def _tokenizer_from(source: str, chat_template: str | None) -> PreTrainedTokeniz
     return tokenizer
 
 
-def _load_settings(
-    name_or_path: str, dtype: str | torch.dtype, device: str | torch.device | None, field: str
-) -> tuple[str, torch.device, torch.dtype]:
-    """What both loaders need first: the folder or hub id to load from, the device and the dtype."""
-    source = resolve_target(name_or_path, field)
-    device = torch.device(device) if device is not None else default_device()
-    return source, device, resolve_dtype(dtype, device)
-
-
 def load_target(
     name_or_path: str = DEFAULT_TARGET,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     chat_template: str | None = None,
     field: str = "target",
+    head_only: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a frozen target model in eval mode and its tokenizer.
 
@@ -167,45 +159,34 @@ def load_target(
         device: where to put the model; the first accelerator by default.
         chat_template: replaces the tokenizer's chat template (see :func:`load_tokenizer`).
         field: the setting that named the target, for error messages (``target.name``, ``--target``).
+        head_only: read only the input embeddings, the LM head and the final norm
+            (``get_decoder().norm``) from the checkpoint and leave the rest on the meta device:
+            enough for a drafter trained from stored features, which copies just these
+            (:func:`target_record` gives the full target's record). Tied embeddings stay one
+            parameter; only the safetensors files holding these tensors are opened (downloaded, for
+            a hub id); calling the decoder raises; :func:`is_head_only` tells such a model apart and
+            :func:`move_target` moves it.
     """
-    source, device, dtype = _load_settings(name_or_path, dtype, device, field)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    model.to(device)
-    model.eval().requires_grad_(False)
-    return model, _tokenizer_from(source, chat_template)
-
-
-def load_target_head(
-    name_or_path: str = DEFAULT_TARGET,
-    dtype: str | torch.dtype = "auto",
-    device: str | torch.device | None = None,
-    chat_template: str | None = None,
-    field: str = "target",
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Like :func:`load_target` (same arguments), but only the input embeddings, the LM head and
-    the final norm (``get_decoder().norm``) are read from the checkpoint; the rest stays on the
-    meta device.
-
-    Enough for a drafter trained from stored features, which copies just these from its target
-    (:func:`target_record` gives the full target's record). Tied embeddings stay one parameter.
-    Only the safetensors files holding these tensors are opened (downloaded, for a hub id).
-    Calling the decoder raises; :func:`is_head_only` tells such a model apart, and
-    :func:`move_target` moves it.
-    """
-    source, device, dtype = _load_settings(name_or_path, dtype, device, field)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=dtype)
-    modules = _head_modules(model, field)
-    _load_head_tensors(model, modules, source, device, field)
-    _init_head_buffers(model, modules, device)
-    model.get_decoder().register_forward_pre_hook(_refuse_forward)
-    setattr(model, HEAD_ONLY_ATTR, True)
+    source = resolve_target(name_or_path, field)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = resolve_dtype(dtype, device)
+    if head_only:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=dtype)
+        modules = _head_modules(model, field)
+        _load_head_tensors(model, modules, source, device, field)
+        _init_head_buffers(model, modules, device)
+        model.get_decoder().register_forward_pre_hook(_refuse_forward)
+        setattr(model, HEAD_ONLY_ATTR, True)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model.to(device)
     model.eval().requires_grad_(False)
     return model, _tokenizer_from(source, chat_template)
 
 
 def is_head_only(model: PreTrainedModel) -> bool:
-    """True for a target from :func:`load_target_head` (its decoder layers are not loaded)."""
+    """True for a target loaded with ``head_only`` (its decoder layers are not loaded)."""
     return getattr(model, HEAD_ONLY_ATTR, False)
 
 
@@ -220,8 +201,8 @@ def move_target(model: PreTrainedModel, device: str | torch.device) -> PreTraine
 
 def _refuse_forward(module, args):
     raise RuntimeError(
-        "this target was loaded head-only (load_target_head): its decoder layers are not loaded; "
-        "use load_target to run it"
+        "this target was loaded head-only (load_target(..., head_only=True)): its decoder layers are "
+        "not loaded; load it whole to run it"
     )
 
 

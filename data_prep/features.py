@@ -310,7 +310,7 @@ def training_sets(
     features (``offline``; with ``layers`` the fused states too), extracted first where missing, or
     their features from the server at ``data.features.server`` (``served``).
 
-    ``target`` may be head-only (:func:`~draftsmith.target.load_target_head`): ``full_target()``
+    ``target`` may be head-only (:func:`~draftsmith.target.load_target` with ``head_only``): ``full_target()``
     then loads the whole target where the ``hf`` engine has to extract (vLLM's extraction runs
     before the data is loaded: :func:`~draftsmith.data_prep.vllm_features.prepare_with_vllm`)."""
     if recipe.drafter.features == "online":

@@ -265,7 +265,7 @@ def prepare_data_config(
     """``data`` itself, or (with ``data.regenerate.enabled``) a copy pointing at its regenerated file,
     written first where it is missing or incomplete.
 
-    ``target`` may be head-only (:func:`~draftsmith.target.load_target_head`; its embeddings key the
+    ``target`` may be head-only (:func:`~draftsmith.target.load_target` with ``head_only``; its embeddings key the
     file): ``full_target()`` loads the whole target where the ``hf`` engine has to generate.
     ``generate``: the replies' writer to use whatever the engine (vLLM's child process passes its own).
     """

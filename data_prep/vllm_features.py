@@ -43,7 +43,7 @@ from draftsmith.data_prep.regenerate import (
 from draftsmith.data_prep.regenerate import resolve_engine as resolve_generation_engine
 from draftsmith.precision import dtype_name
 from draftsmith.recipe import TargetConfig
-from draftsmith.target import load_target_head, load_tokenizer, resolve_target
+from draftsmith.target import load_target, load_tokenizer, resolve_target
 from draftsmith.vllm_engine import engine_args, run_job
 
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "draftsmith.hidden_states_connector")
@@ -170,7 +170,7 @@ def run_vllm_features(job: dict) -> dict:
     model, layers = job["model"], job["layers"]
     num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
     tokenizer = load_tokenizer(target_cfg.name, target_cfg.chat_template, "target.name")
-    head, _ = load_target_head(target_cfg.name, job["dtype"], "cpu", target_cfg.chat_template, "target.name")
+    head, _ = load_target(target_cfg.name, job["dtype"], "cpu", target_cfg.chat_template, "target.name", head_only=True)
     features = data_cfg.features
     context = data_cfg.max_length + 1
     if data_cfg.regenerate.enabled:

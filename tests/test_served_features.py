@@ -31,7 +31,7 @@ from training_helpers import save_tiny_target, write_recipe
 
 from draftsmith.data_prep.features import FeatureDataset, extract_features
 from draftsmith.data_prep.served_features import ServedFeatures, serve_command, served_model
-from draftsmith.target import is_head_only, load_target, load_target_head, load_tokenizer
+from draftsmith.target import is_head_only, load_target, load_tokenizer
 from draftsmith.vllm_engine import CPU_KV_CACHE_BYTES, why_unavailable
 
 LAYERS, NUM_LAYERS = [1, 2, 3], 4
@@ -159,7 +159,7 @@ def test_served_rows_equal_the_targets_stored_features(server, target, tmp_path)
     full, _ = load_target(str(target), "float32", "cpu")
     extract_features(full, {"train": rows}, tmp_path / "store", layers=LAYERS, show=False)
     stored = FeatureDataset(tmp_path / "store" / "train")
-    head, _ = load_target_head(str(target), "float32", "cpu")
+    head, _ = load_target(str(target), "float32", "cpu", head_only=True)
     assert served_model(url) == str(target)
     served = ServedFeatures(rows, url, str(target), LAYERS, NUM_LAYERS, head.get_decoder().norm, window=2)
 

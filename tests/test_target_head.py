@@ -1,4 +1,4 @@
-"""load_target_head: a target's input embeddings, LM head and final norm read from its
+"""load_target(head_only=True): a target's input embeddings, LM head and final norm read from its
 safetensors, equal to the full target's, with the decoder layers left on the meta device."""
 
 import json
@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from draftsmith.errors import UserError
-from draftsmith.target import is_head_only, load_target, load_target_head, load_tokenizer, move_target, target_record
+from draftsmith.target import is_head_only, load_target, load_tokenizer, move_target, target_record
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def assert_head_equal(head, model):
 @pytest.mark.parametrize("tied", [True, False])
 def test_head_only_target_has_the_checkpoints_head_and_nothing_else(make_tiny_llama, tokenizer, tmp_path, tied):
     model = saved_tiny(make_tiny_llama, tokenizer, tmp_path, tied)
-    head, head_tokenizer = load_target_head(str(tmp_path), "float32", "cpu")
+    head, head_tokenizer = load_target(str(tmp_path), "float32", "cpu", head_only=True)
 
     assert_head_equal(head, model)
     assert (head.lm_head.weight is head.model.embed_tokens.weight) == tied
@@ -70,7 +70,7 @@ def test_head_only_target_has_the_checkpoints_head_and_nothing_else(make_tiny_ll
 
 def test_head_only_load_casts_to_the_requested_dtype(make_tiny_llama, tokenizer, tmp_path):
     model = saved_tiny(make_tiny_llama, tokenizer, tmp_path).to(torch.bfloat16)
-    head, _ = load_target_head(str(tmp_path), "bfloat16", "cpu")
+    head, _ = load_target(str(tmp_path), "bfloat16", "cpu", head_only=True)
     assert head.model.norm.weight.dtype == torch.bfloat16
     assert head.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert_head_equal(head, model)
@@ -85,7 +85,7 @@ def test_sharded_checkpoint_needs_only_the_shards_holding_the_head(make_tiny_lla
     for shard in unneeded:
         (tmp_path / shard).unlink()
 
-    head, _ = load_target_head(str(tmp_path), "float32", "cpu")
+    head, _ = load_target(str(tmp_path), "float32", "cpu", head_only=True)
     assert_head_equal(head, model)
     assert head.model.layers[0].self_attn.q_proj.weight.is_meta
 
@@ -97,14 +97,14 @@ def test_missing_head_tensor_is_a_user_error_naming_file_and_key(make_tiny_llama
     del tensors["model.norm.weight"]
     save_file(tensors, weights)
     with pytest.raises(UserError, match=r"target: .*model\.safetensors has no tensor model\.norm\.weight") as error:
-        load_target_head(str(tmp_path), "float32", "cpu")
+        load_target(str(tmp_path), "float32", "cpu", head_only=True)
     assert "\n" not in str(error.value)
 
 
 @pytest.mark.slow
 def test_bundled_target_head_gives_the_full_targets_logits(smollm2):
     full, _ = smollm2
-    head, _ = load_target_head("default", "float32", "cpu")
+    head, _ = load_target("default", "float32", "cpu", head_only=True)
     assert head.lm_head.weight is head.model.embed_tokens.weight  # SmolLM2 ties its embeddings
     hidden = torch.randn(3, full.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

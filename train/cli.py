@@ -14,7 +14,7 @@ from draftsmith.data_prep.vllm_features import prepare_with_vllm, resolve_engine
 from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.heads.eagle3 import check_aux_layers, default_aux_layers
 from draftsmith.recipe import OVERRIDE_ALIASES
-from draftsmith.target import load_target, load_target_head, move_target, resolve_target
+from draftsmith.target import load_target, move_target, resolve_target
 from draftsmith.timing import stage
 from draftsmith.train.distributed import main_process_first, resolve_precision
 from draftsmith.train.loop import Trainer
@@ -107,7 +107,7 @@ def target_and_data(recipe, layers: list[int] | None = None):
     the tokenised train/held-out set, after self-distillation when ``data.regenerate`` asks for it.
 
     Where the features come from a store or a server (``drafter.features`` offline or served) the
-    target is head-only (:func:`~draftsmith.target.load_target_head`: embeddings, LM head, final
+    target is head-only (:func:`~draftsmith.target.load_target` with ``head_only``: embeddings, LM head, final
     norm) and ``full_target()`` loads the whole one only if something has to run it (the ``hf``
     engines); with ``data.features.engine`` vllm the store is filled first (``layers``: the head's
     aux layers), in the same vLLM job as the regeneration. Online: the whole target, and
@@ -119,7 +119,7 @@ def target_and_data(recipe, layers: list[int] | None = None):
             target, tokenizer = load_target(name, dtype, chat_template=template, field=field)
             full_target = lambda: target  # noqa: E731 (the loader's stand-in: nothing more to load)
         else:
-            target, tokenizer = load_target_head(name, dtype, chat_template=template, field=field)
+            target, tokenizer = load_target(name, dtype, chat_template=template, field=field, head_only=True)
             full_target = functools.cache(lambda: load_target(name, dtype, chat_template=template, field=field)[0])
             if recipe.drafter.features == "offline" and resolve_engine(recipe.data.features.engine) == "vllm":
                 prepare_with_vllm(recipe, layers, target, tokenizer, full_target)
