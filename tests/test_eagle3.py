@@ -21,7 +21,7 @@ from cli_helpers import assert_user_error
 from safetensors.torch import load_file
 from stats_helpers import assert_distributed_as_target
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
-from training_helpers import save_tiny_target, write_recipe
+from training_helpers import save_tiny_target, train_offline, write_recipe
 from transformers import DynamicCache
 
 from draftsmith.eval.engine.decode import SpeculativeDecoder
@@ -419,18 +419,7 @@ def test_offline_features_train_exactly_as_online(tiny_recipe, tmp_path):
 
     steps = ["--training.max_steps", "2", "--training.log_every", "1", "--training.eval_every", "0"]
     online = main([str(tiny_recipe), "--output_dir", str(tmp_path / "online"), *steps])
-    offline = main(
-        [
-            str(tiny_recipe),
-            "--output_dir",
-            str(tmp_path / "offline"),
-            *steps,
-            "--drafter.features",
-            "offline",
-            "--drafter.features_dir",
-            str(tmp_path / "features"),
-        ]
-    )
+    offline = train_offline(main, tiny_recipe, tmp_path / "offline", tmp_path / "features", *steps)
     assert sorted(p.name for p in (tmp_path / "features").iterdir()) == [
         "held_out",
         "identity.json",
@@ -452,18 +441,7 @@ def test_offline_features_train_exactly_as_online(tiny_recipe, tmp_path):
     recipe = yaml.safe_load(tiny_recipe.read_text())
     recipe["drafter"].pop("aux_layers")
     (tmp_path / "eagle1.yaml").write_text(yaml.safe_dump(recipe))
-    shared = main_eagle1(
-        [
-            str(tmp_path / "eagle1.yaml"),
-            "--output_dir",
-            str(tmp_path / "eagle1"),
-            *steps,
-            "--drafter.features",
-            "offline",
-            "--drafter.features_dir",
-            str(tmp_path / "features"),
-        ]
-    )
+    shared = train_offline(main_eagle1, tmp_path / "eagle1.yaml", tmp_path / "eagle1", tmp_path / "features", *steps)
     assert [h["step"] for h in shared.history if "train/loss" in h] == [1, 2]
 
 

@@ -27,7 +27,7 @@ import datasets
 import pytest
 import torch
 from cli_helpers import assert_user_error
-from training_helpers import save_tiny_target, write_recipe
+from training_helpers import save_tiny_target, train_offline, write_recipe
 
 from draftsmith.data_prep.features import FeatureDataset, extract_features
 from draftsmith.data_prep.served_features import ServedFeatures, serve_command, served_model
@@ -193,17 +193,7 @@ def test_eagle3_trains_on_served_features_as_on_stored_ones(server, recipe, tmp_
     from draftsmith.train.eagle3 import main
 
     url, storage = server
-    offline = main(
-        [
-            str(recipe),
-            "--output_dir",
-            str(tmp_path / "offline"),
-            "--drafter.features",
-            "offline",
-            "--drafter.features_dir",
-            str(tmp_path / "features"),
-        ]
-    )
+    offline = train_offline(main, recipe, tmp_path / "offline", tmp_path / "features")
     stop, peak = threading.Event(), [0]
     watcher = threading.Thread(target=_watch, args=(storage, stop, peak))
     watcher.start()

@@ -118,3 +118,11 @@ def write_recipe(root: Path, target: Path, drafter: dict, data: dict | None = No
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+def train_offline(main, recipe: Path, output_dir: Path, features_dir: Path, *overrides: str):
+    """``main`` (a training entry point) on ``recipe`` with its features stored in ``features_dir``."""
+    return main(
+        [str(recipe), "--output_dir", str(output_dir), *overrides]
+        + ["--drafter.features", "offline", "--drafter.features_dir", str(features_dir)]
+    )
