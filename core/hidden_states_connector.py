@@ -6,7 +6,8 @@ memory and waits on CUDA events; on a CPU that dies at ``pin_memory=True``. This
 synchronously (on a CPU the cache already is host memory) and keeps everything else: the file per
 request (``hidden_states`` ``[tokens, layers, hidden]``, ``token_ids``), the ``.lock`` file readers
 wait on, ``kv_transfer_params["hidden_states_path"]``. vLLM loads it by module path
-(:func:`connector_config` picks it where CUDA is absent); import it only in vLLM's processes.
+(``draftsmith.data_prep.vllm_features.transfer_config`` picks it where CUDA is absent); import it
+only in vLLM's processes.
 """
 
 from __future__ import annotations

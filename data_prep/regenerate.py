@@ -35,12 +35,13 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig
 
 from draftsmith.assets import cache_root
+from draftsmith.config import from_dict
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.dataset import _source_identity, _tokenizer_identity
 from draftsmith.data_prep.sharegpt import load_conversations
 from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
 from draftsmith.precision import DTYPE_CHOICES, dtype_name, resolve_dtype
-from draftsmith.recipe import DataConfig, FeaturesConfig, RegenerateConfig
+from draftsmith.recipe import DataConfig, RegenerateConfig
 from draftsmith.target import eos_token_ids, load_target, load_tokenizer, resolve_target, target_record
 from draftsmith.vllm_engine import engine_args, run_job, why_unavailable
 
@@ -338,7 +339,7 @@ def run_vllm_regeneration(job: dict) -> dict:
     """Regeneration's job for :func:`draftsmith.vllm_engine.run_job` (runs in vLLM's child process)."""
     from vllm import LLM
 
-    data = data_config(job["data"])
+    data = from_dict(DataConfig, job["data"], "job")
     cfg = data.regenerate
     tokenizer = load_tokenizer(job["model"])
     llm = LLM(
@@ -352,17 +353,6 @@ def run_vllm_regeneration(job: dict) -> dict:
     )
     conversations, _ = load_conversations(data.path, data.split, data.limit, verbose=False)
     return regenerate(vllm_generator(llm, job["model"], tokenizer, cfg), tokenizer, conversations, job["out"], cfg)
-
-
-def data_config(fields: dict) -> DataConfig:
-    """A :class:`DataConfig` back from its ``asdict`` (a job's JSON)."""
-    return DataConfig(
-        **{
-            **fields,
-            "regenerate": RegenerateConfig(**fields["regenerate"]),
-            "features": FeaturesConfig(**fields["features"]),
-        }
-    )
 
 
 def regeneration_context(model: str, cfg: RegenerateConfig) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from draftsmith.config import from_dict
 from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.features import (
     Compute,
@@ -34,7 +35,6 @@ from draftsmith.data_prep.features import (
     write_store,
 )
 from draftsmith.data_prep.regenerate import (
-    data_config,
     prepare_data_config,
     regeneration_context,
     regeneration_pending,
@@ -42,8 +42,8 @@ from draftsmith.data_prep.regenerate import (
 )
 from draftsmith.data_prep.regenerate import resolve_engine as resolve_generation_engine
 from draftsmith.precision import dtype_name
-from draftsmith.recipe import TargetConfig
-from draftsmith.target import load_target, load_tokenizer, resolve_target
+from draftsmith.recipe import DataConfig, TargetConfig
+from draftsmith.target import load_target, resolve_target
 from draftsmith.vllm_engine import engine_args, run_job
 
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "draftsmith.hidden_states_connector")
@@ -141,12 +141,11 @@ def prepare_with_vllm(recipe, layers: list[int] | None, target, tokenizer, full_
     in the same job) unless it is complete. ``target``: the head-only target (its identity);
     ``full_target()``: the whole one, for a recipe that regenerates with ``hf``."""
     name = recipe.target.name
-    pending = regeneration_pending(recipe.data, target, name, tokenizer)
-    if pending and resolve_generation_engine(recipe.data.regenerate.engine) == "hf":
-        prepare_data_config(recipe.data, target, name, tokenizer, full_target=full_target)
-        pending = False
-    if not pending:
-        data, _ = build_dataset(prepare_data_config(recipe.data, target, name, tokenizer), tokenizer, verbose=False)
+    # Replies still to write go to the job's vLLM, unless the recipe writes them with hf (here, first).
+    vllm_writes = resolve_generation_engine(recipe.data.regenerate.engine) == "vllm"
+    if not (vllm_writes and regeneration_pending(recipe.data, target, name, tokenizer)):
+        prepared = prepare_data_config(recipe.data, target, name, tokenizer, full_target=full_target)
+        data, _ = build_dataset(prepared, tokenizer, verbose=False)
         if is_complete(recipe_features_dir(recipe, data, layers), data):
             return
     job = {
@@ -166,11 +165,12 @@ def run_vllm_features(job: dict) -> dict:
     regenerate where asked, tokenise, extract every split into the store; returns the manifest."""
     from vllm import LLM
 
-    target_cfg, data_cfg = TargetConfig(**job["target"]), data_config(job["data"])
+    target_cfg, data_cfg = from_dict(TargetConfig, job["target"], "job"), from_dict(DataConfig, job["data"], "job")
     model, layers = job["model"], job["layers"]
     num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
-    tokenizer = load_tokenizer(target_cfg.name, target_cfg.chat_template, "target.name")
-    head, _ = load_target(target_cfg.name, job["dtype"], "cpu", target_cfg.chat_template, "target.name", head_only=True)
+    head, tokenizer = load_target(
+        target_cfg.name, job["dtype"], "cpu", target_cfg.chat_template, "target.name", head_only=True
+    )
     features = data_cfg.features
     context = data_cfg.max_length + 1
     if data_cfg.regenerate.enabled:
