@@ -10,11 +10,23 @@ kind up. A new kind is its modules plus one line in :data:`BUILTIN`.
 from __future__ import annotations
 
 from draftsmith.kinds import DrafterKind, register
-from draftsmith.plugins import dflash, draft_lm, eagle, eagle3, hierarchical, medusa, oracle, peagle, prompt_lookup
+from draftsmith.plugins import (
+    dflash,
+    draft_lm,
+    eagle,
+    eagle3,
+    hierarchical,
+    medusa,
+    oracle,
+    peagle,
+    prompt_lookup,
+    suffix,
+)
 
 # In the order eval/run.py --help lists them.
 BUILTIN: tuple[DrafterKind, ...] = (
     prompt_lookup.KIND,
+    suffix.KIND,
     oracle.KIND,
     draft_lm.KIND,
     eagle.KIND,

@@ -25,6 +25,15 @@ fi
 # (build/__editable__...), so tools that walk the package (lint-imports) see all of it; a new module
 # needs this script run again.
 EDITABLE=(--config-settings editable_mode=strict)
+# The suffix drafter runs Snowflake's SuffixDecoding (arctic-inference, the library vLLM's `suffix`
+# method calls). PyPI has it as an sdist only, whose build requirements name an unpinned torch (a
+# CUDA build): it is compiled here against the torch already installed, without build isolation
+# (a C++ extension of its own, ~20 s; it links no torch). Its vLLM plugin does nothing unless
+# ARCTIC_INFERENCE_ENABLED is set.
+if ! "$PYTHON" -c "import arctic_inference.suffix_decoding" >/dev/null 2>&1; then
+    "$PYTHON" -m pip install --quiet "nanobind==2.9.2" ninja "cmake>=3.18"
+    "$PYTHON" -m pip install --quiet --no-deps --no-build-isolation "arctic-inference==0.3.0"
+fi
 if [ "$EXTRAS" = none ]; then
     "$PYTHON" -m pip install --quiet "${EDITABLE[@]}" -e .
     exit 0

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.kv_cache import SlotCache
+from draftsmith.eval.engine.prepack import prepack_linears
 from draftsmith.eval.engine.tree import ROOT, ancestor_mask
 
 MASKED_ATTENTION = ("sdpa", "eager")  # implementations that honour an additive 4D mask
@@ -79,11 +80,14 @@ class CausalLMRunner:
         lm_head=None,
         config=None,
         capture_layers: list[int] | None = None,
+        prepack: str = "auto",
     ):
         """Wrap an HF causal LM, or any ``decoder`` (HF-decoder-like forward) with an ``lm_head`` callable.
 
         With ``capture_layers`` every forward also keeps those layers' hidden states (HF
         ``hidden_states[L]``, the input of decoder layer L), concatenated, in :attr:`captured`.
+        ``prepack``: the CPU linears' weights packed once for oneDNN (:mod:`draftsmith.eval.engine.prepack`;
+        ``auto``: where measured faster; a compiled decoder is left to the compiler).
         """
         self.model = model
         self.capture_layers = list(capture_layers) if capture_layers else None
@@ -93,6 +97,10 @@ class CausalLMRunner:
         self.config = config if config is not None else model.config
         param = next(self.decoder.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if not hasattr(self.decoder, "tree_buckets"):  # set by compile_decoder
+            for module in (self.decoder, self.lm_head):
+                if isinstance(module, torch.nn.Module):
+                    prepack_linears(module, prepack)
         self.layer_types, self.window = _attention_layout(self.config)
         self.max_positions = getattr(self.config, "max_position_embeddings", None)
         # Gemma-2-style models squash logits in their causal-LM forward, after the LM head.
