@@ -16,6 +16,7 @@ from draftsmith.plugins import (
     eagle,
     eagle3,
     hierarchical,
+    hybrid,
     medusa,
     oracle,
     peagle,
@@ -34,6 +35,7 @@ BUILTIN: tuple[DrafterKind, ...] = (
     peagle.KIND,
     dflash.KIND,
     hierarchical.KIND,
+    hybrid.KIND,
     medusa.KIND,
 )
 

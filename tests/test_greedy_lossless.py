@@ -17,9 +17,11 @@ from tree_drafters import GreedyPrefixDrafter, RandomTreeDrafter
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.eval.engine.decode import SpeculativeDecoder, autoregressive_greedy
 from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.engine.drafters.hybrid import HybridDrafter
 from draftsmith.eval.engine.drafters.medusa import MedusaDrafter
 from draftsmith.eval.engine.drafters.oracle import OracleDrafter
 from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.engine.drafters.suffix import SuffixDrafter
 from draftsmith.eval.engine.medusa_trees import optimal_choices
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.heads.medusa import MedusaHeads, rank_accuracy
@@ -158,6 +160,37 @@ def test_draft_lm_is_lossless(target, prompts, plain, small_draft, top_k, budget
     model, tokenizer = target
     drafter = DraftLMDrafter(small_draft, depth=4, top_k=top_k, budget=budget)
     _check_prompts(SpeculativeDecoder(model, drafter, tokenizer), prompts, plain, DRAFT_LM_PROMPTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", [False, True], ids=["path", "tree"])
+def test_suffix_is_lossless(target, prompts, plain, tree):
+    model, tokenizer = target
+    decoder = SpeculativeDecoder(model, SuffixDrafter(num_tokens=8, tree=tree), tokenizer)
+    saved = 0
+    for i, (prompt, reference) in enumerate(zip(prompts, plain)):
+        gen = decoder.generate(prompt, NEW_TOKENS)
+        check_bookkeeping(gen, reference, max_depth=8)
+        saved += (len(gen.tokens) - 1) - gen.steps
+    # Suffix drafts really are accepted (the copying prompts, and earlier outputs it has cached).
+    assert saved >= 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["switch", "merge"])
+def test_hybrid_of_a_draft_lm_and_suffix_is_lossless(target, prompts, plain, small_draft, mode):
+    model, tokenizer = target
+    parts = [DraftLMDrafter(small_draft, depth=3, top_k=2, budget=6), SuffixDrafter(num_tokens=8)]
+    drafter = HybridDrafter(parts, learned=[True, False], budget=12, mode=mode)
+    decoder = SpeculativeDecoder(model, drafter, tokenizer)
+    for i in DRAFT_LM_PROMPTS:
+        gen = decoder.generate(prompts[i], NEW_TOKENS)
+        check_bookkeeping(gen, plain[i], max_depth=12)
+    assert max(gen.drafted) <= 12
+    if mode == "switch":  # a confident suffix draft skipped the draft LM in some steps
+        assert drafter.skipped > 0
+    else:
+        assert drafter.skipped == 0
 
 
 @pytest.mark.slow

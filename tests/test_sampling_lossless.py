@@ -26,7 +26,9 @@ import draftsmith.eval.engine.verify as verify_module
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter
 from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
+from draftsmith.eval.engine.drafters.hybrid import HybridDrafter
 from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.eval.engine.drafters.suffix import SuffixDrafter
 from draftsmith.eval.engine.sampling import SamplingConfig, choose, probabilities, sample
 from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder
 from draftsmith.eval.engine.verify import read_verdict, verdict, verify_sampling
@@ -166,6 +168,18 @@ def test_prompt_lookup_branches(monkeypatch, target):
     statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, prompt=prompt)
     assert statistic < threshold
     assert sum(c for a, c in accepted.items() if a[0] > 1) > 100
+
+
+@pytest.mark.parametrize("mode", ["merge", "switch"])
+def test_hybrid_of_a_draft_lm_and_deterministic_lookups(monkeypatch, target, draft, mode):
+    """A sampled draft LM tree merged with a deterministic tree and suffix drafts (one part's
+    proposal per parent): the output still follows the target exactly."""
+    parts = [DraftLMDrafter(draft, depth=2, top_k=2), FixedTreeDrafter(), SuffixDrafter(num_tokens=3)]
+    drafter = HybridDrafter(parts, learned=[True, False, False], budget=6, mode=mode)
+    statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4)
+    assert statistic < threshold
+    assert accepted[(3,)] > 25 and accepted[(1, 1, 1)] > 100
+    assert (drafter.skipped > 0) == (mode == "switch")
 
 
 def test_warped_sampling(monkeypatch, target, draft):

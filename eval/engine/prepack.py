@@ -49,6 +49,10 @@ class _Packed:
         self.weight: torch.Tensor | None = None
         self.pack()
 
+    def __getstate__(self) -> dict:
+        # A oneDNN tensor has no storage to copy or pickle: copies pack again on first use.
+        return {"linear": self.linear, "min_rows": self.min_rows, "stamp": None, "weight": None}
+
     def _stamp(self) -> tuple[int, int]:
         weight = self.linear.weight
         return weight._version, weight.data_ptr()

@@ -40,6 +40,9 @@ class TokenTree:
     proposals: dict[int, Proposal] = field(default_factory=dict)  # parent -> candidates
     # Entropy (nats) of the draft distribution each proposing node drew from, where the drafter has one.
     entropy: dict[int, float] = field(default_factory=dict)
+    # Each node's estimated log-probability of being accepted with its ancestors (the drafter's
+    # cumulative draft log-probability, or a lookup's frequency estimate); empty where it has none.
+    scores: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -76,6 +79,7 @@ class TreeBuilder:
         self.scores: list[float] = []
         self.proposals: dict[int, tuple[list[int], list[int | None], torch.Tensor | None]] = {}
         self.entropy: dict[int, float] = {}
+        self.scored = False  # whether any candidates came with scores (then the tree keeps them)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -94,6 +98,7 @@ class TreeBuilder:
             raise ValueError(f"node {parent} already has candidates")
         if entropy is not None:
             self.entropy[parent] = entropy
+        self.scored |= scores is not None
         depth = 1 if parent == ROOT else self.depths[parent] + 1
         base = 0.0 if parent == ROOT else self.scores[parent]
         ids = []
@@ -123,6 +128,7 @@ class TreeBuilder:
             tokens=[self.tokens[i] for i in ordered],
             parents=[new_id[self.parents[i]] for i in ordered],
             depths=[self.depths[i] for i in ordered],
+            scores=[self.scores[i] for i in ordered] if self.scored else [],
         )
         for parent, (tokens, nodes, probs) in self.proposals.items():
             if parent in new_id:

@@ -85,10 +85,45 @@ def _value(raw: str):
     return {"true": True, "false": False}.get(raw.lower(), raw)
 
 
+def _partition_top(spec: str, sep: str) -> tuple[str, str, str]:
+    """``str.partition`` at the first ``sep`` outside parentheses (a hybrid's parts carry their own ``?``)."""
+    depth = 0
+    for i, char in enumerate(spec):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == sep and depth == 0:
+            return spec[:i], sep, spec[i + 1 :]
+    return spec, "", ""
+
+
+def split_parts(text: str) -> list[str]:
+    """``A+B+...`` split at the top level; a part in parentheses may hold ``+`` and ``?`` (its options)."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth < 0:
+            raise UsageError(f"hybrid spec {text!r}: a ')' closes nothing")
+        if char == "+" and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    if depth:
+        raise UsageError(f"hybrid spec {text!r}: a '(' is not closed")
+    parts = [p[1:-1] if p.startswith("(") and p.endswith(")") else p for p in (p.strip() for p in parts)]
+    if len(parts) < 2 or not all(parts):
+        raise UsageError(f"hybrid spec {text!r}: give two or more drafter specs joined by '+', e.g. eagle3:PATH+suffix")
+    return parts
+
+
 def _default_name(kind: str, path: str) -> str:
-    """``kind``, or ``kind:model`` for a path: its last part, or the run folder of a checkpoint."""
+    """``kind``, or ``kind:model`` for a path: its last part, or the run folder of a checkpoint; a
+    hybrid's parts (``A+B``) each named so."""
     if not path:
         return kind
+    if "+" in path:
+        parts = [_partition_top(part, "?")[0] for part in split_parts(path)]
+        return f"{kind}:" + "+".join(_default_name(*(part.split(":", 1) + [""])[:2]) for part in parts)
     parts = [p for p in path.rstrip("/").split("/") if p]
     if len(parts) > 1 and parts[-1].startswith("checkpoint"):
         return f"{kind}:{parts[-2]}"
@@ -98,7 +133,7 @@ def _default_name(kind: str, path: str) -> str:
 def parse_spec(spec: str) -> DrafterSpec:
     """Parse a drafter spec string (see the module docstring); every value the kind cannot honour,
     its checkpoint's limits included, is refused here, before any model loads."""
-    body, _, query = spec.partition("?")
+    body, _, query = _partition_top(spec, "?")
     name, _, path = body.partition(":")
     kinds = registered()
     if name not in kinds:
@@ -162,4 +197,5 @@ __all__ = [
     "kinds_help",
     "parse_spec",
     "build_drafter",
+    "split_parts",
 ]

@@ -10,14 +10,15 @@ draft is the best-scoring continuation of the context's longest matching suffix,
 probability (a frequency ratio along the path) falls below ``min_token_prob``. vLLM verifies the
 path only; ``tree=true`` drafts the best-first tree the library can also grow.
 
-The draft's per-node probabilities are kept (:attr:`SuffixDrafter.last_probs`): the hybrid
-drafter ranks suffix nodes against a learned drafter's by them. Drafts are deterministic, so
+The tree carries each node's estimated probability (as a log in ``TokenTree.scores``): the hybrid
+drafter ranks suffix nodes against a learned drafter's by it. Drafts are deterministic, so
 sampling verification treats them as one-hot proposals (lossless).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult
@@ -58,7 +59,6 @@ class SuffixDrafter(Drafter):
         self.num_tokens, self.max_depth = num_tokens, max_depth
         self.factor, self.offset, self.min_prob, self.tree = max_spec_factor, max_spec_offset, min_token_prob, tree
         self.request: int | None = None
-        self.last_probs: list[float] = []  # estimated probability of each node of the last proposal
         self.name = "suffix"
 
     def begin(self, tokens: list[int], hidden=None) -> None:
@@ -73,7 +73,6 @@ class SuffixDrafter(Drafter):
 
     def propose(self, context: DraftContext) -> TokenTree:
         limit = min(self.num_tokens, context.max_tokens)
-        self.last_probs = []
         if limit < 1:
             return TokenTree()
         draft = self.cache.speculate(
@@ -88,27 +87,21 @@ class SuffixDrafter(Drafter):
         return self._tree(draft.token_ids, draft.parents, draft.probs)
 
     def _tree(self, tokens: list[int], parents: list[int], probs: list[float]) -> TokenTree:
-        """The library's draft (``parents`` index the draft, -1 the root) as a TokenTree whose
-        candidates per parent are in draft order, i.e. most probable first."""
+        """The library's draft (``parents`` index the draft, -1 the root; ``probs`` each node's
+        estimated probability with its ancestors) as a TokenTree scored by those estimates, whose
+        candidates per parent come in draft order, i.e. most probable first."""
         children: dict[int, list[int]] = {}
         for i, parent in enumerate(parents):
             children.setdefault(parent, []).append(i)
-        builder, node_of, order = TreeBuilder(), {ROOT: ROOT}, []
-        frontier = [ROOT]
+        log_p = {ROOT: 0.0} | {i: math.log(max(p, 1e-30)) for i, p in enumerate(probs)}
+        builder, node_of, frontier = TreeBuilder(), {ROOT: ROOT}, [ROOT]
         while frontier:  # breadth first, so every parent precedes its children
-            nxt = []
-            for parent in frontier:
-                below = children.get(parent, [])
-                if below:
-                    ids = builder.add(node_of[parent], [tokens[i] for i in below])
-                    node_of.update(zip(below, ids))
-                    order += below
-                    nxt += below
-            frontier = nxt
-        tree = builder.build()
-        by_node = {node_of[i]: probs[i] for i in order}
-        self.last_probs = [by_node[n] for n in range(len(order))]
-        return tree
+            below = [(parent, children[parent]) for parent in frontier if parent in children]
+            for parent, ids in below:
+                scores = [log_p[i] - log_p[parent] for i in ids]
+                node_of.update(zip(ids, builder.add(node_of[parent], [tokens[i] for i in ids], scores)))
+            frontier = [i for _, ids in below for i in ids]
+        return builder.build()
 
 
 def build(spec: DrafterSpec, target) -> SuffixDrafter:

@@ -1,0 +1,139 @@
+"""Suffix drafts, hybrid trees and prepacked linears: the pieces, on real values."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from draftsmith.errors import UsageError
+from draftsmith.eval.engine.drafters import parse_spec, split_parts
+from draftsmith.eval.engine.drafters.base import DraftContext, StepResult
+from draftsmith.eval.engine.drafters.hybrid import merge_trees
+from draftsmith.eval.engine.drafters.suffix import SuffixDrafter
+from draftsmith.eval.engine.prepack import _Packed, prepack_linears
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.eval.engine.tree import ROOT, TreeBuilder
+from draftsmith.plugins import register_builtin
+
+GREEDY = SamplingConfig()
+
+
+def context(tokens, max_tokens=8):
+    return DraftContext(list(tokens), GREEDY, None, max_tokens)
+
+
+def test_suffix_drafts_the_continuation_seen_before_with_its_estimates():
+    drafter = SuffixDrafter(num_tokens=4, max_spec_factor=4.0)
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6]
+    drafter.begin(prompt + [7], None)
+    tree = drafter.propose(context(prompt + [7]))
+    # The context ends in 5 6 7, seen once before, followed by 8 9 10: a chain of those.
+    assert tree.tokens[:3] == [8, 9, 10] and tree.parents[:3] == [ROOT, 0, 1]
+    assert all(s <= 0 for s in tree.scores) and tree.scores == sorted(tree.scores, reverse=True)
+    # The accepted tokens extend the request's tree: what was drafted becomes the history.
+    drafter.accept(StepResult([8, 9, 10], None, prompt + [7, 8, 9, 10]))
+    drafter.begin([1, 2, 5, 6, 7], None)  # a new generation sees the earlier output
+    again = drafter.propose(context([1, 2, 5, 6, 7]))
+    assert again.tokens[:1] == [8]
+
+
+def test_suffix_respects_the_remaining_budget_and_empty_matches():
+    drafter = SuffixDrafter(num_tokens=8, max_spec_factor=8.0)
+    drafter.begin([1, 2, 3, 1, 2], None)
+    assert len(drafter.propose(context([1, 2, 3, 1, 2], max_tokens=1))) == 1
+    assert len(drafter.propose(context([1, 2, 3, 1, 2], max_tokens=0))) == 0
+    drafter.begin([40, 41, 42], None)
+    assert len(drafter.propose(context([40, 41, 42]))) == 0
+
+
+def _tree(paths: list[tuple[list[int], float]]):
+    """A deterministic tree from (token path, log estimate of its last node) pairs, parents first."""
+    builder, node_of, score_of = TreeBuilder(), {(): ROOT}, {(): 0.0}
+    children: dict[tuple, list] = {}
+    for path, score in paths:
+        children.setdefault(tuple(path[:-1]), []).append((path[-1], score))
+        score_of[tuple(path)] = score
+    for parent in sorted(children, key=len):
+        tokens = [t for t, _ in children[parent]]
+        ids = builder.add(node_of[parent], tokens, [s - score_of[parent] for _, s in children[parent]])
+        node_of.update({parent + (t,): i for t, i in zip(tokens, ids)})
+    return builder.build()
+
+
+def test_merge_shares_paths_and_gives_the_budget_to_the_likeliest_nodes():
+    learned = _tree([([1], math.log(0.6)), ([2], math.log(0.3)), ([1, 3], math.log(0.4))])
+    lookup = _tree([([1], math.log(0.9)), ([1, 4], math.log(0.8)), ([1, 4, 5], math.log(0.7))])
+    merged = merge_trees([learned, lookup], [learned.scores, lookup.scores], budget=4, greedy=True)
+    paths = {tuple(merged.tokens[n] for n in merged.path_to(i)) for i in range(len(merged))}
+    # [1] is one node (its best estimate 0.9); the 4 likeliest: 1, 1-4, 1-4-5, 1-3; 2 (0.3) is cut.
+    assert paths == {(1,), (1, 4), (1, 4, 5), (1, 3)}
+    assert merged.proposals[0].tokens == [3, 4]  # both parts' candidates below the shared node
+    assert math.isclose(math.exp(max(merged.scores)), 0.9, rel_tol=1e-6)
+
+
+def test_merge_for_sampling_keeps_one_proposal_per_parent():
+    q = torch.tensor([0.1, 0.6, 0.3])
+    builder = TreeBuilder()
+    (a, b) = builder.add(ROOT, [1, 2], [math.log(0.6), math.log(0.3)], probs=q)
+    sampled = builder.build()
+    lookup = _tree([([2], math.log(0.9)), ([2, 0], math.log(0.8)), ([0], math.log(0.5))])
+    merged = merge_trees([sampled, lookup], [sampled.scores, lookup.scores], budget=10, greedy=False)
+    # The root's candidates are the sampled part's draws (its q kept); the lookup's root token 0 and
+    # its subtree are dropped, but its child under the shared node 2 stays (the sampled part has none).
+    assert merged.proposals[ROOT].tokens == [1, 2] and merged.proposals[ROOT].probs is q
+    node_2 = merged.proposals[ROOT].nodes[1]
+    assert merged.proposals[node_2].tokens == [0] and merged.proposals[node_2].probs is None
+    assert sorted(merged.tokens) == [0, 1, 2]
+
+
+def test_hybrid_specs_parse_with_parenthesised_parts():
+    register_builtin()
+    assert split_parts("(eagle3:a?depth=4)+suffix+(prompt_lookup?num_tokens=3&branches=2)") == [
+        "eagle3:a?depth=4",
+        "suffix",
+        "prompt_lookup?num_tokens=3&branches=2",
+    ]
+    spec = parse_spec("hybrid:(prompt_lookup?num_tokens=3)+suffix?budget=12&mode=merge")
+    assert spec.path == "(prompt_lookup?num_tokens=3)+suffix"
+    assert spec.options == {"budget": 12, "mode": "merge"} and spec.name == "hybrid:prompt_lookup+suffix"
+    for bad in ("hybrid:suffix", "hybrid:(suffix+prompt_lookup", "hybrid:suffix+"):
+        with pytest.raises(UsageError):
+            split_parts(bad.removeprefix("hybrid:"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_linears_compute_what_f_linear_does(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 32, bias=False)).to(dtype)
+    x = torch.randn(1, 13, 64).to(dtype)
+    with torch.no_grad():
+        before = model(x)
+        assert prepack_linears(model, "on") == 2 and isinstance(model[0].forward, _Packed)
+        after = model(x)
+        assert prepack_linears(model, "on") == 0  # already packed
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(after, before, atol=tolerance, rtol=tolerance)
+    assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight"}
+
+
+def test_prepacked_linears_follow_weight_changes_autograd_and_copies():
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 8)
+    prepack_linears(linear, "on")
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        linear.weight.mul_(2.0)  # in place, as an optimiser step or a LoRA merge
+        torch.testing.assert_close(linear(x), x @ linear.weight.T + linear.bias)
+    loss = linear(x).sum()  # with autograd: the plain path, gradients reach the weight
+    loss.backward()
+    torch.testing.assert_close(linear.weight.grad, x.sum(0).expand(8, 16))
+    twin = copy.deepcopy(linear)  # a oneDNN tensor cannot be copied: the copy packs itself again
+    with torch.no_grad():
+        twin.weight.add_(1.0)
+        torch.testing.assert_close(twin(x), x @ twin.weight.T + twin.bias)
+        torch.testing.assert_close(linear(x), x @ linear.weight.T + linear.bias)
+    assert prepack_linears(nn.Linear(4, 4), "off") == 0
