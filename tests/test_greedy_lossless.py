@@ -168,7 +168,7 @@ def test_suffix_is_lossless(target, prompts, plain, tree):
     model, tokenizer = target
     decoder = SpeculativeDecoder(model, SuffixDrafter(num_tokens=8, tree=tree), tokenizer)
     saved = 0
-    for i, (prompt, reference) in enumerate(zip(prompts, plain)):
+    for prompt, reference in zip(prompts, plain):
         gen = decoder.generate(prompt, NEW_TOKENS)
         check_bookkeeping(gen, reference, max_depth=8)
         saved += (len(gen.tokens) - 1) - gen.steps
