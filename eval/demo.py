@@ -1,6 +1,8 @@
 """The main job: train a drafter for the bundled SmolLM2 target on ShareGPT (the kind its recipe's
 ``drafter.kind`` names: an EAGLE head by default), then benchmark it on MT-bench against plain
-decoding and prompt lookup, and print the acceptance table and the wall time of every stage.
+decoding, prompt lookup and suffix decoding, and beside them the hybrid of the head and suffix
+decoding in one tree (``hybrid:KIND:CHECKPOINT+suffix``), and print the acceptance table and the
+wall time of every stage.
 
     python eval/demo.py                      # what `make demo` runs
     python eval/demo.py --train-minutes 10 --per-category 2 --max-new-tokens 256
@@ -65,6 +67,10 @@ def main(argv: list[str] | None = None) -> dict:
             f"{kind.name}:{trainer.last_checkpoint}",
             "--drafter",
             "prompt_lookup",
+            "--drafter",
+            "suffix",
+            "--drafter",
+            f"hybrid:{kind.name}:{trainer.last_checkpoint}+suffix",
             "--out",
             args.results,
         ]

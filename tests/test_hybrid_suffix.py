@@ -14,7 +14,7 @@ from draftsmith.eval.engine.drafters import parse_spec, split_parts
 from draftsmith.eval.engine.drafters.base import DraftContext, StepResult
 from draftsmith.eval.engine.drafters.hybrid import merge_trees
 from draftsmith.eval.engine.drafters.suffix import SuffixDrafter
-from draftsmith.eval.engine.prepack import _Packed, prepack_linears
+from draftsmith.eval.engine.prepack import _Packed, prepack_linears, unpack_linears
 from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.eval.engine.tree import ROOT, TreeBuilder
 from draftsmith.plugins import register_builtin
@@ -118,6 +118,7 @@ def test_prepacked_linears_compute_what_f_linear_does(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(after, before, atol=tolerance, rtol=tolerance)
     assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight"}
+    assert unpack_linears(model) == 2 and "forward" not in vars(model[0])
 
 
 def test_prepacked_linears_follow_weight_changes_autograd_and_copies():

@@ -126,3 +126,13 @@ def prepack_linears(module: nn.Module, mode: str = "auto") -> int:
             linear.forward = _Packed(linear, min_rows)
             count += 1
     return count
+
+
+def unpack_linears(module: nn.Module) -> int:
+    """Undo :func:`prepack_linears` on ``module`` (for before/after measurements); returns how many."""
+    count = 0
+    for linear in module.modules():
+        if isinstance(linear, nn.Linear) and isinstance(linear.forward, _Packed):
+            del linear.forward
+            count += 1
+    return count
