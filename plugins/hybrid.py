@@ -16,9 +16,9 @@ KIND = DrafterKind(
     options={
         "budget": Option(16, "tree nodes verified per step, shared by the parts", COUNT),
         "mode": Option(
-            "switch",
-            "switch: the learned parts draft only in steps where the lookup expects fewer tokens than they "
-            "have yielded per step (Arctic's per-step choice); merge: every part every step",
+            "merge",
+            "merge: every part drafts every step; switch: the learned parts draft only in steps where the "
+            "lookup expects fewer tokens than they have yielded per step (Arctic's per-step choice)",
         ),
     },
 )

@@ -9,10 +9,12 @@ estimate (SuffixDecoding's path probability; a lookup without one, such as promp
 its measured per-token acceptance to the power of the depth), and the best ``budget`` form the
 tree: the budget goes to whichever part's nodes are likelier to be accepted, node by node.
 
-``mode=switch`` (Arctic's per-step choice, the default) runs the lookup parts first and skips the
-learned ones in a step where the lookup's expected accepted tokens (the sum of its nodes'
-estimates) reach what the learned parts have accepted per step so far, so a confident lookup step
-costs no learned drafting at all; ``mode=merge`` runs every part every step.
+``mode=merge`` (the default) runs every part every step. ``mode=switch`` (Arctic's per-step
+choice) runs the lookup parts first and skips the learned ones in a step where the lookup's
+expected accepted tokens (the sum of its nodes' estimates) reach what the learned parts have
+accepted per step so far, so a confident lookup step costs no learned drafting. On MT-bench
+(16 x 256, bf16, a 20-minute EAGLE-3 head) merge ran 1.83x plain and switch 1.72x (BENCHMARKS.md,
+issue 34); on a CPU where the head's draft step costs more, switch may win.
 
 Lossless: greedy verification takes any tree. For sampling, each parent keeps the candidates of
 one part only (the first part in the spec that proposes there; the others' candidates and their
@@ -31,7 +33,7 @@ from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterS
 from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder
 from draftsmith.kinds import get
 
-MODES = ("switch", "merge")
+MODES = ("merge", "switch")
 UNSCORED_ACCEPTANCE = 0.5  # a scoreless lookup's per-token acceptance before any is measured
 _MOMENTUM = 0.9  # running means over steps
 
@@ -89,7 +91,7 @@ def merge_trees(trees: list[TokenTree], estimates: list[list[float]], budget: in
 class HybridDrafter(Drafter):
     """Several drafters' trees verified as one (see the module docstring)."""
 
-    def __init__(self, parts: list[Drafter], learned: list[bool], budget: int = 16, mode: str = "switch"):
+    def __init__(self, parts: list[Drafter], learned: list[bool], budget: int = 16, mode: str = "merge"):
         if mode not in MODES:
             raise UsageError(f"hybrid: mode={mode} is not allowed: choose from {', '.join(MODES)}")
         hidden = [p for p in parts if p.needs_hidden]
