@@ -31,6 +31,6 @@ KIND = DrafterKind(
             "stop at nodes whose estimated probability is below this (vLLM: suffix_decoding_min_token_prob)",
             Range(0, 1),
         ),
-        "tree": Option(False, "draft the library's best-first tree instead of one path (vLLM verifies a path)"),
+        "shape": Option("path", "path (as vLLM verifies) or tree: the library's best-first tree"),
     },
 )

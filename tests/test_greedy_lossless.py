@@ -163,10 +163,10 @@ def test_draft_lm_is_lossless(target, prompts, plain, small_draft, top_k, budget
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tree", [False, True], ids=["path", "tree"])
-def test_suffix_is_lossless(target, prompts, plain, tree):
+@pytest.mark.parametrize("shape", ["path", "tree"])
+def test_suffix_is_lossless(target, prompts, plain, shape):
     model, tokenizer = target
-    decoder = SpeculativeDecoder(model, SuffixDrafter(num_tokens=8, tree=tree), tokenizer)
+    decoder = SpeculativeDecoder(model, SuffixDrafter(num_tokens=8, shape=shape), tokenizer)
     saved = 0
     for prompt, reference in zip(prompts, plain):
         gen = decoder.generate(prompt, NEW_TOKENS)

@@ -14,7 +14,7 @@ from draftsmith.eval.engine.drafters import parse_spec, split_parts
 from draftsmith.eval.engine.drafters.base import DraftContext, StepResult
 from draftsmith.eval.engine.drafters.hybrid import merge_trees
 from draftsmith.eval.engine.drafters.suffix import SuffixDrafter
-from draftsmith.eval.engine.prepack import _Packed, prepack_linears, unpack_linears
+from draftsmith.eval.engine.prepack import _Packed, packed, prepack_linears, unpack_linears
 from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.eval.engine.tree import ROOT, TreeBuilder
 from draftsmith.plugins import register_builtin
@@ -113,7 +113,9 @@ def test_prepacked_linears_compute_what_f_linear_does(dtype):
     with torch.no_grad():
         before = model(x)
         assert prepack_linears(model, "on") == 2 and isinstance(model[0].forward, _Packed)
-        after = model(x)
+        with packed():
+            after = model(x)
+        assert torch.equal(model(x), before)  # outside the engine: exactly the plain computation
         assert prepack_linears(model, "on") == 0  # already packed
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(after, before, atol=tolerance, rtol=tolerance)
@@ -126,14 +128,15 @@ def test_prepacked_linears_follow_weight_changes_autograd_and_copies():
     linear = nn.Linear(16, 8)
     prepack_linears(linear, "on")
     x = torch.randn(4, 16)
-    with torch.no_grad():
+    with torch.no_grad(), packed():
         linear.weight.mul_(2.0)  # in place, as an optimiser step or a LoRA merge
         torch.testing.assert_close(linear(x), x @ linear.weight.T + linear.bias)
-    loss = linear(x).sum()  # with autograd: the plain path, gradients reach the weight
+    with packed():
+        loss = linear(x).sum()  # with autograd: the plain path, gradients reach the weight
     loss.backward()
     torch.testing.assert_close(linear.weight.grad, x.sum(0).expand(8, 16))
     twin = copy.deepcopy(linear)  # a oneDNN tensor cannot be copied: the copy packs itself again
-    with torch.no_grad():
+    with torch.no_grad(), packed():
         twin.weight.add_(1.0)
         torch.testing.assert_close(twin(x), x @ twin.weight.T + twin.bias)
         torch.testing.assert_close(linear(x), x @ linear.weight.T + linear.bias)

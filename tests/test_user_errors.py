@@ -63,8 +63,8 @@ def test_counts_below_one_are_refused(capsys, flag, value):
     [
         (
             "foo",
-            r"unknown drafter kind 'foo'; choose from prompt_lookup, oracle, draft_lm, eagle, eagle3, "
-            r"peagle, dflash, hierarchical, medusa",
+            r"unknown drafter kind 'foo'; choose from prompt_lookup, suffix, oracle, draft_lm, eagle, eagle3, "
+            r"peagle, dflash, hierarchical, hybrid, medusa",
         ),
         ("eagle", r"the eagle drafter needs a checkpoint: eagle:PATH"),
         ("eagle:/nonexistent/run?depth=3", r"/nonexistent/run is not a drafter checkpoint"),

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
 from draftsmith.eval.engine.policies import DraftPolicy, PolicyConfig
+from draftsmith.eval.engine.prepack import packed
 from draftsmith.eval.engine.sampling import SamplingConfig, probabilities, sample
 from draftsmith.eval.engine.stopping import StopChecker
 from draftsmith.eval.engine.target_runner import CausalLMRunner
@@ -108,7 +109,7 @@ class SpeculativeDecoder:
         Stops after an EOS token (kept) even inside an accepted path, or once the decoded text
         contains one of ``stop_strings``. ``streamer`` receives each step's new tokens.
         """
-        with self.drafter.verifying() if self.drafter is not None else nullcontext():
+        with self.drafter.verifying() if self.drafter is not None else nullcontext(), packed():
             return self._generate(prompt, max_new_tokens, stop_strings, streamer, seed)
 
     def _step(self, root: torch.Tensor, tree, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

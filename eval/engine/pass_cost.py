@@ -4,6 +4,7 @@ Tree sizes and speedup ceilings must come from this curve on the device at hand,
 settings: on a small CPU a 64-token pass costs several single-token passes.
 
     python eval/engine/pass_cost.py --target default --dtype bfloat16 --prefix 200 --sizes 1,2,4,8,16,32,64
+    python eval/engine/pass_cost.py --dtype float32 --sizes 1,3,4,8,13,16,32 --prepack off   # before prepacking
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from draftsmith.errors import ArgumentParser, report_user_errors
+from draftsmith.eval.engine.prepack import MODES, packed
 from draftsmith.eval.engine.target_runner import CausalLMRunner, tree_rows
 from draftsmith.precision import DTYPE_CHOICES
 from draftsmith.target import load_target
@@ -30,6 +32,11 @@ def measure_pass_cost(
     seed: int = 0,
 ) -> dict[int, float]:
     """Median seconds of one pass of ``n`` chain-shaped tree tokens (LM head included) after ``prefix`` tokens."""
+    with packed():  # as the engine's generations run
+        return _measure(runner, prefix, sizes, repeats, vocab, seed)
+
+
+def _measure(runner, prefix, sizes, repeats, vocab, seed) -> dict[int, float]:
     generator = torch.Generator().manual_seed(seed)
     vocab = vocab or runner.config.vocab_size
     runner.reset()
@@ -102,10 +109,16 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     parser.add_argument("--prefix", type=int, default=200)
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--prepack", default="auto", choices=MODES, help="CPU linears prepacked for oneDNN (the engine's default: auto)"
+    )
     args = parser.parse_args(argv)
     model, _ = load_target(args.target, args.dtype, args.device)
     costs = measure_pass_cost(
-        CausalLMRunner(model), args.prefix, tuple(int(s) for s in args.sizes.split(",")), args.repeats
+        CausalLMRunner(model, prepack=args.prepack),
+        args.prefix,
+        tuple(int(s) for s in args.sizes.split(",")),
+        args.repeats,
     )
     print("| tree tokens | ms per pass | x single-token pass |\n|---|---|---|")
     for n, seconds in costs.items():

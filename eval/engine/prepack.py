@@ -9,7 +9,8 @@ engine without it pays ~1.7x vLLM's step for the same tree (BENCHMARKS.md, issue
 
 :func:`prepack_linears` gives every ``nn.Linear`` under a module a packed forward (the module's
 parameters, state dict and hooks stay as they are; other holders of the module, such as an
-EAGLE head sharing the target's LM head, get the fast path too). The packed copy is used only
+EAGLE head sharing the target's LM head, get the fast path too), which runs only inside
+:func:`packed` (the engine's ``generate``): outside, the model computes as it always did. The packed copy is used only
 where it computes the same thing: no autograd through it, and a weight changed since packing
 (training, a LoRA merge) is packed again. ``auto`` measures each linear shape once per process
 and packs from the row count where the packed path wins on this CPU (fp32 on 1-3 rows stays on
@@ -19,6 +20,8 @@ bf16); GPUs are left alone (cuBLAS needs no packing).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import torch
@@ -28,10 +31,23 @@ from torch import nn
 from draftsmith.timing import clock
 
 MODES = ("auto", "on", "off")
+_ENGINE = contextvars.ContextVar("draftsmith_prepacked", default=False)
 PACKABLE = (torch.float32, torch.bfloat16)
 _PROBE_ROWS = (1, 2, 4, 8, 16)  # plain steps, chains, trees
 NEVER = 1 << 62  # a row threshold no input reaches
 MARGIN = 0.85  # packed must take at most this share of the plain time
+
+
+@contextlib.contextmanager
+def packed():
+    """Packed forwards run inside this block only (the engine's generations and pass-cost probes);
+    outside it every linear computes exactly as before packing, so the same model used directly
+    (training, HF ``generate``, a logits comparison) is untouched, rounding included."""
+    token = _ENGINE.set(True)
+    try:
+        yield
+    finally:
+        _ENGINE.reset(token)
 
 
 def available(device: torch.device) -> bool:
@@ -64,7 +80,8 @@ class _Packed:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear
         if (
-            x.numel() < self.min_rows * x.shape[-1]
+            not _ENGINE.get()
+            or x.numel() < self.min_rows * x.shape[-1]
             or x.dtype != linear.weight.dtype
             or (torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad))
         ):
@@ -89,12 +106,12 @@ def _seconds(forward, x: torch.Tensor, repeats: int = 10) -> float:
 def _crossover(out_features: int, in_features: int, dtype: torch.dtype, bias: bool) -> int:
     generator = torch.Generator().manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
-    packed = _Packed(linear)
-    with torch.no_grad():
+    fast = _Packed(linear)
+    with torch.no_grad(), packed():
         for rows in _PROBE_ROWS:
             x = torch.randn(1, rows, in_features, generator=generator).to(dtype)
             # A clear win only: a probe of microseconds is noisy, and a wrong switch costs every step.
-            if _seconds(packed, x) < MARGIN * _seconds(lambda v: F.linear(v, linear.weight, linear.bias), x):
+            if _seconds(fast, x) < MARGIN * _seconds(lambda v: F.linear(v, linear.weight, linear.bias), x):
                 return rows
     return NEVER
 

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith.eval.engine.pass_cost import measure_pass_cost, plan_tree
+from draftsmith.eval.engine.prepack import packed, prepack_linears
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.timing import clock
 
@@ -87,7 +88,8 @@ def pass_costs(target, max_budget: int = MAX_BUDGET) -> dict[int, float]:
 @torch.no_grad()
 def draft_step_cost(head, width: int, context: int = 200, repeats: int = 6) -> float:
     """Median seconds of one tree level of ``head``: ``width`` nodes fed its own outputs after a
-    ``context``-token cache, with their draft logits."""
+    ``context``-token cache, with their draft logits; its linears packed as the engine runs them."""
+    prepack_linears(head)
     param = next(head.parameters())
     feed = {
         head.feedback_input: torch.zeros(1, context, head.config.hidden_size, dtype=param.dtype, device=param.device)
@@ -99,11 +101,12 @@ def draft_step_cost(head, width: int, context: int = 200, repeats: int = 6) -> f
         head.feedback_input: torch.zeros(1, width, head.config.hidden_size, dtype=param.dtype, device=param.device)
     }
     times = []
-    for _ in range(repeats + 1):
-        start = clock(param.device)
-        head.draft_logits(head(ids, past_key_values=cache, use_cache=True, **level).last_hidden_state)
-        times.append(clock(param.device) - start)
-        cache.crop(-width)
+    with packed():
+        for _ in range(repeats + 1):
+            start = clock(param.device)
+            head.draft_logits(head(ids, past_key_values=cache, use_cache=True, **level).last_hidden_state)
+            times.append(clock(param.device) - start)
+            cache.crop(-width)
     return statistics.median(times[1:])
 
 

@@ -8,7 +8,7 @@ responses (``add_active_response``; the last ``max_cached_requests`` generations
 draft is the best-scoring continuation of the context's longest matching suffix, at most
 ``max_spec_factor x match length + max_spec_offset`` tokens and never a node whose estimated
 probability (a frequency ratio along the path) falls below ``min_token_prob``. vLLM verifies the
-path only; ``tree=true`` drafts the best-first tree the library can also grow.
+path only; ``shape=tree`` drafts the best-first tree the library can also grow.
 
 The tree carries each node's estimated probability (as a log in ``TokenTree.scores``): the hybrid
 drafter ranks suffix nodes against a learned drafter's by it. Drafts are deterministic, so
@@ -24,6 +24,7 @@ from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult
 from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder
 
+SHAPES = ("path", "tree")
 INSTALL = (
     'pip install nanobind==2.9.2 ninja "cmake>=3.18" && '
     "pip install --no-deps --no-build-isolation arctic-inference==0.3.0 (make install does this)"
@@ -51,13 +52,16 @@ class SuffixDrafter(Drafter):
         max_spec_factor: float = 1.0,
         max_spec_offset: float = 0.0,
         min_token_prob: float = 0.1,
-        tree: bool = False,
+        shape: str = "path",
     ):
         """Defaults are vLLM 0.32's ``suffix_decoding_*`` defaults (``num_tokens``: its draft cap,
         the tree depth when unset); ``max_depth``: the longest suffix matched and cached pattern."""
+        if shape not in SHAPES:
+            raise UsageError(f"suffix: shape={shape} is not allowed: choose from {', '.join(SHAPES)}")
         self.cache = _suffix_cache(max_depth, max_cached_requests)
         self.num_tokens, self.max_depth = num_tokens, max_depth
-        self.factor, self.offset, self.min_prob, self.tree = max_spec_factor, max_spec_offset, min_token_prob, tree
+        self.factor, self.offset, self.min_prob = max_spec_factor, max_spec_offset, min_token_prob
+        self.tree = shape == "tree"
         self.request: int | None = None
         self.name = "suffix"
 
