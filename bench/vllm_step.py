@@ -66,7 +66,8 @@ def vllm_rows(target: str, dtype: str, ids, max_new_tokens: int, config: dict) -
 
 
 def our_rows(target: str, dtype: str, ids, max_new_tokens: int, methods: dict, arms: tuple[str, ...]) -> dict:
-    """Each arm has its own decoders (a suffix drafter's cache of earlier outputs stays within its arm)."""
+    """Rows by arm, then method. Each arm has its own decoders (a suffix drafter's cache of earlier
+    outputs stays within its arm)."""
     model, tokenizer = load_target(target, dtype)
     decoders = {
         (arm, name): SpeculativeDecoder(model, build_drafter(spec, model) if spec else None, tokenizer)
@@ -87,7 +88,7 @@ def our_rows(target: str, dtype: str, ids, max_new_tokens: int, methods: dict, a
                 total[2] += len(gen.tokens) - 1 - gen.steps  # accepted draft tokens
                 total[3] += sum(d > 0 for d in gen.drafted)
                 total[4].append(gen.tokens)
-    return {f"{name} ({arm})": _row(*total) for (arm, name), total in totals.items()}
+    return {arm: {name: _row(*totals[(arm, name)]) for name in methods} for arm in arms}
 
 
 @report_user_errors
@@ -128,9 +129,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     result = {"prompts": len(ids), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "rows": []}
-    for engine, rows in (("vLLM", theirs), ("draftsmith", ours)):
-        for name, row in rows.items():
-            base = rows["plain" if engine == "vLLM" else f"plain ({name.split('(')[-1]}"]
+    groups = [("vLLM", "", theirs)] + [("draftsmith", f" ({arm})", rows) for arm, rows in ours.items()]
+    for engine, arm, rows in groups:
+        for method, row in rows.items():
+            name, base = method + arm, rows["plain"]
             same = sum(a == b for a, b in zip(row["tokens"], plain_tokens)) / len(plain_tokens)
             speedup = row["tok_s"] / base["tok_s"]
             print(

@@ -85,32 +85,32 @@ def _value(raw: str):
     return {"true": True, "false": False}.get(raw.lower(), raw)
 
 
-def _partition_top(spec: str, sep: str) -> tuple[str, str, str]:
-    """``str.partition`` at the first ``sep`` outside parentheses (a hybrid's parts carry their own ``?``)."""
-    depth = 0
-    for i, char in enumerate(spec):
+def _top_level(text: str, sep: str) -> list[int]:
+    """Positions of ``sep`` in ``text`` outside parentheses (a hybrid's parts carry their own ``?``
+    and ``+``); unbalanced parentheses are a one-line error."""
+    found, depth = [], 0
+    for i, char in enumerate(text):
         depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth < 0:
+            raise UsageError(f"drafter spec {text!r}: a ')' closes nothing")
         if char == sep and depth == 0:
-            return spec[:i], sep, spec[i + 1 :]
-    return spec, "", ""
+            found.append(i)
+    if depth:
+        raise UsageError(f"drafter spec {text!r}: a '(' is not closed")
+    return found
+
+
+def _partition_top(spec: str, sep: str) -> tuple[str, str, str]:
+    """``str.partition`` at the first ``sep`` outside parentheses."""
+    at = _top_level(spec, sep)
+    return (spec[: at[0]], sep, spec[at[0] + 1 :]) if at else (spec, "", "")
 
 
 def split_parts(text: str) -> list[str]:
     """``A+B+...`` split at the top level; a part in parentheses may hold ``+`` and ``?`` (its options)."""
-    parts, depth, current = [], 0, ""
-    for char in text:
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if depth < 0:
-            raise UsageError(f"hybrid spec {text!r}: a ')' closes nothing")
-        if char == "+" and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    parts.append(current)
-    if depth:
-        raise UsageError(f"hybrid spec {text!r}: a '(' is not closed")
-    parts = [p[1:-1] if p.startswith("(") and p.endswith(")") else p for p in (p.strip() for p in parts)]
+    cuts = [-1, *_top_level(text, "+"), len(text)]
+    parts = [text[a + 1 : b].strip() for a, b in zip(cuts, cuts[1:])]
+    parts = [p[1:-1] if p.startswith("(") and p.endswith(")") else p for p in parts]
     if len(parts) < 2 or not all(parts):
         raise UsageError(f"hybrid spec {text!r}: give two or more drafter specs joined by '+', e.g. eagle3:PATH+suffix")
     return parts
@@ -122,8 +122,8 @@ def _default_name(kind: str, path: str) -> str:
     if not path:
         return kind
     if "+" in path:
-        parts = [_partition_top(part, "?")[0] for part in split_parts(path)]
-        return f"{kind}:" + "+".join(_default_name(*(part.split(":", 1) + [""])[:2]) for part in parts)
+        bodies = (_partition_top(part, "?")[0].partition(":") for part in split_parts(path))
+        return f"{kind}:" + "+".join(_default_name(name, sub) for name, _, sub in bodies)
     parts = [p for p in path.rstrip("/").split("/") if p]
     if len(parts) > 1 and parts[-1].startswith("checkpoint"):
         return f"{kind}:{parts[-2]}"

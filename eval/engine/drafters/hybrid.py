@@ -57,7 +57,6 @@ def merge_trees(trees: list[TokenTree], estimates: list[list[float]], budget: in
         for key, node in tree_keys.items():
             best[key] = max(best.get(key, -math.inf), index[node])
     builder, node_of, done = TreeBuilder(), {(): ROOT}, set()
-    real = 0
     for key in sorted(best, key=len):  # every parent before its children
         parent_key = key[:-1]
         if parent_key not in node_of or parent_key in done:
@@ -65,15 +64,13 @@ def merge_trees(trees: list[TokenTree], estimates: list[list[float]], budget: in
         done.add(parent_key)
         tokens, probs = [], None
         for tree, tree_keys in zip(trees, keyed):
-            parent = tree_keys.get(parent_key, ROOT) if parent_key else ROOT
             if parent_key and parent_key not in tree_keys:
                 continue
-            proposal = tree.proposals.get(parent)
+            proposal = tree.proposals.get(tree_keys[parent_key] if parent_key else ROOT)
             if proposal is None:
                 continue
-            mine = [t for t, n in zip(proposal.tokens, proposal.nodes) if n is not None or not greedy]
             if greedy:
-                tokens += [t for t in mine if t not in tokens]
+                tokens += [t for t, n in zip(proposal.tokens, proposal.nodes) if n is not None and t not in tokens]
             else:  # one part's proposal, in its draw order (pruned draws included)
                 tokens, probs = list(proposal.tokens), proposal.probs
                 break
@@ -81,11 +78,10 @@ def merge_trees(trees: list[TokenTree], estimates: list[list[float]], budget: in
         # a pruned draw (no node in its tree) ranks last and is cut by the budget below.
         base = best[parent_key] if parent_key else 0.0
         scores = [best.get(parent_key + (t,), -1e9) - base for t in tokens]
-        real += sum(parent_key + (t,) in best for t in tokens)
         for token, node in zip(tokens, builder.add(node_of[parent_key], tokens, scores, probs)):
             if parent_key + (token,) in best:
                 node_of[parent_key + (token,)] = node
-    return builder.build(min(budget, real))
+    return builder.build(min(budget, len(node_of) - 1))  # the real nodes: every pruned draw cut
 
 
 class HybridDrafter(Drafter):
@@ -128,15 +124,17 @@ class HybridDrafter(Drafter):
         for i, part in enumerate(self.parts):
             if not self.learned[i]:
                 trees[i] = part.propose(context)
-        expected = sum(sum(math.exp(s) for s in self._estimates(i, t)) for i, t in enumerate(trees) if t is not None)
+        estimates = {i: self._estimates(i, t) for i, t in enumerate(trees) if t is not None}
+        expected = sum(math.exp(s) for values in estimates.values() for s in values)
         skip = self.mode == "switch" and self.learned_yield is not None and expected >= self.learned_yield
         for i, part in enumerate(self.parts):
             if self.learned[i] and not skip:
                 trees[i] = part.propose(context)
+                estimates[i] = self._estimates(i, trees[i])
         self.skipped += skip
-        drafted = [(i, t) for i, t in enumerate(trees) if t is not None and len(t)]
+        drafted = [i for i, t in enumerate(trees) if t is not None and len(t)]
         merged = merge_trees(
-            [t for _, t in drafted], [self._estimates(i, t) for i, t in drafted], self.budget, context.sampling.greedy
+            [trees[i] for i in drafted], [estimates[i] for i in drafted], self.budget, context.sampling.greedy
         )
         self._last = trees
         return merged
