@@ -85,8 +85,9 @@ class DataConfig:
     split: str = "train"  # split name when `path` is a hub id
     max_length: int = 2048  # tokens per rendered conversation; longer ones are truncated
     held_out_fraction: float = 0.02  # deterministic by conversation id
-    # a fixed held-out set instead (conversations in any format `path` takes; their ids leave training), e.g. to
-    # compare runs on different training data; it is used as it is (data.regenerate rewrites `path` only)
+    # a fixed held-out set instead (conversations in any format `path` takes; training conversations with one of
+    # its prompts leave training), e.g. to compare runs on different training data; it is used as it is
+    # (data.regenerate rewrites `path` only)
     held_out_path: str | None = None
     limit: int | None = None  # use only the first N valid conversations
     cache_dir: str | None = None  # tokenised-set cache; defaults to the draftsmith cache

@@ -81,31 +81,45 @@ def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
         cfg.held_out_fraction,
     ]
     if cfg.held_out_path:
-        parts.append(_source_identity(cfg.held_out_path))
+        # "by prompt": sets cut by held-out ids before that rule are stale; other sets stay valid.
+        parts.append(["by prompt", _source_identity(cfg.held_out_path)])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _prompt_key(conversation: dict) -> str:
+    """The conversation's turns through its first user message: what a held-out conversation and
+    its source (or a regenerated copy of either) share."""
+    messages = conversation["messages"]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages) - 1)
+    return json.dumps([(m["role"], m["content"]) for m in messages[: first + 1]])
 
 
 def _tokenize(
     conversations: list[dict], tokenizer, cfg: DataConfig, held_out: list[dict] | None = None
 ) -> tuple[datasets.DatasetDict, TokenizedSummary]:
     """The splits of ``conversations``: held out by id hash, or (``held_out``: the conversations of
-    ``data.held_out_path``) those are the held-out split and their ids leave the training one."""
+    ``data.held_out_path``) those are the held-out split and conversations with their prompts leave
+    the training one."""
     summary = TokenizedSummary()
     rows = {TRAIN: [], HELD_OUT: []}
     dropped = Counter()
-    fixed = {conv["id"] for conv in held_out or []}
-    if held_out is not None:
-        if overlap := sum(conv["id"] in fixed for conv in conversations):
-            dropped["in_data_held_out_path"] = overlap
-        conversations = [conv for conv in conversations if conv["id"] not in fixed] + held_out
-    for conv in conversations:
+    if held_out is None:
+        tagged = [(conv, is_held_out(conv["id"], cfg.held_out_fraction)) for conv in conversations]
+    else:
+        # Matched by prompt, not id: a regenerated held-out file keeps its source's prompts, and files
+        # without ids number their records from 0, so ids of two files say nothing about each other.
+        prompts = {_prompt_key(conv) for conv in held_out}
+        kept = [conv for conv in conversations if _prompt_key(conv) not in prompts]
+        if overlap := len(conversations) - len(kept):
+            dropped["prompt_in_data_held_out_path"] = overlap
+        tagged = [(conv, False) for conv in kept] + [(conv, True) for conv in held_out]
+    for conv, in_held_out in tagged:
         encoded = tokenize_conversation(tokenizer, conv["messages"], cfg.max_length)
         summary.truncated += encoded["truncated"]
         if not any(encoded["loss_mask"]):
             # A prompt longer than max_length leaves nothing to learn from.
             dropped["no_assistant_tokens_within_max_length"] += 1
             continue
-        in_held_out = conv["id"] in fixed if held_out is not None else is_held_out(conv["id"], cfg.held_out_fraction)
         split = HELD_OUT if in_held_out else TRAIN
         rows[split].append({"id": conv["id"], "input_ids": encoded["input_ids"], "loss_mask": encoded["loss_mask"]})
     if not rows[TRAIN]:

@@ -65,16 +65,27 @@ def test_tokenised_set_is_split_deterministically_and_cached(tokenizer, tmp_path
     assert summary.tokens["train"] == sum(len(x) for x in first["train"]["input_ids"])
 
 
-def test_a_fixed_held_out_file_is_the_held_out_split_and_leaves_training(tokenizer, tmp_path):
-    """``data.held_out_path``: its conversations are the held-out split whatever the fraction, those
-    also in ``data.path`` leave training (counted), and the file is part of the cache key."""
+def asked(question: str, reply: str = "It depends.") -> list[dict]:
+    """A one-turn conversation."""
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+
+
+def test_a_fixed_held_out_file_is_the_held_out_split_and_its_prompts_leave_training(tokenizer, tmp_path):
+    """``data.held_out_path``: its conversations are the held-out split whatever the fraction,
+    training conversations with one of their prompts leave training (counted) whatever their ids or
+    replies, and the file is part of the cache key."""
     import json
 
     held = [
         {"id": "fixed-a", "messages": MESSAGES},
-        {"id": "fixed-b", "messages": MESSAGES[:2]},
+        {"id": "fixed-b", "messages": asked("Why is the sky blue?", "Rayleigh scattering.")},
     ]
-    train = [{"id": f"t{i}", "messages": MESSAGES} for i in range(5)] + [{"id": "fixed-a", "messages": MESSAGES}]
+    # t5 is fixed-a's prompt with another reply (a regenerated copy); t6 carries fixed-b's id only.
+    train = [{"id": f"t{i}", "messages": asked(f"Question {i}?")} for i in range(5)]
+    train += [
+        {"id": "t5", "messages": MESSAGES[:1] + asked("x", "Four.")[1:]},
+        {"id": "fixed-b", "messages": asked("Hi?")},
+    ]
     for name, rows in (("held.jsonl", held), ("train.jsonl", train)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = DataConfig(
@@ -85,10 +96,29 @@ def test_a_fixed_held_out_file_is_the_held_out_split_and_leaves_training(tokeniz
     )
     data, summary = build_dataset(cfg, tokenizer, verbose=False)
     assert list(data["held_out"]["id"]) == ["fixed-a", "fixed-b"]
-    assert list(data["train"]["id"]) == [f"t{i}" for i in range(5)]
-    assert summary.dropped == {"in_data_held_out_path": 1}
-    assert data["held_out"][1]["input_ids"] == tokenize_conversation(tokenizer, MESSAGES[:2], 2048)["input_ids"]
+    assert list(data["train"]["id"]) == [f"t{i}" for i in range(5)] + ["fixed-b"]
+    assert summary.dropped == {"prompt_in_data_held_out_path": 1}
+    assert data["held_out"][0]["input_ids"] == tokenize_conversation(tokenizer, MESSAGES, 2048)["input_ids"]
     # Another held-out file is another tokenised set, not the cached one.
     (tmp_path / "held.jsonl").write_text(json.dumps(held[1]) + "\n")
     again, _ = build_dataset(cfg, tokenizer, verbose=False)
-    assert list(again["held_out"]["id"]) == ["fixed-b"] and len(again["train"]) == 6
+    assert list(again["held_out"]["id"]) == ["fixed-b"] and len(again["train"]) == 7
+
+
+def test_held_out_and_training_files_without_ids_do_not_collide(tokenizer, tmp_path):
+    """Both files number their id-less records from 0: no training conversation is lost to the
+    held-out file's numbers; only the one sharing a held-out prompt leaves."""
+    import json
+
+    held = [{"messages": asked(f"Held {i}?")} for i in range(3)]
+    train = [{"messages": asked(f"Train {i}?")} for i in range(6)] + [{"messages": asked("Held 1?", "Other.")}]
+    for name, rows in (("held.jsonl", held), ("train.jsonl", train)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(
+        path=str(tmp_path / "train.jsonl"), held_out_path=str(tmp_path / "held.jsonl"), cache_dir=str(tmp_path / "c")
+    )
+    data, summary = build_dataset(cfg, tokenizer, verbose=False)
+    assert len(data["train"]) == 6 and len(data["held_out"]) == 3
+    assert summary.dropped == {"prompt_in_data_held_out_path": 1}
+    train_text = [tokenizer.decode(ids) for ids in data["train"]["input_ids"]]
+    assert all(any(f"Train {i}?" in t for t in train_text) for i in range(6))
