@@ -42,6 +42,9 @@ from draftsmith.vllm_engine import engine_args
 
 SERVE_HINT = "start one with `draftsmith-features RECIPE --serve` and give its URL"
 TIMEOUT = 600  # seconds a request may take: a long conversation's prefill behind a full queue
+# Nats between the server's log-probs and ours on its states, above which it serves another model:
+# bf16 rounding of one model stays well under it.
+TARGET_GAP = 0.5
 
 
 def serve_command(
@@ -165,10 +168,16 @@ class ServedFeatures(Dataset):
             return list(pool.map(self._fetch, indices))
 
     def _fetch(self, index: int) -> dict:
+        return self._request(index)[0]
+
+    def _request(self, index: int, **options) -> tuple[dict, dict]:
+        """Row ``index`` with its served states, and the server's answer (``options``: more fields
+        of the completion request)."""
         row = self.rows[index]
         ids = row["input_ids"]
         with self.slots:
-            answer = _call(self.server, "/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 1})
+            body = {"model": self.model, "prompt": ids, "max_tokens": 1, **options}
+            answer = _call(self.server, "/v1/completions", body)
             path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
             if path is None:
                 raise UserError(f"data.features.server {self.server} does not extract hidden states: {SERVE_HINT}")
@@ -198,7 +207,28 @@ class ServedFeatures(Dataset):
         }
         if aux is not None:
             out["aux"] = aux
-        return out
+        return out, answer
+
+    def check_target(self, lm_head: torch.nn.Module, name: str, top: int = 5) -> float:
+        """Largest gap (nats) between the server's next-token log-probs after row 0 (its ``top``
+        most likely) and those the recipe's LM head gives on the served last state. A server of
+        another model with the same layer count and size (a base model for its chat version, say)
+        would pass every shape check and train the head on foreign states: a gap above
+        ``TARGET_GAP`` is a one-line error naming ``target.name``."""
+        row, answer = self._request(0, temperature=0, logprobs=top, return_tokens_as_token_ids=True)
+        served = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+        ids = torch.tensor([int(token.removeprefix("token_id:")) for token in served])
+        weight = lm_head.weight
+        with torch.no_grad():
+            ours = torch.log_softmax(lm_head(row["hidden"][-1:].to(weight.device, weight.dtype)).float(), -1)[0]
+        gap = (ours[ids.to(ours.device)].cpu() - torch.tensor(list(served.values()))).abs().max().item()
+        if gap > TARGET_GAP:
+            raise UserError(
+                f"data.features.server {self.server} serves {self.model}, whose next-token log-probs differ by "
+                f"{gap:.2f} nats from what target.name={name}'s LM head gives on its states: it serves another "
+                "model; start the server for this recipe with `draftsmith-features RECIPE --serve`"
+            )
+        return gap
 
 
 def served_sets(recipe, target, data, layers: list[int] | None) -> tuple[ServedFeatures, ServedFeatures | None]:
@@ -215,7 +245,7 @@ def served_sets(recipe, target, data, layers: list[int] | None) -> tuple[ServedF
     train = ServedFeatures(
         data["train"], features.server, model, layers, target.config.num_hidden_layers, norm, features.window
     )
-    # One conversation now, in this process: a server that extracts nothing or other layers is a
-    # one-line error before training starts, not a failure in a DataLoader worker.
-    train.__getitems__([0])
+    # One conversation now, in this process: a server that extracts nothing, other layers or another
+    # model is a one-line error before training starts, not a failure in a DataLoader worker.
+    train.check_target(target.get_output_embeddings(), recipe.target.name)
     return train, train.with_rows(data["held_out"]) if len(data["held_out"]) else None

@@ -6,8 +6,9 @@ training reads them.
   last state, fp32), and it leaves no file behind.
 - EAGLE-3 trains on it with a head-only target and logs the losses it logs on the offline store;
   files never outnumber ``data.features.window``, and none is left after training.
-- A server that does not answer, none given, or one capturing other layers is a one-line error
-  naming data.features.server.
+- A server that does not answer, none given, one capturing other layers or one serving another
+  model of the same shapes (its next-token log-probs against the recipe's LM head) is a one-line
+  error naming data.features.server.
 """
 
 from __future__ import annotations
@@ -175,6 +176,8 @@ def test_served_rows_equal_the_targets_stored_features(server, target, tmp_path)
             # vLLM's kernels against the target's own, fp32: equal to a few parts in a million of the scale.
             scale = want[key].abs().max()
             assert (row[key] - want[key]).abs().max() <= 3e-5 * scale, (index, key)
+    # The server's own next-token log-probs against our LM head on its states: one model, fp32.
+    assert served.check_target(head.get_output_embeddings(), str(target)) < 1e-3
     assert list(storage.iterdir()) == []
 
 
@@ -243,6 +246,33 @@ def test_no_server_is_a_one_line_error(recipe, tmp_path, capsys, server_option):
         [str(recipe), "--output_dir", str(tmp_path / "run"), "--drafter.features", "served", *options],
     )
     assert (url in line and "does not answer" in line) if options else "needs data.features.server" in line
+
+
+@pytest.mark.slow
+def test_a_server_of_another_model_is_a_one_line_error_at_start_up(server, recipe, tmp_path, capsys):
+    """Same layer count and size, other weights: the served log-probs are what tells them apart."""
+    from draftsmith.train.eagle3 import main
+
+    url, storage = server
+    other = save_tiny_target(tmp_path / "other", load_tokenizer("default"), 1, 128, 8.0, NUM_LAYERS)
+    line = assert_user_error(
+        capsys,
+        r"data\.features\.server .* differ by [0-9.]+ nats from what target\.name=\S+ LM head gives",
+        main,
+        [
+            str(recipe),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--drafter.features",
+            "served",
+            "--data.features.server",
+            url,
+            "--target.name",
+            str(other),
+        ],
+    )
+    assert f"target.name={other}'s" in line
+    assert list(storage.iterdir()) == []
 
 
 @pytest.mark.slow
