@@ -185,6 +185,20 @@ def load_target(
     return model, _tokenizer_from(source, chat_template)
 
 
+def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` from a causal LM's LM head as its forward returns them, in fp32: Cohere's
+    ``logit_scale``, Granite's ``logits_scaling`` and Gemma's ``final_logit_softcapping`` applied
+    (``config`` None: none of them)."""
+    logits = logits.float()
+    if scale := getattr(config, "logit_scale", None):
+        logits = logits * scale
+    if scaling := getattr(config, "logits_scaling", None):
+        logits = logits / scaling
+    if cap := getattr(config, "final_logit_softcapping", None):
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def is_head_only(model: PreTrainedModel) -> bool:
     """True for a target loaded with ``head_only`` (its decoder layers are not loaded)."""
     return getattr(model, HEAD_ONLY_ATTR, False)

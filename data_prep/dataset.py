@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -86,30 +86,44 @@ def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
-def _prompt_key(conversation: dict) -> str:
-    """The conversation's turns through its first user message: what a held-out conversation and
-    its source (or a regenerated copy of either) share."""
+def _user_turns(conversation: dict) -> tuple[str, ...]:
+    """Its system message ("" without one) and user turns: what a conversation shares with a
+    regenerated copy of it, which may keep fewer turns."""
     messages = conversation["messages"]
-    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages) - 1)
-    return json.dumps([(m["role"], m["content"]) for m in messages[: first + 1]])
+    system = messages[0]["content"] if messages[0]["role"] == "system" else ""
+    return (system, *(m["content"] for m in messages if m["role"] == "user"))
+
+
+def _same_prompts(held_out: list[dict]):
+    """A test: does a conversation's user-turn sequence extend, or is it part of, a held-out one's?"""
+    by_first = defaultdict(list)
+    for conv in held_out:
+        turns = _user_turns(conv)
+        by_first[turns[:2]].append(turns)
+
+    def test(conv: dict) -> bool:
+        turns = _user_turns(conv)
+        return any(turns[: len(other)] == other[: len(turns)] for other in by_first.get(turns[:2], ()))
+
+    return test
 
 
 def _tokenize(
     conversations: list[dict], tokenizer, cfg: DataConfig, held_out: list[dict] | None = None
 ) -> tuple[datasets.DatasetDict, TokenizedSummary]:
     """The splits of ``conversations``: held out by id hash, or (``held_out``: the conversations of
-    ``data.held_out_path``) those are the held-out split and conversations with their prompts leave
-    the training one."""
+    ``data.held_out_path``) those are the held-out split and conversations with their prompts (one
+    user-turn sequence the start of the other's, same system message) leave the training one."""
     summary = TokenizedSummary()
     rows = {TRAIN: [], HELD_OUT: []}
     dropped = Counter()
     if held_out is None:
         tagged = [(conv, is_held_out(conv["id"], cfg.held_out_fraction)) for conv in conversations]
     else:
-        # Matched by prompt, not id: a regenerated held-out file keeps its source's prompts, and files
+        # Matched by prompts, not id: a regenerated held-out file keeps its source's prompts, and files
         # without ids number their records from 0, so ids of two files say nothing about each other.
-        prompts = {_prompt_key(conv) for conv in held_out}
-        kept = [conv for conv in conversations if _prompt_key(conv) not in prompts]
+        held = _same_prompts(held_out)
+        kept = [conv for conv in conversations if not held(conv)]
         if overlap := len(conversations) - len(kept):
             dropped["prompt_in_data_held_out_path"] = overlap
         tagged = [(conv, False) for conv in kept] + [(conv, True) for conv in held_out]
@@ -123,12 +137,14 @@ def _tokenize(
         split = HELD_OUT if in_held_out else TRAIN
         rows[split].append({"id": conv["id"], "input_ids": encoded["input_ids"], "loss_mask": encoded["loss_mask"]})
     if not rows[TRAIN]:
-        kept = f"{len(rows[HELD_OUT])} held out, " if rows[HELD_OUT] else ""
+        held = f"{len(rows[HELD_OUT])} held out, " if rows[HELD_OUT] else ""
+        if cfg.held_out_path:
+            held += f"{dropped['prompt_in_data_held_out_path']} with prompts of data.held_out_path, "
+        split = "use another data.held_out_path" if cfg.held_out_path else "lower data.held_out_fraction"
         raise DataError(
             f"{cfg.path}: no training conversation left after tokenising {len(conversations)} "
-            f"({kept}{dropped['no_assistant_tokens_within_max_length']} with no assistant token "
-            f"within data.max_length={cfg.max_length}); raise data.max_length or data.limit, "
-            "or lower data.held_out_fraction"
+            f"({held}{dropped['no_assistant_tokens_within_max_length']} with no assistant token "
+            f"within data.max_length={cfg.max_length}); raise data.max_length or data.limit, or {split}"
         )
     features = datasets.Features(
         {

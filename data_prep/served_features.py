@@ -38,6 +38,7 @@ from torch.utils.data import Dataset
 
 from draftsmith.data_prep.vllm_features import capture_ids, speculative_config, split_states, transfer_config
 from draftsmith.errors import UserError, one_line
+from draftsmith.target import final_logits
 from draftsmith.vllm_engine import engine_args
 
 SERVE_HINT = "start one with `draftsmith-features RECIPE --serve` and give its URL"
@@ -209,20 +210,28 @@ class ServedFeatures(Dataset):
             out["aux"] = aux
         return out, answer
 
-    def check_target(self, lm_head: torch.nn.Module, name: str, top: int = 5) -> float:
+    def check_target(self, target, name: str, top: int = 5) -> float:
         """Largest gap (nats) between the server's next-token log-probs after row 0 (its ``top``
-        most likely) and those the recipe's LM head gives on the served last state. A server of
-        another model with the same layer count and size (a base model for its chat version, say)
-        would pass every shape check and train the head on foreign states: a gap above
-        ``TARGET_GAP`` is a one-line error naming ``target.name``."""
+        most likely, raw) and those the recipe's ``target`` (head-only will do: its final norm and LM
+        head, in fp32) gives on the served states. A server of another model with the same layer
+        count and size would pass every shape check and train the head on foreign states: a gap
+        above ``TARGET_GAP`` is a one-line error naming ``target.name``. A model that kept the
+        target's final norm and LM head (a fine-tune that froze them) is not told apart."""
         row, answer = self._request(0, temperature=0, logprobs=top, return_tokens_as_token_ids=True)
         served = answer["choices"][0]["logprobs"]["top_logprobs"][0]
-        ids = torch.tensor([int(token.removeprefix("token_id:")) for token in served])
-        weight = lm_head.weight
+        ids = [int(token.removeprefix("token_id:")) for token in served]
+        weight = target.get_output_embeddings().weight
+        hidden = row["hidden"][-1:].to(weight.device, torch.float32)
         with torch.no_grad():
-            ours = torch.log_softmax(lm_head(row["hidden"][-1:].to(weight.device, weight.dtype)).float(), -1)[0]
-        gap = (ours[ids.to(ours.device)].cpu() - torch.tensor(list(served.values()))).abs().max().item()
-        if gap > TARGET_GAP:
+            # fp32 a slice at a time: only the server's rounding spends the margin, and no fp32 copy
+            # of a 128k-row LM head is made.
+            logits = torch.cat([hidden @ part.float().T for part in weight.split(16384)], -1)
+            ours = torch.log_softmax(final_logits(target.config, logits), -1)[0].cpu()
+        if max(ids) >= len(ours):
+            gap = float("inf")  # tokens the recipe's vocabulary lacks
+        else:
+            gap = (ours[ids] - torch.tensor(list(served.values()))).abs().max().item()
+        if not gap <= TARGET_GAP:  # a NaN fails too
             raise UserError(
                 f"data.features.server {self.server} serves {self.model}, whose next-token log-probs differ by "
                 f"{gap:.2f} nats from what target.name={name}'s LM head gives on its states: it serves another "
@@ -247,5 +256,5 @@ def served_sets(recipe, target, data, layers: list[int] | None) -> tuple[ServedF
     )
     # One conversation now, in this process: a server that extracts nothing, other layers or another
     # model is a one-line error before training starts, not a failure in a DataLoader worker.
-    train.check_target(target.get_output_embeddings(), recipe.target.name)
+    train.check_target(target, recipe.target.name)
     return train, train.with_rows(data["held_out"]) if len(data["held_out"]) else None

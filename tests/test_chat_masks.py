@@ -2,6 +2,7 @@ import pytest
 
 from draftsmith.data_prep.chat import tokenize_conversation
 from draftsmith.data_prep.dataset import build_dataset, is_held_out
+from draftsmith.data_prep.sharegpt import DataError
 from draftsmith.recipe import DataConfig
 from draftsmith.target import load_tokenizer
 
@@ -122,3 +123,35 @@ def test_held_out_and_training_files_without_ids_do_not_collide(tokenizer, tmp_p
     assert summary.dropped == {"prompt_in_data_held_out_path": 1}
     train_text = [tokenizer.decode(ids) for ids in data["train"]["input_ids"]]
     assert all(any(f"Train {i}?" in t for t in train_text) for i in range(6))
+
+
+def test_held_out_prompts_match_by_user_turns_with_a_prefix(tokenizer, tmp_path):
+    """A regenerated copy keeps fewer turns: a conversation leaves training when its user turns
+    start the held-out one's or the other way round (same system message); one sharing only its
+    first prompt ("continue", then something else) stays, and nothing is left is one clear line."""
+    import json
+
+    def talk(*questions: str, system: str | None = None) -> dict:
+        head = [{"role": "system", "content": system}] if system else []
+        return {"messages": head + [m for q in questions for m in asked(q)]}
+
+    held = [talk("continue", "and then?"), talk("Plan a trip.")]
+    train = [
+        talk("continue"),  # its turns start the held-out one's: a regenerated copy of it
+        talk("continue", "and then?", "more"),  # extends it
+        talk("continue", "something else"),  # shares the first prompt only: stays
+        talk("Plan a trip.", system="Be brief."),  # another system message: stays
+        talk("Plan a trip.", "To Rome."),  # extends a one-turn held-out conversation
+    ]
+    for name, rows in (("held.jsonl", held), ("train.jsonl", train)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(
+        path=str(tmp_path / "train.jsonl"), held_out_path=str(tmp_path / "held.jsonl"), cache_dir=str(tmp_path / "c")
+    )
+    data, summary = build_dataset(cfg, tokenizer, verbose=False)
+    assert list(data["train"]["id"]) == ["2", "3"] and summary.dropped == {"prompt_in_data_held_out_path": 3}
+    cfg.path = cfg.held_out_path
+    with pytest.raises(
+        DataError, match=r"\(2 held out, 2 with prompts of data\.held_out_path, 0 .*another data\.held_out"
+    ):
+        build_dataset(cfg, tokenizer, verbose=False)

@@ -177,7 +177,7 @@ def test_served_rows_equal_the_targets_stored_features(server, target, tmp_path)
             scale = want[key].abs().max()
             assert (row[key] - want[key]).abs().max() <= 3e-5 * scale, (index, key)
     # The server's own next-token log-probs against our LM head on its states: one model, fp32.
-    assert served.check_target(head.get_output_embeddings(), str(target)) < 1e-3
+    assert served.check_target(head, str(target)) < 1e-3
     assert list(storage.iterdir()) == []
 
 

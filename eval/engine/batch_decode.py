@@ -35,7 +35,7 @@ from draftsmith.eval.engine.stopping import StopChecker
 from draftsmith.eval.engine.target_runner import UnsupportedTargetError, _attention_layout
 from draftsmith.eval.engine.tree import ancestor_mask, upload
 from draftsmith.eval.engine.verify import read_verdict, verify
-from draftsmith.target import eos_token_ids
+from draftsmith.target import eos_token_ids, final_logits
 from draftsmith.timing import clock
 
 
@@ -54,7 +54,6 @@ class BatchRunner:
                 f"{self.config.model_type}: batched decoding supports full attention only "
                 f"(this model has a sliding window); decode its prompts one at a time"
             )
-        self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.cache: SlotCache | None = None
         self.valid: torch.Tensor | None = None  # [batch, capacity]: slots a row may attend to
         self.width = 0  # slots written for every row (committed, holes included)
@@ -84,9 +83,8 @@ class BatchRunner:
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head in fp32 (with the model's logit soft-capping, if any)."""
-        logits = self.lm_head(hidden).float()
-        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+        """The LM head in fp32, as the model's forward gives them (:func:`~draftsmith.target.final_logits`)."""
+        return final_logits(self.config, self.lm_head(hidden))
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], capacity: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from draftsmith.errors import UsageError
 from draftsmith.eval.engine.kv_cache import SlotCache
 from draftsmith.eval.engine.prepack import prepack_linears
 from draftsmith.eval.engine.tree import ROOT, ancestor_mask
+from draftsmith.target import final_logits
 
 MASKED_ATTENTION = ("sdpa", "eager")  # implementations that honour an additive 4D mask
 # Tree forwards padded up to one of these sizes (then to multiples of the last) when the decoder
@@ -103,8 +104,9 @@ class CausalLMRunner:
                     prepack_linears(module, prepack)
         self.layer_types, self.window = _attention_layout(self.config)
         self.max_positions = getattr(self.config, "max_position_embeddings", None)
-        # Gemma-2-style models squash logits in their causal-LM forward, after the LM head.
-        self.softcap = getattr(self.config, "final_logit_softcapping", None) if model is not None else None
+        # A causal LM's forward scales or squashes the LM head's logits (final_logits); a given
+        # lm_head callable returns them final.
+        self.head_config = self.config if model is not None else None
         # Row counts tree forwards are padded to (see compile_decoder); None: as they come.
         self.buckets: tuple[int, ...] | None = getattr(self.decoder, "tree_buckets", None)
         self.cache: SlotCache | None = None
@@ -230,11 +232,8 @@ class CausalLMRunner:
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head on selected hidden states, in fp32."""
-        logits = self.lm_head(hidden).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        """The LM head on selected hidden states, in fp32, as the model's forward gives them."""
+        return final_logits(self.head_config, self.lm_head(hidden))
 
     def commit(self, rows: list[int]) -> None:
         """Keep the pending rows ``rows`` (ascending, each row's ancestors included) in the cache."""
