@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    CohereConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GraniteConfig,
+    MistralConfig,
+    Qwen2Config,
+)
 from tree_drafters import GreedyPrefixDrafter, RandomTreeDrafter
 
 from draftsmith.eval.engine.decode import SpeculativeDecoder
@@ -109,8 +117,21 @@ def test_eagle_head_for_a_soft_capping_target_reloads_with_eager_attention(tmp_p
         torch.testing.assert_close(loaded(ids, features).last_hidden_state, head(ids, features).last_hidden_state)
 
 
-def test_gemma2_verifies_with_soft_capped_logits():
-    model = tiny("gemma2")
+def scaled(kind: str):
+    """A random-weight target whose forward changes its LM head's logits: Gemma-2 soft-caps them,
+    Granite divides them by ``logits_scaling``, Cohere multiplies them by ``logit_scale``."""
+    if kind == "gemma2":
+        return tiny(kind)
+    torch.manual_seed(0)
+    config = (
+        GraniteConfig(**COMMON, logits_scaling=8.0) if kind == "granite" else CohereConfig(**COMMON, logit_scale=0.5)
+    )
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "granite", "cohere"])
+def test_verification_logits_are_the_forwards_own(kind):
+    model = scaled(kind)
     ids = torch.tensor([[3, 4, 5, 6]])
     runner = CausalLMRunner(model)
     runner.reset()
