@@ -137,13 +137,13 @@ def _tokenize(
         split = HELD_OUT if in_held_out else TRAIN
         rows[split].append({"id": conv["id"], "input_ids": encoded["input_ids"], "loss_mask": encoded["loss_mask"]})
     if not rows[TRAIN]:
-        held = f"{len(rows[HELD_OUT])} held out, " if rows[HELD_OUT] else ""
+        reasons = f"{len(rows[HELD_OUT])} held out, " if rows[HELD_OUT] else ""
         if cfg.held_out_path:
-            held += f"{dropped['prompt_in_data_held_out_path']} with prompts of data.held_out_path, "
+            reasons += f"{dropped['prompt_in_data_held_out_path']} with prompts of data.held_out_path, "
         split = "use another data.held_out_path" if cfg.held_out_path else "lower data.held_out_fraction"
         raise DataError(
             f"{cfg.path}: no training conversation left after tokenising {len(conversations)} "
-            f"({held}{dropped['no_assistant_tokens_within_max_length']} with no assistant token "
+            f"({reasons}{dropped['no_assistant_tokens_within_max_length']} with no assistant token "
             f"within data.max_length={cfg.max_length}); raise data.max_length or data.limit, or {split}"
         )
     features = datasets.Features(

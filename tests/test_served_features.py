@@ -248,6 +248,15 @@ def test_no_server_is_a_one_line_error(recipe, tmp_path, capsys, server_option):
     assert (url in line and "does not answer" in line) if options else "needs data.features.server" in line
 
 
+def served_run(recipe, tmp_path, url: str, *options: str) -> list[str]:
+    """Arguments of a training run on the served features of ``url``, with ``options``."""
+    return [str(recipe), "--output_dir", str(tmp_path / "run"), "--drafter.features", "served"] + [
+        "--data.features.server",
+        url,
+        *options,
+    ]
+
+
 @pytest.mark.slow
 def test_a_server_of_another_model_is_a_one_line_error_at_start_up(server, recipe, tmp_path, capsys):
     """Same layer count and size, other weights: the served log-probs are what tells them apart."""
@@ -259,17 +268,7 @@ def test_a_server_of_another_model_is_a_one_line_error_at_start_up(server, recip
         capsys,
         r"data\.features\.server .* differ by [0-9.]+ nats from what target\.name=\S+ LM head gives",
         main,
-        [
-            str(recipe),
-            "--output_dir",
-            str(tmp_path / "run"),
-            "--drafter.features",
-            "served",
-            "--data.features.server",
-            url,
-            "--target.name",
-            str(other),
-        ],
+        served_run(recipe, tmp_path, url, "--target.name", str(other)),
     )
     assert f"target.name={other}'s" in line
     assert list(storage.iterdir()) == []
@@ -284,16 +283,6 @@ def test_a_server_for_other_layers_is_a_one_line_error_at_start_up(server, recip
         capsys,
         r"data\.features\.server .* captures 4 layers of size 128, .* need 3 of size 128",
         main,
-        [
-            str(recipe),
-            "--output_dir",
-            str(tmp_path / "run"),
-            "--drafter.features",
-            "served",
-            "--data.features.server",
-            url,
-            "--drafter.aux_layers",
-            "[1, 2]",
-        ],
+        served_run(recipe, tmp_path, url, "--drafter.aux_layers", "[1, 2]"),
     )
     assert list(storage.iterdir()) == []
