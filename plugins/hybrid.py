@@ -9,16 +9,24 @@ from draftsmith.kinds import COUNT, DrafterKind, Option
 KIND = DrafterKind(
     name="hybrid",
     summary="one tree from several drafters, e.g. a trained head and suffix lookup: nodes ranked by their "
-    "estimated acceptance share the budget; mode=switch skips the learned drafter when the lookup is confident",
+    "estimated acceptance, as many as pay for their verification cost; mode=switch skips the learned drafter "
+    "when the lookup alone is expected to be faster",
     build=hybrid.build,
     path="SPEC+SPEC[+...]: the parts, each a drafter spec; put a part with options in parentheses, "
     "e.g. hybrid:(eagle3:PATH?depth=4)+suffix?budget=12",
     options={
-        "budget": Option(16, "tree nodes verified per step, shared by the parts", COUNT),
+        "budget": Option(hybrid.BUDGET, "most tree nodes verified per step, shared by the parts", COUNT),
         "mode": Option(
             "merge",
             "merge: every part drafts every step; switch: the learned parts draft only in steps where the "
-            "lookup expects fewer tokens than they have yielded per step (Arctic's per-step choice)",
+            "lookup's tree alone is expected to yield at least the tokens per second their steps measured in "
+            "this generation (Arctic's per-step choice)",
         ),
+        "nodes": Option(
+            "priced",
+            "priced: verify as many of the best nodes as pay for their place in the pass (pass costs measured "
+            "on the target's device); budget: always fill the budget",
+        ),
+        "probe": Option(8, "switch mode: the learned parts draft again after this many skipped steps in a row", COUNT),
     },
 )

@@ -8,12 +8,15 @@ import math
 import pytest
 import torch
 from torch import nn
+from tree_drafters import RandomTreeDrafter
 
 from draftsmith.errors import UsageError
-from draftsmith.eval.engine.drafters import parse_spec, split_parts
-from draftsmith.eval.engine.drafters.base import DraftContext, StepResult
-from draftsmith.eval.engine.drafters.hybrid import merge_trees
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter, parse_spec, split_parts
+from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
+from draftsmith.eval.engine.drafters.hybrid import HybridDrafter, merge_trees
 from draftsmith.eval.engine.drafters.suffix import SuffixDrafter
+from draftsmith.eval.engine.pass_cost import priced_size
 from draftsmith.eval.engine.prepack import _Packed, packed, prepack_linears, unpack_linears
 from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.eval.engine.tree import ROOT, TreeBuilder
@@ -141,3 +144,79 @@ def test_prepacked_linears_follow_weight_changes_autograd_and_copies():
         torch.testing.assert_close(twin(x), x @ twin.weight.T + twin.bias)
         torch.testing.assert_close(linear(x), x @ linear.weight.T + linear.bias)
     assert prepack_linears(nn.Linear(4, 4), "off") == 0
+
+
+def test_priced_size_keeps_only_nodes_that_pay_for_their_place_in_the_pass():
+    # A CPU-like pass: 2 rows cost 1.6x one row, every further row 5% more.
+    costs = {n: 1.0 if n == 1 else 1.6 + 0.05 * (n - 2) for n in range(1, 18)}
+    assert priced_size([0.9, 0.8, 0.7], costs, 0.0, 16) == 3  # 3.4 tokens for 1.65 > 1 token for 1.0
+    assert priced_size([0.3, 0.2, 0.1], costs, 0.0, 16) == 0  # 1.6 tokens would cost 1.65: decode plainly
+    assert priced_size([0.9] + [0.01] * 12, costs, 0.0, 16) == 1  # weak nodes are cut, not carried
+    # Drafting already paid for makes the pass's share smaller: more nodes pay.
+    assert priced_size([0.3, 0.2, 0.1], costs, 5.0, 16) == 3
+    assert priced_size([0.9, 0.8], None, 0.0, 16) == 2 and priced_size([0.9] * 20, None, 0.0, 16) == 16
+    assert priced_size([0.9] * 20, costs, 0.0, 30) <= 16  # never past the measured sizes
+
+
+def test_merge_prices_the_tree_so_a_weak_part_gets_no_nodes():
+    costs = {n: 1.0 if n == 1 else 1.6 + 0.05 * (n - 2) for n in range(1, 18)}
+    strong = _tree([([1], math.log(0.9)), ([1, 4], math.log(0.8)), ([1, 4, 5], math.log(0.7))])
+    weak = _tree([([2], math.log(0.05)), ([3], math.log(0.04)), ([2, 6], math.log(0.02))])
+    merged = merge_trees([weak, strong], [weak.scores, strong.scores], budget=16, greedy=True, costs=costs)
+    assert sorted(merged.tokens) == [1, 4, 5]  # the unpriced merge verifies all 6 nodes
+    unpriced = merge_trees([weak, strong], [weak.scores, strong.scores], budget=16, greedy=True)
+    assert len(unpriced) == 6
+    alone = merge_trees([weak], [weak.scores], budget=16, greedy=True, costs=costs)
+    assert len(alone) == 0
+
+
+class _ScriptedDrafter(Drafter):
+    """Drafts the next ``depth`` tokens of a known continuation (as a learned drafter with scores),
+    except in the generation's steps listed in ``wrong``, where it drafts a token that is never right."""
+
+    def __init__(self, reference: list[int], wrong: set[int], depth: int = 3, vocab: int = 64):
+        self.reference, self.wrong, self.depth, self.vocab = reference, wrong, depth, vocab
+        self.calls: list[int] = []  # per generation: how many times it drafted
+
+    def prepare(self, prompt, max_new_tokens):
+        self.calls.append(0)
+
+    def propose(self, context):
+        step, n = self.calls[-1], len(context.tokens)
+        self.calls[-1] += 1
+        builder, parent = TreeBuilder(), ROOT
+        chain = self.reference[n : n + min(self.depth, context.max_tokens)]
+        if step in self.wrong and chain:
+            chain = [(chain[0] + 1) % self.vocab]
+        for token in chain:
+            (parent,) = builder.add(parent, [token], [math.log(0.9)])
+        return builder.build()
+
+
+def test_switch_mode_drafts_again_after_a_learned_step_that_accepted_nothing(make_tiny_llama):
+    """Issue 42 (1): a first learned step that accepts nothing made the measured yield 0, and the
+    lookup's `expected >= 0` skipped the learned part for the rest of the run."""
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=3)
+    prompt = [5, 9, 3, 17, 22, 8, 41, 2]
+    reference = SpeculativeDecoder(model, None, eos_ids=set()).generate(prompt, 40).tokens
+    learned = _ScriptedDrafter(prompt + reference, wrong={0})
+    lookup = RandomTreeDrafter(64, seed=0, max_depth=2)  # a scoreless lookup that is rarely right
+    drafter = HybridDrafter([learned, lookup], learned=[True, False], budget=8, mode="switch")
+    decoder = SpeculativeDecoder(model, drafter, eos_ids=set())
+    for _ in range(2):
+        gen = decoder.generate(prompt, 40)
+        assert gen.tokens == reference
+    # Each generation starts by drafting with the learned part and comes back to it once it pays;
+    # once it has yielded, it drafts on (only the step after the wrong one was skipped).
+    assert learned.calls[0] >= 8 and learned.calls[1] >= 8
+    assert max(gen.accepted) == 4
+
+
+def test_a_hybrid_from_its_spec_prices_nodes_with_the_targets_measured_pass_costs(make_tiny_llama):
+    register_builtin()
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=3)
+    priced = build_drafter(parse_spec("hybrid:prompt_lookup+suffix?budget=6"), model)
+    assert sorted(priced.costs) == list(range(1, 8)) and all(c > 0 for c in priced.costs.values())
+    assert build_drafter(parse_spec("hybrid:prompt_lookup+suffix?nodes=budget"), model).costs is None
+    with pytest.raises(UsageError, match="nodes=all is not allowed"):
+        build_drafter(parse_spec("hybrid:prompt_lookup+suffix?nodes=all"), model)

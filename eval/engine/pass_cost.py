@@ -93,6 +93,26 @@ def plan_tree(
     return depth, budget, chain_speedup(costs, depth, acceptance, draft_cost)
 
 
+def priced_size(estimates: Sequence[float], costs: dict[int, float] | None, draft_seconds: float, budget: int) -> int:
+    """How many of a tree's nodes to verify: ``estimates`` are the nodes' probabilities of being
+    accepted with their ancestors, best first (ancestors before descendants), so the best ``n`` form a
+    tree whose expected yield is ``1 + sum`` of their estimates; returned is the ``n <= budget`` with
+    the most expected tokens per second of the step (the pass over ``n + 1`` tokens from ``costs``
+    plus ``draft_seconds`` already spent drafting). 0 (decode plainly) when no node pays for its
+    place in the pass. ``costs`` None prices every pass alike: the whole budget."""
+    budget = min(budget, len(estimates))
+    if costs is None:
+        return budget
+    budget = min(budget, max(costs) - 1)
+    best, best_rate, tokens = 0, 1.0 / (costs[1] + draft_seconds), 1.0
+    for n in range(1, budget + 1):
+        tokens += estimates[n - 1]
+        rate = tokens / (costs[n + 1] + draft_seconds)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
 def ceiling_speedup(costs: dict[int, float], tokens_per_pass: int) -> float:
     """Best possible speedup when every pass of ``tokens_per_pass`` tokens yields that many tokens."""
     return tokens_per_pass * costs[1] / costs[tokens_per_pass]

@@ -9,12 +9,19 @@ estimate (SuffixDecoding's path probability; a lookup without one, such as promp
 its measured per-token acceptance to the power of the depth), and the best ``budget`` form the
 tree: the budget goes to whichever part's nodes are likelier to be accepted, node by node.
 
+Every node is priced (``nodes=priced``, the default): the tree keeps the number of best nodes
+with the most expected tokens per second of the step, from the verification pass's cost per tree
+size measured on the target's device (:func:`~draftsmith.eval.engine.tree_plan.pass_costs`, the
+planner's table) and the seconds the parts just spent drafting. A weak part's nodes then get few
+places or none, and a step whose nodes do not pay for their place in the pass decodes plainly
+(``nodes=budget`` fills the budget regardless, as before pricing).
+
 ``mode=merge`` (the default) runs every part every step. ``mode=switch`` (Arctic's per-step
-choice) runs the lookup parts first and skips the learned ones in a step where the lookup's
-expected accepted tokens (the sum of its nodes' estimates) reach what the learned parts have
-accepted per step so far, so a confident lookup step costs no learned drafting. On MT-bench
-(16 x 256, bf16, a 20-minute EAGLE-3 head) merge ran 1.83x plain and switch 1.72x (BENCHMARKS.md,
-issue 34); on a CPU where the head's draft step costs more, switch may win.
+choice) runs the lookup parts first and skips the learned ones in a step where the lookup's tree
+alone is expected to yield at least the tokens per second that steps with the learned parts have
+measured in this generation; the estimate starts afresh with each generation, and after
+``probe`` skipped steps in a row the learned parts draft once to measure again, so one bad step
+cannot switch them off for good.
 
 Lossless: greedy verification takes any tree. For sampling, each parent keeps the candidates of
 one part only (the first part in the spec that proposes there; the others' candidates and their
@@ -30,10 +37,15 @@ import math
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters import build_drafter, parse_spec, split_parts
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult
+from draftsmith.eval.engine.pass_cost import priced_size
 from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder
+from draftsmith.eval.engine.tree_plan import pass_costs
 from draftsmith.kinds import get
+from draftsmith.timing import clock
 
 MODES = ("merge", "switch")
+NODES = ("priced", "budget")
+BUDGET = 16  # most tree nodes verified per step
 UNSCORED_ACCEPTANCE = 0.5  # a scoreless lookup's per-token acceptance before any is measured
 _MOMENTUM = 0.9  # running means over steps
 
@@ -46,11 +58,20 @@ def _keyed(tree: TokenTree) -> dict[tuple[int, ...], int]:
     return {key: node for node, key in enumerate(keys)}
 
 
-def merge_trees(trees: list[TokenTree], estimates: list[list[float]], budget: int, greedy: bool) -> TokenTree:
-    """One tree of the ``budget`` nodes likeliest to be accepted among ``trees``' (``estimates``:
-    each tree's per-node log-probabilities of acceptance); a shared path is one node, scored by
-    its best estimate. Greedy: every part's candidates below a parent; sampling: one part's (the
-    first proposing there, its draw order and distribution kept, see the module docstring)."""
+def merge_trees(
+    trees: list[TokenTree],
+    estimates: list[list[float]],
+    budget: int,
+    greedy: bool,
+    costs: dict[int, float] | None = None,
+    draft_seconds: float = 0.0,
+) -> TokenTree:
+    """One tree of the nodes likeliest to be accepted among ``trees``' (``estimates``: each tree's
+    per-node log-probabilities of acceptance); a shared path is one node, scored by its best
+    estimate. Greedy: every part's candidates below a parent; sampling: one part's (the first
+    proposing there, its draw order and distribution kept, see the module docstring). How many:
+    at most ``budget``, as many as pay for their place in the pass (:func:`priced_size` with the
+    pass ``costs`` per size and the ``draft_seconds`` spent; ``costs`` None fills the budget)."""
     keyed = [_keyed(tree) for tree in trees]
     best: dict[tuple[int, ...], float] = {}
     for index, tree_keys in zip(estimates, keyed):
@@ -75,19 +96,31 @@ def merge_trees(trees: list[TokenTree], estimates: list[list[float]], budget: in
                 tokens, probs = list(proposal.tokens), proposal.probs
                 break
         # Scores relative to the parent, so the builder's cumulative score is the node's estimate;
-        # a pruned draw (no node in its tree) ranks last and is cut by the budget below.
+        # a pruned draw (no node in its tree) ranks last and is cut below.
         base = best[parent_key] if parent_key else 0.0
         scores = [best.get(parent_key + (t,), -1e9) - base for t in tokens]
         for token, node in zip(tokens, builder.add(node_of[parent_key], tokens, scores, probs)):
             if parent_key + (token,) in best:
                 node_of[parent_key + (token,)] = node
-    return builder.build(min(budget, len(node_of) - 1))  # the real nodes: every pruned draw cut
+    ranked = sorted((math.exp(best[key]) for key in node_of if key), reverse=True)  # the real nodes
+    return builder.build(priced_size(ranked, costs, draft_seconds, budget))
 
 
 class HybridDrafter(Drafter):
-    """Several drafters' trees verified as one (see the module docstring)."""
+    """Several drafters' trees verified as one (see the module docstring). ``costs``: seconds of a
+    verification pass per tree size (1 = the root alone) on the target's device, None to price every
+    size alike; ``device``: where the parts draft (their draft time is taken on its clock)."""
 
-    def __init__(self, parts: list[Drafter], learned: list[bool], budget: int = 16, mode: str = "merge"):
+    def __init__(
+        self,
+        parts: list[Drafter],
+        learned: list[bool],
+        budget: int = BUDGET,
+        mode: str = "merge",
+        probe: int = 8,
+        costs: dict[int, float] | None = None,
+        device=None,
+    ):
         if mode not in MODES:
             raise UsageError(f"hybrid: mode={mode} is not allowed: choose from {', '.join(MODES)}")
         hidden = [p for p in parts if p.needs_hidden]
@@ -95,18 +128,25 @@ class HybridDrafter(Drafter):
             raise UsageError("hybrid: at most one part may read the target's features (or all the same layers)")
         if any(p.verifier is not None for p in parts):
             raise UsageError("hybrid: a part verified by its own model (Medusa-2) cannot share a tree")
-        self.parts, self.learned, self.budget, self.mode = parts, learned, budget, mode
+        self.parts, self.learned, self.budget, self.mode, self.probe = parts, learned, budget, mode, probe
+        self.costs, self.device = costs, device
         self.needs_hidden = bool(hidden)
         self.feature_layers = hidden[0].feature_layers if hidden else None
         self.name = "hybrid"
-        # Measured as it decodes: draft tokens accepted per step when the learned parts drafted, and
-        # each scoreless part's per-token acceptance.
-        self.learned_yield: float | None = None
+        # Measured as it decodes: each part's seconds per draft and, for scoreless parts, per-token
+        # acceptance; per generation, the tokens and seconds of steps where the learned parts drafted.
+        self.draft_seconds = [RunningMean() for _ in parts]
         self.lookup_rate = [UNSCORED_ACCEPTANCE] * len(parts)
+        self.learned_tokens, self.learned_step_seconds = RunningMean(), RunningMean()
         self._last: list[TokenTree | None] | None = None  # the parts' trees of the pending step
+        self._pending_seconds = 0.0  # what the pending step costs: its pass and its drafting
+        self._streak = 0  # learned drafts skipped in a row
         self.skipped = 0  # steps the learned parts did not draft (switch mode)
 
     def prepare(self, prompt: list[int], max_new_tokens: int) -> None:
+        # What the learned parts yield depends on the prompt: each generation measures it afresh.
+        self.learned_tokens, self.learned_step_seconds = RunningMean(), RunningMean()
+        self._streak = 0
         for part in self.parts:
             part.prepare(prompt, max_new_tokens)
 
@@ -119,44 +159,79 @@ class HybridDrafter(Drafter):
             return list(tree.scores)
         return [d * math.log(self.lookup_rate[index]) for d in tree.depths]
 
+    def _draft(self, index: int, context: DraftContext) -> tuple[TokenTree, float]:
+        """Part ``index``'s tree and the seconds it took (kept as a running mean)."""
+        start = clock(self.device)
+        tree = self.parts[index].propose(context)
+        seconds = clock(self.device) - start
+        self.draft_seconds[index].add(seconds)
+        return tree, seconds
+
+    def _pass_seconds(self, tree: TokenTree) -> float:
+        return self.costs[len(tree) + 1] if self.costs else 0.0
+
+    def _skip_learned(self, trees: list[TokenTree | None], estimates: dict[int, list[float]], spent: float) -> bool:
+        """Switch mode: whether the lookup's tree alone is expected to yield at least the tokens per
+        second measured in this generation's steps with the learned parts (which draft again after
+        ``probe`` skips in a row)."""
+        if self.mode != "switch" or self.learned_tokens.value is None or self._streak >= self.probe:
+            return False
+        drafted = [i for i, t in enumerate(trees) if t is not None and len(t)]
+        lookup = merge_trees(
+            [trees[i] for i in drafted], [estimates[i] for i in drafted], self.budget, True, self.costs, spent
+        )
+        expected = 1.0 + sum(math.exp(s) for s in lookup.scores)
+        learned_rate = self.learned_tokens.value / max(self.learned_step_seconds.value, 1e-9)
+        if not self.costs:  # no prices: compare tokens per step
+            return expected >= self.learned_tokens.value
+        return expected / (self._pass_seconds(lookup) + spent) >= learned_rate
+
     def propose(self, context: DraftContext) -> TokenTree:
         trees: list[TokenTree | None] = [None] * len(self.parts)
-        for i, part in enumerate(self.parts):
+        estimates: dict[int, list[float]] = {}
+        spent = 0.0
+        for i in range(len(self.parts)):
             if not self.learned[i]:
-                trees[i] = part.propose(context)
-        estimates = {i: self._estimates(i, t) for i, t in enumerate(trees) if t is not None}
-        expected = sum(math.exp(s) for values in estimates.values() for s in values)
-        skip = self.mode == "switch" and self.learned_yield is not None and expected >= self.learned_yield
-        for i, part in enumerate(self.parts):
+                trees[i], seconds = self._draft(i, context)
+                estimates[i], spent = self._estimates(i, trees[i]), spent + seconds
+        skip = self._skip_learned(trees, estimates, spent)
+        for i in range(len(self.parts)):
             if self.learned[i] and not skip:
-                trees[i] = part.propose(context)
-                estimates[i] = self._estimates(i, trees[i])
+                trees[i], seconds = self._draft(i, context)
+                estimates[i], spent = self._estimates(i, trees[i]), spent + seconds
         self.skipped += skip
+        self._streak = self._streak + 1 if skip else 0
         drafted = [i for i, t in enumerate(trees) if t is not None and len(t)]
         merged = merge_trees(
-            [trees[i] for i in drafted], [estimates[i] for i in drafted], self.budget, context.sampling.greedy
+            [trees[i] for i in drafted],
+            [estimates[i] for i in drafted],
+            self.budget,
+            context.sampling.greedy,
+            self.costs,
+            spent,
         )
-        self._last = trees
+        self._last, self._pending_seconds = trees, self._pass_seconds(merged) + spent
         return merged
 
     def accept(self, result: StepResult) -> None:
         if self._last is not None:
-            self._learn(self._last, result.accepted[:-1])
+            self._learn(self._last, result.accepted)
             self._last = None
         for part in self.parts:
             part.accept(result)
 
     def _learn(self, trees: list[TokenTree | None], accepted: list[int]) -> None:
-        """Update the measured rates from one step's accepted draft tokens."""
+        """Update the measured rates from one step's tokens (accepted drafts and the bonus token)."""
         if any(t is not None for t, learned in zip(trees, self.learned) if learned):
-            got = float(len(accepted))
-            self.learned_yield = got if self.learned_yield is None else _mix(self.learned_yield, got)
+            self.learned_tokens.add(float(len(accepted)))
+            self.learned_step_seconds.add(self._pending_seconds)
+        drafts = accepted[:-1]
         for i, tree in enumerate(trees):
             if tree is None or tree.scores or not len(tree):
                 continue
             # How deep this part's tree followed the accepted path: per-token acceptance = kept / tried.
             keys, kept = _keyed(tree), 0
-            while kept < len(accepted) and tuple(accepted[: kept + 1]) in keys:
+            while kept < len(drafts) and tuple(drafts[: kept + 1]) in keys:
                 kept += 1
             tried = kept + (kept < max(tree.depths))
             self.lookup_rate[i] = min(max(_mix(self.lookup_rate[i], kept / tried), 0.01), 0.99)
@@ -166,8 +241,24 @@ def _mix(old: float, new: float) -> float:
     return _MOMENTUM * old + (1 - _MOMENTUM) * new
 
 
+class RunningMean:
+    """The mean of the values seen so far, then (from ``1 / (1 - _MOMENTUM)`` values on) a running
+    mean that follows drift; None before any value. The plain mean at first keeps one early outlier
+    (a first step that accepted nothing) from weighing for dozens of steps."""
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+        self.count = 0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        weight = max(1.0 / self.count, 1 - _MOMENTUM)
+        self.value = x if self.value is None else (1 - weight) * self.value + weight * x
+
+
 def build(spec: DrafterSpec, target) -> HybridDrafter:
-    """The drafter of ``hybrid:SPEC+SPEC[?budget=..&mode=..]``: each part built by its own kind."""
+    """The drafter of ``hybrid:SPEC+SPEC[?budget=..&mode=..&nodes=..]``: each part built by its own
+    kind; its nodes priced with the pass costs measured on ``target`` (``nodes=priced``)."""
     specs = [parse_spec(part) for part in split_parts(spec.path or "")]
     if any(s.kind == "hybrid" for s in specs):
         raise UsageError(f"--drafter {spec.name}: a hybrid part cannot itself be a hybrid")
@@ -175,4 +266,10 @@ def build(spec: DrafterSpec, target) -> HybridDrafter:
     learned = [get(s.kind).has_distribution for s in specs]
     if all(learned) or not any(learned):
         learned = [i > 0 for i in range(len(parts))]  # no lookup among them: the first part runs first
-    return HybridDrafter(parts, learned, **spec.options)
+    options = dict(spec.options)
+    nodes = options.pop("nodes", "priced")
+    if nodes not in NODES:
+        raise UsageError(f"--drafter {spec.name}: nodes={nodes} is not allowed: choose from {', '.join(NODES)}")
+    budget = options.get("budget", BUDGET)
+    costs = pass_costs(target, max_budget=budget) if nodes == "priced" else None
+    return HybridDrafter(parts, learned, costs=costs, device=next(target.parameters()).device, **options)
