@@ -4,10 +4,10 @@ A packed batch is ``training.batch_size`` rows of at most ``data.max_length`` to
 whole conversations (best-fit decreasing, :func:`pack_rows`). Its ``attention_mask`` holds segment
 ids (1, 2, ... for the conversations of a row, 0 on the row's padding), so ``attention_mask.bool()``
 still means "real token", and ``position_ids`` restart at 0 with each conversation. Attention stops
-at each conversation's boundary: the target reads a 4D block-diagonal causal mask
-(:func:`target_inputs`), the heads' masks and scored positions compare segment ids
-(:func:`head_segments`, :func:`same_segment`). A padded batch (``pad_batch``) is the special case of
-one segment per row, so the same functions serve both.
+at each conversation's boundary: the target reads the masks it would build for each conversation
+alone, sliding windows included, cut at the boundaries (:func:`target_inputs`), the heads' masks
+and scored positions compare segment ids (:func:`head_segments`, :func:`same_segment`). A padded
+batch (``pad_batch``) is the special case of one segment per row, so the same functions serve both.
 """
 
 from __future__ import annotations
@@ -16,8 +16,17 @@ from bisect import bisect_left, insort
 
 import numpy as np
 import torch
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    packed_sequence_mask_function,
+)
+
+from draftsmith.errors import UserError
 
 PACK_WINDOW = 1024  # conversations packed together (then cut into batches, which are shuffled)
+# transformers' mask of each attention layer type (the keys of a config's ``layer_types``).
+MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
 def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -101,15 +110,43 @@ def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
     return (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]
 
 
-def target_inputs(batch: dict) -> dict:
-    """Keyword arguments of the target's (or a student's) forward over ``batch``: ``input_ids`` and
-    its ``attention_mask``; a packed batch's is the block-diagonal causal mask (transformers passes
-    a 4D mask through as it is), with the conversations' own ``position_ids``."""
+def target_inputs(batch: dict, model) -> dict:
+    """Keyword arguments of ``model``'s forward over ``batch`` (a causal LM or its decoder):
+    ``input_ids`` and ``attention_mask``. A packed batch's, with the conversations' own
+    ``position_ids``, are the masks transformers builds for ``model`` (causal, or within its sliding
+    window), cut at each conversation's boundary, in the form its attention implementation reads:
+    one per layer type where the config lists ``layer_types`` (Gemma-3, gpt-oss, Qwen), else the
+    one its layers share (sliding where ``config.sliding_window`` is set, as Mistral chooses).
+    transformers passes such masks through as they are, so it builds no window of its own."""
     if not is_packed(batch):
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    config, segments = model.config, batch["attention_mask"]
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        kinds = {"full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"}
+    else:
+        kinds = set(layer_types)
+    unknown = sorted(kinds - MASK_BUILDERS.keys())
+    if unknown:
+        raise UserError(
+            f"training.packing: the target's {', '.join(unknown)} layers cannot be cut at conversation boundaries "
+            "here; set training.packing: false"
+        )
+    # The builders read only the batch size, length, dtype and device of the embeddings.
+    shape = segments.new_empty((*segments.shape, 0), dtype=model.dtype)
+    masks = {
+        kind: MASK_BUILDERS[kind](
+            config=config,
+            inputs_embeds=shape,
+            attention_mask=None,
+            past_key_values=None,
+            and_mask_function=packed_sequence_mask_function(segments),
+        )
+        for kind in kinds
+    }
     return {
         "input_ids": batch["input_ids"],
-        "attention_mask": block_causal_mask(batch["attention_mask"]),
+        "attention_mask": masks if layer_types is not None else masks.popitem()[1],
         "position_ids": batch["position_ids"],
     }
 

@@ -6,6 +6,9 @@
   sums agree (attention, positions and scored positions stop at each conversation's boundary),
   and a reply right after a one-token prompt is never scored from the previous conversation.
 - A packed run resumed from a checkpoint ends where an uninterrupted packed run does.
+- The target computes a packed row's states as it computes each conversation alone (issue 42 item 2):
+  sliding-window layers (Mistral-style on every layer, Gemma-3 / gpt-oss mixed with full layers)
+  keep their window, under sdpa and eager attention, for the frozen target and Medusa-2's LoRA.
 """
 
 from __future__ import annotations
@@ -17,9 +20,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from training_helpers import save_tiny_target, write_recipe
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 from draftsmith.data_prep.dataset import pad_batch
-from draftsmith.data_prep.packing import epoch_rows, pack_rows, segment_positions
+from draftsmith.data_prep.packing import epoch_rows, pack_rows, segment_positions, target_inputs
+from draftsmith.errors import UserError
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
@@ -29,7 +43,8 @@ from draftsmith.target import load_tokenizer
 from draftsmith.train.dflash import DFlashDrafterConfig, DFlashRecipe, DFlashTask
 from draftsmith.train.eagle import EagleDrafterConfig, EagleRecipe, EagleTask
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
-from draftsmith.train.medusa import MedusaDrafterConfig, MedusaRecipe, MedusaTask
+from draftsmith.train.fused import fused_target_features
+from draftsmith.train.medusa import LoraSettings, MedusaDrafterConfig, MedusaRecipe, MedusaTask
 from draftsmith.train.peagle import PEagleDrafterConfig, PEagleRecipe, PEagleTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -160,6 +175,99 @@ def test_a_reply_after_a_one_token_prompt_is_not_scored_from_the_previous_conver
     else:
         assert alone["head1/tokens"] == packed["head1/tokens"] == supervised
         assert alone["head3/tokens"] == packed["head3/tokens"]
+
+
+WINDOWED = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 4}
+
+
+def _windowed_target(kind: str, attention: str):
+    """A random-weight target whose sliding window (4) is shorter than every conversation, its
+    weights scaled up so that attention past the window changes the states."""
+    size = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 64, **WINDOWED}
+    if kind == "mistral":  # one window on every layer (one mask)
+        model, config = MistralForCausalLM, MistralConfig(num_hidden_layers=2, **size)
+    elif kind == "gemma3":  # sliding and full layers (a mask per layer type)
+        layers = ["sliding_attention", "sliding_attention", "full_attention"]
+        model, config = Gemma3ForCausalLM, Gemma3TextConfig(num_hidden_layers=3, layer_types=layers, **size)
+    else:  # gpt-oss: attention sinks, mixture of experts, eager attention only
+        layers = ["sliding_attention", "full_attention"]
+        experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
+        model, config = GptOssForCausalLM, GptOssConfig(num_hidden_layers=2, layer_types=layers, **experts, **size)
+    config._attn_implementation = attention
+    torch.manual_seed(5)
+    target = model(config).eval()
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            if "norm" not in name:
+                param.mul_(4.0)
+    return target
+
+
+@pytest.mark.parametrize(
+    "kind, attention",
+    [("llama", "sdpa"), ("llama", "eager"), ("mistral", "sdpa"), ("mistral", "eager")]
+    + [("gemma3", "sdpa"), ("gemma3", "eager"), ("gpt_oss", "eager")],
+)
+def test_a_packed_row_gives_each_conversation_the_target_states_it_has_alone(make_tiny_llama, kind, attention):
+    """Every layer's states (what any head reads) of each conversation in a packed row equal those
+    of that conversation run alone, with sliding windows shorter than the conversations."""
+    if kind == "llama":
+        target = make_tiny_llama(vocab_size=V, hidden_size=32, layers=3, seed=3, scale=10.0)
+        target.config._attn_implementation = attention
+    else:
+        target = _windowed_target(kind, attention)
+    layers = list(range(target.config.num_hidden_layers + 1))
+    rows = _conversations()
+    aux, last = fused_target_features(target, layers, pad_batch([rows[:2], rows[2:]]))
+    at = [(0, 0), (0, len(rows[0]["input_ids"])), (1, 0)]  # (row, start) of each conversation
+    for conversation, (row, start) in zip(rows, at):
+        alone_aux, alone_last = fused_target_features(target, layers, pad_batch([conversation]))
+        end = start + len(conversation["input_ids"])
+        torch.testing.assert_close(aux[row, start:end], alone_aux[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(last[row, start:end], alone_last[0], rtol=1e-5, atol=1e-5)
+
+
+def test_packing_refuses_a_target_whose_layers_it_cannot_cut_at_conversation_boundaries():
+    """Qwen3-Next's linear-attention layers carry a recurrent state no mask stops: a user error."""
+    size = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 64, **WINDOWED}
+    linear = {"linear_num_key_heads": 2, "linear_num_value_heads": 2}
+    linear |= {"linear_key_head_dim": 8, "linear_value_head_dim": 8}
+    config = Qwen3NextConfig(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_experts=2, **linear, **size
+    )
+    decoder = Qwen3NextForCausalLM(config).get_decoder()
+    rows = _conversations()
+    assert target_inputs(pad_batch(rows), decoder)["attention_mask"] is not None  # padded batches still train
+    with pytest.raises(UserError, match="training.packing: the target's linear_attention layers"):
+        target_inputs(pad_batch([rows[:2], rows[2:]]), decoder)
+
+
+def test_medusa2_scores_a_packed_batch_as_the_padded_conversations_with_a_sliding_window():
+    """Medusa-2's LoRA target (and its frozen reference for the distillation term) keeps the window
+    on a packed batch: loss, metrics and gradients equal the padded conversations'."""
+    target = _windowed_target("mistral", "sdpa")
+    torch.manual_seed(1)
+    heads = _perturbed(MedusaHeads.for_target(target, "tiny", 3, 1, "shared", None))
+    drafter = MedusaDrafterConfig(num_heads=3, lora=LoraSettings(enabled=True, dropout=0.0, target_modules=["q_proj"]))
+    task = MedusaTask(MedusaRecipe(drafter=drafter), target, heads)
+    with torch.no_grad():  # adapters start as a no-op (B = 0): move them so the tuned target differs
+        for name, param in task.model.named_parameters():
+            if "lora_B" in name:
+                param.add_(torch.randn_like(param) * 0.3)
+    rows = _conversations()
+    results = []
+    for batch in (pad_batch(rows), pad_batch([rows[:2], rows[2:]])):
+        task.model.zero_grad()
+        loss, metrics = task.loss(task.model, batch, training=True)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in task.model.parameters() if p.grad is not None])
+        results.append((loss.detach(), metrics, grads))
+    (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = results
+    assert metrics_a["target/tokens"] == metrics_b["target/tokens"] > 0
+    for key in metrics_a:
+        assert metrics_b[key] == pytest.approx(metrics_a[key], rel=1e-4, abs=1e-4), key
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads_b, grads_a, rtol=1e-4, atol=1e-5 * grads_a.abs().max().item())
 
 
 def test_packed_resume_equals_uninterrupted(tmp_path):

@@ -1,11 +1,15 @@
 """Train a DFlash drafter: ``accelerate launch train/dflash.py recipes/smollm2-dflash.yaml [--resume] [--key value]``.
 
 The drafter (:mod:`draftsmith.heads.dflash`) drafts a block in one pass. Each step samples up to
-``anchors_per_sequence`` anchor positions a in every conversation's supervised spans (where tokens
+``anchors_per_sequence`` anchor positions a in every batch row's supervised spans (where tokens
 a and a + 1 are supervised: an anchor is a reply token, as the target's bonus token is), builds the
 block ``[token a, MASK x (block_size - 1)]`` at positions ``a .. a + block_size - 1`` for each, and
-runs all blocks of a conversation in one pass: a block's queries attend to the injected context at
-positions before a and to their own block, both ways.
+runs all blocks of a row in one pass: a block's queries attend to the injected context of its own
+conversation at positions before a and to their own block, both ways. A padded row is one
+conversation; a packed row (``training.packing``) shares its anchors among its conversations, drawn
+uniformly over all its candidates, as speculators 0.9 draws ``max_anchors`` per packed sequence
+(``select_anchors``): every supervised token is equally likely an anchor, and a row's blocks, so
+its cost and memory, do not grow with the conversations it holds.
 Slot k is scored against the target's distribution (over the draft vocabulary) for token a + k,
 where that token is supervised, weighted ``exp(-(k - 1) / decay_gamma)`` (DFlash) or by D-PACE
 (``weighting: dpace``: the chance the block's earlier slots were all accepted, from each slot's
@@ -50,7 +54,7 @@ class DFlashDrafterConfig(DrafterConfig):
     aux_layers: list[int] | None = None
     num_layers: int = 2  # Qwen3 decoder layers (speculators' default: 5)
     block_size: int = 8  # anchor + block_size - 1 drafted tokens (speculators' default: 16)
-    anchors_per_sequence: int = 64  # blocks trained per conversation and step (speculators: up to 512)
+    anchors_per_sequence: int = 64  # blocks trained per batch row and step (a packed row's conversations share them)
     weighting: Literal["decay", "dpace"] = "decay"  # slot k's weight: exp(-(k-1)/decay_gamma), or D-PACE
     decay_gamma: float = 4.0  # DFlash's gamma (speculators' default)
     dpace_alpha: float = 0.5  # D-PACE: a slot's survival is (1 - alpha) exp(-loss) + alpha

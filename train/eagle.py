@@ -91,7 +91,7 @@ class EagleTask:
         if "hidden" in batch:
             return batch["hidden"]
         decoder = self.target.get_decoder()
-        return decoder(**target_inputs(batch)).last_hidden_state
+        return decoder(**target_inputs(batch, decoder)).last_hidden_state
 
     def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
         features = self.target_features(batch)

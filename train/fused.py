@@ -30,7 +30,8 @@ def fused_target_features(target, aux_layers: list[int], batch: dict) -> tuple[t
     (what its LM head reads), from the batch (offline features) or computed."""
     if "aux" in batch:
         return batch["aux"], batch["hidden"]
-    out = target.get_decoder()(**target_inputs(batch), output_hidden_states=True)
+    decoder = target.get_decoder()
+    out = decoder(**target_inputs(batch, decoder), output_hidden_states=True)
     aux = torch.cat([out.hidden_states[layer] for layer in aux_layers], dim=-1)
     return aux, out.last_hidden_state
 

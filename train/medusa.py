@@ -106,9 +106,10 @@ class JointMedusa(nn.Module):
         super().__init__()
         self.target, self.heads = target, heads
 
-    def forward(self, inputs: dict, positions):
-        """``inputs``: the target's forward arguments (:func:`~draftsmith.data_prep.packing.target_inputs`)."""
-        hidden = self.target.get_base_model().get_decoder()(**inputs).last_hidden_state
+    def forward(self, batch: dict, positions):
+        """The tuned target's last hidden states over ``batch`` and the heads' logits at ``positions``."""
+        decoder = self.target.get_base_model().get_decoder()
+        hidden = decoder(**target_inputs(batch, decoder)).last_hidden_state
         return hidden, self.heads(hidden, positions)
 
 
@@ -160,14 +161,13 @@ class MedusaTask:
         positions, labels = head_positions(batch, self.cfg.num_heads)
         metrics: dict[str, float] = {}
         if self.cfg.lora.enabled:
-            hidden, head_logits = model(target_inputs(batch), positions)
+            hidden, head_logits = model(batch, positions)
             target_loss = self._target_loss(hidden, batch, metrics)
         else:
             with torch.no_grad():
+                decoder = self.target.get_decoder()
                 hidden = (
-                    batch["hidden"]
-                    if "hidden" in batch
-                    else self.target.get_decoder()(**target_inputs(batch)).last_hidden_state
+                    batch["hidden"] if "hidden" in batch else decoder(**target_inputs(batch, decoder)).last_hidden_state
                 )
             head_logits = model(hidden.to(next(self.heads.parameters()).dtype), positions)
             target_loss = None
@@ -206,7 +206,8 @@ class MedusaTask:
             reference = None
         else:
             with torch.no_grad(), self.target.disable_adapter():
-                base = self.target.get_base_model().get_decoder()(**target_inputs(batch)).last_hidden_state
+                decoder = self.target.get_base_model().get_decoder()
+                base = decoder(**target_inputs(batch, decoder)).last_hidden_state
                 reference = lm_head(base[mask].to(lm_head.weight.dtype)).float()
             loss = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum")
         metrics["target/tokens"] = float(rows.shape[0])
