@@ -22,6 +22,7 @@ from transformers import AutoConfig
 
 from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.features import FeatureDataset, extract_features, store_identity
+from draftsmith.data_prep.vllm_features import parallel_sizes
 from draftsmith.heads.eagle3 import default_aux_layers
 from draftsmith.precision import dtype_name, resolve_dtype
 from draftsmith.recipe import DataConfig, TargetConfig
@@ -50,7 +51,8 @@ def main() -> None:
     out = Path(args.out)
     dtype = dtype_name(resolve_dtype(args.dtype, torch.device("cpu")))
     model = resolve_target("default")
-    layers = default_aux_layers(AutoConfig.from_pretrained(model).num_hidden_layers)
+    num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
+    layers = default_aux_layers(num_layers)
     # A tenth held out: the two stores then also train two heads to compare (BENCHMARKS.md, item 3).
     data_cfg = DataConfig(
         limit=args.limit, max_length=args.max_length, held_out_fraction=0.1, cache_dir=str(out / "data")
@@ -74,7 +76,9 @@ def main() -> None:
         "target": asdict(TargetConfig(dtype=dtype)),
         "data": asdict(data_cfg),
         "layers": layers,
+        "num_layers": num_layers,
         "features_dir": str(out / f"vllm-{dtype}"),
+        **parallel_sizes(data_cfg),
     }
     began = clock("cpu")
     manifest = run_job(job, "feature extraction benchmark", echo=False)

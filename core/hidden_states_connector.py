@@ -1,13 +1,20 @@
-"""vLLM's hidden-states file connector, made to run where there is no CUDA.
+"""vLLM's hidden-states file connector, with a record of the layers each file holds, and made to run
+where there is no CUDA.
 
 vLLM 0.32's ``ExampleHiddenStatesConnector`` (the writer behind its ``extract_hidden_states``
-method) copies each finished request's states out of the KV cache on a CUDA stream into pinned
-memory and waits on CUDA events; on a CPU that dies at ``pin_memory=True``. This subclass copies
-synchronously (on a CPU the cache already is host memory) and keeps everything else: the file per
-request (``hidden_states`` ``[tokens, layers, hidden]``, ``token_ids``), the ``.lock`` file readers
-wait on, ``kv_transfer_params["hidden_states_path"]``. vLLM loads it by module path
-(``draftsmith.data_prep.vllm_features.transfer_config`` picks it where CUDA is absent); import it
-only in vLLM's processes.
+method) writes one file per finished request (``hidden_states`` ``[tokens, layers, hidden]``,
+``token_ids``) and a ``.lock`` file readers wait on; ``kv_transfer_params["hidden_states_path"]``
+names the file. Nothing in it says which layers it holds: a trainer reading a server for layers
+[2, 15, 26] cannot tell it from one for [2, 15, 27]. :class:`HiddenStatesConnector` adds
+``layer_ids``, the vLLM layer ids along ``hidden_states``' second axis. The record is in every file
+rather than once in the storage folder: a folder outlives its server, and a server started later in
+it without this connector would pass for the earlier one.
+
+On a CPU vLLM's connector dies at ``pin_memory=True`` (it copies each request's states out of the KV
+cache on a CUDA stream and waits on CUDA events): :class:`CPUHiddenStatesConnector` copies
+synchronously (there the cache already is host memory). vLLM loads either by module path
+(``draftsmith.data_prep.vllm_features.transfer_config`` picks one); import this module only in
+vLLM's processes.
 """
 
 from __future__ import annotations
@@ -23,6 +30,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 
+class HiddenStatesConnector(ExampleHiddenStatesConnector):
+    """``ExampleHiddenStatesConnector`` whose files also hold ``layer_ids``: the layers of
+    ``hidden_states``, in its order."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ids = vllm_config.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids
+        # vLLM's model keeps them distinct and sorted (EagleModelMixin._set_aux_hidden_state_layers) and
+        # captures them as its forward pass meets them, whatever order the config lists them in.
+        self._layer_ids = torch.tensor(sorted(set(ids)))
+
+    def _write_tensors(self, tensors, event, filename, lock_fd) -> None:
+        super()._write_tensors({**tensors, "layer_ids": self._layer_ids}, event, filename, lock_fd)
+
+
 class _Copied:
     """Stands in for the CUDA event of a finished device-to-host copy: a CPU copy is done at once."""
 
@@ -33,8 +55,8 @@ class _Copied:
         pass
 
 
-class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
-    """``ExampleHiddenStatesConnector`` with a synchronous copy instead of CUDA streams and events."""
+class CPUHiddenStatesConnector(HiddenStatesConnector):
+    """:class:`HiddenStatesConnector` with a synchronous copy instead of CUDA streams and events."""
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         if not self._is_tp_rank_zero:

@@ -6,7 +6,8 @@ The server (:func:`serve_command`; ``draftsmith-features RECIPE --serve`` starts
 (:func:`~draftsmith.data_prep.vllm_features.transfer_config`). Protocol, as vLLM 0.32's OpenAI
 server has it: ``POST /v1/completions`` with a conversation's token ids as ``prompt`` and
 ``max_tokens`` 1 prefills it; the connector writes one safetensors file for the request
-(``hidden_states`` ``[tokens, captured layers, hidden]``, ``token_ids``) and holds a lock on its
+(``hidden_states`` ``[tokens, captured layers, hidden]``, ``token_ids``, ``layer_ids``: which layers,
+checked against the recipe's by :func:`check_captured`) and holds a lock on its
 ``.lock`` companion until the write ends; the response's ``kv_transfer_params`` carries
 ``hidden_states_path`` (the server returns what the connector reports for every finished request:
 the request carries no ``kv_transfer_params``). The path is the server's own, so the trainer runs on
@@ -36,7 +37,13 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
-from draftsmith.data_prep.vllm_features import capture_ids, speculative_config, split_states, transfer_config
+from draftsmith.data_prep.vllm_features import (
+    CONNECTOR_MODULE,
+    capture_ids,
+    speculative_config,
+    split_states,
+    transfer_config,
+)
 from draftsmith.errors import UserError, one_line
 from draftsmith.target import final_logits
 from draftsmith.vllm_engine import engine_args
@@ -131,6 +138,37 @@ def take_states(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def check_captured(
+    saved: dict[str, torch.Tensor], path: str, server: str, layers: list[int] | None, num_layers: int, size: int
+) -> None:
+    """A one-line error naming ``data.features.server`` unless the states file ``saved`` (read from
+    ``path``) holds the layers the recipe reads (:func:`capture_ids` of ``layers``, the recipe's
+    ``drafter.aux_layers``, and ``num_layers``, the final state) at the target's hidden ``size``.
+
+    Which layers a file holds, draftsmith's connector records in it (``layer_ids``): shapes cannot
+    tell a server for layers [2, 15, 26] from one for [2, 15, 27]. A file without that record comes
+    from a server started by hand with vLLM's own connector: it is refused too, as training on other
+    layers would go on without a word."""
+    hint = "start the server for this recipe with `draftsmith-features RECIPE --serve`"
+    if "layer_ids" not in saved:
+        raise UserError(
+            f"data.features.server {server} does not say which layers it captures ({path} holds no layer_ids): "
+            f"{hint}, or give vLLM's --kv-transfer-config kv_connector_module_path {CONNECTOR_MODULE}"
+        )
+    captured, needed = saved["layer_ids"].tolist(), sorted(capture_ids(layers, num_layers))
+    if captured != needed:
+        asked = f"drafter.aux_layers {layers} and " if layers else ""
+        raise UserError(
+            f"data.features.server {server} captures layers {captured}, the recipe reads {needed} ({asked}the "
+            f"final state, layer {num_layers}): {hint}"
+        )
+    if saved["hidden_states"].shape[2] != size:
+        raise UserError(
+            f"data.features.server {server} captures states of size {saved['hidden_states'].shape[2]}, the "
+            f"recipe's target's are of size {size}: {hint}"
+        )
+
+
 class ServedFeatures(Dataset):
     """Rows ``{input_ids, loss_mask, hidden[, aux]}`` of a tokenised split (``rows``: ``input_ids``,
     ``loss_mask``), their states computed by the server at ``server`` (serving ``model``) when
@@ -191,14 +229,8 @@ class ServedFeatures(Dataset):
                 ) from None
         if saved["token_ids"].tolist() != ids:
             raise RuntimeError(f"the server wrote the states of other tokens than asked for ({path})")
+        check_captured(saved, path, self.server, self.layers, self.num_layers, self.norm.weight.shape[0])
         states = saved["hidden_states"].to(self.norm.weight.dtype)
-        expected = (len(capture_ids(self.layers, self.num_layers)), self.norm.weight.shape[0])
-        if tuple(states.shape[1:]) != expected:
-            raise UserError(
-                f"data.features.server {self.server} captures {states.shape[1]} layers of size {states.shape[2]}, "
-                f"the recipe's target and drafter.aux_layers need {expected[0]} of size {expected[1]}: "
-                "start the server for this recipe with `draftsmith-features RECIPE --serve`"
-            )
         with torch.no_grad():
             hidden, aux = split_states(states, self.layers, self.num_layers, self.norm)
         out = {

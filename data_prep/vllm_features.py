@@ -10,8 +10,9 @@ the head's aux layers plus N, applies the target's final norm to N itself (HF's
 prefilled with ``max_tokens=1``. Where the recipe regenerates its data, one vLLM job regenerates,
 tokenises and extracts, so the engine starts once.
 
-On GPUs the connector is vLLM's own; without CUDA it is draftsmith's
-(:mod:`draftsmith.hidden_states_connector`), chosen by :func:`transfer_config`.
+The connector is draftsmith's (:mod:`draftsmith.hidden_states_connector`): vLLM's own, each file also
+holding the layers it captured, with a synchronous copy where CUDA is absent; :func:`transfer_config`
+picks which.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from draftsmith.config import from_dict
 from draftsmith.data_prep.dataset import build_dataset
@@ -41,13 +41,13 @@ from draftsmith.data_prep.regenerate import (
     vllm_generator,
 )
 from draftsmith.data_prep.regenerate import resolve_engine as resolve_generation_engine
+from draftsmith.errors import UserError
 from draftsmith.precision import dtype_name
 from draftsmith.recipe import DataConfig, TargetConfig
 from draftsmith.target import load_target, resolve_target
 from draftsmith.vllm_engine import engine_args, run_job
 
-CPU_CONNECTOR = ("CPUHiddenStatesConnector", "draftsmith.hidden_states_connector")
-GPU_CONNECTOR = "ExampleHiddenStatesConnector"
+CONNECTOR_MODULE = "draftsmith.hidden_states_connector"
 
 
 def resolve_engine(engine: str) -> str:
@@ -77,16 +77,15 @@ def split_states(
     return hidden, torch.cat([state(layer) for layer in layers], dim=-1) if layers else None
 
 
-def transfer_config(storage: str | Path, connector: str | None = None) -> dict:
-    """vLLM's ``kv_transfer_config`` writing hidden states under ``storage``: vLLM's connector on
-    GPUs, draftsmith's CPU one elsewhere (or ``connector``: ``cpu`` / ``vllm``)."""
-    cpu = connector == "cpu" if connector else not torch.cuda.is_available()
-    config = {"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-    if cpu:
-        config["kv_connector"], config["kv_connector_module_path"] = CPU_CONNECTOR
-    else:
-        config["kv_connector"] = GPU_CONNECTOR
-    return config
+def transfer_config(storage: str | Path) -> dict:
+    """vLLM's ``kv_transfer_config`` writing hidden states under ``storage`` with draftsmith's
+    connector: vLLM's copy on GPUs, the synchronous one where CUDA is absent."""
+    return {
+        "kv_role": "kv_producer",
+        "kv_connector": "HiddenStatesConnector" if torch.cuda.is_available() else "CPUHiddenStatesConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
 
 
 def speculative_config(layers: list[int] | None, num_layers: int) -> dict:
@@ -136,6 +135,62 @@ def discard_states(storage: Path) -> None:
         lock.unlink()
 
 
+def parallel_sizes(data: DataConfig) -> dict[str, int]:
+    """vLLM's ``tensor_parallel_size`` and ``data_parallel_size`` for the features job of ``data``:
+    ``data.features``' own, or, where the job regenerates too (``data.regenerate`` with vLLM, one
+    engine for both), the size either section sets (1, the default, gives way to the other). Set in
+    both, to different sizes: a one-line error naming both fields."""
+    regenerates = data.regenerate.enabled and resolve_generation_engine(data.regenerate.engine) == "vllm"
+    sizes = {}
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        extracting, regenerating = getattr(data.features, name), getattr(data.regenerate, name)
+        if not regenerates:
+            sizes[name] = extracting
+        elif extracting == 1 or regenerating == 1 or extracting == regenerating:
+            sizes[name] = max(extracting, regenerating)
+        else:
+            raise UserError(
+                f"data.regenerate.{name} = {regenerating} and data.features.{name} = {extracting}, but one vLLM "
+                "job regenerates and extracts: set them to the same size (or leave one at 1)"
+            )
+    return sizes
+
+
+def features_job(recipe, layers: list[int] | None, target) -> dict:
+    """The job (:func:`run_vllm_features`) that fills the recipe's feature store with the states of
+    ``layers``, regenerating first where the recipe asks (``target``: the head-only target)."""
+    return {
+        "task": "draftsmith.data_prep.vllm_features:run_vllm_features",
+        "model": resolve_target(recipe.target.name, "target.name"),
+        "dtype": dtype_name(next(target.parameters()).dtype),
+        "num_layers": target.config.num_hidden_layers,
+        "target": asdict(recipe.target),
+        "data": asdict(recipe.data),
+        "layers": layers,
+        "features_dir": recipe.drafter.features_dir,
+        **parallel_sizes(recipe.data),
+    }
+
+
+def job_engine_args(job: dict, storage: str) -> dict:
+    """The ``vllm.LLM`` arguments of the features ``job``, its states written under ``storage``."""
+    data = from_dict(DataConfig, job["data"], "job")
+    context = data.max_length + 1
+    if data.regenerate.enabled:
+        context = max(context, regeneration_context(job["model"], data.regenerate))
+    return engine_args(
+        job["model"],
+        job["dtype"],
+        max_model_len=context,
+        speculative_config=speculative_config(job["layers"], job["num_layers"]),
+        kv_transfer_config=transfer_config(storage),
+        # The connector saves what the request prefilled: whole prompts, not chunks of them.
+        enable_chunked_prefill=False,
+        tensor_parallel_size=job["tensor_parallel_size"],
+        data_parallel_size=job["data_parallel_size"],
+    )
+
+
 def prepare_with_vllm(recipe, layers: list[int] | None, target, tokenizer, full_target) -> None:
     """Fill the recipe's feature store with vLLM (regenerating its data first where the recipe asks,
     in the same job) unless it is complete. ``target``: the head-only target (its identity);
@@ -148,15 +203,7 @@ def prepare_with_vllm(recipe, layers: list[int] | None, target, tokenizer, full_
         data, _ = build_dataset(prepared, tokenizer, verbose=False)
         if is_complete(recipe_features_dir(recipe, data, layers), data):
             return
-    job = {
-        "task": "draftsmith.data_prep.vllm_features:run_vllm_features",
-        "model": resolve_target(name, "target.name"),
-        "dtype": dtype_name(next(target.parameters()).dtype),
-        "target": asdict(recipe.target),
-        "data": asdict(recipe.data),
-        "layers": layers,
-        "features_dir": recipe.drafter.features_dir,
-    }
+    job = features_job(recipe, layers, target)
     run_job(job, "extracting target features with vLLM (data.features.engine)", echo=True)
 
 
@@ -166,29 +213,13 @@ def run_vllm_features(job: dict) -> dict:
     from vllm import LLM
 
     target_cfg, data_cfg = from_dict(TargetConfig, job["target"], "job"), from_dict(DataConfig, job["data"], "job")
-    model, layers = job["model"], job["layers"]
-    num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
+    model, layers, num_layers = job["model"], job["layers"], job["num_layers"]
     head, tokenizer = load_target(
         target_cfg.name, job["dtype"], "cpu", target_cfg.chat_template, "target.name", head_only=True
     )
     features = data_cfg.features
-    context = data_cfg.max_length + 1
-    if data_cfg.regenerate.enabled:
-        context = max(context, regeneration_context(model, data_cfg.regenerate))
     with tempfile.TemporaryDirectory(prefix="draftsmith-states-") as storage:
-        llm = LLM(
-            **engine_args(
-                model,
-                job["dtype"],
-                max_model_len=context,
-                speculative_config=speculative_config(layers, num_layers),
-                kv_transfer_config=transfer_config(storage),
-                # The connector saves what the request prefilled: whole prompts, not chunks of them.
-                enable_chunked_prefill=False,
-                tensor_parallel_size=features.tensor_parallel_size,
-                data_parallel_size=features.data_parallel_size,
-            )
-        )
+        llm = LLM(**job_engine_args(job, storage))
         # Regeneration with hf is done by the parent before this job; what is left is vLLM's.
         replies = vllm_generator(llm, model, tokenizer, data_cfg.regenerate)
 

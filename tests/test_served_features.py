@@ -3,10 +3,12 @@ training reads them.
 
 - The server :func:`serve_command` starts takes exactly the settings asked for (vLLM's own parser).
 - Its rows equal the stored features the target in this process computes (aux layers and the
-  last state, fp32), and it leaves no file behind.
+  last state, fp32), and it leaves no file behind; its files hold the layers in ascending order,
+  whatever order they are asked in, and say which (``layer_ids``).
 - EAGLE-3 trains on it with a head-only target and logs the losses it logs on the offline store;
   files never outnumber ``data.features.window``, and none is left after training.
-- A server that does not answer, none given, one capturing other layers or one serving another
+- A server that does not answer, none given, one capturing other layers (of the same count and
+  size too), one whose files do not say which layers (vLLM's own connector) or one serving another
   model of the same shapes (its next-token log-probs against the recipe's LM head) is a one-line
   error naming data.features.server.
 """
@@ -31,11 +33,19 @@ from cli_helpers import assert_user_error
 from training_helpers import save_tiny_target, train_offline, write_recipe
 
 from draftsmith.data_prep.features import FeatureDataset, extract_features
-from draftsmith.data_prep.served_features import ServedFeatures, serve_command, served_model
+from draftsmith.data_prep.served_features import (
+    ServedFeatures,
+    check_captured,
+    serve_command,
+    served_model,
+    take_states,
+)
+from draftsmith.data_prep.vllm_features import CONNECTOR_MODULE
+from draftsmith.errors import UserError
 from draftsmith.target import is_head_only, load_target, load_tokenizer
 from draftsmith.vllm_engine import CPU_KV_CACHE_BYTES, why_unavailable
 
-LAYERS, NUM_LAYERS = [1, 2, 3], 4
+LAYERS, NUM_LAYERS = [3, 1, 2], 4  # not sorted: vLLM captures them in layer order
 MAX_LENGTH = 128  # the recipe's data.max_length: the server's context is one token more
 STARTUP = 300  # seconds vLLM may take to come up on two busy cores (about 40 idle)
 
@@ -144,10 +154,7 @@ def test_serve_command_is_what_vllms_parser_reads(tmp_path):
     assert transfer["kv_role"] == "kv_producer"
     assert transfer["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
     connector = [transfer["kv_connector"], transfer["kv_connector_module_path"]]
-    if cpu:
-        assert connector == ["CPUHiddenStatesConnector", "draftsmith.hidden_states_connector"]
-    else:
-        assert connector == ["ExampleHiddenStatesConnector", None]
+    assert connector == ["CPUHiddenStatesConnector" if cpu else "HiddenStatesConnector", CONNECTOR_MODULE]
 
 
 @pytest.mark.slow
@@ -178,6 +185,29 @@ def test_served_rows_equal_the_targets_stored_features(server, target, tmp_path)
             assert (row[key] - want[key]).abs().max() <= 3e-5 * scale, (index, key)
     # The server's own next-token log-probs against our LM head on its states: one model, fp32.
     assert served.check_target(head, str(target)) < 1e-3
+    assert list(storage.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_the_server_writes_the_layers_in_ascending_order_and_says_which(server, target):
+    """vLLM captures the layers as its forward pass meets them, whatever order they are asked in
+    (LAYERS is not sorted), and each file's ``layer_ids`` say which: slot j holds the target's
+    ``hidden_states[layer_ids[j]]`` (the final state before the final norm, which HF applies)."""
+    url, storage = server
+    ids = torch.randint(3, 40000, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    body = json.dumps({"model": str(target), "prompt": ids, "max_tokens": 1}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=STARTUP) as response:
+        saved = take_states(json.load(response)["kv_transfer_params"]["hidden_states_path"])
+    assert saved["layer_ids"].tolist() == [1, 2, 3, 4]
+    full, _ = load_target(str(target), "float32", "cpu")
+    with torch.no_grad():
+        want = full(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        got = saved["hidden_states"].clone()
+        got[:, -1] = full.get_decoder().norm(got[:, -1])
+    for j, layer in enumerate(saved["layer_ids"].tolist()):
+        # vLLM's kernels against the target's own, fp32: equal to a few parts in a million of the scale.
+        assert (got[:, j] - want[layer][0]).abs().max() <= 3e-5 * want[layer].abs().max(), layer
     assert list(storage.iterdir()) == []
 
 
@@ -276,13 +306,34 @@ def test_a_server_of_another_model_is_a_one_line_error_at_start_up(server, recip
 
 @pytest.mark.slow
 def test_a_server_for_other_layers_is_a_one_line_error_at_start_up(server, recipe, tmp_path, capsys):
+    """As many layers as the server captures, of the same size, but not the same ones."""
     from draftsmith.train.eagle3 import main
 
     url, storage = server
     assert_user_error(
         capsys,
-        r"data\.features\.server .* captures 4 layers of size 128, .* need 3 of size 128",
+        r"data\.features\.server \S+ captures layers \[1, 2, 3, 4\], the recipe reads \[0, 2, 3, 4\] "
+        r"\(drafter\.aux_layers \[0, 2, 3\] and the final state, layer 4\): start the server for this recipe "
+        r"with `draftsmith-features RECIPE --serve`$",
         main,
-        served_run(recipe, tmp_path, url, "--drafter.aux_layers", "[1, 2]"),
+        served_run(recipe, tmp_path, url, "--drafter.aux_layers", "[0, 2, 3]"),
     )
     assert list(storage.iterdir()) == []
+
+
+def test_a_states_file_that_does_not_say_its_layers_is_refused_in_one_line():
+    """vLLM's own connector (a server started by hand) writes ``hidden_states`` and ``token_ids``
+    only: which layers they are, shapes cannot tell, so the trainer refuses the file and says how to
+    start a server whose files say. One that says, at another size, is another model's."""
+    saved = {"hidden_states": torch.zeros(5, 4, 128), "token_ids": torch.arange(5)}
+    with pytest.raises(UserError) as error:
+        check_captured(saved, "/states/1.safetensors", "http://h:8000", LAYERS, NUM_LAYERS, 128)
+    assert str(error.value) == (
+        "data.features.server http://h:8000 does not say which layers it captures (/states/1.safetensors holds no "
+        "layer_ids): start the server for this recipe with `draftsmith-features RECIPE --serve`, or give vLLM's "
+        "--kv-transfer-config kv_connector_module_path draftsmith.hidden_states_connector"
+    )
+    saved["layer_ids"] = torch.tensor([1, 2, 3, 4])
+    check_captured(saved, "/states/1.safetensors", "http://h:8000", LAYERS, NUM_LAYERS, 128)
+    with pytest.raises(UserError, match=r"captures states of size 128, the recipe's target's are of size 64: start"):
+        check_captured(saved, "/states/1.safetensors", "http://h:8000", LAYERS, NUM_LAYERS, 64)

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from training_helpers import write_recipe
 
 from draftsmith.data_prep.features import (
     FeatureDataset,
@@ -15,14 +16,16 @@ from draftsmith.data_prep.features import (
     quantize,
     store_identity,
 )
-from draftsmith.data_prep.vllm_features import capture_ids, split_states, transfer_config
+from draftsmith.data_prep.vllm_features import features_job, job_engine_args
 from draftsmith.errors import UserError
 from draftsmith.target import is_head_only
+from draftsmith.train.cli import feature_layers
 from draftsmith.vllm_engine import why_unavailable
 
 # Every kind's layers: EAGLE-3 / P-EAGLE / DFlash default to [2, 15, 27] on SmolLM2's 30 layers; 1 and
 # 30 (the final state, normed in HF's hidden_states) make sure any id a recipe may name comes out right.
 LAYERS = [27, 1, 30, 15, 2]  # not sorted: vLLM captures in layer order, the head fuses in its own
+needs_vllm = pytest.mark.skipif(why_unavailable() is not None, reason="vLLM is not installed here")
 
 
 def prepare(tmp_path, name: str, *overrides: str):
@@ -59,7 +62,7 @@ def prepare(tmp_path, name: str, *overrides: str):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(why_unavailable() is not None, reason="vLLM is not installed here")
+@needs_vllm
 def test_vllm_features_equal_the_targets_own(tmp_path):
     """Every row's last hidden state (what EAGLE-1 and Medusa read, through the final norm) and every
     aux layer vLLM writes equal the target's Hugging Face states to fp32 tolerance (the residual
@@ -84,33 +87,87 @@ def test_vllm_features_equal_the_targets_own(tmp_path):
     assert identity == json.loads((tmp_path / "hf" / "identity.json").read_text()) and identity["layers"] == LAYERS
 
 
-def test_vllm_states_are_split_as_hf_orders_them():
-    """vLLM captures the layers in ascending order (as its forward pass meets them); the store's ``aux``
-    keeps the head's order and only N goes through the norm (pre-norm in vLLM, normed in HF)."""
-    layers, n = [27, 2, 30], 30
-    assert capture_ids(layers, n) == [27, 2, 30] and capture_ids(None, n) == [30] and capture_ids([5], n) == [5, 30]
-    states = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)  # captured: layers 2, 27, 30
+@pytest.fixture(scope="module")
+def tiny_job(make_tiny_llama, tmp_path_factory):
+    """``job(*overrides)``: the features job of an EAGLE-3 recipe for layers [3, 1] of a tiny 4-layer
+    target (its config is all vLLM's engine config reads), regenerating with vLLM, with ``overrides``."""
+    from draftsmith.train.cli import parse_training_args
+    from draftsmith.train.eagle3 import Eagle3Recipe
 
-    def norm(x):
-        return -x
+    root = tmp_path_factory.mktemp("job")
+    target = make_tiny_llama(layers=4)
+    target.config.save_pretrained(root / "target")
+    data = {"regenerate": {"enabled": True, "engine": "vllm"}, "features": {"engine": "vllm"}}
+    path = write_recipe(root, root / "target", {"aux_layers": [3, 1]}, data)
 
-    hidden, aux = split_states(states, layers, n, norm)
-    assert torch.equal(hidden, -states[:, 2])
-    assert torch.equal(aux, torch.cat([states[:, 1], states[:, 0], -states[:, 2]], dim=-1))
-    hidden, aux = split_states(states[:, :1], None, n, norm)
-    assert torch.equal(hidden, -states[:, 0]) and aux is None
+    def job(*overrides: str) -> dict:
+        recipe, _ = parse_training_args(Eagle3Recipe, [str(path), *overrides])
+        return features_job(recipe, feature_layers(recipe), target)
+
+    return job
 
 
-def test_the_cpu_connector_is_chosen_without_cuda():
-    cpu = transfer_config("/x", "cpu")
-    assert cpu["kv_connector"] == "CPUHiddenStatesConnector"
-    assert cpu["kv_connector_module_path"] == "draftsmith.hidden_states_connector"
-    assert cpu["kv_connector_extra_config"] == {"shared_storage_path": "/x"}
-    gpu = transfer_config("/x", "vllm")
-    assert gpu["kv_connector"] == "ExampleHiddenStatesConnector" and "kv_connector_module_path" not in gpu
-    assert transfer_config("/x")["kv_connector"] == (
-        "CPUHiddenStatesConnector" if not torch.cuda.is_available() else gpu["kv_connector"]
+@needs_vllm
+def test_the_features_job_runs_vllm_at_the_parallelism_of_its_regeneration(tiny_job, tmp_path):
+    """One vLLM regenerates and extracts: the sizes data.regenerate sets hold unless data.features sets
+    others (1, the default, gives way); set differently in both, a one-line error naming both fields."""
+
+    def sizes(*overrides: str) -> tuple[int, int]:
+        args = job_engine_args(tiny_job(*overrides), str(tmp_path))
+        return args["tensor_parallel_size"], args["data_parallel_size"]
+
+    assert sizes("--data.regenerate.tensor_parallel_size", "2") == (2, 1)
+    assert sizes("--data.regenerate.data_parallel_size", "2", "--data.features.tensor_parallel_size", "4") == (4, 2)
+    both = ["--data.regenerate.tensor_parallel_size", "2", "--data.features.tensor_parallel_size", "2"]
+    assert sizes(*both) == (2, 1)
+    # Regenerated elsewhere (hf) or not at all: the job only extracts, at data.features' sizes.
+    for regenerate in (["--data.regenerate.engine", "hf"], ["--data.regenerate.enabled", "false"]):
+        assert sizes(*regenerate, "--data.regenerate.tensor_parallel_size", "2") == (1, 1)
+    with pytest.raises(
+        UserError,
+        match=r"^data\.regenerate\.data_parallel_size = 2 and data\.features\.data_parallel_size = 4, .*: set them",
+    ) as error:
+        tiny_job("--data.regenerate.data_parallel_size", "2", "--data.features.data_parallel_size", "4")
+    assert "\n" not in str(error.value)
+
+
+@needs_vllm
+def test_the_connector_vllm_builds_for_the_job_writes_a_requests_states_and_their_layers(tiny_job, tmp_path):
+    """vLLM's own factory, given the features job's engine configuration, builds a connector that
+    works on this machine (vLLM's stock one dies at ``pin_memory`` without CUDA): a finished request's
+    states are copied out of the cache slots of its blocks, with its token ids and the layers they are
+    (in the order vLLM captures them; the served-features tests check that order against HF's states).
+    The trainer's check reads that record: the recipe's layers pass, others of the same count do not."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnectorMetadata,
+        PendingSave,
     )
+    from vllm.engine.arg_utils import EngineArgs
+
+    from draftsmith.data_prep.served_features import check_captured, take_states
+
+    storage = tmp_path / "states"
+    config = EngineArgs(**job_engine_args(tiny_job(), str(storage))).create_engine_config()
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, None)
+    block = connector._block_size
+    # What vLLM's worker hands it (register_kv_caches, which needs vLLM's distributed state): the cache of
+    # its CacheOnlyAttentionLayer, [blocks, captured layers, block size, hidden].
+    connector._kv_cache = torch.randn(3, 3, block, 32)
+    ids = torch.arange(block + 5)
+    path = str(storage / "request-1.safetensors")
+    finished = PendingSave("request-1", path, ids, block_ids=[2, 0])
+    connector.bind_connector_metadata(ExampleHiddenStatesConnectorMetadata(pending_saves=[finished]))
+    assert connector.get_finished({"request-1"}) == ({"request-1"}, None)
+    saved = take_states(path)  # waits for the writer thread
+    cache = connector._kv_cache
+    assert torch.equal(saved["hidden_states"], torch.cat([cache[2], cache[0, :, :5]], dim=1).transpose(0, 1))
+    assert torch.equal(saved["token_ids"], ids)
+    assert saved["layer_ids"].tolist() == [1, 3, 4]
+    check_captured(saved, path, "URL", [3, 1], 4, 32)
+    with pytest.raises(UserError, match=r"captures layers \[1, 3, 4\], the recipe reads \[1, 2, 4\]"):
+        check_captured(saved, path, "URL", [1, 2], 4, 32)
 
 
 def test_float8_storage_keeps_every_layer_to_its_own_scale():
