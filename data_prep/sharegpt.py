@@ -171,13 +171,20 @@ def _normalise(record: Any, record_id: str, summary: LoadSummary) -> dict | None
     return {"id": str(record.get("id", record_id)), "messages": system + body}
 
 
-def _raw_records(source: str, split: str, summary: LoadSummary) -> Iterable[tuple[int, Any]]:
+def _raw_records(
+    source: str, split: str, summary: LoadSummary, expected_model: str | None
+) -> Iterable[tuple[int, Any]]:
     path = asset_path(BUNDLED) if source == BUNDLED else Path(source)
     if path.is_file():
         with path.open(encoding="utf-8") as handle:
             head = handle.read(4096).lstrip()
         if head.startswith("["):
             return _iter_json_array(path.read_text(encoding="utf-8"), str(path), summary)
+        # Imported here: it imports this module's readers.
+        from draftsmith.data_prep.request_log import is_request_log, read_request_log
+
+        if is_request_log(path):
+            return read_request_log(path, summary, expected_model)
         return _iter_json_lines(path, summary)
     if path.exists() or source.endswith((".json", ".jsonl")):
         raise DataError(f"dataset file {source} does not exist or is not a file")
@@ -191,17 +198,25 @@ def _raw_records(source: str, split: str, summary: LoadSummary) -> Iterable[tupl
 
 
 def load_conversations(
-    source: str = BUNDLED, split: str = "train", limit: int | None = None, verbose: bool = True
+    source: str = BUNDLED,
+    split: str = "train",
+    limit: int | None = None,
+    verbose: bool = True,
+    expected_model: str | None = None,
 ) -> tuple[list[dict], LoadSummary]:
     """Read and validate conversations.
 
     Args:
         source: ``"sharegpt"`` for the bundled ShareGPT V3 file, a local ``.json`` (array) or
             ``.jsonl`` file, or a ``datasets`` hub id. Records use ShareGPT's
-            ``conversations: [{from, value}]`` or the ``messages: [{role, content}]`` layout.
+            ``conversations: [{from, value}]`` or the ``messages: [{role, content}]`` layout; a
+            serving request log (a gateway's chat JSONL or a vLLM server log) is read by
+            :mod:`draftsmith.data_prep.request_log`.
         split: split to read from a hub dataset.
         limit: stop after this many kept conversations.
         verbose: print the summary.
+        expected_model: the served model name a request log's requests must be for (requests
+            for another are dropped and counted); None: any.
 
     Returns:
         The kept conversations as ``{"id", "messages": [{"role", "content"}]}`` and a
@@ -209,7 +224,7 @@ def load_conversations(
     """
     summary = LoadSummary(source=str(asset_path(BUNDLED)) if source == BUNDLED else source)
     kept = []
-    for index, record in _raw_records(source, split, summary):
+    for index, record in _raw_records(source, split, summary, expected_model):
         summary.records += 1
         record_id = str(record.get("id", index)) if isinstance(record, dict) else str(index)
         conversation = _normalise(record, record_id, summary)
