@@ -79,13 +79,15 @@ class Served:
 @dataclass(frozen=True)
 class Training:
     """How a kind trains: the recipe's ``drafter.kind`` (a draft LM's is ``distill``), the recipe
-    class, the entry point of its ``train/<kind>.py`` (``main(argv)``) and its ``build(recipe) ->
-    (task, train_set, eval_set)``."""
+    class, the entry point of its ``train/<kind>.py`` (``main(argv)``), its ``build(recipe) ->
+    (task, train_set, eval_set)`` and, for kinds whose head can go on learning from captured
+    traffic (``draftsmith-adapt``), its task class ``task(recipe, target, head)``, trained on feature rows."""
 
     recipe_kind: str
     recipe: type
     main: Callable[[list[str] | None], Any]
     build: Callable[[Any], tuple]
+    task: type | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import Prompt
+from draftsmith.data_prep.traffic import TrafficStore
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.decode import Generation, SpeculativeDecoder
 from draftsmith.eval.engine.drafters.base import Drafter
@@ -117,16 +118,18 @@ def run_bench(
     seed: int = 0,
     warmup: bool = True,
     time_drafting: bool = False,
+    capture: TrafficStore | None = None,
 ) -> list[Run]:
     """Run the baseline, every drafter and the requested HF baselines on every prompt turn.
 
     ``assistants``: draft LMs for ``hf_assisted`` (a constant draft length, the drafter's depth)
     and ``hf_assisted_dynamic`` (HF's dynamic draft length) as ``{name: (model, draft length)}``,
     one row per assistant (``hf_assisted`` alone, ``hf_assisted:NAME`` for several).
-    ``time_drafting``: record each generation's drafting time (for the cost model).
+    ``time_drafting``: record each generation's drafting time (for the cost model). ``capture``: the
+    baseline's generations go into this traffic store with the target's states (training data).
     """
     eos = eos_token_ids(target, tokenizer)
-    decoders = {BASELINE: SpeculativeDecoder(target, None, tokenizer, sampling, eos)}
+    decoders = {BASELINE: SpeculativeDecoder(target, None, tokenizer, sampling, eos, capture=capture)}
     for drafter in drafters:
         if drafter.name in decoders or drafter.name in HF_BASELINES:
             raise UsageError(f"two methods are named {drafter.name!r}; give one a name= option")
@@ -150,7 +153,9 @@ def run_bench(
     if warmup:  # first calls pay one-off allocation and kernel selection costs
         warm = render_prompt(tokenizer, [{"role": "user", "content": "Hello!"}])
         for decoder in decoders.values():
+            held, decoder.capture = decoder.capture, None  # a warm-up is not traffic
             decoder.generate(warm, 8, seed=seed)
+            decoder.capture = held
     runs: list[Run] = []
     total = len(prompts) * turns * (len(decoders) + len(hf_kwargs))
     with tqdm(total=total, desc="bench", unit="gen") as bar:
@@ -205,6 +210,8 @@ def run_bench(
                     bar.update()
                 answer = [t for t in reference.tokens if t not in eos]
                 history.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+    if capture is not None:
+        capture.flush()
     return runs
 
 

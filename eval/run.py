@@ -11,12 +11,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
+from draftsmith.adapt.config import AdaptConfig
+from draftsmith.adapt.online import adapt_stream, window_table
+from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
+from draftsmith.data_prep.traffic import TrafficStore
 from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
 from draftsmith.eval.cost_model import cost_model_lines
 from draftsmith.eval.engine.drafters import build_drafter, kinds_help, parse_spec
@@ -100,8 +106,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fixed depth and break-even acceptance they imply (eval/cost_model.py); timing the "
         "drafting synchronises the device around each proposal, which slows GPU runs a little",
     )
+    parser.add_argument(
+        "--capture",
+        default=None,
+        metavar="DIR",
+        help="record every prompt's plain generation with the target's states into a traffic store at DIR "
+        "(training data for draftsmith-adapt), at the layers of the first --drafter that reads them",
+    )
+    parser.add_argument(
+        "--capture-max-gb", type=float, default=None, help="--capture: keep the store under this size (oldest go)"
+    )
+    parser.add_argument(
+        "--adapt",
+        type=at_least(1),
+        default=None,
+        metavar="EVERY",
+        help="run the prompts as a stream with one --drafter head learning from them: after every EVERY "
+        "requests it trains on what the stream captured so far (draftsmith.adapt.online); prints the "
+        "acceptance length per window of EVERY requests",
+    )
+    parser.add_argument(
+        "--adapt-steps",
+        type=at_least(0),
+        default=20,
+        help="--adapt: optimiser steps per round (0: the frozen head's curve)",
+    )
+    parser.add_argument("--adapt-lr", type=float, default=AdaptConfig.learning_rate, help="--adapt: learning rate")
     parser.add_argument("--out", default="results", help="output folder")
     args = parser.parse_args(argv)
+    if args.adapt and (len(args.drafter) != 1 or args.hf_baseline):
+        parser.error("--adapt runs one --drafter (a trained head) and no --hf-baseline")
     if not args.drafter:
         parser.error("give at least one --drafter (e.g. --drafter prompt_lookup)")
     try:
@@ -142,6 +176,13 @@ def main(argv: list[str] | None = None) -> dict:
         if args.compile:
             compile_decoder(target)
     sampling = args.sampling
+    if args.adapt:
+        return _stream(args, target, tokenizer, drafters[0], specs[0], prompts)
+    capture = None
+    if args.capture:
+        layers = next((d.feature_layers for d in drafters if d.feature_layers), None)
+        limit = int(args.capture_max_gb * 2**30) if args.capture_max_gb else None
+        capture = TrafficStore.for_target(args.capture, target, tokenizer, args.target, layers, max_bytes=limit)
     assistants = {d.name: (d.runner.model, d.depth) for d in drafters if isinstance(d, DraftLMDrafter)}
     if args.hf_assistant:
         assistants = {name: assistants[name] for name in args.hf_assistant}
@@ -158,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
             assistants,
             args.seed,
             time_drafting=args.cost_model,
+            capture=capture,
         )
     meta = {
         "argv": sys.argv if argv is None else ["eval/run.py", *argv],
@@ -203,6 +245,26 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{drafter.name} is verified by its own target: {drafter.verifier_label}")
     print(f"\nwrote {args.out}/results.json, results.csv, table.md and plots")
     return summary
+
+
+def _stream(args, target, tokenizer, drafter, spec, prompts) -> dict:
+    """``--adapt``: the prompts' first turns as a stream with the head learning between requests."""
+    cfg = AdaptConfig(
+        head=spec.path or "", traffic="-", learning_rate=args.adapt_lr, round_steps=args.adapt_steps, seed=args.seed
+    )
+    ids = [render_prompt(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in prompts]
+    with stage(f"eval: stream of {len(ids)} requests, the head adapting every {args.adapt}"):
+        requests = adapt_stream(
+            target, args.target, tokenizer, drafter, spec.path, ids, args.max_new_tokens, args.adapt, cfg, args.capture
+        )
+    table = window_table(requests, args.adapt)
+    print(f"\n{spec.name} learning from the stream ({args.adapt_steps} steps every {args.adapt} requests):\n\n{table}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stream.json").write_text(json.dumps([r.__dict__ for r in requests], indent=1))
+    (out / "stream.md").write_text(table + "\n")
+    print(f"\nwrote {out}/stream.json and stream.md")
+    return {"stream": [r.__dict__ for r in requests]}
 
 
 def cli() -> None:

@@ -37,7 +37,7 @@ KIND = DrafterKind(
     },
     has_distribution=True,
     max_depth=lambda config: config["num_depths"],  # deeper mask positions were never trained
-    training=Training("peagle", training.PEagleRecipe, training.main, training.build),
+    training=Training("peagle", training.PEagleRecipe, training.main, training.build, training.PEagleTask),
     title="P-EAGLE head (parallel drafting)",
     formats={speculators.NAME: partial(speculators.export_eagle3, architecture="PEagleSpeculator", parallel=True)},
     serve=serve,

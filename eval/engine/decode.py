@@ -25,6 +25,7 @@ import torch
 from torch.profiler import record_function
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from draftsmith.data_prep.traffic import TrafficStore
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
 from draftsmith.eval.engine.policies import DraftPolicy, PolicyConfig
 from draftsmith.eval.engine.prepack import packed
@@ -71,10 +72,20 @@ class SpeculativeDecoder:
         sampling: SamplingConfig = SamplingConfig(),
         eos_ids: set[int] | None = None,
         time_drafting: bool = False,
+        capture: TrafficStore | None = None,
     ):
         """``time_drafting``: also measure the drafter's share of each step for the cost model
-        (a device synchronisation around every proposal: for diagnosis, not for speed runs)."""
-        self.runner = CausalLMRunner(target, capture_layers=getattr(drafter, "feature_layers", None))
+        (a device synchronisation around every proposal: for diagnosis, not for speed runs).
+        ``capture``: record every finished generation with the target's states at the store's
+        layers for the tokens it read (training data from served traffic, :mod:`draftsmith.data_prep.traffic`)."""
+        self.drafter_layers = getattr(drafter, "feature_layers", None)
+        layers = self.drafter_layers
+        if capture is not None and capture.layers:
+            if layers and list(layers) != capture.layers:
+                raise ValueError(f"the drafter reads layers {layers}, the capture store keeps {capture.layers}")
+            layers = capture.layers
+        self.runner = CausalLMRunner(target, capture_layers=layers)
+        self.capture = capture
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -93,7 +104,14 @@ class SpeculativeDecoder:
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
         """What a feature-reading drafter gets for the rows of the last forward."""
-        return self.runner.captured if self.runner.capture_layers else hidden
+        return self.runner.captured if self.drafter_layers else hidden
+
+    def _captured(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The capture store's states of the last forward's ``rows`` (all when None)."""
+        aux = self.runner.captured if self.capture.layers else None
+        if rows is None:
+            return hidden, aux
+        return hidden[rows], aux[rows] if aux is not None else None
 
     @torch.no_grad()
     def generate(
@@ -172,6 +190,7 @@ class SpeculativeDecoder:
         base = len(prompt)
         if drafter is not None:
             drafter.begin(tokens, self._features(hidden) if drafter.needs_hidden else None)
+        states = [self._captured(hidden, None)] if self.capture is not None else None
         result.prefill_seconds = clock(device) - start
         start = clock(device)
         if streamer:
@@ -210,6 +229,8 @@ class SpeculativeDecoder:
                     self.runner.keep(order, len(path) + 1)
                 accepted_tokens = [tree.tokens[node] for node in path] + [last]
                 kept = kept[order[: len(path) + 1]] if kept is not None else None
+            if states is not None:
+                states.append(self._captured(hidden, order[: len(path) + 1] if order is not None else None))
             policy.observe(tree, path, confident)
             scanned = len(tokens) - base
             tokens += accepted_tokens
@@ -229,6 +250,12 @@ class SpeculativeDecoder:
         result.decode_seconds = clock(device) - start
         result.tokens = tokens[base : base + (cut or max_new_tokens)]
         result.stop_reason = reason if cut is not None else "length"
+        if states is not None:  # outside the timed decode: one copy to the host per request
+            full = list(prompt) + result.tokens
+            rows = min(len(full), sum(h.shape[0] for h, _ in states))  # rows past a stop are cut
+            hidden = torch.cat([h for h, _ in states])[:rows]
+            aux = torch.cat([a for _, a in states])[:rows] if self.capture.layers else None
+            self.capture.add(full, len(prompt), hidden, aux)
         return result
 
 

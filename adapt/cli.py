@@ -1,0 +1,44 @@
+"""``draftsmith-adapt RECIPE.yaml [--rounds N] [--adapt.field VALUE ...]``: adaptation rounds of a deployed head.
+
+Each round continues training the serving head on the traffic captured since (``eval/run.py
+--capture DIR``, or a :class:`~draftsmith.data_prep.traffic.TrafficStore` in your own serving loop)
+with a replay share of its own training data, judges the challenger against the serving head in
+draftsmith's engine on the most recent requests, and publishes it (export, then an atomic switch of
+``OUT/current``) only when it wins by the recipe's margin with the confidence the requests support.
+Serve ``OUT/current/export`` (vLLM) or ``OUT/current/checkpoint`` (draftsmith). Killed, it resumes.
+"""
+
+from __future__ import annotations
+
+import json
+
+from draftsmith.adapt.config import AdaptRecipe
+from draftsmith.adapt.rounds import Adapter, serving_head
+from draftsmith.config import load_recipe, schema_help
+from draftsmith.errors import ArgumentParser, at_least, report_user_errors
+from draftsmith.plugins import register_builtin
+from draftsmith.train.cli import split_recipe
+
+
+@report_user_errors
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the rounds the command line asks for; returns their records."""
+    register_builtin()
+    parser = ArgumentParser(
+        prog="draftsmith-adapt",
+        description=__doc__,
+        epilog="recipe fields (any of them is a flag: --section.field VALUE):\n" + schema_help(AdaptRecipe),
+    )
+    parser.add_argument("recipe", nargs="?", help="YAML recipe with an adapt section")
+    parser.add_argument("--rounds", type=at_least(1), default=1, help="rounds to run now (default 1)")
+    own, rest = parser.parse_known_args(argv)
+    words = ([own.recipe] if own.recipe else []) + rest
+    path, overrides = split_recipe(words)
+    recipe = load_recipe(AdaptRecipe, path, overrides)
+    results = [r.record() for r in Adapter(recipe.adapt).run(own.rounds)]
+    print(json.dumps({"serving": str(serving_head(recipe.adapt.out_dir)), "rounds": results}, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The ``adapt`` recipe: which head, which traffic, how each round trains, judges and publishes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftsmith.recipe import TrackingConfig
+
+
+@dataclass
+class AdaptConfig:
+    """One adaptation loop: the deployed head, the traffic it learns from, and each round's budget and bar."""
+
+    head: str = ""  # the deployed head's training checkpoint (its recipe.yaml names the target and replay data)
+    # served traffic: a capture store (eval/run.py --capture DIR, or TrafficStore in your own loop)
+    traffic: str = ""
+    out_dir: str = "runs/adapt"  # rounds/round-NNNN/, the `current` link to the serving head, state.json
+    # share of each round's training rows from the head's own training data (replay), so that it does not forget
+    replay_fraction: float = 0.3
+    replay_limit: int = 512  # conversations of the head's data whose features are extracted once for replay
+    held_out: int = 16  # the most recent requests: judged on, never trained on
+    general_held_out: int = 64  # the head's own held-out conversations: its top-1 there is the forgetting check
+    # promote only if the challenger's depth-1 top-1 on those is at most this far below the serving head's (null: off)
+    max_forgetting: float | None = 0.02
+    round_steps: int = 60  # optimiser steps per round
+    round_minutes: float | None = None  # wall-clock budget per round (whichever comes first)
+    learning_rate: float = 3e-4  # peak; warm-up-free linear decay over the round
+    batch_size: int = 4
+    max_length: int = 1024  # tokens of a request trained on (longer ones are cut)
+    judge_max_new_tokens: int = 64  # tokens generated per held-out request when judging
+    # drafter options both heads are judged with, e.g. "depth=4&top_k=3&budget=12" ("": each head's planned tree)
+    judge_drafter: str = ""
+    # promote when the acceptance-length gain (tokens per target pass) is at least this with the confidence below
+    margin: float = 0.05
+    confidence: float = 0.9  # one-sided, paired bootstrap over the held-out requests
+    export_format: str = "speculators"  # the format a promoted head is exported in ("none": the checkpoint alone)
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.head:
+            raise ValueError("adapt.head must name the deployed head's checkpoint folder")
+        if not self.traffic:
+            raise ValueError("adapt.traffic must name the captured traffic store (eval/run.py --capture DIR)")
+        if not 0 <= self.replay_fraction < 1:
+            raise ValueError(f"adapt.replay_fraction must be in [0, 1), got {self.replay_fraction}")
+        if not 0.5 <= self.confidence < 1:
+            raise ValueError(f"adapt.confidence must be in [0.5, 1), got {self.confidence}")
+        for name in ("held_out", "round_steps", "batch_size", "judge_max_new_tokens", "max_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"adapt.{name} must be >= 1, got {getattr(self, name)}")
+        if self.replay_limit < 0:
+            raise ValueError(f"adapt.replay_limit must be >= 0, got {self.replay_limit}")
+        if self.round_minutes is not None and self.round_minutes <= 0:
+            raise ValueError(f"adapt.round_minutes must be positive, got {self.round_minutes}")
+
+
+@dataclass
+class AdaptRecipe:
+    """An adaptation recipe: ``adapt`` and where its rounds' metrics go."""
+
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)
+    tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(report_to="none"))

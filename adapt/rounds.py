@@ -1,0 +1,368 @@
+"""Adaptation rounds: continue training the serving head on captured traffic, judge, publish atomically.
+
+``OUT/`` holds ``rounds/round-NNNN/`` (``checkpoint/``: the head with its optimiser state; ``export/``:
+what a serving engine loads; ``verdict.json``), ``current`` (a link to the serving round, switched
+with one atomic rename) and ``state.json`` (every round's verdict). Round 0 is the deployed head as
+given. Each round:
+
+1. splits the traffic store: the ``held_out`` most recent requests are judged on, the rest trained on,
+   with a ``replay_fraction`` share of rows from the head's own training data (its checkpoint's
+   ``recipe.yaml``; their features are extracted once into ``OUT/replay``) so it does not forget;
+2. trains a challenger from the serving head's weights and optimiser state for ``round_steps``
+   (the head's own training task and loop, at ``learning_rate``);
+3. judges it against the serving head in our engine (:mod:`draftsmith.adapt.judge`);
+4. if it wins: exports it, publishes the round folder (staged, renamed whole), then switches
+   ``current``; else records why, and the serving head stays.
+
+A kill at any point leaves ``current`` on a complete head; the next run finishes a round whose
+folder was published but not yet recorded, and starts a round cut short again from its beginning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import datasets
+import torch
+
+from draftsmith.adapt.config import AdaptConfig
+from draftsmith.adapt.judge import Verdict, judge
+from draftsmith.atomic import staged
+from draftsmith.checkpoint_files import load_torch, read_json
+from draftsmith.config import load_recipe
+from draftsmith.data_prep.dataset import build_dataset
+from draftsmith.data_prep.features import (
+    FeatureDataset,
+    RowSelection,
+    check_identity,
+    extract_features,
+    is_complete,
+    store_identity,
+)
+from draftsmith.errors import UserError
+from draftsmith.export import export_checkpoint
+from draftsmith.kinds import get
+from draftsmith.recipe import RegenerateConfig
+from draftsmith.target import load_target
+from draftsmith.timing import clock
+from draftsmith.train.checkpoints import state_dir
+from draftsmith.train.loop import Trainer
+
+CURRENT = "current"
+ROUNDS = "rounds"
+STATE = "state.json"
+VERDICT = "verdict.json"
+
+
+@dataclass
+class Round:
+    """One finished round: its number, verdict, and what it cost."""
+
+    number: int
+    verdict: dict
+    trained_rows: int
+    replay_rows: int
+    steps: int
+    train_seconds: float
+    judge_seconds: float
+    nan: bool = False
+    # top-1 per draft depth on the head's own held-out conversations (the forgetting check)
+    general_serving: list[float] | None = None
+    general_challenger: list[float] | None = None
+
+    def record(self) -> dict:
+        return dict(self.__dict__)
+
+
+def serving_head(out_dir: str | Path) -> Path:
+    """The checkpoint folder the ``current`` link points at (what to serve now)."""
+    return Path(os.path.realpath(Path(out_dir) / CURRENT)) / "checkpoint"
+
+
+def switch_current(out_dir: Path, round_folder: Path) -> None:
+    """Point ``OUT/current`` at ``round_folder`` with one atomic rename (readers see the old or the new head)."""
+    link = out_dir / CURRENT
+    tmp = out_dir / f".{CURRENT}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(round_folder, out_dir), tmp)
+    os.replace(tmp, link)
+
+
+def adaptable_kind(checkpoint: str | Path, what: str):
+    """``(kind, config)`` of the head checkpoint, or a one-line error when it is none or its kind
+    cannot go on learning (``what``: where the user named it)."""
+    file = Path(checkpoint) / "config.json"
+    if not file.is_file():
+        raise UserError(f"{what} {checkpoint} is not a drafter checkpoint (no config.json): give checkpoint-N")
+    config = read_json(file)
+    kind = get(config.get("draftsmith_kind", ""), f"{what} {checkpoint}: its config's draftsmith_kind")
+    if kind.training is None or kind.training.task is None:
+        raise UserError(f"{what} {checkpoint}: {kind.name} heads cannot adapt yet (EAGLE-3 and P-EAGLE can)")
+    return kind, config
+
+
+class Adapter:
+    """Runs adaptation rounds for one :class:`AdaptConfig` (see the module docstring)."""
+
+    def __init__(self, cfg: AdaptConfig, tracker=None):
+        self.cfg, self.tracker = cfg, tracker
+        self.out = Path(cfg.out_dir)
+        self.kind, config = adaptable_kind(cfg.head, "adapt.head")
+        recipe_file = Path(cfg.head) / "recipe.yaml"
+        if not recipe_file.is_file():
+            raise UserError(f"adapt.head {cfg.head} has no recipe.yaml: give a training checkpoint (checkpoint-N)")
+        self.recipe = load_recipe(self.kind.training.recipe, recipe_file)
+        self.target, self.tokenizer = load_target(
+            self.recipe.target.name, self.recipe.target.dtype, chat_template=self.recipe.target.chat_template
+        )
+        self.layers = config.get("aux_layers")
+        self.storage = self.recipe.data.features.storage_dtype
+        self._check_traffic()
+
+    # -- data ------------------------------------------------------------------------------------
+    def _identity(self, data=None) -> dict:
+        return store_identity(self.recipe.target.name, self.target, self.tokenizer, self.layers, self.storage, data)
+
+    def _check_traffic(self) -> None:
+        root = Path(self.cfg.traffic)
+        if root.is_file():  # a request log or conversations file: read (and checked) by the data loader
+            return
+        if not (root / "identity.json").is_file():
+            raise UserError(
+                f"adapt.traffic {root} is neither a traffic store (no identity.json) nor a request log: capture "
+                "one with eval/run.py --capture DIR or TrafficStore in your own loop, or give the gateway's or "
+                "vLLM's request log file"
+            )
+        check_identity(root, self._identity())  # traffic of another target, tokenizer or layers is refused
+
+    def traffic(self) -> FeatureDataset:
+        """Every served request, oldest first: a capture store as it is, or a request log's (or any
+        conversations file's) conversations in file order, their features extracted by this target
+        into ``OUT/traffic`` (again when the file has grown)."""
+        source = Path(self.cfg.traffic)
+        if source.is_file():
+            data_cfg = replace(
+                self.recipe.data,
+                path=str(source),
+                held_out_fraction=0.0,
+                held_out_path=None,
+                limit=None,
+                max_length=self.cfg.max_length,
+                regenerate=RegenerateConfig(enabled=False),
+            )
+            data, _ = build_dataset(data_cfg, self.tokenizer)
+            data = datasets.DatasetDict({"train": data["train"]})
+            root = self.out / "traffic"
+            if not is_complete(root, data):
+                shutil.rmtree(root, ignore_errors=True)  # a grown log: its shards no longer line up
+                extract_features(self.target, data, root, layers=self.layers, identity=self._identity(data))
+            return FeatureDataset(root / "train")
+        try:
+            return FeatureDataset(source / "train")
+        except FileNotFoundError:
+            raise UserError(f"adapt.traffic {self.cfg.traffic} holds no request yet: serve some first") from None
+
+    def general(self) -> dict[str, FeatureDataset]:
+        """The head's own data with its features (extracted once into ``OUT/general``): ``train``, a
+        replay sample of its training conversations, and ``held_out``, its held-out conversations
+        (the forgetting check); a split the config or the data leaves empty is absent."""
+        data, _ = build_dataset(self.recipe.data, self.tokenizer)
+        rng = random.Random(self.cfg.seed)
+        splits = {}
+        if self.cfg.replay_fraction > 0 and self.cfg.replay_limit > 0:
+            picks = rng.sample(range(len(data["train"])), min(self.cfg.replay_limit, len(data["train"])))
+            splits["train"] = data["train"].select(sorted(picks))
+        if self.cfg.general_held_out > 0 and len(data["held_out"]):
+            splits["held_out"] = data["held_out"].select(range(min(self.cfg.general_held_out, len(data["held_out"]))))
+        subset = datasets.DatasetDict(splits)
+        root = self.out / "general"
+        if splits and not is_complete(root, subset):
+            extract_features(self.target, subset, root, layers=self.layers, identity=self._identity(subset))
+        return {split: FeatureDataset(root / split) for split in splits}
+
+    def accuracy(self, head, rows) -> list[float]:
+        """``head``'s top-1 at each draft depth over feature ``rows`` (teacher-forced, as training evaluates)."""
+        task = self.kind.training.task(self.recipe, self.target, head)
+        sums: dict[str, float] = {}
+        with torch.no_grad():
+            for start in range(0, len(rows), self.cfg.batch_size):
+                batch = task.collate([rows[i] for i in range(start, min(start + self.cfg.batch_size, len(rows)))])
+                for key, value in task.loss(head, batch, training=False)[1].items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+        depths = sorted(int(k[5:]) for k in sums if k.startswith("top1@"))
+        return [round(sums[f"top1@{d}"] / max(sums[f"rows@{d}"], 1.0), 4) for d in depths]
+
+    def split(self, number: int) -> tuple[RowSelection, RowSelection, list[list[int]], int]:
+        """``(train rows, held-out rows, held-out prompts, traffic rows among the train rows)`` of round ``number``."""
+        traffic = self.traffic()
+        held = min(self.cfg.held_out, len(traffic) - 1)
+        if held < 1:
+            raise UserError(f"adapt.traffic {self.cfg.traffic}: {len(traffic)} request(s); a round needs 2 or more")
+        recent = list(range(len(traffic) - held, len(traffic)))
+        picks = [(traffic, i) for i in range(len(traffic) - held)]
+        served = len(picks)
+        replay = self.general().get("train")
+        if replay is not None:
+            share = self.cfg.replay_fraction
+            count = min(len(replay), round(len(picks) * share / (1 - share)))
+            rng = random.Random(self.cfg.seed + number)
+            picks += [(replay, i) for i in rng.sample(range(len(replay)), count)]
+        held_rows = RowSelection([(traffic, i) for i in recent], self.cfg.max_length)
+        prompts = []
+        for row in held_rows:
+            mask = row["loss_mask"].tolist()
+            prompts.append(row["input_ids"][: mask.index(1) if 1 in mask else len(mask)].tolist())
+        return RowSelection(picks, self.cfg.max_length), held_rows, prompts, served
+
+    # -- rounds ----------------------------------------------------------------------------------
+    def history(self) -> list[dict]:
+        file = self.out / STATE
+        if not file.is_file():
+            return []
+        return read_json(file, f"restore {file} or delete {self.out} to start again")["rounds"]
+
+    def _record(self, rounds: list[dict]) -> None:
+        with staged(self.out / STATE) as tmp:
+            tmp.write_text(json.dumps({"rounds": rounds}, indent=1))
+
+    def _start(self) -> None:
+        """Round 0: the deployed head as given, exported, and ``current`` pointing at it."""
+        if (self.out / CURRENT).exists():
+            return
+        first = self.out / ROUNDS / "round-0000"
+        if not first.is_dir():
+            with staged(first, folder=True) as tmp:
+                shutil.copytree(self.cfg.head, tmp / "checkpoint")
+                self._export(tmp)
+                (tmp / VERDICT).write_text(json.dumps({"promoted": True, "reason": "the deployed head"}))
+        switch_current(self.out, first)
+
+    def _export(self, folder: Path) -> None:
+        if self.cfg.export_format != "none":
+            export_checkpoint(folder / "checkpoint", self.cfg.export_format, folder / "export", self.recipe.target.name)
+
+    def run(self, rounds: int = 1) -> list[Round]:
+        """Run ``rounds`` more rounds (after any a kill cut short); returns them."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._start()
+        done = []
+        for _ in range(rounds):
+            done.append(self.run_round(len(self.history()) + 1))
+        return done
+
+    def run_round(self, number: int) -> Round:
+        """Round ``number``: train, judge, and publish when the challenger wins (see the module docstring)."""
+        folder = self.out / ROUNDS / f"round-{number:04d}"
+        history = self.history()
+        if folder.is_dir():  # published before a kill, not yet recorded: record it (and switch to it) now
+            result = json.loads((folder / VERDICT).read_text())
+            if result["verdict"]["promoted"]:
+                switch_current(self.out, folder)
+            self._record(history + [result])
+            return Round(**result)
+        serving = serving_head(self.out)
+        train_rows, held_rows, prompts, served = self.split(number)
+        with staged(folder, folder=True) as tmp:
+            began = clock(self.target.device)
+            head, trainer = self._train(serving, train_rows, held_rows, tmp / "train")
+            train_seconds = clock(self.target.device) - began
+            nan = not all(torch.isfinite(p).all() for p in head.parameters())
+            began = clock(self.target.device)
+            if nan:
+                verdict = Verdict(0, 0, 0, 0, len(prompts), False, "training produced NaN or inf weights: not judged")
+            else:
+                verdict = judge(
+                    self.target,
+                    self.kind.name,
+                    str(serving),
+                    str(trainer.last_checkpoint),
+                    prompts,
+                    self.cfg.judge_max_new_tokens,
+                    self.cfg.judge_drafter,
+                    self.cfg.margin,
+                    self.cfg.confidence,
+                    self.cfg.seed + number,
+                )
+            judge_seconds = clock(self.target.device) - began
+            general = self.general().get("held_out")
+            before = after = None
+            if general is not None and not nan:
+                before = self.accuracy(
+                    self.kind.training.task.head_class.from_pretrained(serving, self.target), general
+                )
+                after = self.accuracy(head, general)
+                drop = before[0] - after[0]
+                if verdict.promoted and self.cfg.max_forgetting is not None and drop > self.cfg.max_forgetting:
+                    verdict.promoted = False
+                    verdict.reason += (
+                        f"; but it forgets: general held-out top-1 {before[0]:.3f} -> {after[0]:.3f} "
+                        f"(more than adapt.max_forgetting {self.cfg.max_forgetting} below)"
+                    )
+            result = Round(
+                number,
+                verdict.record(),
+                served,
+                len(train_rows) - served,
+                trainer.state.step,
+                round(train_seconds, 2),
+                round(judge_seconds, 2),
+                nan,
+                before,
+                after,
+            )
+            if verdict.promoted:
+                os.replace(trainer.last_checkpoint, tmp / "checkpoint")
+                self._export(tmp)
+            shutil.rmtree(tmp / "train")
+            (tmp / VERDICT).write_text(json.dumps(result.record(), indent=1))
+        if verdict.promoted:
+            switch_current(self.out, folder)
+        self._record(history + [result.record()])
+        print(f"adapt round {number}: {'promoted' if verdict.promoted else 'kept the serving head'}: {verdict.reason}")
+        return result
+
+    def _train(self, serving: Path, train_rows, held_rows, output_dir: Path):
+        """A challenger trained from the serving head (weights and, where saved, optimiser state)."""
+        head = self.kind.training.task.head_class.from_pretrained(serving, self.target)
+        trainer = round_trainer(
+            self.kind, Path(self.cfg.head), self.cfg, self.target, head, train_rows, held_rows, output_dir
+        )
+        optimizer = state_dir(serving) / "optimizer.bin"
+        if optimizer.is_file():  # Adam's moments carry over; the round's own learning rate replaces the saved one
+            trainer.optimizer.load_state_dict(load_torch(optimizer))
+            for group, lr in zip(trainer.optimizer.param_groups, trainer.scheduler.get_last_lr()):
+                group["lr"] = lr
+        trainer.last_checkpoint = trainer.train()
+        return trainer.task.model, trainer
+
+
+def round_trainer(kind, head_checkpoint: Path, cfg: AdaptConfig, target, head, rows, held_rows, output_dir: Path):
+    """A :class:`~draftsmith.train.loop.Trainer` of ``head`` on feature ``rows`` (``held_rows`` evaluated at the end)
+    for one round of ``cfg``: the head's own recipe (``head_checkpoint/recipe.yaml``) and task, with the
+    round's steps, learning rate (linear decay, no warm-up) and batch size, no tracker."""
+    overrides = {
+        "training": {
+            "output_dir": str(output_dir),
+            "max_steps": cfg.round_steps,
+            "max_minutes": cfg.round_minutes,
+            "learning_rate": cfg.learning_rate,
+            "warmup_steps": 0,
+            "lr_schedule": "linear",
+            "batch_size": cfg.batch_size,
+            "gradient_accumulation_steps": 1,
+            "packing": False,
+            "eval_every": 0,
+            "save_every": 0,
+            "keep_checkpoints": 1,
+            "stop_after_steps": None,
+            "seed": cfg.seed,
+        },
+        "tracking": {"report_to": "none"},
+    }
+    recipe = load_recipe(kind.training.recipe, head_checkpoint / "recipe.yaml", overrides)
+    return Trainer(recipe, kind.training.task(recipe, target, head), rows, held_rows)

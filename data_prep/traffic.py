@@ -1,0 +1,126 @@
+"""Served traffic as training data: requests the engine decoded, with the target's features.
+
+While it decodes, the engine has already computed, for every token the target kept, the target's
+hidden states at the layers a head reads: the training signal is free. A :class:`TrafficStore`
+appends finished requests (the tokens the target produced after its prompt, and those states)
+to a feature store in the layout training reads (:class:`~draftsmith.data_prep.features.FeatureDataset`
+over ``ROOT/train``), with the same ``identity.json`` checks (another target, tokenizer, layers or
+storage is refused), shards written atomically in the order the requests finished, and a bound on
+disk: past ``max_bytes`` the oldest shards go, counted in ``manifest.json``. A killed server loses
+at most the requests not yet flushed (``shard_size`` of them).
+
+The engine records into it (``SpeculativeDecoder(..., capture=store)``, ``eval/run.py --capture``);
+a user's own loop calls :meth:`TrafficStore.add` with the tokens and the states it computed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from draftsmith.atomic import staged
+from draftsmith.checkpoint_files import read_json
+from draftsmith.data_prep.features import FeatureDataset, check_identity, store_identity, write_shard
+
+SPLIT = "train"
+_SHARD = re.compile(r"shard-(\d+)\.safetensors$")
+
+
+class TrafficStore:
+    """An append-only, bounded feature store of served requests (see the module docstring)."""
+
+    def __init__(self, root: str | Path, identity: dict, max_bytes: int | None = None, shard_size: int = 8) -> None:
+        self.root, self.identity = Path(root), identity
+        self.max_bytes, self.shard_size = max_bytes, shard_size
+        self.layers = list(identity["layers"]) or None
+        check_identity(self.root, identity)
+        (self.root / SPLIT).mkdir(parents=True, exist_ok=True)
+        manifest = self.root / "manifest.json"
+        previous = read_json(manifest, f"delete {manifest}: it is rebuilt") if manifest.is_file() else {}
+        self.dropped = previous.get("dropped_conversations", 0)  # shards removed by the bound so far
+        self._ids: list[list[int]] = []
+        self._masks: list[list[int]] = []
+        self._states: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    @classmethod
+    def for_target(
+        cls,
+        root: str | Path,
+        target,
+        tokenizer,
+        target_name: str,
+        layers: list[int] | None,
+        storage: str = "auto",
+        max_bytes: int | None = None,
+        shard_size: int = 8,
+    ) -> TrafficStore:
+        """The store at ``root`` for ``target`` (named ``target_name`` as recipes name it) and the
+        head's ``layers`` (None: the last hidden state only)."""
+        identity = store_identity(target_name, target, tokenizer, layers, storage)
+        return cls(root, identity, max_bytes, shard_size)
+
+    def add(self, tokens: list[int], reply_start: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """One finished request: ``tokens`` (prompt then reply, the reply from ``reply_start``) and
+        the target's states for the tokens it read (``hidden`` ``[n, H]`` the last hidden states,
+        ``aux`` ``[n, layers * H]`` the head's layers); ``n`` may stop short of ``tokens`` by the
+        tokens never fed back (the last one). Only the reply is supervised."""
+        n = hidden.shape[0]
+        if n > len(tokens) or n <= reply_start:
+            raise ValueError(f"{n} feature rows for {len(tokens)} tokens whose reply starts at {reply_start}")
+        if (aux is None) != (self.layers is None):
+            given = "without" if aux is None else "with"
+            raise ValueError(f"the store keeps layers {self.layers}; the request came {given} layer states")
+        dtype = hidden.dtype
+        self._ids.append(list(tokens[:n]))
+        self._masks.append([0] * reply_start + [1] * (n - reply_start))
+        self._states.append((hidden.detach().cpu(), aux.detach().to(dtype).cpu() if aux is not None else None))
+        if len(self._ids) >= self.shard_size:
+            self.flush()
+
+    def shards(self) -> list[Path]:
+        """The store's shards, oldest first."""
+        return sorted(self.root.joinpath(SPLIT).glob("shard-*.safetensors"), key=_number)
+
+    def flush(self) -> None:
+        """Write the requests held in memory as the next shard, then keep the store within ``max_bytes``."""
+        if not self._ids:
+            return
+        shards = self.shards()
+        number = _number(shards[-1]) + 1 if shards else 0
+        path = self.root / SPLIT / f"shard-{number:06d}.safetensors"
+        write_shard(path, self._ids, self._masks, self._states, self.identity)
+        self._ids, self._masks, self._states = [], [], []
+        shards = self.shards()
+        while self.max_bytes is not None and len(shards) > 1 and sum(f.stat().st_size for f in shards) > self.max_bytes:
+            self.dropped += len(FeatureDataset.from_files([shards[0]]))
+            shards.pop(0).unlink()
+        self._write_manifest(shards)
+
+    def _write_manifest(self, shards: list[Path]) -> None:
+        rows = FeatureDataset.from_files(shards) if shards else None
+        manifest = {
+            "splits": {
+                SPLIT: {
+                    "conversations": len(rows) if rows else 0,
+                    "tokens": sum(rows.lengths()) if rows else 0,
+                    "shards": len(shards),
+                    "bytes": sum(f.stat().st_size for f in shards),
+                }
+            },
+            "dropped_conversations": self.dropped,
+        }
+        with staged(self.root / "manifest.json") as tmp:
+            tmp.write_text(json.dumps(manifest, indent=1))
+
+    def __enter__(self) -> TrafficStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.flush()
+
+
+def _number(path: Path) -> int:
+    return int(_SHARD.search(path.name).group(1))
