@@ -41,6 +41,7 @@ class TrafficStore:
         manifest = self.root / "manifest.json"
         previous = read_json(manifest, f"delete {manifest}: it is rebuilt") if manifest.is_file() else {}
         self.dropped = previous.get("dropped_conversations", 0)  # shards removed by the bound so far
+        self.empty = previous.get("empty_replies", 0)  # requests whose reply was one token: nothing kept
         self._ids: list[list[int]] = []
         self._masks: list[list[int]] = []
         self._states: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -68,8 +69,11 @@ class TrafficStore:
         ``aux`` ``[n, layers * H]`` the head's layers); ``n`` may stop short of ``tokens`` by the
         tokens never fed back (the last one). Only the reply is supervised."""
         n = hidden.shape[0]
-        if n > len(tokens) or n <= reply_start:
+        if n > len(tokens) or n < reply_start:
             raise ValueError(f"{n} feature rows for {len(tokens)} tokens whose reply starts at {reply_start}")
+        if n == reply_start:  # the reply ended at its first token (EOS): no reply token was read, nothing to learn
+            self.empty += 1
+            return
         if (aux is None) != (self.layers is None):
             given = "without" if aux is None else "with"
             raise ValueError(f"the store keeps layers {self.layers}; the request came {given} layer states")
@@ -111,6 +115,7 @@ class TrafficStore:
                 }
             },
             "dropped_conversations": self.dropped,
+            "empty_replies": self.empty,
         }
         with staged(self.root / "manifest.json") as tmp:
             tmp.write_text(json.dumps(manifest, indent=1))

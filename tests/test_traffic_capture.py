@@ -60,6 +60,9 @@ def test_the_store_is_bounded_and_refuses_another_target(tmp_path, target, make_
     assert len(store.shards()) == 2 and store.dropped == 2
     assert [int(p.stem.split("-")[1]) for p in store.shards()] == [2, 3]
     assert FeatureDataset(tmp_path / "t" / "train")[1]["input_ids"].tolist()[:5] == _prompts()[2]
+    # A reply of one token (the end of turn at once) read nothing of the reply: counted, not stored.
+    decoder.generate(_prompts()[0], 1)
+    assert store.empty == 1 and len(store.shards()) == 2
     other = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=8)
     with pytest.raises(UserError, match="written for target"):
         TrafficStore.for_target(tmp_path / "t", other, None, "tiny", LAYERS)

@@ -29,6 +29,7 @@ from draftsmith.data_prep.packing import same_segment, target_inputs
 from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, head_positions, top_k_hits
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
+from draftsmith.target import final_logits
 from draftsmith.train.cli import run_training, target_and_data
 from draftsmith.train.loop import Trainer
 
@@ -197,8 +198,9 @@ class MedusaTask:
         mask[:, :-1] = batch["loss_mask"][:, 1:] & same_segment(batch["attention_mask"], 1)  # within a conversation
         rows = hidden[mask]
         lm_head = self.target.get_output_embeddings()
+        config = self.target.get_base_model().config  # the target's logit scale or soft cap applies to both sides
         # fp32 LoRA adapters can lift the tuned hidden states out of the target's dtype.
-        logits = lm_head(rows.to(lm_head.weight.dtype)).float()
+        logits = final_logits(config, lm_head(rows.to(lm_head.weight.dtype)).float())
         count = max(1, rows.shape[0])
         if self.cfg.lora.target_loss == "lm":
             gold = batch["input_ids"][:, 1:][mask[:, :-1]]
@@ -208,7 +210,7 @@ class MedusaTask:
             with torch.no_grad(), self.target.disable_adapter():
                 decoder = self.target.get_base_model().get_decoder()
                 base = decoder(**target_inputs(batch, decoder)).last_hidden_state
-                reference = lm_head(base[mask].to(lm_head.weight.dtype)).float()
+                reference = final_logits(config, lm_head(base[mask].to(lm_head.weight.dtype)).float())
             loss = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum")
         metrics["target/tokens"] = float(rows.shape[0])
         metrics["target/loss"] = float(loss.detach())
