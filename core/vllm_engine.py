@@ -182,10 +182,17 @@ def _spec_counters(llm) -> dict:
 
 
 def _generate(job: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
+
+    return generate_with(LLM(**job["engine"]), job)
+
+
+def generate_with(llm, job: dict) -> dict:
+    """The ``generate`` job's result for ``job`` (its fields less ``engine``) on a started ``vllm.LLM``:
+    jobs that keep one engine across several generations (reloading its drafter) call it."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(**job["engine"])
     params = SamplingParams(
         temperature=job.get("temperature", 0.0),
         top_p=job.get("top_p", 1.0),
