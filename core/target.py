@@ -12,7 +12,6 @@ device, so the target costs its embedding tables' memory instead of the whole mo
 from __future__ import annotations
 
 import hashlib
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from draftsmith.assets import asset_path, cache_root
 from draftsmith.atomic import staged
+from draftsmith.checkpoint_files import open_tensors, read_json
 from draftsmith.errors import UserError
 from draftsmith.hub import check_hub_id
 from draftsmith.precision import resolve_dtype
@@ -33,6 +33,8 @@ DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 HEAD_ONLY_ATTR = "draftsmith_head_only"
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
+# What to do about a damaged weights file of a target (the cache of a converted GGUF is ours to rebuild).
+_RECOPY_TARGET = "download or copy the target again (a converted GGUF's cached folder: delete it to convert it again)"
 
 
 def default_device() -> torch.device:
@@ -199,6 +201,14 @@ def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def logit_scale(config) -> float:
+    """The factor :func:`final_logits` multiplies the LM head's logits by before any soft cap
+    (Cohere's ``logit_scale``, one over Granite's ``logits_scaling``; 1.0 for others): what vLLM's
+    drafters read as their config's ``logit_scale``, the only logit transform they apply."""
+    # final_logits keeps the forward's own multiply and divide, so verification stays bit-exact.
+    return float(getattr(config, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
+
+
 def is_head_only(model: PreTrainedModel) -> bool:
     """True for a target loaded with ``head_only`` (its decoder layers are not loaded)."""
     return getattr(model, HEAD_ONLY_ATTR, False)
@@ -261,18 +271,16 @@ def _checkpoint_file(source: str, filename: str) -> Path | None:
 def _weight_map(source: str, field: str) -> tuple[dict[str, str], Path]:
     """Each tensor name in ``source``'s checkpoint -> its safetensors file, and the file that
     lists them (the shard index, or the single weights file)."""
-    from safetensors import safe_open
-
     index = _checkpoint_file(source, SAFE_WEIGHTS_INDEX)
     if index is not None:
-        return json.loads(index.read_text())["weight_map"], index
+        return read_json(index, _RECOPY_TARGET)["weight_map"], index
     single = _checkpoint_file(source, SAFE_WEIGHTS)
     if single is None:
         raise UserError(
             f"{field}: {source} has neither {SAFE_WEIGHTS} nor {SAFE_WEIGHTS_INDEX}; "
             "a head-only load reads safetensors checkpoints"
         )
-    with safe_open(single, framework="pt") as weights:
+    with open_tensors(single, _RECOPY_TARGET) as weights:
         return dict.fromkeys(weights.keys(), SAFE_WEIGHTS), single
 
 
@@ -280,8 +288,6 @@ def _load_head_tensors(
     model: PreTrainedModel, modules: list[torch.nn.Module], source: str, device: torch.device, field: str
 ) -> None:
     """Replace the meta tensors of ``modules`` with the checkpoint's, in their dtype, on ``device``."""
-    from safetensors import safe_open
-
     weight_map, listing = _weight_map(source, field)
     by_file: dict[str, list[tuple[torch.Tensor, list[str], str]]] = {}
     for tensor, names in _head_tensors(model, modules):
@@ -290,7 +296,7 @@ def _load_head_tensors(
             raise UserError(f"{field}: {listing} has no tensor {' or '.join(names)}; is it a {type(model).__name__}?")
         by_file.setdefault(weight_map[key], []).append((tensor, names, key))
     for filename, wanted in by_file.items():
-        with safe_open(_checkpoint_file(source, filename), framework="pt") as weights:
+        with open_tensors(_checkpoint_file(source, filename), _RECOPY_TARGET) as weights:
             for tensor, names, key in wanted:
                 value = weights.get_tensor(key).to(device=device, dtype=tensor.dtype)
                 if value.shape != tensor.shape:

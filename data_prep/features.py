@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from bisect import bisect_right
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from draftsmith.assets import cache_root
 from draftsmith.atomic import staged
+from draftsmith.checkpoint_files import open_tensors, read_json
 from draftsmith.data_prep.dataset import _tokenizer_identity
 from draftsmith.errors import UserError
 from draftsmith.recipe import TargetConfig
@@ -100,7 +101,7 @@ def check_identity(root: Path, identity: dict) -> None:
         with staged(file) as tmp:
             tmp.write_text(json.dumps(identity, indent=1))
         return
-    stored = json.loads(file.read_text())
+    stored = read_json(file, f"delete the store {root} to extract it again")
     for key, field in IDENTITY_FIELDS.items():
         # A head that reads the last hidden state only (EAGLE-1, Medusa) shares any store of its target;
         # stores written before they recorded their data are checked on the rest.
@@ -125,8 +126,13 @@ def is_complete(root: Path, data) -> bool:
     manifest = Path(root) / "manifest.json"
     if not manifest.is_file():
         return False
-    splits = json.loads(manifest.read_text())["splits"]
+    splits = read_json(manifest, _re_extract(root))["splits"]
     return all(splits.get(split, {}).get("conversations") == len(data[split]) for split in data)
+
+
+def _re_extract(root: Path) -> str:
+    """What to do about a damaged file of the store at ``root``."""
+    return f"delete {root / 'manifest.json'} and run again: the store's damaged shards are extracted again"
 
 
 def _readable(path: Path) -> bool:
@@ -155,6 +161,37 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.float().unflatten(-1, (scale.shape[-1], -1)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
+def write_shard(
+    path: Path,
+    input_ids: list[list[int]],
+    loss_mask: list[list[int]],
+    states: list[tuple[torch.Tensor, torch.Tensor | None]],
+    identity: dict,
+) -> dict[str, torch.Tensor]:
+    """One shard file (written atomically) of conversations' token ids, loss masks and features
+    (per conversation ``(hidden, aux)`` host tensors, :data:`Compute`'s), stored as the store's
+    ``identity`` says (its layers and storage dtype); returns the tensors written."""
+    lengths = torch.tensor([len(ids) for ids in input_ids])
+    tensors = {
+        "input_ids": torch.tensor([t for ids in input_ids for t in ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for mask in loss_mask for m in mask], dtype=torch.int8),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+    }
+    hidden = torch.cat([h for h, _ in states]).contiguous()
+    aux = torch.cat([a for _, a in states]).contiguous() if identity["layers"] else None
+    if identity["storage"] == "float8":
+        tensors["hidden"], tensors["hidden_scale"] = quantize(hidden, 1)
+        if aux is not None:
+            tensors["aux"], tensors["aux_scale"] = quantize(aux, max(1, len(identity["layers"])))
+    else:
+        tensors["hidden"] = hidden
+        if aux is not None:
+            tensors["aux"] = aux
+    with staged(path) as tmp:
+        save_file(tensors, str(tmp))
+    return tensors
+
+
 def write_store(
     data,
     root: Path,
@@ -171,8 +208,6 @@ def write_store(
     """
     root = Path(root)
     check_identity(root, identity)
-    float8 = identity["storage"] == "float8"
-    groups = max(1, len(identity["layers"]))
     manifest = {"splits": {}, "bytes": 0, "tokens": 0, "written_tokens": 0, "seconds": 0.0}
     for split in data:
         rows = data[split]
@@ -186,24 +221,7 @@ def write_store(
             chunk = rows[start : start + shard_size]
             began = clock("cpu")  # compute() hands back host tensors: nothing left queued on a device
             states = compute(chunk["input_ids"])
-            hidden = torch.cat([h for h, _ in states]).contiguous()
-            lengths = torch.tensor([len(ids) for ids in chunk["input_ids"]])
-            tensors = {
-                "input_ids": torch.tensor([t for ids in chunk["input_ids"] for t in ids], dtype=torch.int32),
-                "loss_mask": torch.tensor([m for mask in chunk["loss_mask"] for m in mask], dtype=torch.int8),
-                "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-            }
-            aux = torch.cat([a for _, a in states]).contiguous() if identity["layers"] else None
-            if float8:
-                tensors["hidden"], tensors["hidden_scale"] = quantize(hidden, 1)
-                if aux is not None:
-                    tensors["aux"], tensors["aux_scale"] = quantize(aux, groups)
-            else:
-                tensors["hidden"] = hidden
-                if aux is not None:
-                    tensors["aux"] = aux
-            with staged(path) as tmp:
-                save_file(tensors, str(tmp))
+            tensors = write_shard(path, chunk["input_ids"], chunk["loss_mask"], states, identity)
             manifest["seconds"] += clock("cpu") - began
             manifest["written_tokens"] += len(tensors["input_ids"])
         files = sorted(out.glob("shard-*.safetensors"))
@@ -263,17 +281,23 @@ class FeatureDataset(Dataset):
     """Rows ``{input_ids, loss_mask, hidden[, aux]}`` read lazily from one split's feature shards
     (float8 stores come back in float32)."""
 
-    def __init__(self, folder: str | Path):
-        self.files = sorted(Path(folder).glob("shard-*.safetensors"))
+    def __init__(self, folder: str | Path, files: list[Path] | None = None):
+        self.files = sorted(Path(folder).glob("shard-*.safetensors")) if files is None else list(files)
         if not self.files:
             raise FileNotFoundError(f"no feature shards in {folder}; run the feature extraction first")
         self.offsets = []
         self.starts = [0]
+        self._fix = _re_extract(Path(folder).parent)
         for file in self.files:
-            with safe_open(str(file), "pt") as shard:
+            with open_tensors(file, self._fix) as shard:
                 offsets = shard.get_tensor("offsets")
             self.offsets.append(offsets)
             self.starts.append(self.starts[-1] + len(offsets) - 1)
+
+    @classmethod
+    def from_files(cls, files: list[Path]) -> FeatureDataset:
+        """The rows of these shards (of one split's folder), in this order."""
+        return cls(files[0].parent, files)
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -288,7 +312,7 @@ class FeatureDataset(Dataset):
         shard = bisect_right(self.starts, index) - 1
         local = index - self.starts[shard]
         lo, hi = self.offsets[shard][local].item(), self.offsets[shard][local + 1].item()
-        with safe_open(str(self.files[shard]), "pt") as handle:
+        with open_tensors(self.files[shard], self._fix) as handle:
             keys = set(handle.keys())
             row = {
                 "input_ids": handle.get_slice("input_ids")[lo:hi].long(),
@@ -329,3 +353,24 @@ def training_sets(
         check_identity(root, identity)
     # No held-out conversation (a small data.limit): no shards to read, and nothing to evaluate on.
     return FeatureDataset(root / "train"), FeatureDataset(root / "held_out") if len(data["held_out"]) else None
+
+
+class RowSelection(Dataset):
+    """Chosen rows of feature datasets, in the order given (``picks``: ``(dataset, row)`` pairs), each
+    cut to its first ``max_length`` tokens (None: whole): e.g. a training round's recent traffic and
+    a replay share of older data."""
+
+    def __init__(self, picks: list[tuple[FeatureDataset, int]], max_length: int | None = None):
+        self.picks, self.max_length = picks, max_length
+        lengths = {id(d): d.lengths() for d, _ in picks}
+        self._lengths = [min(lengths[id(d)][i], max_length or math.inf) for d, i in picks]
+
+    def __len__(self) -> int:
+        return len(self.picks)
+
+    def lengths(self) -> list[int]:
+        return list(self._lengths)
+
+    def __getitem__(self, index: int) -> dict:
+        dataset, row = self.picks[index]
+        return {key: value[: self.max_length] for key, value in dataset[row].items()}

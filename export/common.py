@@ -15,9 +15,10 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from draftsmith.checkpoint_files import load_tensors, read_json
 from draftsmith.errors import CheckpointError, UsageError
 from draftsmith.heads.common import check_target
 from draftsmith.heads.exported import EXPORT_KEY
@@ -45,7 +46,7 @@ class Source:
 
     @cached_property
     def state(self) -> dict[str, torch.Tensor]:
-        return load_file(str(self.path / WEIGHTS))
+        return load_tensors(self.path / WEIGHTS)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -62,7 +63,7 @@ def read_source(path: str | Path) -> Source:
             f"{path} is not a drafter checkpoint: it has no config.json (give a checkpoint-N "
             "or checkpoint-final folder written by training)"
         )
-    config = json.loads(file.read_text())
+    config = read_json(file)
     if EXPORT_KEY in config:
         raise CheckpointError(
             f"{path} is already an export ({config[EXPORT_KEY].get('format')}); export the "
@@ -71,7 +72,7 @@ def read_source(path: str | Path) -> Source:
     if "draftsmith_kind" in config:
         return Source(path, config["draftsmith_kind"], config, config.get("target") or {})
     if (path / TARGET_RECORD).is_file():
-        return Source(path, DRAFT_LM, config, json.loads((path / TARGET_RECORD).read_text()))
+        return Source(path, DRAFT_LM, config, read_json(path / TARGET_RECORD))
     raise CheckpointError(
         f"{path} is not a draftsmith drafter checkpoint: its config.json names no "
         f"draftsmith_kind and it has no {TARGET_RECORD}"
@@ -114,7 +115,7 @@ class Target:
 
     @cached_property
     def saved_config(self) -> dict:
-        return json.loads((self.folder / "config.json").read_text())
+        return read_json(self.folder / "config.json")
 
     @property
     def architectures(self) -> list[str]:

@@ -10,6 +10,9 @@ the target's LM head written in) or ``lm_heads.K.weight`` per head (``lm_head: c
 A reduced draft vocabulary is vLLM's ``token_map`` (the token ids) with ``truncated_vocab_size``;
 vLLM cuts a full-vocabulary LM head down to those rows, so it works with a shared LM head only
 (per-head LM heads are built at the full vocabulary size).
+``logit_scale`` (``Medusa.__init__``: ``LogitsProcessor(..., getattr(config, "logit_scale", 1.0))``)
+is the target's (:func:`~draftsmith.target.logit_scale`) for a shared LM head, which draftsmith
+scales at run time, and 1.0 for per-head ones, which hold it in their weights.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from draftsmith.export.common import (
     write_weights,
 )
 from draftsmith.heads.exported import rename_blocks
+from draftsmith.target import logit_scale
 
 NAME = "vllm-medusa"
 VERSION = "0.32.0"
@@ -85,6 +89,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
             "truncated_vocab_size": int(draft_vocab.numel()),
             "medusa_fc_bias": True,
             "original_lm_head": shared,
+            "logit_scale": logit_scale(target.model.config) if shared else 1.0,
             **export_block(source, NAME),
         },
     )

@@ -6,6 +6,16 @@ is either a saved buffer of token ids (``draft_vocab``: EAGLE-1, Medusa) or spec
 (``d2t`` and ``t2d`` saved, ``draft_vocab`` derived: the fused-feature heads), so that exports
 are copies. A checkpoint is a folder of ``config.json`` (``draftsmith_kind``, ``architectures``,
 then the head's own fields) and ``model.safetensors`` (the head's weights only).
+
+Logit scaling. Training targets are the target's real distribution: its LM head's logits through
+:func:`~draftsmith.target.final_logits` (Cohere's ``logit_scale``, Granite's ``logits_scaling``,
+Gemma's soft cap), as its forward and the engine's verification compute them. Draft logits carry
+only the multiplicative part (:func:`~draftsmith.target.logit_scale`), because that is all vLLM
+0.32's drafters apply (``LogitsProcessor(scale=config.logit_scale)``, no soft cap; a cap is
+monotone, so greedy drafts are the same): a head reading the target's LM head multiplies by it at
+run time (exports tell vLLM through ``logit_scale``), a head's own LM head starts as the target's
+rows times it (:func:`target_lm_rows`) and keeps it in its weights, so every engine computes it
+from the weights alone.
 """
 
 from __future__ import annotations
@@ -19,11 +29,13 @@ from transformers import PreTrainedModel
 
 from draftsmith.heads.common import load_head_parts, save_head
 from draftsmith.heads.vocab import scatter_to_vocab
+from draftsmith.target import final_logits, logit_scale
 
 
 def target_lm_rows(target: PreTrainedModel, token_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 rows ``[N, h]`` of ``target``'s LM head for ``token_ids``: where a head's own LM head starts."""
-    return target.get_output_embeddings().weight.detach()[token_ids].float()
+    """fp32 rows ``[N, h]`` of ``target``'s LM head for ``token_ids`` times its logit scale: where a
+    head's own LM head starts, scoring as the target does short of a soft cap."""
+    return target.get_output_embeddings().weight.detach()[token_ids].float() * logit_scale(target.config)
 
 
 class Head(nn.Module, ABC):
@@ -96,13 +108,20 @@ class Head(nn.Module, ABC):
             self._draft_weight_key = key
         return self._draft_weight
 
-    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's LM head over the draft vocabulary ``[..., N]`` (training targets from its features)."""
+    def _target_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.draft_lm_weight().to(hidden.dtype).T
 
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's fp32 logits over the draft vocabulary ``[..., N]`` from its last hidden states,
+        as its forward gives them (:func:`~draftsmith.target.final_logits`): training targets."""
+        return final_logits(self.target.config, self._target_lm_head(hidden))
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary ``[..., N]`` (heads with an LM head of their own override it)."""
-        return self.target_logits(hidden)
+        """Logits over the draft vocabulary ``[..., N]``: the target's LM head times its logit scale,
+        not soft-capped (see the module's note); heads with an LM head of their own override it."""
+        scale = logit_scale(self.target.config)
+        logits = self._target_lm_head(hidden)
+        return logits if scale == 1.0 else logits * scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the full vocabulary (``-inf`` outside the draft vocabulary)."""

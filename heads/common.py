@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
+from draftsmith.checkpoint_files import load_tensors, read_json
 from draftsmith.errors import CheckpointError
 from draftsmith.heads.exported import EXPORT_KEY, native_state
 from draftsmith.target import target_record
@@ -81,7 +82,7 @@ def read_config(path: str | Path, kind: str) -> dict:
             f"{path} is not a drafter checkpoint: it has no config.json (give a checkpoint-N "
             "or checkpoint-final folder written by training)"
         )
-    config = json.loads(file.read_text())
+    config = read_json(file)
     if EXPORT_KEY in config:  # a draftsmith-export folder: its drafter config rides along
         config = config[EXPORT_KEY]["config"]
     if config.get("draftsmith_kind") != kind:
@@ -94,9 +95,9 @@ def read_config(path: str | Path, kind: str) -> dict:
 
 def read_state(path: str | Path) -> dict:
     """The drafter's weights under its own names, from a training checkpoint or an exported folder."""
-    if EXPORT_KEY in json.loads((Path(path) / "config.json").read_text()):
+    if EXPORT_KEY in read_json(Path(path) / "config.json"):
         return native_state(path)
-    return load_file(str(Path(path) / "model.safetensors"))
+    return load_tensors(Path(path) / "model.safetensors")
 
 
 def save_head(module: torch.nn.Module, path: str | Path, kind: str, config: dict) -> None:

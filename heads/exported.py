@@ -7,15 +7,14 @@ in :mod:`draftsmith.export`, so that a head loads an export without importing th
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
+from draftsmith.checkpoint_files import load_tensors, load_torch, read_json
 from draftsmith.errors import CheckpointError
 
 # The key under which ``draftsmith-export`` keeps a drafter's own config inside an exported
@@ -45,14 +44,14 @@ def rename_blocks(tensors: dict[str, torch.Tensor], pattern: re.Pattern, templat
 
 
 def _speculators_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
-    tensors = load_file(str(folder / "model.safetensors"))
+    tensors = load_tensors(folder / "model.safetensors")
     # EAGLE-3's table is the target's, used by reference (a block drafter's export has none); a parallel
     # EAGLE-3's, the one kind with a mask token and a table, is its own, trained.
     if "mask_token_id" not in config:
         tensors.pop(SPECULATORS_EMBED, None)
     mask = folder / DFLASH_MASK_EMBEDDING
     if mask.is_file():
-        row = torch.load(mask, weights_only=True)  # vLLM takes a bare tensor too
+        row = load_torch(mask)  # vLLM takes a bare tensor too
         tensors["mask_embedding"] = (row["embedding"] if isinstance(row, dict) else row).reshape(-1)
     if "d2t" not in tensors:  # full draft vocabulary: the identity maps
         vocab = config["transformer_layer_config"]["vocab_size"]
@@ -62,7 +61,7 @@ def _speculators_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
 
 
 def _sglang_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
-    tensors = load_file(str(folder / "model.safetensors"))
+    tensors = load_tensors(folder / "model.safetensors")
     vocab = config["vocab_size"]
     if SGLANG_ARCHITECTURES["eagle3"] in config["architectures"]:
         if "d2t" not in tensors:
@@ -71,13 +70,13 @@ def _sglang_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
     else:
         hot = folder / SGLANG_HOT_TOKEN_MAP
         tensors["draft_vocab"] = (
-            torch.tensor(torch.load(hot, weights_only=True), dtype=torch.long) if hot.is_file() else torch.arange(vocab)
+            torch.tensor(load_torch(hot), dtype=torch.long) if hot.is_file() else torch.arange(vocab)
         )
     return tensors
 
 
 def _vllm_medusa_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
-    tensors = load_file(str(folder / "model.safetensors"))
+    tensors = load_tensors(folder / "model.safetensors")
     state = rename_blocks(tensors, MEDUSA_VLLM_BLOCK, DRAFTSMITH_BLOCK)
     if not config["original_lm_head"]:
         state["lm_weight"] = torch.stack([tensors[f"lm_heads.{k}.weight"] for k in range(config["num_heads"])])
@@ -86,7 +85,7 @@ def _vllm_medusa_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
 
 
 def _medusa_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
-    tensors = torch.load(folder / MEDUSA_HEADS_FILE, weights_only=True)
+    tensors = load_torch(folder / MEDUSA_HEADS_FILE)
     own = config[EXPORT_KEY]["config"]
     layers = config["medusa_num_layers"]
     state = rename_blocks(tensors, MEDUSA_OFFICIAL_BLOCK, DRAFTSMITH_BLOCK)
@@ -126,7 +125,7 @@ def detect_format(config: dict) -> str | None:
 def native_state(path: str | Path) -> dict[str, torch.Tensor]:
     """The drafter's weights under draftsmith names from the exported folder ``path``."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
+    config = read_json(path / "config.json")
     fmt = detect_format(config)
     recorded = config[EXPORT_KEY].get("format")
     if fmt is None or fmt != recorded:

@@ -11,6 +11,8 @@ import http.server
 import importlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,16 +21,20 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import assert_user_error
+from training_helpers import save_tiny_target, write_recipe
 
 from draftsmith.config import load_recipe
 from draftsmith.data_prep.regenerate import main as regenerate_main
-from draftsmith.errors import UserError, report_user_errors
+from draftsmith.errors import CheckpointError, UserError, report_user_errors
 from draftsmith.eval.demo import main as demo_main
 from draftsmith.eval.run import main as eval_main
+from draftsmith.export.cli import main as export_main
 from draftsmith.hub import check_hub_id
 from draftsmith.kinds import registered
 from draftsmith.precision import choose_cpu_dtype, resolve_dtype
 from draftsmith.recipe import Recipe
+from draftsmith.target import load_target, load_tokenizer
+from draftsmith.train import eagle3
 from draftsmith.train.cli import parse_training_args
 from draftsmith.train.dflash import main as dflash_main
 from draftsmith.train.distributed import resolve_precision
@@ -459,3 +465,82 @@ def test_draftsmith_train_needs_a_recipe_of_a_trainable_kind(capsys, tmp_path):
     )
     recipe.write_text("training:\n  batch_size: 1\n")
     assert_user_error(capsys, rf"{recipe}: drafter.kind is not set", train_dispatch, [str(recipe)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged checkpoints: a file cut short (a full disk, an interrupted copy) is one line naming it
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A tiny EAGLE-3 run from stored features, stopped after its first checkpoint: the target
+    folder, the recipe, the run folder (``checkpoint-2``: the head and its resumable state) and
+    the features store."""
+    root = tmp_path_factory.mktemp("damaged")
+    target = save_tiny_target(root / "target", load_tokenizer("default"))
+    recipe = write_recipe(root, target, {"aux_layers": [0, 1, 2]}, max_steps=4, save_every=2)
+    features = ["--drafter.features", "offline", "--drafter.features_dir", str(root / "features")]
+    eagle3.main([str(recipe), "--output_dir", str(root / "run"), "--training.stop_after_steps", "2", *features])
+    return target, recipe, root / "run", root / "features"
+
+
+def _cut_in_half(file: Path) -> Path:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    return file
+
+
+def _copy(folder: Path, to: Path) -> Path:
+    return Path(shutil.copytree(folder, to))
+
+
+def _damaged(file: Path) -> str:
+    """The one line that names the cut-short ``file`` (the reader's words, then what to do)."""
+    return rf"error: {re.escape(str(file))} is damaged or cut short \(.+\): \w+"
+
+
+def test_a_cut_short_head_is_one_line_in_eval_and_export(stopped_run, tmp_path, capsys):
+    target, _, run, _ = stopped_run
+    head = _copy(run / "checkpoint-2", tmp_path / "head")
+    weights = _cut_in_half(head / "model.safetensors")
+    eval_args = ["--target", str(target), "--drafter", f"eagle3:{head}", "--limit", "1", "--max-new-tokens", "2"]
+    line = assert_user_error(capsys, _damaged(weights), eval_main, [*eval_args, "--out", str(tmp_path / "eval")])
+    assert "incomplete metadata" in line and "copy it again" in line
+    out = tmp_path / "export"
+    assert_user_error(capsys, _damaged(weights), export_main, [str(head), "--format", "speculators", "--out", str(out)])
+    assert not out.exists()  # nothing half-written
+    # A config.json cut short too: the first file read names itself.
+    config = _cut_in_half(head / "config.json")
+    line = assert_user_error(capsys, _damaged(config), eval_main, [*eval_args, "--out", str(tmp_path / "eval")])
+    assert "Expecting" in line or "Unterminated" in line  # json's own words on where it ended
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.bin"])
+def test_resuming_from_a_cut_short_state_is_one_line(stopped_run, tmp_path, capsys, name):
+    _, recipe, run, features = stopped_run
+    copy = _copy(run, tmp_path / "run")
+    damaged = _cut_in_half(copy / "checkpoint-2" / "state" / name)
+    argv = [str(recipe), "--output_dir", str(copy), "--resume"]
+    argv += ["--drafter.features", "offline", "--drafter.features_dir", str(features)]
+    line = assert_user_error(capsys, _damaged(damaged), eagle3.main, argv)
+    assert f"move {copy / 'checkpoint-2'} aside" in line
+
+
+def test_a_cut_short_feature_shard_and_target_cache_are_one_line(stopped_run, tmp_path, capsys):
+    target, recipe, _, features = stopped_run
+    store = _copy(features, tmp_path / "features")
+    shard = sorted(store.rglob("shard-*.safetensors"))[0]
+    whole = shard.read_bytes()
+    _cut_in_half(shard)
+    argv = [str(recipe), "--output_dir", str(tmp_path / "run"), "--training.max_steps", "1"]
+    argv += ["--drafter.features", "offline", "--drafter.features_dir", str(store)]
+    line = assert_user_error(capsys, _damaged(shard), eagle3.main, argv)
+    # What it says to do works: the damaged shard is extracted again and training runs.
+    assert f"delete {store / 'manifest.json'} and run again" in line
+    (store / "manifest.json").unlink()
+    assert eagle3.main(argv).state.step == 1
+    assert shard.read_bytes() == whole
+    cache = _copy(target, tmp_path / "target")
+    weights = _cut_in_half(cache / "model.safetensors")
+    with pytest.raises(CheckpointError, match=_damaged(weights).removeprefix("error: ")):
+        load_target(str(cache), "float32", "cpu", head_only=True)

@@ -14,6 +14,8 @@ import re
 import shutil
 from pathlib import Path
 
+from draftsmith.checkpoint_files import check_files, read_json
+
 FINAL = "checkpoint-final"
 TRAINER_STATE = "trainer_state.json"  # under a checkpoint's state/: where training stands
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -48,6 +50,16 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
     """The checkpoint ``--resume`` continues from: the newest complete numbered one (None: none)."""
     found = checkpoints(output_dir)
     return found[-1] if found else None
+
+
+def load_state(accelerator, checkpoint: Path) -> dict:
+    """Load ``checkpoint``'s resumable state into ``accelerator``'s model, optimiser, scheduler and
+    RNGs, and return its :data:`TRAINER_STATE`. Its files are checked first, so a damaged one is a
+    one-line error naming it (Accelerate's loaders name no file)."""
+    fix = f"move {checkpoint} aside to resume from the checkpoint before it, or start again without --resume"
+    check_files(state_dir(checkpoint), fix)
+    accelerator.load_state(str(state_dir(checkpoint)))
+    return read_json(state_dir(checkpoint) / TRAINER_STATE, fix)
 
 
 def staging_folder(final: Path) -> Path:

@@ -29,6 +29,7 @@ from draftsmith.train.checkpoints import (
     FINAL,
     TRAINER_STATE,
     begin_staging,
+    load_state,
     newest_checkpoint,
     prune,
     publish,
@@ -189,8 +190,7 @@ class Trainer:
         if newest is None:
             self._trim_log(0)  # killed before its first checkpoint: the rerun starts the log again
             return False
-        self.accelerator.load_state(str(state_dir(newest)))
-        self.state = TrainState(**json.loads((state_dir(newest) / TRAINER_STATE).read_text()))
+        self.state = TrainState(**load_state(self.accelerator, newest))
         self._trim_log(self.state.step)
         self.accelerator.print(f"resumed from {newest} at step {self.state.step}")
         return True
