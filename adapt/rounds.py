@@ -244,7 +244,7 @@ class Adapter:
 
     def _export(self, folder: Path) -> None:
         if self.cfg.export_format != "none":
-            export_checkpoint(folder / "checkpoint", self.cfg.export_format, folder / "export", self.recipe.target.name)
+            export_checkpoint(folder / "checkpoint", self.cfg.export_format, folder / "export")
 
     def run(self, rounds: int = 1) -> list[Round]:
         """Run ``rounds`` more rounds (after any a kill cut short); returns them."""
