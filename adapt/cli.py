@@ -26,14 +26,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     register_builtin()
     parser = ArgumentParser(
         prog="draftsmith-adapt",
+        usage="draftsmith-adapt [RECIPE.yaml] [--rounds N] [--adapt.field VALUE ...]",
         description=__doc__,
         epilog="recipe fields (any of them is a flag: --section.field VALUE):\n" + schema_help(AdaptRecipe),
     )
-    parser.add_argument("recipe", nargs="?", help="YAML recipe with an adapt section")
     parser.add_argument("--rounds", type=at_least(1), default=1, help="rounds to run now (default 1)")
+    # The recipe path and --section.field overrides are split as the training scripts split them
+    # (argparse would take an override's value for a positional recipe).
     own, rest = parser.parse_known_args(argv)
-    words = ([own.recipe] if own.recipe else []) + rest
-    path, overrides = split_recipe(words)
+    path, overrides = split_recipe(rest)
     recipe = load_recipe(AdaptRecipe, path, overrides)
     results = [r.record() for r in Adapter(recipe.adapt).run(own.rounds)]
     print(json.dumps({"serving": str(serving_head(recipe.adapt.out_dir)), "rounds": results}, indent=1))

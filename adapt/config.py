@@ -12,26 +12,21 @@ class AdaptConfig:
     """One adaptation loop: the deployed head, the traffic it learns from, and each round's budget and bar."""
 
     head: str = ""  # the deployed head's training checkpoint (its recipe.yaml names the target and replay data)
-    # served traffic: a capture store (eval/run.py --capture DIR, or TrafficStore in your own loop)
-    traffic: str = ""
+    traffic: str = ""  # a capture store (eval/run.py --capture DIR), or a gateway's or vLLM's request log
     out_dir: str = "runs/adapt"  # rounds/round-NNNN/, the `current` link to the serving head, state.json
-    # share of each round's training rows from the head's own training data (replay), so that it does not forget
-    replay_fraction: float = 0.3
+    replay_fraction: float = 0.3  # share of a round's rows replayed from the head's own data (not to forget)
     replay_limit: int = 512  # conversations of the head's data whose features are extracted once for replay
     held_out: int = 16  # the most recent requests: judged on, never trained on
     general_held_out: int = 64  # the head's own held-out conversations: its top-1 there is the forgetting check
-    # promote only if the challenger's depth-1 top-1 on those is at most this far below the serving head's (null: off)
-    max_forgetting: float | None = 0.02
+    max_forgetting: float | None = 0.02  # most depth-1 top-1 the challenger may lose there (null: unchecked)
     round_steps: int = 60  # optimiser steps per round
     round_minutes: float | None = None  # wall-clock budget per round (whichever comes first)
     learning_rate: float = 3e-4  # peak; warm-up-free linear decay over the round
     batch_size: int = 4
     max_length: int = 1024  # tokens of a request trained on (longer ones are cut)
     judge_max_new_tokens: int = 64  # tokens generated per held-out request when judging
-    # drafter options both heads are judged with, e.g. "depth=4&top_k=3&budget=12" ("": each head's planned tree)
-    judge_drafter: str = ""
-    # promote when the acceptance-length gain (tokens per target pass) is at least this with the confidence below
-    margin: float = 0.05
+    judge_drafter: str = ""  # drafter options both heads are judged with, e.g. depth=4&top_k=3 ("": planned trees)
+    margin: float = 0.05  # promote when the acceptance-length gain is at least this (at the confidence below)
     confidence: float = 0.9  # one-sided, paired bootstrap over the held-out requests
     export_format: str = "speculators"  # the format a promoted head is exported in ("none": the checkpoint alone)
     seed: int = 0
