@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draftsmith.recipe import TrackingConfig
-
 
 @dataclass
 class AdaptConfig:
@@ -51,7 +49,6 @@ class AdaptConfig:
 
 @dataclass
 class AdaptRecipe:
-    """An adaptation recipe: ``adapt`` and where its rounds' metrics go."""
+    """An adaptation recipe: its ``adapt`` section (rounds train without a tracker: their records go to state.json)."""
 
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
-    tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(report_to="none"))

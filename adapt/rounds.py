@@ -20,6 +20,7 @@ folder was published but not yet recorded, and starts a round cut short again fr
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -109,8 +110,8 @@ def adaptable_kind(checkpoint: str | Path, what: str):
 class Adapter:
     """Runs adaptation rounds for one :class:`AdaptConfig` (see the module docstring)."""
 
-    def __init__(self, cfg: AdaptConfig, tracker=None):
-        self.cfg, self.tracker = cfg, tracker
+    def __init__(self, cfg: AdaptConfig):
+        self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.kind, config = adaptable_kind(cfg.head, "adapt.head")
         recipe_file = Path(cfg.head) / "recipe.yaml"
@@ -167,6 +168,10 @@ class Adapter:
         except FileNotFoundError:
             raise UserError(f"adapt.traffic {self.cfg.traffic} holds no request yet: serve some first") from None
 
+    @functools.cached_property
+    def _general(self) -> dict[str, FeatureDataset]:
+        return self.general()
+
     def general(self) -> dict[str, FeatureDataset]:
         """The head's own data with its features (extracted once into ``OUT/general``): ``train``, a
         replay sample of its training conversations, and ``held_out``, its held-out conversations
@@ -206,7 +211,7 @@ class Adapter:
         recent = list(range(len(traffic) - held, len(traffic)))
         picks = [(traffic, i) for i in range(len(traffic) - held)]
         served = len(picks)
-        replay = self.general().get("train")
+        replay = self._general.get("train")
         if replay is not None:
             share = self.cfg.replay_fraction
             count = min(len(replay), round(len(picks) * share / (1 - share)))
@@ -289,7 +294,7 @@ class Adapter:
                     self.cfg.seed + number,
                 )
             judge_seconds = clock(self.target.device) - began
-            general = self.general().get("held_out")
+            general = self._general.get("held_out")
             before = after = None
             if general is not None and not nan:
                 before = self.accuracy(
