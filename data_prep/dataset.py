@@ -56,7 +56,7 @@ def is_held_out(conversation_id: str, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
-def _source_identity(path: str) -> str:
+def source_identity(path: str) -> str:
     local = asset_path(BUNDLED) if path == BUNDLED else Path(path)
     if local.is_file():
         stat = local.stat()
@@ -64,7 +64,7 @@ def _source_identity(path: str) -> str:
     return f"hub:{path}"
 
 
-def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     template = tokenizer.chat_template or ""
     return f"{tokenizer.name_or_path}|{len(tokenizer)}|{hashlib.sha256(template.encode()).hexdigest()}"
 
@@ -73,16 +73,16 @@ def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
     """Hash of everything the tokenised set depends on."""
     parts = [
         FORMAT_VERSION,
-        _source_identity(cfg.path),
+        source_identity(cfg.path),
         cfg.split,
-        _tokenizer_identity(tokenizer),
+        tokenizer_identity(tokenizer),
         cfg.max_length,
         cfg.limit,
         cfg.held_out_fraction,
     ]
     if cfg.held_out_path:
         # "by prompt": sets cut by held-out ids before that rule are stale; other sets stay valid.
-        parts.append(["by prompt", _source_identity(cfg.held_out_path)])
+        parts.append(["by prompt", source_identity(cfg.held_out_path)])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from draftsmith.assets import cache_root
 from draftsmith.atomic import staged
 from draftsmith.checkpoint_files import open_tensors, read_json
-from draftsmith.data_prep.dataset import _tokenizer_identity
+from draftsmith.data_prep.dataset import tokenizer_identity
 from draftsmith.errors import UserError
 from draftsmith.recipe import TargetConfig
 from draftsmith.target import target_record
@@ -86,7 +86,7 @@ def store_identity(
         "data": {split: data[split]._fingerprint for split in data} if data is not None else None,
         "target": [target_name, target_record(target, target_name)["embedding_signature"]],
         # without the folder it was read from
-        "tokenizer": _tokenizer_identity(tokenizer).split("|", 1)[1] if tokenizer is not None else None,
+        "tokenizer": tokenizer_identity(tokenizer).split("|", 1)[1] if tokenizer is not None else None,
         "layers": list(layers or []),
         "storage": storage,
     }

@@ -37,7 +37,7 @@ from transformers import AutoConfig, GenerationConfig
 from draftsmith.assets import cache_root
 from draftsmith.config import from_dict
 from draftsmith.data_prep.chat import render_prompt
-from draftsmith.data_prep.dataset import _source_identity, _tokenizer_identity
+from draftsmith.data_prep.dataset import source_identity, tokenizer_identity
 from draftsmith.data_prep.sharegpt import load_conversations
 from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
 from draftsmith.precision import DTYPE_CHOICES, dtype_name, resolve_dtype
@@ -238,12 +238,12 @@ def regenerated_path(data: DataConfig, target_name: str, tokenizer, target_ident
     key = hashlib.sha256(
         json.dumps(
             [
-                _source_identity(data.path),
+                source_identity(data.path),
                 data.split,
                 data.limit,
                 target_name,
                 target_identity,
-                _tokenizer_identity(tokenizer),
+                tokenizer_identity(tokenizer),
                 asdict(data.regenerate),
             ]
         ).encode()

@@ -49,7 +49,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from draftsmith.data_prep.sharegpt import DataError, LoadSummary, _iter_json_lines
+from draftsmith.data_prep.sharegpt import DataError, LoadSummary, iter_json_lines
 
 _HEAD_LINES = 100  # a server log may open with lines printed before vLLM's logging is set up
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -146,7 +146,7 @@ def _reply(content: Any, finish_reason: str | None, token_ids: Any, summary: Loa
 
 
 def _gateway(path: Path, summary: LoadSummary, expected_model: str | None) -> Iterator[tuple[int, dict]]:
-    for index, record in _iter_json_lines(path, summary):
+    for index, record in iter_json_lines(path, summary):
         where = f"line {index + 1}"
         request = record.get("request", record) if isinstance(record, dict) else None
         messages = request.get("messages") if isinstance(request, dict) else None

@@ -101,7 +101,7 @@ def _iter_json_array(text: str, source: str, summary: LoadSummary) -> Iterator[t
         index += 1
 
 
-def _iter_json_lines(path: Path, summary: LoadSummary) -> Iterator[tuple[int, Any]]:
+def iter_json_lines(path: Path, summary: LoadSummary) -> Iterator[tuple[int, Any]]:
     with path.open(encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, start=1):
             if not line.strip():
@@ -185,7 +185,7 @@ def _raw_records(
 
         if is_request_log(path):
             return read_request_log(path, summary, expected_model)
-        return _iter_json_lines(path, summary)
+        return iter_json_lines(path, summary)
     if path.exists() or source.endswith((".json", ".jsonl")):
         raise DataError(f"dataset file {source} does not exist or is not a file")
     import datasets  # a hub id

@@ -37,7 +37,7 @@ from draftsmith.train.fused import build_fused, fused_target_features, regenerat
 from draftsmith.train.loop import Trainer
 from draftsmith.train.unroll import (
     UnrollLoss,
-    _attention_implementation,
+    attention_implementation,
     depth_rates,
     record_depth_accuracy,
     soft_target_cross_entropy,
@@ -289,7 +289,7 @@ class DFlashTask:
             mask, attention = grouped_block_attention(anchors, valid, padding, block), BLOCK_SPARSE_ATTENTION
         else:
             mask, attention = block_attention(anchors, valid, padding, block), "sdpa"
-        with _attention_implementation(model.config, attention):
+        with attention_implementation(model.config, attention):
             hidden = head(
                 tokens.flatten(1),
                 block_positions.flatten(1),

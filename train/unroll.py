@@ -102,7 +102,7 @@ AttentionInterface.register(UNROLLED_ATTENTION, unrolled_attention)
 
 
 @contextmanager
-def _attention_implementation(config, name: str):
+def attention_implementation(config, name: str):
     """Run the head's attention layers (which read their shared config at call time) with ``name``."""
     before = config._attn_implementation
     config._attn_implementation = name
@@ -149,7 +149,7 @@ def unroll(
     # Sampled passes hold fewer keys than n: their masks are dense (a chain's ancestors are not on a diagonal).
     blockwise = not getattr(config, "attn_logit_softcapping", None) and chains is None
     implementation = UNROLLED_ATTENTION if blockwise else config._attn_implementation
-    with _attention_implementation(config, implementation):
+    with attention_implementation(config, implementation):
         for step in range(steps):
             if chains is not None and step:
                 own = chains[step - 1].positions

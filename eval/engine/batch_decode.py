@@ -32,7 +32,7 @@ from draftsmith.eval.engine.kv_cache import SlotCache
 from draftsmith.eval.engine.policies import PolicyConfig
 from draftsmith.eval.engine.sampling import SamplingConfig, probabilities, sample
 from draftsmith.eval.engine.stopping import StopChecker
-from draftsmith.eval.engine.target_runner import UnsupportedTargetError, _attention_layout
+from draftsmith.eval.engine.target_runner import UnsupportedTargetError, attention_layout
 from draftsmith.eval.engine.tree import ancestor_mask, upload
 from draftsmith.eval.engine.verify import read_verdict, verify
 from draftsmith.target import eos_token_ids, final_logits
@@ -49,7 +49,7 @@ class BatchRunner:
         self.config = model.config
         param = next(self.decoder.parameters())
         self.device, self.dtype = param.device, param.dtype
-        if _attention_layout(self.config)[1] is not None:
+        if attention_layout(self.config)[1] is not None:
             raise UnsupportedTargetError(
                 f"{self.config.model_type}: batched decoding supports full attention only "
                 f"(this model has a sliding window); decode its prompts one at a time"

@@ -37,7 +37,7 @@ class ContextLengthError(UsageError):
     """A generation that would run past a model's maximum positions."""
 
 
-def _attention_layout(config) -> tuple[list[str], int | None]:
+def attention_layout(config) -> tuple[list[str], int | None]:
     """The attention layer types of ``config``'s decoder (each takes its own mask) and its sliding
     window; refuses what the engine cannot mask."""
     impl = getattr(config, "_attn_implementation", None) or "eager"
@@ -102,7 +102,7 @@ class CausalLMRunner:
             for module in (self.decoder, self.lm_head):
                 if isinstance(module, torch.nn.Module):
                     prepack_linears(module, prepack)
-        self.layer_types, self.window = _attention_layout(self.config)
+        self.layer_types, self.window = attention_layout(self.config)
         self.max_positions = getattr(self.config, "max_position_embeddings", None)
         # A causal LM's forward scales or squashes the LM head's logits (final_logits); a given
         # lm_head callable returns them final.
