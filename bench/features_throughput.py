@@ -23,7 +23,7 @@ from transformers import AutoConfig
 from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.features import FeatureDataset, extract_features, store_identity
 from draftsmith.data_prep.vllm_features import parallel_sizes
-from draftsmith.heads.eagle3 import default_aux_layers
+from draftsmith.heads.aux_layers import default_aux_layers
 from draftsmith.precision import dtype_name, resolve_dtype
 from draftsmith.recipe import DataConfig, TargetConfig
 from draftsmith.target import load_target, load_tokenizer, resolve_target

@@ -25,9 +25,9 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from draftsmith.heads.aux_layers import resolve_aux_layers
 from draftsmith.heads.base import Head
 from draftsmith.heads.common import Fp32RotaryMixin
-from draftsmith.heads.eagle3 import check_aux_layers, default_aux_layers
 from draftsmith.heads.vocab import d2t_for
 from draftsmith.target import target_record
 
@@ -187,7 +187,7 @@ class DFlashHead(Fp32RotaryMixin, Head):
         the draft vocabulary (None: the full vocabulary), the final norm as the target's and a learned
         mask row (``learn_mask_embedding``) as :func:`initial_mask_embedding`."""
         layers = target.config.num_hidden_layers
-        aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(layers), layers)
+        aux = resolve_aux_layers(aux_layers, layers)
         head = cls(
             target.config,
             aux,

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from draftsmith.config import RecipeError
+from draftsmith.heads.aux_layers import resolve_aux_layers
 from draftsmith.heads.base import Head
 from draftsmith.heads.common import Fp32RotaryMixin, decoder_classes
 from draftsmith.heads.eagle import (
@@ -43,22 +43,6 @@ from draftsmith.heads.vocab import d2t_for
 from draftsmith.target import target_record
 
 KIND = "eagle3"
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low, middle and high layers: ``[2, N // 2, N - 3]`` (as vLLM and speculators)."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def check_aux_layers(layers: list[int], num_layers: int, where: str = "drafter.aux_layers") -> list[int]:
-    """``layers`` if they are distinct target layer ids in ``[0, num_layers]``; else a one-line error."""
-    layers = [int(layer) for layer in layers]
-    if not layers or len(set(layers)) != len(layers) or min(layers) < 0 or max(layers) > num_layers:
-        raise RecipeError(
-            f"{where} = {layers}: give distinct target layer ids in [0, {num_layers}] "
-            f"(the target has {num_layers} decoder layers; default {default_aux_layers(num_layers)})"
-        )
-    return layers
 
 
 class Eagle3Layer(nn.Module):
@@ -207,7 +191,7 @@ class Eagle3Head(Fp32RotaryMixin, Head):
         that layer; ``random`` leaves ``fc`` and the layers as initialised.
         """
         depth = target.config.num_hidden_layers
-        aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(depth), depth)
+        aux = resolve_aux_layers(aux_layers, depth)
         head = cls(
             target.config,
             aux,

@@ -29,8 +29,9 @@ from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.eval.engine.drafters.eagle import EagleDrafter
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.eval.engine.tree import ROOT
+from draftsmith.heads.aux_layers import default_aux_layers
 from draftsmith.heads.eagle import EagleHead
-from draftsmith.heads.eagle3 import Eagle3Head, default_aux_layers
+from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.target import load_tokenizer
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
 from draftsmith.train.ordering import sequence_lengths

@@ -12,7 +12,7 @@ from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.regenerate import prepare_data_config
 from draftsmith.data_prep.vllm_features import prepare_with_vllm, resolve_engine
 from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.heads.eagle3 import check_aux_layers, default_aux_layers
+from draftsmith.heads.aux_layers import resolve_aux_layers
 from draftsmith.recipe import OVERRIDE_ALIASES
 from draftsmith.target import load_target, move_target, resolve_target
 from draftsmith.timing import stage
@@ -97,9 +97,7 @@ def feature_layers(recipe) -> list[int] | None:
     if not hasattr(recipe.drafter, "aux_layers"):
         return None
     num_layers = AutoConfig.from_pretrained(resolve_target(recipe.target.name, "target.name")).num_hidden_layers
-    if recipe.drafter.aux_layers is None:
-        return default_aux_layers(num_layers)
-    return check_aux_layers(recipe.drafter.aux_layers, num_layers)
+    return resolve_aux_layers(recipe.drafter.aux_layers, num_layers)
 
 
 def target_and_data(recipe, layers: list[int] | None = None):

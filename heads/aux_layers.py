@@ -1,0 +1,31 @@
+"""The target layers a fused head reads (``aux_layers``): EAGLE-3's default and the check every
+fused head (EAGLE-3, P-EAGLE, DFlash and their kin) and their training apply.
+
+Layer ids are HF ``hidden_states`` indices: ``L`` is the input of decoder layer ``L`` (``0`` the
+embeddings, ``N`` the last layer's output after the final norm).
+"""
+
+from __future__ import annotations
+
+from draftsmith.config import RecipeError
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers: ``[2, N // 2, N - 3]`` (as vLLM and speculators)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layers(layers: list[int], num_layers: int, where: str = "drafter.aux_layers") -> list[int]:
+    """``layers`` if they are distinct target layer ids in ``[0, num_layers]``; else a one-line error."""
+    layers = [int(layer) for layer in layers]
+    if not layers or len(set(layers)) != len(layers) or min(layers) < 0 or max(layers) > num_layers:
+        raise RecipeError(
+            f"{where} = {layers}: give distinct target layer ids in [0, {num_layers}] "
+            f"(the target has {num_layers} decoder layers; default {default_aux_layers(num_layers)})"
+        )
+    return layers
+
+
+def resolve_aux_layers(layers: list[int] | None, num_layers: int, where: str = "drafter.aux_layers") -> list[int]:
+    """``layers`` checked (:func:`check_aux_layers`), or the default for a target of ``num_layers`` when None."""
+    return default_aux_layers(num_layers) if layers is None else check_aux_layers(layers, num_layers, where)
