@@ -100,12 +100,18 @@ class DrafterKind:
     ``policy=entropy`` applies), ``entropy_note`` (why ``policy=entropy`` is refused when the kind
     has entropy rules of its own), ``plan_fallback`` (kinds whose trees are planned, ``depth=auto``:
     the tree of a head that records no held-out accuracy) and ``max_depth(config)`` (the most
-    tokens one step drafts, read off the checkpoint's config.json: a deeper ``depth`` is refused).
+    tokens one step drafts, read off the checkpoint's config.json: a deeper ``depth`` is refused)
+    and ``hf_assistant`` (its drafter's ``assistant()`` is a whole causal LM that Hugging Face
+    ``generate`` takes as ``assistant_model``: ``eval/run.py --hf-baseline hf_assisted``).
 
     The layers above: ``training``; ``title`` (the model card's); ``formats`` (export format ->
     converter ``(source, target, out, tree) -> serve command lines``); ``copied`` (checkpoint
-    files an export carries along); ``serve(fmt, folder, depth)`` (how vLLM serves an export of
-    that format, None when it cannot, or a :class:`~draftsmith.errors.UsageError` saying why);
+    files an export carries along); ``refused`` (export format -> why it cannot hold this kind's
+    drafters, where the kind knows better than the format's own ``why_not``); ``target_file`` (a
+    checkpoint whose config.json names no ``draftsmith_kind`` is this kind's when it holds this
+    file, its target record: a plain Hugging Face model folder); ``serve(fmt, folder, depth)``
+    (how vLLM serves an export of that format, None when it cannot, or a
+    :class:`~draftsmith.errors.UsageError` saying why);
     ``chain(depth)`` (the spec options that make the engine draft the chain vLLM drafts, for the gate).
     """
 
@@ -118,10 +124,13 @@ class DrafterKind:
     entropy_note: str = ""
     plan_fallback: Mapping[str, int] | None = None
     max_depth: Callable[[dict], int] | None = None
+    hf_assistant: bool = False
     training: Training | None = None
     title: str = ""
     formats: Mapping[str, Callable[..., list[str]]] = field(default_factory=dict)
     copied: tuple[str, ...] = ()
+    refused: Mapping[str, str] = field(default_factory=dict)
+    target_file: str = ""
     serve: Callable[[str, Any, int], Served | None] | None = None
     chain: Callable[[int], dict] | None = None
 

@@ -26,12 +26,12 @@ from draftsmith.data_prep.traffic import TrafficStore
 from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
 from draftsmith.eval.cost_model import cost_model_lines
 from draftsmith.eval.engine.drafters import build_drafter, kinds_help, parse_spec
-from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
 from draftsmith.eval.engine.pass_cost import measure_pass_cost
 from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.eval.engine.target_runner import CausalLMRunner, compile_decoder
 from draftsmith.eval.measure import HF_BASELINES, run_bench
 from draftsmith.eval.report import captions, depth_table, markdown_table, summarise, write_results
+from draftsmith.kinds import registered
 from draftsmith.plugins import register_builtin
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
 from draftsmith.target import load_target
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         choices=HF_BASELINES,
         help="also time Hugging Face generate: plain, prompt lookup (10 tokens), assisted "
-        "(with each draft_lm drafter's model, at its depth), assisted_dynamic (the same "
+        "(with each draft LM drafter's model, at its depth), assisted_dynamic (the same "
         "models with HF's dynamic draft length)",
     )
     parser.add_argument(
@@ -89,8 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME",
-        help="with --hf-baseline hf_assisted(_dynamic): only these draft_lm drafters (by name) as "
-        "assistants; repeatable (default: every draft_lm drafter)",
+        help="with --hf-baseline hf_assisted(_dynamic): only these draft LM drafters (by name) as "
+        "assistants; repeatable (default: every draft LM drafter)",
     )
     parser.add_argument(
         "--compile",
@@ -155,12 +155,14 @@ def main(argv: list[str] | None = None) -> dict:
         raise UsageError(
             f"--drafter {lossy[0]}: lenience relaxes sampling verification; use --temperature > 0 or drop lenience="
         )
-    draft_lms = [s.name for s in specs if s.kind == "draft_lm"]
+    # Drafters whose kind can be generate's assistant_model (the draft LMs).
+    assisting = [kind.name for kind in registered().values() if kind.hf_assistant]
+    draft_lms = [s.name for s in specs if s.kind in assisting]
     unknown = sorted(set(args.hf_assistant) - set(draft_lms))
     if unknown:
         raise UsageError(
-            f"--hf-assistant {', '.join(unknown)}: no draft_lm drafter of that name "
-            f"(draft_lm drafters: {', '.join(draft_lms) or 'none'})"
+            f"--hf-assistant {', '.join(unknown)}: no {' or '.join(assisting)} drafter of that name "
+            f"({' or '.join(assisting)} drafters: {', '.join(draft_lms) or 'none'})"
         )
     prompts = load_prompts(args.prompts or args.bench, args.limit, args.per_category)
     if not prompts:
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         layers = next((d.feature_layers for d in drafters if d.feature_layers), None)
         limit = int(args.capture_max_gb * 2**30) if args.capture_max_gb else None
         capture = TrafficStore.for_target(args.capture, target, tokenizer, args.target, layers, max_bytes=limit)
-    assistants = {d.name: (d.runner.model, d.depth) for d in drafters if isinstance(d, DraftLMDrafter)}
+    assistants = {d.name: d.assistant() for d in drafters if d.assistant() is not None}
     if args.hf_assistant:
         assistants = {name: assistants[name] for name in args.hf_assistant}
     with stage(f"eval: decode {len(prompts)} prompts x {len(drafters) + 1 + len(args.hf_baseline)} methods"):

@@ -3,7 +3,10 @@ EAGLE folders, vLLM's and the official Medusa layouts, and plain Hugging Face dr
 
 One module per format; each has ``NAME`` and ``why_not(kind)``, and its converters
 ``(source, target, out, tree)`` (write the folder, return the command lines that serve it). Which
-kinds a format holds, and with which converter, is the kinds' declarations' (``DrafterKind.formats``).
+kinds a format holds, and with which converter (a format shared by several kinds takes their
+differences as arguments, bound in the declaration), is the kinds' declarations'
+(``DrafterKind.formats``; ``DrafterKind.refused`` says why a format cannot hold a kind where the
+kind knows better than the format). No module here names a kind.
 Reading the formats the engine loads back is :mod:`draftsmith.heads.exported`.
 """
 
@@ -69,9 +72,8 @@ def export_checkpoint(
     kind = get(source.kind, f"{checkpoint}: draftsmith_kind")
     if fmt not in kind.formats:
         elsewhere = " or ".join(f"--format {name}" for name in kind.formats) or "no format (nothing to export)"
-        raise refuse(
-            fmt, source.kind, f"{FORMATS[fmt].why_not(source.kind)}; export {source.kind} drafters with {elsewhere}"
-        )
+        why = kind.refused.get(fmt) or FORMATS[fmt].why_not(source.kind)
+        raise refuse(fmt, source.kind, f"{why}; export {source.kind} drafters with {elsewhere}")
     out = Path(out).expanduser().resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out}: exists and is not an empty folder; choose a new folder")

@@ -22,10 +22,9 @@ from draftsmith.checkpoint_files import load_tensors, read_json
 from draftsmith.errors import CheckpointError, UsageError
 from draftsmith.heads.common import check_target
 from draftsmith.heads.exported import EXPORT_KEY
+from draftsmith.kinds import registered
 from draftsmith.target import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID, resolve_target
 
-DRAFT_LM = "draft_lm"
-TARGET_RECORD = "draftsmith_target.json"  # where a distilled draft LM names its target
 # Where a plain Hugging Face export (whose config.json is the model's own) keeps draftsmith's record.
 EXPORT_SIDECAR = "draftsmith_export.json"
 WEIGHTS = "model.safetensors"
@@ -40,7 +39,7 @@ class Source:
     """A drafter checkpoint to export: its kind, its own config and weights (draftsmith names)."""
 
     path: Path
-    kind: str  # eagle, eagle3, medusa or draft_lm
+    kind: str  # a registered drafter kind's name (draftsmith.kinds)
     config: dict  # the checkpoint's config.json (a draft LM's is a plain Hugging Face config)
     record: dict  # the target record written at training time (draftsmith.target.target_record)
 
@@ -71,11 +70,14 @@ def read_source(path: str | Path) -> Source:
         )
     if "draftsmith_kind" in config:
         return Source(path, config["draftsmith_kind"], config, config.get("target") or {})
-    if (path / TARGET_RECORD).is_file():
-        return Source(path, DRAFT_LM, config, read_json(path / TARGET_RECORD))
+    # Kinds whose checkpoints are plain Hugging Face folders name their target in a file of their own.
+    records = {kind.target_file: kind.name for kind in registered().values() if kind.target_file}
+    for file, kind in records.items():
+        if (path / file).is_file():
+            return Source(path, kind, config, read_json(path / file))
     raise CheckpointError(
         f"{path} is not a draftsmith drafter checkpoint: its config.json names no "
-        f"draftsmith_kind and it has no {TARGET_RECORD}"
+        f"draftsmith_kind and it has no {' or '.join(records) or 'target record'}"
     )
 
 

@@ -42,13 +42,6 @@ REPORT = "serve_check.json"
 TABLE = "serve_check.md"
 ENGINES = ("vllm",)
 EXIT_CODES = {PASSED: 0, FAILED: 1, INCONCLUSIVE: 3}  # 2: bad input (draftsmith.errors)
-# Export formats vLLM loads no drafter from, and what to check instead.
-NOT_SERVED = {
-    "sglang": "this is the SGLang layout; vLLM serves EAGLE-3 heads from "
-    "`draftsmith-export CKPT --format speculators`: check that export",
-    "medusa": "vLLM has no loader for the 'medusa' layout (the official Medusa format); "
-    "export --format vllm-medusa and check that",
-}
 
 
 @dataclass
@@ -108,7 +101,7 @@ def served_as(meta: dict, folder: Path, draft_tokens: int | None) -> Served:
         depth = min(depth, most)
     served = kind.serve(fmt, folder, depth) if kind.serve else None
     if served is None:
-        raise UsageError(f"{folder}: {NOT_SERVED.get(fmt, f'vLLM serves no {fmt!r} export of {kind.name} drafters')}")
+        raise UsageError(f"{folder}: vLLM serves no {fmt!r} export of {kind.name} drafters")
     return served
 
 

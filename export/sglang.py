@@ -35,49 +35,56 @@ from draftsmith.export.common import (
     write_config,
     write_weights,
 )
-from draftsmith.heads.exported import SGLANG_ARCHITECTURES, SGLANG_HOT_TOKEN_MAP
+from draftsmith.heads.exported import SGLANG_ARCHITECTURES, SGLANG_EAGLE, SGLANG_EAGLE3, SGLANG_HOT_TOKEN_MAP
+from draftsmith.kinds import registered
 
 NAME = "sglang"
 VERSION = "0.5.23"
-ALGORITHMS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
+ALGORITHMS = (SGLANG_EAGLE, SGLANG_EAGLE3)  # SGLang's --speculative-algorithm, one per head layout
 
 
 def why_not(kind: str) -> str:
     """Why this format cannot hold ``kind`` drafters."""
-    return "SGLang's EAGLE folders hold EAGLE and EAGLE-3 heads only"
+    held = [name for name, declared in registered().items() if NAME in declared.formats]
+    return f"SGLang's EAGLE folders hold {', '.join(held)} heads only (of draftsmith's drafter kinds)"
 
 
-def _check_layer(source: Source, layer: dict) -> None:
+def check_layer(source: Source, layer: dict, algorithm: str) -> None:
     """SGLang's EAGLE layers are Llama layers without biases."""
     if layer.get("model_type") != "llama":
         raise refuse(
             NAME,
             source.kind,
             f"its layer is a {layer.get('model_type')!r} layer; SGLang {VERSION}'s "
-            f"{SGLANG_ARCHITECTURES[source.kind]} builds Llama layers",
+            f"{SGLANG_ARCHITECTURES[algorithm]} builds Llama layers",
         )
-    if source.kind == "eagle3" and (layer.get("attention_bias") or layer.get("mlp_bias")):
+    if algorithm == SGLANG_EAGLE3 and (layer.get("attention_bias") or layer.get("mlp_bias")):
         raise refuse(NAME, source.kind, f"its layer has biases and SGLang {VERSION}'s EAGLE-3 layer has none")
 
 
-def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
-    """Write the SGLang draft folder; returns the SGLang command that serves it.
+def export(source: Source, target: Target, out: Path, tree: dict, algorithm: str) -> list[str]:
+    """Write the SGLang draft folder for SGLang's ``algorithm`` (:data:`ALGORITHMS`: ``EAGLE``, an
+    EAGLE-1 head over the last hidden state; ``EAGLE3``, a head over fused aux layers; the kind's
+    declaration says which); returns the SGLang command that serves it.
 
     ``tree``: ``depth``, ``top_k`` and ``budget`` of the draft tree (SGLang's num-steps, eagle-topk
     and num-draft-tokens).
     """
-    config, tensors = ascending_aux_layers(source) if source.kind == "eagle3" else (source.config, dict(source.state))
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"SGLang algorithm {algorithm!r}: choose from {', '.join(ALGORITHMS)}")
+    fused = algorithm == SGLANG_EAGLE3
+    config, tensors = ascending_aux_layers(source) if fused else (source.config, dict(source.state))
     layer = target.engine_layer_config(config["target_config"])
-    _check_layer(source, layer)
+    check_layer(source, layer, algorithm)
     vocab = layer["vocab_size"]
     draft_config = {
         **layer,
-        "architectures": [SGLANG_ARCHITECTURES[source.kind]],
+        "architectures": [SGLANG_ARCHITECTURES[algorithm]],
         "num_hidden_layers": config["num_layers"],
         "tie_word_embeddings": False,
     }
     extra = []
-    if source.kind == "eagle3":
+    if fused:
         if config.get("norm_before_residual"):
             raise refuse(
                 NAME,
@@ -124,7 +131,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         "--model-path",
         str(target.folder),
         "--speculative-algorithm",
-        ALGORITHMS[source.kind],
+        algorithm,
         "--speculative-draft-model-path",
         str(out),
         "--speculative-num-steps",

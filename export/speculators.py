@@ -51,9 +51,7 @@ VOCAB_MAPS = ("d2t", "t2d")
 
 
 def why_not(kind: str) -> str:
-    """Why this format cannot hold ``kind`` drafters."""
-    if kind == "eagle":
-        return f"speculators {VERSION} has no EAGLE-1 model (its EAGLE family starts at EAGLE-3)"
+    """Why this format cannot hold ``kind`` drafters (a kind may say better: ``DrafterKind.refused``)."""
     held = [name for name, declared in registered().items() if NAME in declared.formats]
     return f"speculators {VERSION} has models for {', '.join(held)} only (of draftsmith's drafter kinds)"
 

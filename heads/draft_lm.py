@@ -22,6 +22,7 @@ from draftsmith.hub import check_hub_id
 # JSON, not safetensors: vLLM loads every top-level *.safetensors of a model folder as weights and
 # refuses one holding no parameter of the model ("no module or parameter named 'counts'").
 TOKEN_COUNTS = "token_counts.json"
+TARGET_RECORD = "draftsmith_target.json"  # where a saved draft LM names its target (a plain HF folder has no room)
 
 
 def evenly_spaced(total: int, keep: int) -> list[int]:
@@ -103,7 +104,7 @@ def save_draft_lm(
 ) -> None:
     """Save a plain Hugging Face causal LM (LoRA adapters merged into a copy first) that transformers,
     vLLM and ``generate(assistant_model=...)`` load as they are, in ``dtype`` (the target's, so it
-    serves beside it; default: as trained); ``target_info`` goes to ``draftsmith_target.json`` beside it,
+    serves beside it; default: as trained); ``target_info`` goes to :data:`TARGET_RECORD` beside it,
     ``counts`` (training-response token frequencies) to ``token_counts.json``, from which
     the engine takes a reduced draft vocabulary (``draft_lm:PATH?vocab=N``)."""
     path = Path(path)
@@ -119,7 +120,7 @@ def save_draft_lm(
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     if target_info is not None:
-        (path / "draftsmith_target.json").write_text(json.dumps(target_info, indent=1))
+        (path / TARGET_RECORD).write_text(json.dumps(target_info, indent=1))
     if counts is not None:
         (path / TOKEN_COUNTS).write_text(json.dumps({"counts": counts.detach().cpu().long().tolist()}))
 

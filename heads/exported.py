@@ -24,7 +24,9 @@ SPECULATORS_EMBED = "embed_tokens.weight"  # the target's embedding, shipped in 
 # A DFlash drafter's learned mask row: vLLM 0.32 reads this file beside a dflash export
 # (qwen3_dflash.py, DFlashQwen3ForCausalLM._read_mask_embedding: {"embedding", "mask_token_id"}).
 DFLASH_MASK_EMBEDDING = "mask_embedding.pt"
-SGLANG_ARCHITECTURES = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
+# SGLang's draft model class for each of its --speculative-algorithm values that draftsmith exports.
+SGLANG_EAGLE, SGLANG_EAGLE3 = "EAGLE", "EAGLE3"
+SGLANG_ARCHITECTURES = {SGLANG_EAGLE: "LlamaForCausalLMEagle", SGLANG_EAGLE3: "LlamaForCausalLMEagle3"}
 SGLANG_HOT_TOKEN_MAP = "hot_token_map.pt"  # an EAGLE-1 head's draft vocabulary, for SGLang
 MEDUSA_HEADS_FILE = "medusa_lm_head.pt"  # the official Medusa layout's weights
 MEDUSA_OFFICIAL_BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")
@@ -63,7 +65,7 @@ def _speculators_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
 def _sglang_state(folder: Path, config: dict) -> dict[str, torch.Tensor]:
     tensors = load_tensors(folder / "model.safetensors")
     vocab = config["vocab_size"]
-    if SGLANG_ARCHITECTURES["eagle3"] in config["architectures"]:
+    if SGLANG_ARCHITECTURES[SGLANG_EAGLE3] in config["architectures"]:
         if "d2t" not in tensors:
             tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)
             tensors["t2d"] = torch.ones(vocab, dtype=torch.bool)

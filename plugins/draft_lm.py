@@ -7,6 +7,7 @@ from pathlib import Path
 
 from draftsmith.eval.engine.drafters import draft_lm
 from draftsmith.export import hf
+from draftsmith.heads.draft_lm import TARGET_RECORD
 from draftsmith.kinds import COUNT, DrafterKind, Option, Served, Training
 from draftsmith.train import distill
 
@@ -33,9 +34,11 @@ KIND = DrafterKind(
         ),
     },
     has_distribution=True,
+    hf_assistant=True,
     training=Training("distill", distill.DistillRecipe, distill.main, distill.build),
     title="draft LM",
     formats={hf.NAME: hf.export},
+    target_file=TARGET_RECORD,
     serve=serve,
     chain=lambda depth: {"depth": depth, "top_k": 1},
 )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters.eagle import build_planned, tree_options
-from draftsmith.export import sglang
+from draftsmith.export import sglang, speculators
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.kinds import DrafterKind, Served, Training
 from draftsmith.train import eagle
@@ -45,7 +45,10 @@ KIND = DrafterKind(
     plan_fallback=PLAN_FALLBACK,
     training=Training("eagle", eagle.EagleRecipe, eagle.main, eagle.build),
     title="EAGLE-1 head",
-    formats={sglang.NAME: sglang.export},
+    formats={sglang.NAME: partial(sglang.export, algorithm=sglang.SGLANG_EAGLE)},
+    refused={
+        speculators.NAME: f"speculators {speculators.VERSION} has no EAGLE-1 model (its EAGLE family starts at EAGLE-3)"
+    },
     serve=serve,
     chain=chain,
 )

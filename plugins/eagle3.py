@@ -6,6 +6,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters.eagle import build_planned, tree_options
 from draftsmith.export import sglang, speculators
 from draftsmith.heads.eagle3 import Eagle3Head
@@ -17,7 +18,12 @@ PLAN_FALLBACK = {"depth": 6, "top_k": 3, "budget": 12}  # unplanned (no held-out
 
 
 def serve(fmt: str, folder: Path, depth: int) -> Served | None:
-    """vLLM serves the speculators export as ``eagle3``."""
+    """vLLM serves the speculators export as ``eagle3``; the SGLang one is refused, saying which to check."""
+    if fmt == sglang.NAME:
+        raise UsageError(
+            f"{folder}: this is the SGLang layout; vLLM serves EAGLE-3 heads from "
+            "`draftsmith-export CKPT --format speculators`: check that export"
+        )
     return Served("eagle3", depth) if fmt == speculators.NAME else None
 
 
@@ -31,7 +37,10 @@ KIND = DrafterKind(
     plan_fallback=PLAN_FALLBACK,
     training=Training("eagle3", eagle3.Eagle3Recipe, eagle3.main, eagle3.build, eagle3.Eagle3Task),
     title="EAGLE-3 head",
-    formats={speculators.NAME: speculators.export_eagle3, sglang.NAME: sglang.export},
+    formats={
+        speculators.NAME: speculators.export_eagle3,
+        sglang.NAME: partial(sglang.export, algorithm=sglang.SGLANG_EAGLE3),
+    },
     serve=serve,
     chain=chain,
 )

@@ -17,7 +17,13 @@ ADAPTER = "adapter"  # a Medusa-2 checkpoint's LoRA adapter on the target (a pef
 
 
 def serve(fmt: str, folder: Path, depth: int) -> Served | None:
-    """vLLM (0.32) serves the vllm-medusa export as ``medusa``; Medusa-2 heads are refused."""
+    """vLLM (0.32) serves the vllm-medusa export as ``medusa``; Medusa-2 heads and the official
+    layout are refused, saying what to do instead."""
+    if fmt == official.NAME:
+        raise UsageError(
+            f"{folder}: vLLM has no loader for the 'medusa' layout (the official Medusa format); "
+            "export --format vllm-medusa and check that"
+        )
     if fmt != vllm_medusa.NAME:
         return None
     if (folder / ADAPTER).is_dir():

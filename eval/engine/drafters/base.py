@@ -56,6 +56,11 @@ class Drafter(ABC):
     tree_label = ""  # how its draft tree was chosen (depth=auto: the plan), for tables
     policy = None  # the PolicyConfig the engine applies with this drafter (None: fixed drafting)
 
+    def assistant(self):
+        """``(model, draft length)`` when this drafter is a whole causal LM that Hugging Face
+        ``generate`` can take as its ``assistant_model`` (a kind declared ``hf_assistant``), else None."""
+        return None
+
     def verifying(self):
         """The context ``verifier`` verifies in (e.g. with the drafter's LoRA adapter switched on)."""
         return nullcontext()

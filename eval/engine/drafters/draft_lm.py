@@ -58,6 +58,10 @@ class DraftLMDrafter(Drafter):
         self.name = name
         self.cached: list[int] = []
 
+    def assistant(self):
+        """The draft LM itself, at this drafter's depth (``generate(assistant_model=...)``)."""
+        return self.runner.model, self.depth
+
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         self.runner.reset()
         self.cached = []

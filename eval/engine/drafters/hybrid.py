@@ -260,8 +260,8 @@ def build(spec: DrafterSpec, target) -> HybridDrafter:
     """The drafter of ``hybrid:SPEC+SPEC[?budget=..&mode=..&nodes=..]``: each part built by its own
     kind; its nodes priced with the pass costs measured on ``target`` (``nodes=priced``)."""
     specs = [parse_spec(part) for part in split_parts(spec.path or "")]
-    if any(s.kind == "hybrid" for s in specs):
-        raise UsageError(f"--drafter {spec.name}: a hybrid part cannot itself be a hybrid")
+    if any(s.kind == spec.kind for s in specs):
+        raise UsageError(f"--drafter {spec.name}: a {spec.kind} part cannot itself be a {spec.kind}")
     parts = [build_drafter(s, target) for s in specs]
     learned = [get(s.kind).has_distribution for s in specs]
     if all(learned) or not any(learned):
