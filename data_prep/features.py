@@ -21,6 +21,7 @@ import json
 import math
 from bisect import bisect_right
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ from draftsmith.atomic import staged
 from draftsmith.checkpoint_files import open_tensors, read_json
 from draftsmith.data_prep.dataset import tokenizer_identity
 from draftsmith.errors import UserError
-from draftsmith.recipe import TargetConfig
+from draftsmith.recipe import DataConfig, TargetConfig
 from draftsmith.target import target_record
 from draftsmith.timing import clock
 
@@ -71,9 +72,22 @@ def features_dir(
     return cache_root() / "features" / key
 
 
-def recipe_features_dir(recipe, data, layers: list[int] | None = None) -> Path:
-    """:func:`features_dir` for a recipe's target, storage and ``drafter.features_dir``."""
-    return features_dir(recipe.target, data, layers, recipe.data.features.storage_dtype, recipe.drafter.features_dir)
+@dataclass(frozen=True)
+class FeatureSource:
+    """What the feature sets need of a training run, and no more: its ``target`` and ``data``
+    sections, where the features come from (``mode``, the recipe's ``drafter.features``: online,
+    offline or served) and the store's folder where the recipe names one (``folder``,
+    ``drafter.features_dir``). Training builds it from the recipe
+    (:func:`draftsmith.train.prepare.feature_source`)."""
+
+    target: TargetConfig
+    data: DataConfig
+    mode: str = "online"
+    folder: str | None = None
+
+    def store_dir(self, data, layers: list[int] | None = None) -> Path:
+        """:func:`features_dir` of the tokenised splits ``data`` for this source's target, storage and folder."""
+        return features_dir(self.target, data, layers, self.data.features.storage_dtype, self.folder)
 
 
 def store_identity(
@@ -325,34 +339,6 @@ class FeatureDataset(Dataset):
                 scale = f"{name}_scale"
                 row[name] = dequantize(values, handle.get_slice(scale)[lo:hi]) if scale in keys else values
             return row
-
-
-def training_sets(
-    recipe, target, tokenizer, data, layers: list[int] | None = None, full_target: Callable | None = None
-):
-    """``(train, held_out)``: the tokenised splits (``drafter.features: online``), their stored
-    features (``offline``; with ``layers`` the fused states too), extracted first where missing, or
-    their features from the server at ``data.features.server`` (``served``).
-
-    ``target`` may be head-only (:func:`~draftsmith.target.load_target` with ``head_only``): ``full_target()``
-    then loads the whole target where the ``hf`` engine has to extract (vLLM's extraction runs
-    before the data is loaded: :func:`~draftsmith.data_prep.vllm_features.prepare_with_vllm`)."""
-    if recipe.drafter.features == "online":
-        return data["train"], data["held_out"]
-    if recipe.drafter.features == "served":
-        # Imported here: it imports this module (through vllm_features).
-        from draftsmith.data_prep.served_features import served_sets
-
-        return served_sets(recipe, target, data, layers)
-    root = recipe_features_dir(recipe, data, layers)
-    identity = store_identity(recipe.target.name, target, tokenizer, layers, recipe.data.features.storage_dtype, data)
-    if not is_complete(root, data):
-        model = full_target() if full_target is not None else target
-        extract_features(model, data, root, layers=layers, identity=identity)
-    else:
-        check_identity(root, identity)
-    # No held-out conversation (a small data.limit): no shards to read, and nothing to evaluate on.
-    return FeatureDataset(root / "train"), FeatureDataset(root / "held_out") if len(data["held_out"]) else None
 
 
 class RowSelection(Dataset):

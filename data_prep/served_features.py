@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
+from draftsmith.data_prep.features import FeatureSource
 from draftsmith.data_prep.vllm_features import (
     CONNECTOR_MODULE,
     capture_ids,
@@ -272,10 +273,13 @@ class ServedFeatures(Dataset):
         return gap
 
 
-def served_sets(recipe, target, data, layers: list[int] | None) -> tuple[ServedFeatures, ServedFeatures | None]:
-    """``(train, held_out)`` of ``data`` read through the server at ``data.features.server``
-    (``target``: the recipe's, head-only will do; held_out None without held-out conversations)."""
-    features = recipe.data.features
+def served_sets(
+    source: FeatureSource, target, data, layers: list[int] | None
+) -> tuple[ServedFeatures, ServedFeatures | None]:
+    """``(train, held_out)`` of the tokenised splits ``data`` read through the server at
+    ``data.features.server`` (``source``'s; ``target``: the run's, head-only will do; held_out None
+    without held-out conversations)."""
+    features = source.data.features
     if not features.server:
         raise UserError(
             "drafter.features served needs data.features.server, the URL of a vLLM server extracting "
@@ -288,5 +292,5 @@ def served_sets(recipe, target, data, layers: list[int] | None) -> tuple[ServedF
     )
     # One conversation now, in this process: a server that extracts nothing, other layers or another
     # model is a one-line error before training starts, not a failure in a DataLoader worker.
-    train.check_target(target, recipe.target.name)
+    train.check_target(target, source.target.name)
     return train, train.with_rows(data["held_out"]) if len(data["held_out"]) else None

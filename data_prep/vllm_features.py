@@ -28,9 +28,9 @@ from draftsmith.config import from_dict
 from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.features import (
     Compute,
+    FeatureSource,
     features_dir,
     is_complete,
-    recipe_features_dir,
     store_identity,
     write_store,
 )
@@ -156,19 +156,19 @@ def parallel_sizes(data: DataConfig) -> dict[str, int]:
     return sizes
 
 
-def features_job(recipe, layers: list[int] | None, target) -> dict:
-    """The job (:func:`run_vllm_features`) that fills the recipe's feature store with the states of
-    ``layers``, regenerating first where the recipe asks (``target``: the head-only target)."""
+def features_job(source: FeatureSource, layers: list[int] | None, target) -> dict:
+    """The job (:func:`run_vllm_features`) that fills ``source``'s feature store with the states of
+    ``layers``, regenerating first where its data section asks (``target``: the head-only target)."""
     return {
         "task": "draftsmith.data_prep.vllm_features:run_vllm_features",
-        "model": resolve_target(recipe.target.name, "target.name"),
+        "model": resolve_target(source.target.name, "target.name"),
         "dtype": dtype_name(next(target.parameters()).dtype),
         "num_layers": target.config.num_hidden_layers,
-        "target": asdict(recipe.target),
-        "data": asdict(recipe.data),
+        "target": asdict(source.target),
+        "data": asdict(source.data),
         "layers": layers,
-        "features_dir": recipe.drafter.features_dir,
-        **parallel_sizes(recipe.data),
+        "features_dir": source.folder,
+        **parallel_sizes(source.data),
     }
 
 
@@ -191,19 +191,19 @@ def job_engine_args(job: dict, storage: str) -> dict:
     )
 
 
-def prepare_with_vllm(recipe, layers: list[int] | None, target, tokenizer, full_target) -> None:
-    """Fill the recipe's feature store with vLLM (regenerating its data first where the recipe asks,
-    in the same job) unless it is complete. ``target``: the head-only target (its identity);
-    ``full_target()``: the whole one, for a recipe that regenerates with ``hf``."""
-    name = recipe.target.name
+def prepare_with_vllm(source: FeatureSource, layers: list[int] | None, target, tokenizer, full_target) -> None:
+    """Fill ``source``'s feature store with vLLM (regenerating its data first where its data section
+    asks, in the same job) unless it is complete. ``target``: the head-only target (its identity);
+    ``full_target()``: the whole one, for data regenerated with ``hf``."""
+    name = source.target.name
     # Replies still to write go to the job's vLLM, unless the recipe writes them with hf (here, first).
-    vllm_writes = resolve_generation_engine(recipe.data.regenerate.engine) == "vllm"
-    if not (vllm_writes and regeneration_pending(recipe.data, target, name, tokenizer)):
-        prepared = prepare_data_config(recipe.data, target, name, tokenizer, full_target=full_target)
+    vllm_writes = resolve_generation_engine(source.data.regenerate.engine) == "vllm"
+    if not (vllm_writes and regeneration_pending(source.data, target, name, tokenizer)):
+        prepared = prepare_data_config(source.data, target, name, tokenizer, full_target=full_target)
         data, _ = build_dataset(prepared, tokenizer, verbose=False)
-        if is_complete(recipe_features_dir(recipe, data, layers), data):
+        if is_complete(source.store_dir(data, layers), data):
             return
-    job = features_job(recipe, layers, target)
+    job = features_job(source, layers, target)
     run_job(job, "extracting target features with vLLM (data.features.engine)", echo=True)
 
 

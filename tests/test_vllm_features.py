@@ -19,7 +19,7 @@ from draftsmith.data_prep.features import (
 from draftsmith.data_prep.vllm_features import features_job, job_engine_args
 from draftsmith.errors import UserError
 from draftsmith.target import is_head_only
-from draftsmith.train.cli import feature_layers
+from draftsmith.train.prepare import feature_layers, feature_source
 from draftsmith.vllm_engine import why_unavailable
 
 # Every kind's layers: EAGLE-3 / P-EAGLE / DFlash default to [2, 15, 27] on SmolLM2's 30 layers; 1 and
@@ -102,7 +102,7 @@ def tiny_job(make_tiny_llama, tmp_path_factory):
 
     def job(*overrides: str) -> dict:
         recipe, _ = parse_training_args(Eagle3Recipe, [str(path), *overrides])
-        return features_job(recipe, feature_layers(recipe), target)
+        return features_job(feature_source(recipe), feature_layers(recipe), target)
 
     return job
 

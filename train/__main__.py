@@ -22,7 +22,8 @@ from draftsmith.kinds import for_recipe, registered
 from draftsmith.plugins import register_builtin
 from draftsmith.precision import dtype_name, resolve_dtype
 from draftsmith.target import default_device, resolve_target
-from draftsmith.train.cli import OWN_FLAGS, feature_layers, parse_training_args, split_recipe
+from draftsmith.train.cli import OWN_FLAGS, parse_training_args, split_recipe
+from draftsmith.train.prepare import feature_layers
 
 USAGE = "usage: draftsmith-train RECIPE.yaml [--resume] [--section.field VALUE ...] [--debug]"
 

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 
-from transformers import AutoConfig
-
 from draftsmith.config import load_recipe, schema_help
-from draftsmith.data_prep.dataset import build_dataset
-from draftsmith.data_prep.regenerate import prepare_data_config
-from draftsmith.data_prep.vllm_features import prepare_with_vllm, resolve_engine
 from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.heads.aux_layers import resolve_aux_layers
 from draftsmith.recipe import OVERRIDE_ALIASES
-from draftsmith.target import load_target, move_target, resolve_target
+from draftsmith.target import move_target
 from draftsmith.timing import stage
 from draftsmith.train.distributed import main_process_first, resolve_precision
 from draftsmith.train.loop import Trainer
@@ -89,38 +82,3 @@ def _train(argv: list[str] | None, recipe_class, build, description: str):
     with stage("train: training loop"):
         trainer.last_checkpoint = trainer.train(resume=args.resume)
     return trainer
-
-
-def feature_layers(recipe) -> list[int] | None:
-    """The target layers whose states the recipe's head fuses (``drafter.aux_layers``, checked,
-    or the default ``[2, N/2, N-3]``), or None for heads that read the last hidden state only."""
-    if not hasattr(recipe.drafter, "aux_layers"):
-        return None
-    num_layers = AutoConfig.from_pretrained(resolve_target(recipe.target.name, "target.name")).num_hidden_layers
-    return resolve_aux_layers(recipe.drafter.aux_layers, num_layers)
-
-
-def target_and_data(recipe, layers: list[int] | None = None):
-    """``(target, tokenizer, data, full_target)``: the recipe's target (frozen), its tokenizer and
-    the tokenised train/held-out set, after self-distillation when ``data.regenerate`` asks for it.
-
-    Where the features come from a store or a server (``drafter.features`` offline or served) the
-    target is head-only (:func:`~draftsmith.target.load_target` with ``head_only``: embeddings, LM head, final
-    norm) and ``full_target()`` loads the whole one only if something has to run it (the ``hf``
-    engines); with ``data.features.engine`` vllm the store is filled first (``layers``: the head's
-    aux layers), in the same vLLM job as the regeneration. Online: the whole target, and
-    ``full_target()`` returns it."""
-    name, dtype, template = recipe.target.name, recipe.target.dtype, recipe.target.chat_template
-    field = "target.name"
-    with stage("train: load target and tokenise data"):
-        if getattr(recipe.drafter, "features", "online") == "online":
-            target, tokenizer = load_target(name, dtype, chat_template=template, field=field)
-            full_target = lambda: target  # noqa: E731 (the loader's stand-in: nothing more to load)
-        else:
-            target, tokenizer = load_target(name, dtype, chat_template=template, field=field, head_only=True)
-            full_target = functools.cache(lambda: load_target(name, dtype, chat_template=template, field=field)[0])
-            if recipe.drafter.features == "offline" and resolve_engine(recipe.data.features.engine) == "vllm":
-                prepare_with_vllm(recipe, layers, target, tokenizer, full_target)
-        prepared = prepare_data_config(recipe.data, target, name, tokenizer, full_target=full_target)
-        data, _ = build_dataset(prepared, tokenizer)
-    return target, tokenizer, data, full_target

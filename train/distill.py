@@ -29,9 +29,10 @@ from draftsmith.heads.draft_lm import save_draft_lm, student_for
 from draftsmith.heads.vocab import token_counts
 from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.target import eos_token_ids, target_record
-from draftsmith.train.cli import run_training, target_and_data
+from draftsmith.train.cli import run_training
 from draftsmith.train.divergences import acceptance_rate, divergence
 from draftsmith.train.loop import Trainer
+from draftsmith.train.prepare import target_and_data
 
 
 @dataclass

@@ -19,14 +19,15 @@ from typing import Literal
 import torch
 
 from draftsmith.data_prep.dataset import pad_batch
-from draftsmith.data_prep.features import training_sets
+from draftsmith.data_prep.feature_sets import training_sets
 from draftsmith.data_prep.packing import target_inputs
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.timing import stage
-from draftsmith.train.cli import run_training, target_and_data
+from draftsmith.train.cli import run_training
 from draftsmith.train.loop import Trainer
+from draftsmith.train.prepare import feature_source, target_and_data
 from draftsmith.train.unroll import UnrollLoss, depth_rates, record_depth_accuracy, unroll, unrolled_loss
 
 
@@ -128,7 +129,7 @@ def build(recipe: EagleRecipe):
     torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
     head = EagleHead.for_target(target, recipe.target.name, recipe.drafter.num_layers, draft_vocab, recipe.drafter.init)
     with stage(f"train: {recipe.drafter.features} feature sets"):
-        train_set, eval_set = training_sets(recipe, target, tokenizer, data, full_target=full_target)
+        train_set, eval_set = training_sets(feature_source(recipe), target, tokenizer, data, full_target=full_target)
     return EagleTask(recipe, target, head), train_set, eval_set
 
 

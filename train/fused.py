@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 import torch
 
-from draftsmith.data_prep.features import training_sets
+from draftsmith.data_prep.feature_sets import training_sets
 from draftsmith.data_prep.packing import target_inputs
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DataConfig, Recipe, RegenerateConfig
 from draftsmith.timing import stage
-from draftsmith.train.cli import feature_layers, target_and_data
+from draftsmith.train.prepare import feature_layers, feature_source, target_and_data
 
 
 def regenerated_data() -> DataConfig:
@@ -41,13 +41,12 @@ def build_fused(recipe: Recipe, new_head: Callable) -> tuple:
     draft vocabulary, a head from ``new_head(recipe, target, draft_vocab, tokenizer, train_rows)``
     (its initial weights set by ``training.seed``) and the training and held-out sets, with the
     target's features cached first when ``drafter.features`` is offline."""
-    layers = feature_layers(recipe)
-    if recipe.drafter.aux_layers is not None:
-        recipe.drafter.aux_layers = layers
+    layers = feature_layers(recipe)  # checked before the target loads; the head resolves the same ones
     target, tokenizer, data, full_target = target_and_data(recipe, layers)
     draft_vocab = draft_vocab_for(recipe.drafter.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
     torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
     head = new_head(recipe, target, draft_vocab, tokenizer, data["train"])
-    with stage(f"train: {recipe.drafter.features} feature sets"):
-        train_set, eval_set = training_sets(recipe, target, tokenizer, data, head.aux_layers, full_target)
+    source = feature_source(recipe)
+    with stage(f"train: {source.mode} feature sets"):
+        train_set, eval_set = training_sets(source, target, tokenizer, data, head.aux_layers, full_target)
     return target, head, train_set, eval_set

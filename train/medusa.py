@@ -24,14 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.data_prep.dataset import pad_batch
-from draftsmith.data_prep.features import training_sets
+from draftsmith.data_prep.feature_sets import training_sets
 from draftsmith.data_prep.packing import same_segment, target_inputs
 from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, head_positions, top_k_hits
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.target import final_logits
-from draftsmith.train.cli import run_training, target_and_data
+from draftsmith.train.cli import run_training
 from draftsmith.train.loop import Trainer
+from draftsmith.train.prepare import feature_source, target_and_data
 
 
 @dataclass
@@ -246,7 +247,7 @@ def build(recipe: MedusaRecipe):
     draft_vocab = draft_vocab_for(cfg.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
     torch.manual_seed(recipe.training.seed)
     heads = MedusaHeads.for_target(target, recipe.target.name, cfg.num_heads, cfg.num_layers, cfg.lm_head, draft_vocab)
-    train_set, eval_set = training_sets(recipe, target, tokenizer, data, full_target=full_target)
+    train_set, eval_set = training_sets(feature_source(recipe), target, tokenizer, data, full_target=full_target)
     return MedusaTask(recipe, target, heads), train_set, eval_set
 
 
