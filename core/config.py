@@ -103,10 +103,32 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+def _renamed(cls: type, data: dict, prefix: str) -> dict:
+    """``data`` with the keys ``cls`` accepted under an older name (``cls.RENAMED``: old -> new path
+    inside the section) moved to their new place; both spellings at once is an error."""
+    renamed = getattr(cls, "RENAMED", None) or {}
+    if not any(old in data for old in renamed):
+        return data
+    data = dict(data)
+    for old, new in renamed.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        node = data
+        *parents, leaf = new.split(".")
+        for parent in parents:
+            node[parent] = node = dict(node.get(parent) or {})
+        if leaf in node:
+            raise RecipeError(f"{prefix}{old} is the old spelling of {prefix}{new}: give only {prefix}{new}")
+        node[leaf] = value
+    return data
+
+
 def _build(cls: type[T], data: dict, where: str) -> T:
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     prefix = f"{where}." if where else ""
+    data = _renamed(cls, data, prefix)
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)

@@ -103,11 +103,51 @@ class DataConfig:
             raise ValueError(f"data.limit must be positive, got {self.limit}")
 
 
+# Every attention and MLP projection of Llama-style decoder layers.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (``peft``) on a model: rank, alpha, dropout and the modules that get them.
+
+    One spelling for every drafter kind that trains adapters (a distilled student, Medusa-2's
+    target); a kind extends it with its own settings or other defaults."""
+
+    r: int = 8  # LoRA rank
+    alpha: int = 16  # LoRA alpha (adapter updates are scaled by alpha / r)
+    dropout: float = 0.05  # LoRA dropout
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_MODULES))  # modules that get adapters
+
+    def validate(self) -> None:
+        if self.r < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.target_modules:
+            raise ValueError(
+                f"need r >= 1, alpha > 0, dropout in [0, 1) and target_modules, got r={self.r}, "
+                f"alpha={self.alpha}, dropout={self.dropout}, target_modules={self.target_modules}"
+            )
+
+    def peft_config(self):
+        """This configuration as ``peft``'s ``LoraConfig`` (no bias adapters)."""
+        from peft import LoraConfig as PeftLoraConfig
+
+        return PeftLoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            bias="none",
+        )
+
+
 @dataclass
 class DrafterConfig:
     """Drafter-specific settings; each drafter kind extends this section."""
 
     kind: str = "none"  # the drafter kind this recipe trains (set by the entry script)
+
+    # Keys a section accepted under another name before, old -> new path inside the section
+    # (e.g. "lora_r": "lora.r"): recipes written then still load, read as the new key.
+    RENAMED = {}  # not annotated: a class attribute, not a recipe field
 
 
 @dataclass

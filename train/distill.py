@@ -27,7 +27,7 @@ import torch
 
 from draftsmith.heads.draft_lm import save_draft_lm, student_for
 from draftsmith.heads.vocab import token_counts
-from draftsmith.recipe import DrafterConfig, Recipe
+from draftsmith.recipe import DrafterConfig, LoraConfig, Recipe
 from draftsmith.target import eos_token_ids, target_record
 from draftsmith.train.cli import run_training
 from draftsmith.train.divergences import acceptance_rate, divergence
@@ -50,28 +50,26 @@ class MixtureConfig:
 
 
 @dataclass
+class DistillLora(LoraConfig):
+    """The student's LoRA adapters (``drafter.finetune: lora``), merged into it on export."""
+
+    r: int = 16  # LoRA rank
+    alpha: int = 32  # LoRA alpha (adapter updates are scaled by alpha / r)
+    dropout: float = 0.0  # LoRA dropout
+
+
+@dataclass
 class DistillDrafterConfig(DrafterConfig):
     """The student, its divergence and where its training responses come from."""
 
     kind: str = "distill"
+    # The LoRA settings were flat fields before they became the shared drafter.lora section.
+    RENAMED = {f"lora_{name}": f"lora.{name}" for name in ("r", "alpha", "dropout", "target_modules")}
     student: str | None = None  # hub id or folder of a causal LM with the target's tokenizer; None: derive
     num_layers: int = 4  # derived student: this many of the target's layers, evenly spaced
     layers: list[int] | None = None  # or exactly these layer indices
     finetune: Literal["full", "lora"] = "full"  # train every student weight, or LoRA adapters (merged on export)
-    lora_r: int = 16  # LoRA rank
-    lora_alpha: int = 32  # LoRA alpha
-    lora_dropout: float = 0.0  # LoRA dropout
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",  # modules that get adapters
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-    )
+    lora: DistillLora = field(default_factory=DistillLora)  # with finetune: lora
     divergence: Literal["fkl", "rkl", "jsd", "tvd"] = "fkl"  # token-level divergence between target and student
     jsd_beta: float = 0.5  # generalised JSD mixing weight
     temperature: float = 1.0  # both distributions are taken at this temperature
@@ -147,18 +145,9 @@ class DistillTask:
         self.eos = eos_token_ids(target, tokenizer)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos)
         if self.cfg.finetune == "lora":
-            from peft import LoraConfig, get_peft_model
+            from peft import get_peft_model
 
-            student = get_peft_model(
-                student,
-                LoraConfig(
-                    r=self.cfg.lora_r,
-                    lora_alpha=self.cfg.lora_alpha,
-                    lora_dropout=self.cfg.lora_dropout,
-                    target_modules=self.cfg.lora_target_modules,
-                    bias="none",
-                ),
-            )
+            student = get_peft_model(student, self.cfg.lora.peft_config())
         self.model = student
         weights = torch.tensor([self.cfg.mixture.fixed, self.cfg.mixture.target, self.cfg.mixture.student])
         self.mixture = weights / weights.sum()

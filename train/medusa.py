@@ -28,7 +28,7 @@ from draftsmith.data_prep.feature_sets import training_sets
 from draftsmith.data_prep.packing import same_segment, target_inputs
 from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, head_positions, top_k_hits
 from draftsmith.heads.vocab import draft_vocab_for
-from draftsmith.recipe import DrafterConfig, Recipe
+from draftsmith.recipe import DrafterConfig, LoraConfig, Recipe
 from draftsmith.target import final_logits
 from draftsmith.train.cli import run_training
 from draftsmith.train.loop import Trainer
@@ -36,24 +36,10 @@ from draftsmith.train.prepare import feature_source, target_and_data
 
 
 @dataclass
-class LoraSettings:
+class LoraSettings(LoraConfig):
     """Medusa-2: LoRA on the target, trained with the heads."""
 
     enabled: bool = False  # Medusa-2: train LoRA adapters on the target with the heads
-    r: int = 8  # LoRA rank
-    alpha: int = 16  # LoRA alpha
-    dropout: float = 0.05  # LoRA dropout
-    target_modules: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",  # modules that get adapters
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-    )
     learning_rate: float = 5e-5  # the heads use training.learning_rate
     start_step: int = 0  # optimiser steps the heads train alone before the adapters join
     # keeps the tuned target faithful: KL from the frozen target, or LM loss
@@ -61,8 +47,9 @@ class LoraSettings:
     target_loss_weight: float = 1.0  # weight of that loss
 
     def validate(self) -> None:
-        if self.r < 1 or self.learning_rate <= 0 or self.start_step < 0 or self.target_loss_weight < 0:
-            raise ValueError("drafter.lora: need r >= 1, learning_rate > 0, start_step >= 0, target_loss_weight >= 0")
+        super().validate()
+        if self.learning_rate <= 0 or self.start_step < 0 or self.target_loss_weight < 0:
+            raise ValueError("need learning_rate > 0, start_step >= 0, target_loss_weight >= 0")
 
 
 @dataclass
@@ -124,19 +111,9 @@ class MedusaTask:
         self.heads = heads
         self.latest_eval: dict[str, float] = {}
         if self.cfg.lora.enabled:
-            from peft import LoraConfig, get_peft_model
+            from peft import get_peft_model
 
-            lora = self.cfg.lora
-            peft_target = get_peft_model(
-                target,
-                LoraConfig(
-                    r=lora.r,
-                    lora_alpha=lora.alpha,
-                    lora_dropout=lora.dropout,
-                    target_modules=lora.target_modules,
-                    bias="none",
-                ),
-            )
+            peft_target = get_peft_model(target, self.cfg.lora.peft_config())
             self.target = peft_target
             self.model = JointMedusa(peft_target, heads)
         else:
