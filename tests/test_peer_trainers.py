@@ -1,0 +1,94 @@
+"""bench/peer_trainers.py: speculators' own trainer against draftsmith's.
+
+- Fast: the settings it hands speculators' trainer parse in speculators' own schema and carry the
+  recipe's values (learning rate, optimiser, warm-up, vocabulary, layers, TTT steps, block size,
+  anchors per step, loss weighting, bidirectional block attention, mask token).
+- Slow: a tiny end-to-end run (EAGLE-3, a few seconds of training each): both trainers' heads load
+  in speculators' model class, are scored on the same held-out rows and served by vLLM on the same
+  prompts, and the paired interval brackets the difference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("peer_trainers", ROOT / "bench" / "peer_trainers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_speculators_settings_carry_the_recipes_values(kind, tmp_path):
+    pytest.importorskip("speculators", reason="installed by scripts/install.sh (the speculators extra)")
+    from speculators.train.config import TrainConfig
+
+    bench = _bench()
+    recipe = bench.recipe_for(kind, ["--target.dtype", "float32"])
+    recipe.drafter.aux_layers = [2, 15, 27]
+    if kind == "dflash":
+        recipe.drafter.mask_token_id = 16
+    data = {"train": [{"input_ids": list(range(100))}, {"input_ids": list(range(300))}]}
+    vocab = (tmp_path / "d2t.npy", tmp_path / "t2d.npy", 8192)
+    args = bench.speculators_args(kind, recipe, "/target", tmp_path, tmp_path / "save", vocab, 0.9, data)
+    cfg = TrainConfig.resolve(args)
+    flat = cfg.flatten()
+    t = recipe.training
+    assert flat["speculator_type"] == kind
+    assert (flat["lr"], flat["optimizer"], flat["weight_decay"]) == (t.learning_rate, "adamw", t.weight_decay)
+    assert flat["scheduler_warmup_steps"] == t.warmup_steps and flat["seed"] == t.seed
+    assert flat["target_layer_ids"] == [2, 15, 27] and flat["draft_vocab_size"] == 8192
+    assert flat["draft_attn_impl"] == "sdpa" and flat["num_workers"] == 0 and flat["hidden_states_dtype"] == "float32"
+    assert flat["total_seq_len"] == max(300, t.batch_size * 200)  # batch_size rows of the mean length
+    assert flat["num_layers"] == recipe.drafter.num_layers
+    if kind == "eagle3":
+        assert (flat["ttt_steps"], flat["ttt_step_loss_decay"]) == (7, 0.8)
+        assert flat["norm_before_residual"] is recipe.drafter.norm_before_residual
+    else:
+        d = recipe.drafter
+        assert (flat["block_size"], flat["max_anchors"]) == (d.block_size, d.anchors_per_sequence * t.batch_size)
+        assert (flat["loss_fn"], flat["per_position_loss_weight"]) == ("kl_div", "fixed-exp-decay")
+        assert flat["dflash_decay_gamma"] == d.decay_gamma and flat["mask_token_id"] == 16
+        assert flat["full_attention_indices"] == list(range(d.num_layers)) and flat["sliding_window_non_causal"]
+
+
+@pytest.mark.slow
+def test_both_heads_are_trained_loaded_and_scored_on_the_same_prompts(tmp_path):
+    pytest.importorskip("speculators", reason="installed by scripts/install.sh (the speculators extra)")
+    from draftsmith.vllm_engine import why_unavailable
+
+    reason = why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "peer"
+    command = [sys.executable, str(ROOT / "bench" / "peer_trainers.py"), "--minutes", "0.1", "--out", str(out)]
+    command += ["--kinds", "eagle3", "--limit", "2", "--max-new-tokens", "8", "--data.limit", "16"]
+    command += ["--data.regenerate.enabled", "false", "--data.held_out_fraction", "0.25", "--data.max_length", "128"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "peer_trainers.json").read_text())
+    entry = results["kinds"]["eagle3"]
+    ours, theirs = entry["draftsmith"], entry["speculators"]
+    for run in (ours, theirs):
+        assert run["train"]["steps"] >= 1
+        assert len(run["held_out"]["accuracy"]) == 7  # ttt_steps depths, by one evaluator
+        assert run["held_out"]["conversations"] == results["held_out_conversations"]
+        assert len(run["vllm"]["per_prompt"]) == results["prompts"] == 2
+        assert len(run["vllm"]["per_position"]) == entry["depth"]
+    paired = entry["paired"]
+    assert paired["low"] <= paired["difference"] <= paired["high"]
+    assert (out / "peer_trainers.md").read_text().count("| eagle3 |") == 2
