@@ -69,7 +69,7 @@ def score(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from draftsmith.vllm_engine import _spec_counters
+    from draftsmith.vllm_engine import spec_counters
 
     llm = LLM(**job["engine"])
     params = SamplingParams(
@@ -80,12 +80,12 @@ def score(job: dict) -> dict:
     )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, detokenize=False), use_tqdm=False)  # warm-up
-    first = _spec_counters(llm)
+    first = spec_counters(llm)
     rows = []
     for prompt in prompts:
-        before = _spec_counters(llm)
+        before = spec_counters(llm)
         done = llm.generate([prompt], params, use_tqdm=False)
-        after = _spec_counters(llm)
+        after = spec_counters(llm)
         width = len(after["per_position"])
         per_position = [a - b for a, b in zip(after["per_position"], (before["per_position"] or [0] * width))]
         rows.append(
@@ -97,7 +97,7 @@ def score(job: dict) -> dict:
                 "per_position": per_position,
             }
         )
-    last = _spec_counters(llm)
+    last = spec_counters(llm)
     import vllm
 
     return {

@@ -168,7 +168,7 @@ def engine_args(
     return args
 
 
-def _spec_counters(llm) -> dict:
+def spec_counters(llm) -> dict:
     """vLLM's cumulative speculative-decoding counters (zeros without a drafter)."""
     counters = {name: 0 for name in SPEC_COUNTERS}
     counters["per_position"] = []
@@ -205,7 +205,7 @@ def generate_with(llm, job: dict) -> dict:
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, detokenize=False), use_tqdm=False)  # warm-up
     levels = []
     for concurrency in job.get("concurrency", [1]):
-        before = _spec_counters(llm)
+        before = spec_counters(llm)
         outputs, seconds = [], 0.0
         for start in range(0, len(prompts), concurrency):
             # generate() hands back host-side token ids once every request of the group has finished,
@@ -216,7 +216,7 @@ def generate_with(llm, job: dict) -> dict:
             outputs += [
                 {"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason} for o in done
             ]
-        after = _spec_counters(llm)
+        after = spec_counters(llm)
         spec = {name: after[name] - before[name] for name in SPEC_COUNTERS}
         spec["per_position"] = [
             a - b for a, b in zip(after["per_position"], before["per_position"] or [0] * len(after["per_position"]))
