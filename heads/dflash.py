@@ -78,11 +78,24 @@ def draft_config(target_config: PretrainedConfig, num_layers: int) -> Qwen3Confi
     return config
 
 
+class ConfidenceHead(nn.Module):
+    """A drafted position's acceptance logit: one linear unit over its features (speculators'
+    and vLLM's DSpark ``confidence_head.proj``; any DFlash-family drafter may carry one)."""
+
+    def __init__(self, input_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features).squeeze(-1)
+
+
 class DFlashHead(Fp32RotaryMixin, Head):
     """``fc`` + ``hidden_norm`` over fused target layers (the injected context), Qwen3 layers over the
     block, the final norm and a draft LM head."""
 
     kind = KIND
+    shift = 0  # a slot sits at the token it drafts; the anchor's slot drafts nothing
 
     def __init__(
         self,
@@ -94,6 +107,7 @@ class DFlashHead(Fp32RotaryMixin, Head):
         d2t: torch.Tensor,
         target_info: dict | None = None,
         learn_mask_embedding: bool = False,
+        confidence_head: bool = False,
     ):
         super().__init__(target_config.vocab_size, target_info)
         self.config = config = draft_config(target_config, num_layers)
@@ -108,13 +122,40 @@ class DFlashHead(Fp32RotaryMixin, Head):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         # The mask slots' input when learned (else the target's row for mask_token_id).
         self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if learn_mask_embedding else None
+        # Each drafted position's predicted acceptance (cut=priced/threshold in the engine); may be
+        # trained with the drafter or afterwards for a frozen one (drafter.confidence_for).
+        self.confidence_head = None
+        if confidence_head:
+            self.add_confidence_head()
         self.keep_vocab_maps(d2t)
         self.depth_accuracy: list[float] | None = None  # held-out top-1 of block slots 1, 2, ...
+
+    @property
+    def draft_slots(self) -> int:
+        """Tokens one block drafts at most: its slots after the anchor's (plus the anchor's own where
+        a subclass's slots draft the token after their position, ``shift`` 1)."""
+        return self.block_size - 1 + self.shift
 
     # -- scoring -------------------------------------------------------------------------------
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary ``[..., N]``."""
         return self.lm_head(self.norm(hidden))
+
+    def confidence_features(self) -> int:
+        """Width of the confidence head's input: a drafted position's normed hidden state."""
+        return self.config.hidden_size
+
+    def add_confidence_head(self) -> None:
+        """A fresh confidence head, on the device and in the dtype of the drafter's LM head."""
+        weight = self.lm_head.weight
+        self.confidence_head = ConfidenceHead(self.confidence_features()).to(weight.device, weight.dtype)
+
+    def confidence_logits(self, normed: torch.Tensor, embedded: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Acceptance logits of the drafted positions whose normed hidden states are ``normed``
+        (``embedded``: a subclass's extra features of the previous tokens); None without a confidence head."""
+        if self.confidence_head is None:
+            return None
+        return self.confidence_head(normed.to(self.confidence_head.proj.weight.dtype))
 
     # -- forward -------------------------------------------------------------------------------
     def add_context(self, cache, features: torch.Tensor, position_ids: torch.Tensor) -> None:
@@ -182,10 +223,12 @@ class DFlashHead(Fp32RotaryMixin, Head):
         mask_token_id: int,
         draft_vocab: torch.Tensor | None = None,
         learn_mask_embedding: bool = False,
+        **options,
     ) -> DFlashHead:
         """A fresh head for ``target``: random layers, the LM head starting as the target's rows for
         the draft vocabulary (None: the full vocabulary), the final norm as the target's and a learned
-        mask row (``learn_mask_embedding``) as :func:`initial_mask_embedding`."""
+        mask row (``learn_mask_embedding``) as :func:`initial_mask_embedding`; ``options`` go to the
+        class (a subclass's own settings)."""
         layers = target.config.num_hidden_layers
         aux = resolve_aux_layers(aux_layers, layers)
         head = cls(
@@ -196,7 +239,8 @@ class DFlashHead(Fp32RotaryMixin, Head):
             mask_token_id,
             d2t_for(draft_vocab, target.config.vocab_size),
             target_record(target, target_name),
-            learn_mask_embedding,
+            learn_mask_embedding=learn_mask_embedding,
+            **options,
         )
         head.copy_target_scoring(target)
         if head.mask_embedding is not None:
@@ -211,6 +255,7 @@ class DFlashHead(Fp32RotaryMixin, Head):
             "block_size": self.block_size,
             "mask_token_id": self.mask_token_id,
             "learn_mask_embedding": self.mask_embedding is not None,
+            "confidence_head": self.confidence_head is not None,
             "draft_vocab_size": int(self.d2t.numel()),
             "depth_accuracy": self.depth_accuracy,
             "target": self.target_info,
@@ -229,6 +274,7 @@ class DFlashHead(Fp32RotaryMixin, Head):
             state["d2t"],
             config["target"],
             config.get("learn_mask_embedding", False),  # older checkpoints: the target's row
+            config.get("confidence_head", False),
         )
         head.depth_accuracy = config.get("depth_accuracy")
         return head

@@ -13,6 +13,7 @@ from draftsmith.kinds import DrafterKind, register
 from draftsmith.plugins import (
     dflash,
     draft_lm,
+    dspark,
     eagle,
     eagle3,
     hierarchical,
@@ -34,6 +35,7 @@ BUILTIN: tuple[DrafterKind, ...] = (
     eagle3.KIND,
     peagle.KIND,
     dflash.KIND,
+    dspark.KIND,
     hierarchical.KIND,
     hybrid.KIND,
     medusa.KIND,

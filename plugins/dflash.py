@@ -38,6 +38,13 @@ from draftsmith.train import dflash as training
 
 def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     """Write the speculators ``dflash`` folder; returns the vLLM command that serves it."""
+    fields = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "sample_from_anchor": False}
+    return write_block_drafter(source, target, out, tree, fields, "dflash")
+
+
+def write_block_drafter(source: Source, target: Target, out: Path, tree: dict, fields: dict, method: str) -> list[str]:
+    """Write the speculators folder of a DFlash-family drafter (DFlash's config and weights plus a
+    subclass's ``fields`` and weights); returns the vLLM command that serves it with ``method``."""
     speculators.check_aux_layers(source)
     config, tensors = ascending_aux_layers(source)
     vocab = config["target_config"]["vocab_size"]
@@ -67,8 +74,7 @@ def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> lis
     write_config(
         out,
         {
-            "architectures": ["DFlashSpeculator"],
-            "speculators_model_type": "dflash",
+            **fields,
             "speculators_version": speculators.VERSION,
             "transformer_layer_config": layer,
             "draft_vocab_size": config["draft_vocab_size"],
@@ -77,7 +83,6 @@ def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> lis
             "aux_hidden_state_layer_ids": list(config["aux_layers"]),
             "mask_token_id": config["mask_token_id"],
             "sliding_window_non_causal": True,
-            "sample_from_anchor": False,
             "speculators_config": speculators.speculators_config(source, target, tree["depth"]),
             **export_block(source, speculators.NAME, config),
         },
@@ -88,7 +93,7 @@ def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> lis
             {"embedding": mask_row.detach().to(target.dtype).cpu(), "mask_token_id": config["mask_token_id"]},
             out / DFLASH_MASK_EMBEDDING,
         )
-    spec = f'{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
+    spec = f'{{"method": "{method}", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
     return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
 
 

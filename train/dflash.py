@@ -19,7 +19,7 @@ features and the out-of-vocabulary mask are EAGLE-3's (:mod:`draftsmith.train.fu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -29,6 +29,7 @@ from transformers import AttentionInterface, DynamicCache
 from draftsmith.config import RecipeError
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.data_prep.packing import same_segment, segment_positions
+from draftsmith.heads.aux_layers import resolve_aux_layers
 from draftsmith.heads.dflash import DFlashHead, weak_mask_row
 from draftsmith.heads.vocab import mask_token_for
 from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
@@ -66,8 +67,19 @@ class DFlashDrafterConfig(DrafterConfig):
     out_of_vocab_targets: Literal["mask", "renormalise"] = "mask"  # as EAGLE-3's
     features: Literal["online", "offline", "served"] = "online"
     features_dir: str | None = None
+    # A per-position acceptance predictor (the engine's cut=priced/threshold), trained with the
+    # drafter by binary cross-entropy against each slot's analytic acceptance rate (DSpark's).
+    confidence_head: bool = False
+    confidence_alpha: float = 1.0  # weight of the confidence head's loss (speculators' confidence_head_alpha)
+    # A trained drafter's checkpoint: train only a confidence head for it, its other weights frozen
+    # (the recipe's data and loop; the drafter's own settings are read from the checkpoint).
+    confidence_for: str | None = None
 
     def validate(self) -> None:
+        if self.confidence_alpha < 0:
+            raise ValueError(f"drafter.confidence_alpha must be >= 0, got {self.confidence_alpha}")
+        if self.confidence_for is not None and not self.confidence_head:
+            raise ValueError("drafter.confidence_for trains a confidence head: set drafter.confidence_head: true")
         if self.num_layers < 1:
             raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
@@ -238,20 +250,24 @@ class DFlashTask:
         self.loss_config = UnrollLoss(mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask")
         self.block_sparse = True  # False: dense SDPA under block_attention's mask (the reference; bench/dflash_cost.py)
 
-    @staticmethod
-    def new_head(recipe: DFlashRecipe, target, draft_vocab, tokenizer, train_set) -> DFlashHead:
-        """A fresh drafter for ``target`` as ``recipe.drafter`` describes it."""
+    head_class = DFlashHead
+
+    @classmethod
+    def new_head(cls, recipe: DFlashRecipe, target, draft_vocab, tokenizer, train_set) -> DFlashHead:
+        """A fresh drafter for ``target`` as ``recipe.drafter`` describes it, or with
+        ``drafter.confidence_for`` that trained drafter, frozen, with a fresh confidence head."""
         drafter = recipe.drafter
+        if drafter.confidence_for is not None:
+            return cls.frozen_with_confidence_head(drafter, target)
         mask = mask_token_for(drafter.mask_token_id, tokenizer, train_set, len(tokenizer))
         weak = weak_mask_row(target.get_input_embeddings().weight, mask)
         if weak is not None and not drafter.learn_mask_embedding:
             raise RecipeError(
                 f"drafter.mask_token_id = {mask}: the target's embedding row for it has norm {weak[0]:.3g}, "
                 f"near zero beside the table's median row norm {weak[1]:.3g} (a token never trained), so every "
-                "mask slot would enter the drafter as zeros; set drafter.learn_mask_embedding: true "
-                "(exported as mask_embedding.pt, which vLLM reads) or choose another drafter.mask_token_id"
+                f"mask slot would enter the drafter as zeros; {cls.weak_mask_advice}"
             )
-        return DFlashHead.for_target(
+        return cls.head_class.for_target(
             target,
             recipe.target.name,
             drafter.aux_layers,
@@ -260,7 +276,37 @@ class DFlashTask:
             mask,
             draft_vocab,
             drafter.learn_mask_embedding,
+            confidence_head=drafter.confidence_head,
+            **cls.head_options(drafter),
         )
+
+    weak_mask_advice = (
+        "set drafter.learn_mask_embedding: true (exported as mask_embedding.pt, which vLLM reads) "
+        "or choose another drafter.mask_token_id"
+    )
+
+    @staticmethod
+    def head_options(drafter: DFlashDrafterConfig) -> dict:
+        """Constructor arguments of ``head_class`` beyond DFlash's (a subclass's)."""
+        return {}
+
+    @classmethod
+    def frozen_with_confidence_head(cls, drafter: DFlashDrafterConfig, target) -> DFlashHead:
+        """The drafter in ``drafter.confidence_for`` with every weight frozen and a fresh confidence
+        head, the one part left to train; its blocks must be the recipe's (train with the
+        checkpoint's own recipe.yaml)."""
+        head = cls.head_class.from_pretrained(drafter.confidence_for, target)
+        layers = resolve_aux_layers(drafter.aux_layers, target.config.num_hidden_layers)
+        if (head.block_size, head.aux_layers) != (drafter.block_size, layers):
+            raise RecipeError(
+                f"drafter.confidence_for {drafter.confidence_for}: its drafter has block_size {head.block_size} and "
+                f"aux layers {head.aux_layers}, the recipe block_size {drafter.block_size} and aux layers {layers}; "
+                "train with the checkpoint's own recipe.yaml"
+            )
+        for param in head.parameters():
+            param.requires_grad_(False)
+        head.add_confidence_head()
+        return head
 
     collate = staticmethod(pad_batch)
 
@@ -269,9 +315,33 @@ class DFlashTask:
         (see :func:`~draftsmith.train.fused.fused_target_features`)."""
         return fused_target_features(self.target, self.model.aux_layers, batch)
 
+    # Slot k of a block scores the token ``shift`` places after its own position: DFlash's slots sit at
+    # the token they draft (the anchor slot drafts nothing: shift 0); DSpark's ``sample_from_anchor``
+    # slots draft the next token, the anchor's included (shift 1).
+    shift = 0
+
+    def score(self, head, hidden: torch.Tensor, previous: torch.Tensor, supervised: torch.Tensor):
+        """``(logits, confidence logits or None)`` of the scored slots ``hidden`` ``[b, A, S, h]``
+        where ``supervised``; ``previous`` ``[b, A, S]`` holds the token before each slot's label."""
+        normed = self.model.norm(hidden[supervised])
+        return self.model.lm_head(normed), self.model.confidence_logits(normed)
+
+    def confidence_loss(self, confidence, accept, weights, sums: dict) -> torch.Tensor:
+        """The confidence head's loss: binary cross-entropy of its logits against each slot's
+        acceptance rate ``accept`` (no gradient), a ``weights``-weighted mean (DFlash's decay, as
+        speculators weighs DSpark's), times ``confidence_alpha``; Brier score and bias into ``sums``."""
+        bce = F.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")
+        with torch.no_grad():
+            predicted = confidence.float().sigmoid()
+            sums["confidence_brier"] = ((predicted - accept) ** 2).sum()
+            sums["confidence_bias"] = (predicted - accept).sum()
+            sums["accept_rate"] = accept.sum()
+            sums["accept_rate_sq"] = (accept**2).sum()  # with accept_rate, the rates' variance: a constant's Brier
+        return self.cfg.confidence_alpha * (weights * bce).sum() / weights.sum().clamp(min=1e-8)
+
     def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
         aux, last = self.target_features(batch)
-        model, block = self.model, self.cfg.block_size
+        model, block, shift = self.model, self.cfg.block_size, self.shift
         ids, padding, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         batch_size, length = ids.shape
         # Held-out evaluations score the same blocks every time.
@@ -279,7 +349,7 @@ class DFlashTask:
         anchors, valid = sample_anchors(loss_mask, padding, self.cfg.anchors_per_sequence, generator)
         count = anchors.shape[1]
         offsets = torch.arange(block, device=ids.device)
-        positions = anchors[:, :, None] + offsets  # [b, A, block]: where slot k's token lies in the row
+        positions = anchors[:, :, None] + offsets  # [b, A, block]: where slot k sits in the row
         # Positions within each conversation (a packed row holds several).
         context_positions = segment_positions(padding)
         block_positions = context_positions.gather(1, anchors)[:, :, None] + offsets
@@ -298,8 +368,9 @@ class DFlashTask:
                 context=aux,
                 context_positions=context_positions,
             ).view(batch_size, count, block, -1)
-        # Slot k >= 1 drafts token a + k, scored with the target's distribution at a + k - 1.
-        labels = positions[:, :, 1:]
+        # The scored slots (1.. for DFlash, 0.. for DSpark) draft depths 1..S: the token at `labels`,
+        # scored with the target's distribution at labels - 1.
+        labels = positions[:, :, 1 - shift :] + shift
         inside = labels < length
         clamped = labels.clamp(max=length - 1)
         supervised = (
@@ -315,7 +386,8 @@ class DFlashTask:
                 model, last[rows, source].to(hidden.dtype), self.loss_config, training
             )
             draft_ids = model.to_draft_ids(best)
-        logits = model.draft_logits(hidden[:, :, 1:][supervised])
+        previous = ids.gather(1, (clamped - 1).flatten(1)).view_as(labels)
+        logits, confidence = self.score(head, hidden[:, :, 1 - shift :], previous, supervised)
         ce, lse = soft_target_cross_entropy(logits, coeff)
         with torch.no_grad():
             # D-PACE's per-slot acceptance: the draft's probability of the target's token (0 where
@@ -326,18 +398,25 @@ class DFlashTask:
             accept[supervised] = hit.exp()
             weights = slot_weights(accept, supervised, self.cfg)[supervised]
         total = (weights * ce).sum() / kept.sum().clamp(min=1)
+        depths = labels.shape[-1]
         with torch.no_grad():
-            slot = offsets[1:].expand_as(labels)[supervised]
+            depth = (offsets[:depths] + 1).expand_as(labels)[supervised]
             hits = model.draft_vocab[logits.argmax(-1)] == best
             sums = {
                 "tokens": supervised.sum(),
                 "ce_loss": (lse - torch.bmm(target_probs.unsqueeze(1), logits.float().unsqueeze(2)).view(-1)).sum(),
             }
-            for k in range(1, block):
-                at = slot == k
-                sums[f"top1@{k}"] = (hits & at).sum()
-                sums[f"rows@{k}"] = at.sum()
-            sums["loss"] = total.detach() * sums["tokens"]
+            for d in range(1, depths + 1):
+                at = depth == d
+                sums[f"top1@{d}"] = (hits & at).sum()
+                sums[f"rows@{d}"] = at.sum()
+        if confidence is not None:
+            with torch.no_grad():
+                # The chance a draft sampled from q is accepted against the target's p: sum_v min(p_v, q_v).
+                overlap = torch.minimum((logits.float() - lse[:, None]).exp(), target_probs).sum(-1)
+                decay = slot_weights(torch.zeros_like(accept), supervised, replace(self.cfg, weighting="decay"))
+            total = total + self.confidence_loss(confidence, overlap, decay[supervised], sums)
+        sums["loss"] = total.detach() * sums["tokens"]
         metrics = dict(zip(sums, torch.stack([v.float() for v in sums.values()]).tolist()))
         return total, metrics
 

@@ -13,25 +13,67 @@ Slots 1..depth give the draft distributions of depths 1..depth, from which the c
 
 from __future__ import annotations
 
+import math
+import time
+
 import torch
 from transformers import DynamicCache
 
+from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult, load_head
-from draftsmith.eval.engine.tree import TokenTree, grow_chain
+from draftsmith.eval.engine.pass_cost import priced_size
+from draftsmith.eval.engine.tree import TokenTree, grow_chain, grow_markov_chain
+from draftsmith.eval.engine.tree_plan import pass_costs
 from draftsmith.heads.dflash import DFlashHead
+
+CUTS = ("priced", "threshold", "fixed")
+
+
+def survival(confidences: list[float]) -> list[float]:
+    """Each depth's predicted probability of being accepted with every depth above it."""
+    return [math.prod(confidences[: d + 1]) for d in range(len(confidences))]
 
 
 class DFlashDrafter(Drafter):
-    """A :class:`~draftsmith.heads.dflash.DFlashHead` drafting ``depth`` (< its block size) tokens a pass."""
+    """A :class:`~draftsmith.heads.dflash.DFlashHead` drafting ``depth`` (<= its block's) tokens a pass.
+
+    With a confidence head, ``cut`` decides how many of them the target verifies: ``priced`` (the
+    count with the most expected tokens per second, the expected yield of n tokens being ``1 + sum``
+    of the predicted acceptances' running products and its cost the target's measured pass over
+    n + 1 tokens (``costs``) plus the seconds this step spent drafting:
+    :func:`~draftsmith.eval.engine.pass_cost.priced_size`; vLLM's adaptive verification sizes
+    DSpark's drafts from the same products and its cost tables), ``threshold`` (while the running
+    product is at least ``threshold``) or ``fixed`` (all)."""
 
     needs_hidden = True
 
-    def __init__(self, head, depth: int | None = None, name: str = "dflash"):
+    def __init__(
+        self,
+        head,
+        depth: int | None = None,
+        cut: str | None = None,
+        threshold: float = 0.5,
+        costs: dict[int, float] | None = None,
+        name: str = "dflash",
+    ):
         self.head = head.eval()
         self.feature_layers = head.aux_layers
-        self.depth = min(depth or head.block_size - 1, head.block_size - 1)
+        self.depth = min(depth or head.draft_slots, head.draft_slots)
         self.name = name
         self._cache, self._length, self._features = DynamicCache(), 0, None
+        cut = cut or default_cut(head)
+        if cut not in CUTS:
+            raise UsageError(f"{head.kind}: cut={cut} is not allowed: choose one of {', '.join(CUTS)}")
+        if cut != "fixed" and head.confidence_head is None:
+            raise UsageError(
+                f"{head.kind}: cut={cut} needs a confidence head, and this drafter has none: use cut=fixed, or train "
+                "one for it (drafter.confidence_for, docs/training.md)"
+            )
+        if cut == "priced" and costs is None:
+            raise ValueError("cut=priced needs the target's pass costs")
+        self.cut, self.threshold, self.costs = cut, threshold, costs
+        if head.confidence_head is not None:
+            self.tree_label = f"cut={cut}" + (f", threshold {threshold:g}" if cut == "threshold" else "")
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         self._cache, self._length, self._features = DynamicCache(), 0, hidden
@@ -39,35 +81,87 @@ class DFlashDrafter(Drafter):
     def accept(self, result: StepResult) -> None:
         self._features = result.hidden if self._features is None else torch.cat([self._features, result.hidden])
 
-    @torch.no_grad()
-    def propose(self, context: DraftContext) -> TokenTree:
+    def block_hidden(self, context: DraftContext) -> torch.Tensor:
+        """The hidden states ``[depth, h]`` of the block's drafting slots (depth d's in row d - 1),
+        after the pending positions' context has joined the cache."""
         param = next(self.head.parameters())
         if self._features is not None and len(self._features):
             n = len(self._features)
             positions = torch.arange(self._length, self._length + n, device=param.device)[None]
             self.head.add_context(self._cache, self._features.to(param.dtype)[None], positions)
             self._length, self._features = self._length + n, None
-        depth = min(self.depth, context.max_tokens)
-        if depth < 1:
-            return TokenTree()
-        # [anchor, MASK x K] for the configured K even where fewer tokens are wanted (the output's end):
+        # [anchor, MASK...] for the configured depth even where fewer tokens are wanted (the output's end):
         # the slots attend to each other both ways, so the block's length changes every slot's output,
-        # and vLLM always runs 1 + num_speculative_tokens slots. K < block_size - 1 is therefore a
+        # and vLLM always runs the same slots (1 + num_speculative_tokens for DFlash, as many as drafted
+        # tokens where the anchor's slot drafts too). A shorter depth than trained is therefore a
         # shorter block than training ran, measured as vLLM serves it.
-        block = self.depth + 1
+        first = 1 - self.head.shift  # the slot drafting depth 1
+        block = self.depth + first
         ids = torch.full((1, block), self.head.mask_token_id, dtype=torch.long, device=param.device)
         ids[0, 0] = context.tokens[-1]  # the anchor sits right after the context
         positions = torch.arange(self._length, self._length + block, device=param.device)[None]
         everything = torch.ones(1, 1, block, self._length + block, dtype=torch.bool, device=param.device)
         hidden = self.head(ids, positions, self._cache, everything)
         self._cache.crop(-block)  # the block's keys: the cache keeps the context only
-        logits = self.head.draft_logits(hidden[0, 1 : depth + 1]).float()  # depth d's distribution in row d - 1
-        vocab = None if self.head.full_vocab else self.head.draft_vocab
-        return grow_chain(
-            logits, context.sampling, context.generator, context.max_entropy, vocab, self.head.config.vocab_size
+        return hidden[0, first:]
+
+    def keep(self, confidences: list[float], started: float, depth: int) -> int:
+        """How many of ``depth`` drafted tokens to verify, by ``cut``, from their predicted acceptances."""
+        reach = survival(confidences)
+        if self.cut == "threshold":
+            return sum(1 for p in reach if p >= self.threshold)
+        return priced_size(reach, self.costs, time.perf_counter() - started, depth)
+
+    sequential = False  # each depth's distribution depends on the token chosen above it (a Markov head)
+
+    def markov_step(self, normed: torch.Tensor):
+        """``step(d, previous) -> (bias, confidence logit)`` for :func:`grow_markov_chain`: DFlash
+        drafts without a bias; a subclass's Markov head adds one."""
+
+        def step(d: int, previous: torch.Tensor):
+            return None, self.head.confidence_logits(normed[d : d + 1])
+
+        return step
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> TokenTree:
+        started = time.perf_counter()  # read after the one read-back, which waits for the device
+        depth = min(self.depth, context.max_tokens)
+        if depth < 1:
+            return TokenTree()  # the pending context joins the cache at the next proposal
+        head = self.head
+        normed = head.norm(self.block_hidden(context)[:depth])
+        logits = head.lm_head(normed)  # depth d's distribution in row d - 1
+        vocab = None if head.full_vocab else head.draft_vocab
+        if self.cut == "fixed" and not self.sequential:  # every depth chosen at once
+            return grow_chain(
+                logits.float(), context.sampling, context.generator, context.max_entropy, vocab, head.config.vocab_size
+            )
+        return grow_markov_chain(
+            logits,
+            self.markov_step(normed),
+            torch.tensor(context.tokens[-1], device=logits.device),
+            context.sampling,
+            context.generator,
+            context.max_entropy,
+            vocab,
+            head.config.vocab_size,
+            cut=None if self.cut == "fixed" else lambda confidences: self.keep(confidences, started, depth),
         )
 
 
-def build(spec: DrafterSpec, target) -> DFlashDrafter:
-    """The drafter of ``dflash:PATH?depth=K``."""
-    return DFlashDrafter(load_head(DFlashHead, spec, target), **spec.options)
+def default_cut(head) -> str:
+    """``priced`` for a drafter with a confidence head, else ``fixed``."""
+    return "priced" if head.confidence_head is not None else "fixed"
+
+
+def build(spec: DrafterSpec, target, head_class=DFlashHead, drafter_class=None):
+    """The drafter of ``dflash:PATH?depth=K&cut=..&threshold=P`` (a subclass's with its classes); the
+    target's pass costs are measured once for ``cut=priced``."""
+    head = load_head(head_class, spec, target)
+    options = dict(spec.options)
+    costs = None
+    if (options.get("cut") or default_cut(head)) == "priced" and head.confidence_head is not None:
+        depth = min(options.get("depth") or head.draft_slots, head.draft_slots)
+        costs = pass_costs(target, max_budget=depth)
+    return (drafter_class or DFlashDrafter)(head, costs=costs, **options)

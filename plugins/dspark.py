@@ -1,0 +1,80 @@
+"""DSpark drafters: a DFlash backbone drafting the block in one pass, a Markov head biasing each
+depth by the token drafted before it, and a confidence head whose predicted acceptance decides how
+much of the chain the target verifies; trained by ``train/dspark.py``.
+
+Exported as speculators' ``dspark`` (``DSparkSpeculatorConfig``: DFlash's fields plus
+``markov_rank``, ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``
+and ``sample_from_anchor``; the two heads' weights under speculators' names). vLLM 0.32 serves it
+with ``method: dspark`` (its ``Qwen3DSparkModel`` builds the vanilla Markov head only; a gated or
+rnn head is exported for speculators but not served).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.checkpoint_files import read_json
+from draftsmith.eval.engine.drafters import dspark
+from draftsmith.export import speculators
+from draftsmith.export.common import Source, Target, refuse
+from draftsmith.kinds import COUNT, DrafterKind, Option, Range, Served, Training
+from draftsmith.plugins.dflash import write_block_drafter
+from draftsmith.train import dspark as training
+
+
+def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
+    """Write the speculators ``dspark`` folder; returns the vLLM command that serves it."""
+    config = source.config
+    if "mask_embedding" in source.state:
+        raise refuse(speculators.NAME, source.kind, "it carries a learned mask row, which vLLM's DSpark never reads")
+    fields = {
+        "architectures": ["DSparkSpeculator"],
+        "speculators_model_type": "dspark",
+        "sample_from_anchor": config["sample_from_anchor"],
+        "markov_rank": config["markov_rank"],
+        "markov_head_type": config["markov_head_type"],
+        "enable_confidence_head": config["confidence_head"],
+        "confidence_head_with_markov": config["confidence_head_with_markov"],
+    }
+    return write_block_drafter(source, target, out, tree, fields, "dspark")
+
+
+def serve(fmt: str, folder: Path, depth: int) -> Served | None:
+    """vLLM serves the speculators export as ``dspark`` when its Markov head is vanilla (or absent)."""
+    if fmt != speculators.NAME:
+        return None
+    config = read_json(Path(folder) / "config.json")
+    vanilla = config.get("markov_head_type", "vanilla") == "vanilla" or not config.get("markov_rank")
+    return Served("dspark", depth) if vanilla else None
+
+
+KIND = DrafterKind(
+    name="dspark",
+    summary="a trained DSpark drafter: a DFlash block drafted in one pass, a Markov head biasing each token "
+    "by the one drafted before it, and a confidence head cutting the chain where verifying stops paying",
+    build=dspark.build,
+    path="checkpoint or speculators export folder (required)",
+    options={
+        "depth": Option(
+            None,
+            "tokens K drafted per step, in one pass over the block (default and most: the block's, "
+            "block_size with sample_from_anchor, else block_size - 1)",
+            COUNT,
+        ),
+        "cut": Option(
+            None,
+            "how many drafted tokens the target verifies: priced (default with a confidence head: the "
+            "count with the most expected tokens per second, from the predicted acceptances and the target's "
+            "measured pass costs), threshold (while the cumulative predicted acceptance >= threshold), "
+            "fixed (all K)",
+        ),
+        "threshold": Option(0.5, "cut=threshold: the least cumulative predicted acceptance verified", Range(0, 1)),
+    },
+    has_distribution=True,
+    max_depth=lambda config: config["block_size"] - 1 + int(config["sample_from_anchor"]),
+    training=Training("dspark", training.DSparkRecipe, training.main, training.build),
+    title="DSpark drafter",
+    formats={speculators.NAME: to_speculators},
+    serve=serve,
+    chain=lambda depth: {"depth": depth, "cut": "fixed"},  # vLLM drafts the whole chain without adaptive verification
+)

@@ -1,0 +1,263 @@
+"""DSpark: the drafter's sequential Markov chain is what the teacher-forced training pass scores,
+drafting with the confidence cut is lossless (greedy identical, sampling distributed as the
+target), the export loads in speculators' own DSparkDraftModel with the same weights and logits,
+training learns and its confidence head predicts acceptance better than a constant, and bad
+recipes are refused before any model loads.
+
+Tiny random-weight targets (built from a config) keep these fast.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cli_helpers import user_error
+from stats_helpers import assert_distributed_as_target
+from training_helpers import save_tiny_target, write_recipe
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter
+from draftsmith.eval.engine.drafters.base import DraftContext
+from draftsmith.eval.engine.drafters.dflash import survival
+from draftsmith.eval.engine.drafters.dspark import DSparkDrafter
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.heads.dspark import DSparkHead
+from draftsmith.target import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT = [3, 5, 2, 7, 4]
+# A cost table shaped like a CPU's: a pass over n tokens costs 1 + 0.1 n single-token passes.
+COSTS = {n: 1.0 + 0.1 * n for n in range(1, 16)}
+
+
+@pytest.fixture(scope="module")
+def tiny_target(make_tiny_llama):
+    """8 tokens, peaked (weights x 15), 3 layers for the 3 aux layers; token 7 is also the mask."""
+    return make_tiny_llama(vocab_size=8, hidden_size=32, layers=3, seed=0, scale=15.0)
+
+
+def _head(target, mask: int, block: int = 4, draft_vocab=None, seed: int = 1, **options) -> DSparkHead:
+    torch.manual_seed(seed)
+    vocab = torch.tensor(draft_vocab) if draft_vocab is not None else None
+    options.setdefault("markov_rank", 8)
+    head = DSparkHead.for_target(target, "tiny", [0, 1, 2], 2, block, mask, vocab, **options)
+    with torch.no_grad():  # norms start at 1 and the Markov rows near 0: move every weight so the test sees them all
+        for param in head.parameters():
+            param.add_(torch.randn_like(param) * 0.3)
+        if head.markov_head is not None:  # a bias as large as the logits, so that it changes choices
+            head.markov_head.markov_w2.weight.mul_(10.0)
+    return head.eval()
+
+
+def _features(target, ids: list[int]) -> torch.Tensor:
+    out = target.get_decoder()(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    return torch.cat([out.hidden_states[layer] for layer in (0, 1, 2)], dim=-1)
+
+
+@pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("from_anchor", [True, False], ids=["sample-from-anchor", "dflash-layout"])
+def test_the_drafted_chain_is_the_argmax_of_the_teacher_forced_block(make_tiny_llama, markov, from_anchor):
+    """Through the engine's protocol the drafter's greedy chain is, at every depth, the argmax of the
+    block's logits with the Markov bias of the token at the depth above, computed for the whole
+    block at once as training computes it (teacher-forced with that chain): the sequential drafting
+    loop and the training pass are one model. The confidences the chain is cut by are the confidence
+    head's on the same features."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    vocab = [0, 1, 2, 3, 5, 8, 13, 21, 34, 40, 47]
+    head = _head(target, mask=47, block=4, draft_vocab=vocab, markov_head_type=markov, sample_from_anchor=from_anchor)
+    ids = [3, 9, 4, 17, 6, 11, 2, 30]
+    a = 6
+    depth = head.draft_slots
+    assert depth == (4 if from_anchor else 3)
+    with torch.no_grad():
+        features = _features(target, ids)
+        drafter = DSparkDrafter(head, cut="fixed")
+        drafter.begin(ids[: a + 1], features[0, :a])
+        chain = drafter.propose(DraftContext(ids[: a + 1], SamplingConfig(), None, max_tokens=10)).tokens
+        assert len(chain) == depth
+        cache = DynamicCache()
+        head.add_context(cache, features[:, :a], torch.arange(a)[None])
+        slots = depth + 1 - head.shift
+        block = torch.tensor([[ids[a]] + [47] * (slots - 1)])
+        everything = torch.ones(1, 1, slots, a + slots, dtype=torch.bool)  # the block sees its context and itself
+        hidden = head(block, a + torch.arange(slots)[None], cache, everything)[0, 1 - head.shift :]
+        normed = head.norm(hidden)
+        previous = torch.tensor([ids[a], *chain[:-1]])
+        embedded = head.embed_previous(previous)
+        logits = head.markov_logits(normed, head.markov_head.block_features(embedded, normed))
+        assert head.draft_vocab[logits.argmax(-1)].tolist() == chain
+        # Without the bias the chain differs somewhere: the Markov head is really in the loop.
+        assert head.draft_vocab[head.lm_head(normed).argmax(-1)].tolist() != chain
+        confidence = head.confidence_logits(normed, embedded).sigmoid().tolist()
+    reach = survival(confidence)
+    threshold = (reach[1] + reach[2]) / 2  # keeps two depths
+    drafter = DSparkDrafter(head, cut="threshold", threshold=threshold)
+    drafter.begin(ids[: a + 1], features[0, :a])
+    assert drafter.propose(DraftContext(ids[: a + 1], SamplingConfig(), None, max_tokens=10)).tokens == chain[:2]
+
+
+def test_survival_is_the_running_product_of_confidences():
+    assert survival([0.9, 0.5, 1.0, 0.2]) == pytest.approx([0.9, 0.45, 0.45, 0.09])
+
+
+@pytest.mark.parametrize("cut", ["priced", "threshold", "fixed"])
+def test_greedy_dspark_is_lossless_with_every_cut(tiny_target, tmp_path, cut):
+    """Greedy output equals plain decoding whatever the cut; priced and threshold cuts verify fewer
+    tokens than the fixed block on some steps, and every step drafts in one pass of the layers."""
+    head = _head(tiny_target, mask=7, block=4)
+    head.save_pretrained(tmp_path / "ckpt")
+    drafter = build_drafter(f"dspark:{tmp_path / 'ckpt'}?cut={cut}&threshold=0.2", tiny_target)
+    assert isinstance(drafter, DSparkDrafter) and drafter.depth == 4 and drafter.cut == cut
+    if cut == "priced":
+        drafter.costs = COSTS  # a CPU-like table, so the cut's decisions do not depend on this machine's timings
+    calls = []
+    drafter.head.register_forward_hook(lambda *args: calls.append(1))
+    plain = SpeculativeDecoder(tiny_target, None, None, eos_ids=set())
+    spec = SpeculativeDecoder(tiny_target, drafter, None, eos_ids=set())
+    sizes = []
+    for prompt in (PROMPT, [1, 1, 6], list(range(8)) * 3):
+        want = plain.generate(prompt, 40)
+        got = spec.generate(prompt, 40)
+        assert got.tokens == want.tokens
+        sizes += got.drafted
+    # One pass of the layers a step at most; a step whose chain is cut to nothing has drafted all the same.
+    assert sum(1 for n in sizes if n) <= len(calls) <= len(sizes)
+    assert max(sizes) <= 4
+    if cut == "fixed":
+        assert min(n for n in sizes[:-1] if n) == 4 or max(sizes) == 4
+    else:
+        assert min(sizes) < 4  # the cut shortened some steps
+
+
+def test_sampling_with_a_confidence_cut_matches_the_exact_distribution(tiny_target):
+    """The cut depends on the drafted tokens (their Markov embeddings feed the confidence head), never
+    on the target: recursive rejection sampling over the kept chain stays exact."""
+    head = _head(tiny_target, mask=7, block=3, draft_vocab=[0, 2, 3, 5, 6, 7], seed=2)
+    drafter = DSparkDrafter(head, cut="threshold", threshold=0.3)
+    accepted = assert_distributed_as_target(tiny_target, drafter, PROMPT, 4, 3000)
+    assert sum(n for a, n in accepted.items() if max(a) > 1) > 100, accepted  # drafts were accepted, often
+
+
+def test_the_export_loads_in_speculators_dspark_with_the_same_weights_and_logits(tiny_target, tmp_path):
+    """The speculators ``dspark`` export validates in DSparkSpeculatorConfig, loads every weight in
+    DSparkDraftModel (backbone, Markov and confidence heads), its heads give our logits and
+    confidences on the same hidden states, vLLM is told ``method: dspark`` with the block's tokens,
+    and the export loads back into the engine as the same drafter."""
+    pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+
+    from draftsmith.export import export_checkpoint
+
+    target_dir = save_tiny_target(tmp_path / "target", load_tokenizer("default"), scale=8.0, layers=3)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    vocab = torch.arange(0, target.config.vocab_size, 3)
+    head = DSparkHead.for_target(target, str(target_dir), [2, 0, 1], 2, 5, 16, vocab, markov_rank=16)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    head.save_pretrained(tmp_path / "ckpt")
+    serve = export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out")
+    assert '{"method": "dspark", "model": "' in serve[0] and '"num_speculative_tokens": 5}' in serve[0]
+    config = DSparkSpeculatorConfig.from_pretrained(tmp_path / "out")
+    assert (config.mask_token_id, config.block_size, config.sample_from_anchor) == (16, 5, True)
+    assert (config.markov_rank, config.markov_head_type, config.enable_confidence_head) == (16, "vanilla", True)
+    assert config.confidence_head_with_markov and config.aux_hidden_state_layer_ids == [0, 1, 2]
+    config.transformer_layer_config._attn_implementation = "eager"
+    config.speculators_config.verifier.name_or_path = str(target_dir)
+    theirs = DSparkDraftModel.from_pretrained(tmp_path / "out", config=config).eval()
+    ours = head.state_dict()
+    mine = {n for n in ours if n != "fc.weight"}
+    assert mine <= set(theirs.state_dict()), mine - set(theirs.state_dict())
+    for name in mine:
+        assert torch.equal(theirs.state_dict()[name], ours[name]), name
+    hidden = torch.randn(2, 5, target.config.hidden_size)
+    previous = torch.randint(target.config.vocab_size, (2, 5))
+    with torch.no_grad():
+        normed = head.norm(hidden)
+        embedded = head.embed_previous(previous)
+        want = head.markov_logits(normed, head.markov_head.block_features(embedded, normed))
+        got = theirs.lm_head(theirs.norm(hidden)) + theirs.markov_head.block_bias(
+            prev_token_ids=previous, hidden_states=theirs.norm(hidden)
+        )
+        torch.testing.assert_close(got, want)
+        prev_emb = theirs.markov_head.prev_embeddings(previous)
+        theirs_confidence = theirs.confidence_head(torch.cat([theirs.norm(hidden), prev_emb], dim=-1))
+        torch.testing.assert_close(theirs_confidence, head.confidence_logits(normed, embedded))
+    back = build_drafter(f"dspark:{tmp_path / 'out'}?cut=fixed", target)
+    assert back.depth == 5 and back.head.aux_layers == [0, 1, 2] and back.head.sample_from_anchor
+    for name, value in back.head.state_dict().items():
+        expected = theirs.state_dict()[name] if name == "fc.weight" else ours[name]
+        assert torch.equal(value, expected), name
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert raw["speculators_model_type"] == "dspark" and raw["architectures"] == ["DSparkSpeculator"]
+
+
+@pytest.fixture(scope="module")
+def dspark_run(tmp_path_factory):
+    """A tiny DSpark drafter trained 24 steps on the bundled tokenizer's ShareGPT (regeneration off)."""
+    from draftsmith.train.dspark import main
+
+    root = tmp_path_factory.mktemp("dspark")
+    # Peaked (weights x 20): acceptance then varies from slot to slot, something a confidence head can learn.
+    target = save_tiny_target(root / "target", load_tokenizer("default"), scale=20.0)
+    drafter = {
+        "kind": "dspark",
+        "aux_layers": [0, 1, 2],
+        "num_layers": 1,
+        "block_size": 4,
+        "anchors_per_sequence": 16,
+        "draft_vocab_size": 512,
+        "markov_rank": 32,
+    }
+    recipe = write_recipe(
+        root,
+        target,
+        drafter,
+        data={"regenerate": {"enabled": False}},
+        learning_rate=3e-3,
+        lr_schedule="constant",
+        max_steps=40,
+        log_every=4,
+        eval_every=20,
+    )
+    return main([str(recipe), "--output_dir", str(root / "run")]), recipe
+
+
+def test_training_lowers_the_loss_records_every_depth_and_calibrates_the_confidence_head(dspark_run):
+    """The loss falls; with sample_from_anchor a block of 4 trains depths 1..4; the confidence head's
+    held-out Brier score beats the best constant's (the held-out mean acceptance rate's)."""
+    trainer, _ = dspark_run
+    logs = [h for h in trainer.history if "train/loss" in h]
+    assert logs[-1]["train/loss"] < logs[0]["train/loss"] - 0.05, [h["train/loss"] for h in logs]
+    for h in logs:
+        depths = [h[f"train/top1@{d}"] for d in (1, 2, 3, 4)]
+        assert all(0.0 <= a <= 1.0 for a in depths) and "train/top1@5" not in h
+    evaluation = [h for h in trainer.history if "eval/confidence_brier" in h][-1]
+    # The best constant prediction is the mean rate, whose Brier score is the rates' variance.
+    variance = evaluation["eval/accept_rate_sq"] - evaluation["eval/accept_rate"] ** 2
+    assert evaluation["eval/confidence_brier"] < 0.8 * variance, evaluation
+    head = DSparkHead.from_pretrained(trainer.last_checkpoint)
+    assert (head.block_size, head.draft_slots, len(head.depth_accuracy)) == (4, 4, 4)
+    assert head.markov_head.rank == 32 and head.confidence_head is not None
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        (["--drafter.markov_rank", "-1"], "drafter.markov_rank"),
+        (["--drafter.markov_rank", "5000"], "drafter.markov_rank"),
+        (["--drafter.block_size", "65"], "drafter.block_size"),
+        (["--drafter.markov_rank", "0"], "drafter.confidence_head_with_markov"),
+        (["--drafter.learn_mask_embedding", "true"], "drafter.learn_mask_embedding"),
+    ],
+)
+def test_a_recipe_out_of_range_is_one_line_before_any_model_loads(dspark_run, capsys, override, field):
+    from draftsmith.train.dspark import main
+
+    _, recipe = dspark_run
+    assert field in user_error(capsys, main, [str(recipe), *override])
