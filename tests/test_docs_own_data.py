@@ -25,7 +25,8 @@ GUIDE = REPO / "docs" / "own_data.md"
 MARKER = "<!-- tested: tests/test_docs_own_data.py -->"
 
 # Per program: what shrinks the guide's command to a test (sizes), and what a 2-core CPU needs
-# where the recipe is written for GPUs (fp32 instead of bf16, no DeepSpeed, no W&B).
+# where the recipe is written for GPUs (fp32 instead of bf16, no DeepSpeed, no W&B, regeneration by
+# transformers' generate: a vLLM engine's start-up would outlast twelve 16-token replies).
 TINY = {
     "train/eagle3.py": [
         "--training.max_steps", "3", "--training.num_epochs", "1", "--training.warmup_steps", "0",
