@@ -41,5 +41,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return results
 
 
+def cli() -> None:
+    """The ``draftsmith-adapt`` console script: :func:`main` without its return value (the rounds'
+    records, which the console-script wrapper would print and turn into exit code 1)."""
+    main()
+
+
 if __name__ == "__main__":
     main()

@@ -37,16 +37,21 @@ from draftsmith.train import dflash as training
 
 
 def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
-    """Write the speculators ``dflash`` folder; returns the vLLM command that serves it."""
+    """Write the speculators ``dflash`` folder; returns the vLLM command that serves it. A confidence
+    head stays behind: neither speculators' nor vLLM's DFlash has one (vLLM drafts the whole block)."""
     fields = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "sample_from_anchor": False}
-    return write_block_drafter(source, target, out, tree, fields, "dflash")
+    return write_block_drafter(source, target, out, tree, fields, "dflash", without=("confidence_head.",))
 
 
-def write_block_drafter(source: Source, target: Target, out: Path, tree: dict, fields: dict, method: str) -> list[str]:
+def write_block_drafter(
+    source: Source, target: Target, out: Path, tree: dict, fields: dict, method: str, without: tuple[str, ...] = ()
+) -> list[str]:
     """Write the speculators folder of a DFlash-family drafter (DFlash's config and weights plus a
-    subclass's ``fields`` and weights); returns the vLLM command that serves it with ``method``."""
+    subclass's ``fields`` and weights, less those named ``without*``); returns the vLLM command that
+    serves it with ``method``."""
     speculators.check_aux_layers(source)
     config, tensors = ascending_aux_layers(source)
+    tensors = {name: value for name, value in tensors.items() if not name.startswith(without)}
     vocab = config["target_config"]["vocab_size"]
     if config["draft_vocab_size"] == vocab:
         raise refuse(

@@ -16,7 +16,7 @@ import torch
 from cli_helpers import user_error
 from stats_helpers import assert_distributed_as_target
 from training_helpers import save_tiny_target, write_recipe
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
@@ -197,14 +197,44 @@ def test_the_export_loads_in_speculators_dspark_with_the_same_weights_and_logits
     assert raw["speculators_model_type"] == "dspark" and raw["architectures"] == ["DSparkSpeculator"]
 
 
+def save_copy_target(folder, tokenizer, hidden_size: int = 64):
+    """A tiny Llama whose next token depends on the current token alone, and how sure it is too: its
+    layers add nothing (zero output projections), so the last hidden state is the token's embedding
+    and the tied LM head scores each token by its row's product with it. Rows of even ids are long
+    (the token predicts itself, near certainly), rows of odd ids short (a near-uniform guess): a
+    draft's acceptance then depends on the previous token, which the confidence head can learn."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        table = model.model.embed_tokens.weight
+        table.div_(table.norm(dim=-1, keepdim=True))
+        table.mul_(torch.where(torch.arange(len(table)) % 2 == 0, 3.0, 0.3)[:, None])
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def dspark_run(tmp_path_factory):
-    """A tiny DSpark drafter trained 24 steps on the bundled tokenizer's ShareGPT (regeneration off)."""
+    """A tiny DSpark drafter trained 40 steps on ShareGPT text (regeneration off) for a target whose
+    confidence depends on the previous token (:func:`save_copy_target`)."""
     from draftsmith.train.dspark import main
 
     root = tmp_path_factory.mktemp("dspark")
-    # Peaked (weights x 20): acceptance then varies from slot to slot, something a confidence head can learn.
-    target = save_tiny_target(root / "target", load_tokenizer("default"), scale=20.0)
+    target = save_copy_target(root / "target", load_tokenizer("default"))
     drafter = {
         "kind": "dspark",
         "aux_layers": [0, 1, 2],
@@ -218,8 +248,8 @@ def dspark_run(tmp_path_factory):
         root,
         target,
         drafter,
-        data={"regenerate": {"enabled": False}},
-        learning_rate=3e-3,
+        data={"regenerate": {"enabled": False}, "limit": 24, "held_out_fraction": 0.25},
+        learning_rate=1e-2,
         lr_schedule="constant",
         max_steps=40,
         log_every=4,
@@ -240,7 +270,7 @@ def test_training_lowers_the_loss_records_every_depth_and_calibrates_the_confide
     evaluation = [h for h in trainer.history if "eval/confidence_brier" in h][-1]
     # The best constant prediction is the mean rate, whose Brier score is the rates' variance.
     variance = evaluation["eval/accept_rate_sq"] - evaluation["eval/accept_rate"] ** 2
-    assert evaluation["eval/confidence_brier"] < 0.8 * variance, evaluation
+    assert evaluation["eval/confidence_brier"] < 0.75 * variance, evaluation
     head = DSparkHead.from_pretrained(trainer.last_checkpoint)
     assert (head.block_size, head.draft_slots, len(head.depth_accuracy)) == (4, 4, 4)
     assert head.markov_head.rank == 32 and head.confidence_head is not None
@@ -261,3 +291,35 @@ def test_a_recipe_out_of_range_is_one_line_before_any_model_loads(dspark_run, ca
 
     _, recipe = dspark_run
     assert field in user_error(capsys, main, [str(recipe), *override])
+
+
+def test_a_confidence_head_trained_afterwards_for_a_frozen_drafter_beats_a_constant(dspark_run, tmp_path):
+    """``drafter.confidence_for`` gives a trained drafter without one (here a DSpark drafter trained with
+    ``drafter.confidence_head: false``; DFlash drafters take the same path) a confidence head
+    afterwards: every other weight stays as it was, the head's held-out Brier score beats the best
+    constant's, it is saved with the drafter, and the engine cuts the drafter's chains with it."""
+    from draftsmith.train.dspark import main
+
+    _, recipe = dspark_run
+    target = AutoModelForCausalLM.from_pretrained(recipe.parent / "target", dtype=torch.float32)
+    base = ["--output_dir", str(tmp_path / "plain"), "--drafter.confidence_head", "false"]
+    trained = main([str(recipe), *base]).last_checkpoint
+    frozen = DSparkHead.from_pretrained(trained, target)
+    assert frozen.confidence_head is None
+    overrides = ["--drafter.confidence_head", "true", "--drafter.confidence_for", str(trained)]
+    trainer = main([str(recipe), *overrides, "--output_dir", str(tmp_path / "run")])
+    evaluation = [h for h in trainer.history if "eval/confidence_brier" in h][-1]
+    variance = evaluation["eval/accept_rate_sq"] - evaluation["eval/accept_rate"] ** 2
+    assert evaluation["eval/confidence_brier"] < 0.75 * variance, evaluation
+    head = DSparkHead.from_pretrained(trainer.last_checkpoint, target)
+    assert head.confidence_head is not None
+    before = frozen.state_dict()
+    for name, value in head.state_dict().items():
+        if not name.startswith("confidence_head."):
+            assert torch.equal(value, before[name]), name
+    drafter = build_drafter(f"dspark:{trainer.last_checkpoint}?cut=threshold&threshold=0.3", target)
+    plain = SpeculativeDecoder(target, None, None, eos_ids=set())
+    spec = SpeculativeDecoder(target, drafter, None, eos_ids=set())
+    prompt = load_tokenizer("default")("The cat sat on the mat and the dog")["input_ids"]
+    got = spec.generate(prompt, 24)
+    assert got.tokens == plain.generate(prompt, 24).tokens and min(got.drafted) < 4

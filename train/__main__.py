@@ -95,5 +95,11 @@ def _serve(argv: list[str]) -> None:
     os.execvp(command[0], command)
 
 
+def cli() -> None:
+    """The ``draftsmith-train`` console script: :func:`main` without its return value (the finished
+    trainer, which the console-script wrapper would print and turn into exit code 1)."""
+    main()
+
+
 if __name__ == "__main__":
     main()
