@@ -2,9 +2,15 @@
 same data, same precomputed features, same wall-clock budget, same settings where both have them, for
 EAGLE-3 and DFlash; judged by vLLM's acceptance counts on the same prompts.
 
-    python bench/peer_trainers.py --minutes 10 --out runs/peer
-    python bench/peer_trainers.py --minutes 10 --out runs/peer --kinds eagle3 --per-category 2 \\
-        --max-new-tokens 128 --data.limit 1000   # any --data.* override goes to both trainers
+    python bench/peer_trainers.py --minutes 10 --out runs/peer --data.held_out_fraction 0.05
+
+(the measurement: both kinds, 10 minutes per trainer, 16 MT-bench first turns x 128 tokens; about 50 held-out
+conversations). Smaller: ``--kinds eagle3``, ``--per-category 1``, ``--max-new-tokens 64``; any ``--data.*``
+recipe override goes to both trainers, e.g. the smoke run ``--minutes 1 --limit 2 --max-new-tokens 16
+--data.limit 24 --data.regenerate.enabled false --data.held_out_fraction 0.2 --data.max_length 256``. The first
+run also regenerates the replies (the recipes' cached self-distillation, shared with them) and extracts the
+features; neither counts in a trainer's budget. Each trainer's budget is checked after each optimiser step (a
+step in flight finishes), so ``loop seconds`` in the table may pass ``--minutes`` by up to one step.
 
 What it runs, in order (each stage is skipped where its output is already there, so a rerun resumes):
 
@@ -41,7 +47,8 @@ steps then linear decay to 0 at the deadline (a clock-driven schedule in both), 
 in speculators; ``training.max_grad_norm 1.0`` here), tokens per step (``--total-seq-len`` = ``batch_size`` x
 the mean training row), ``--draft-vocab-size`` and the vocabulary itself, ``--target-layer-ids`` =
 ``drafter.aux_layers``, ``--hidden-states-dtype`` = the target's dtype (autocast bf16 where the machine
-runs bf16), ``--seed``. EAGLE-3: ``--ttt-steps 7 --ttt-step-loss-decay 0.8``, one layer,
+runs bf16), ``--seed``; on a CPU also ``--draft-attn-impl sdpa`` and ``--loss-implementation eager``
+(flex attention and the fused loss are GPU kernels). EAGLE-3: ``--ttt-steps 7 --ttt-step-loss-decay 0.8``, one layer,
 ``--no-norm-before-residual`` (= ``norm_before_residual: false``), frozen embedding. DFlash: ``--num-layers
 2``, ``--block-size 8``, ``--max-anchors`` = 64 anchors x 4 rows per step, ``--loss-fn kl_div`` with
 ``--per-position-loss-weight fixed-exp-decay --dflash-decay-gamma 4`` (= soft targets, ``weighting:
@@ -52,7 +59,9 @@ speculators packs rows (multipack) where ours pads length-grouped batches, EAGLE
 (``down_sample_ratio`` 0.7) and identity initialisation are ours only, speculators' EAGLE-3 norms
 (``norm_before_fc``, ``norm_output``) are its own, ours masks out-of-vocabulary targets.
 
-Results: ``OUT/peer_trainers.json`` and ``OUT/peer_trainers.md`` (printed too).
+Results: ``OUT/peer_trainers.json`` and ``OUT/peer_trainers.md`` (printed too). ``sequences``: conversations
+stepped on (ours: steps x ``batch_size`` padded rows; speculators: the conversations its packed rows held); the
+JSON keeps each trainer's own token count too (they count different things: loss terms here, tokens there).
 """
 
 from __future__ import annotations
@@ -225,6 +234,16 @@ def vocabulary(out: Path, recipe, tokenizer, data, target) -> tuple[Path, Path, 
 # ---------------------------------------------------------------- the two trainers
 
 
+def claim_run(folder: Path, settings: dict) -> None:
+    """Record what the trained stages under ``folder`` were run with; refuse to reuse them for others
+    (a rerun resumes only the same run)."""
+    record = folder / "peer_run.json"
+    if record.is_file() and json.loads(record.read_text()) != settings:
+        raise SystemExit(f"{folder} holds a run with {record.read_text().strip()}; use another --out for {settings}")
+    folder.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(settings))
+
+
 def _run(command: list[str], log: Path, env: dict | None = None) -> None:
     print(f"$ {' '.join(command)}  > {log}", flush=True)
     with log.open("w") as handle:
@@ -262,7 +281,15 @@ def train_ours(kind: str, out: Path, recipe, overrides: list[str], minutes: floa
         folder.parent.mkdir(parents=True, exist_ok=True)
         _run(command, out / kind / "train_draftsmith.log")
     state = json.loads((final / "state" / "trainer_state.json").read_text())
-    return final, {"steps": state["step"], "seconds": round(state["seconds"], 1), "supervised_tokens": state["tokens"]}
+    # Sequences: padded batches of training.batch_size (an epoch's last batch may hold fewer). Tokens: the
+    # trainer's own count of loss terms (EAGLE-3: positions; DFlash: block slots), not speculators' count.
+    steps = state["step"]
+    return final, {
+        "steps": steps,
+        "seconds": round(state["seconds"], 1),
+        "sequences": steps * recipe.training.batch_size,
+        "loss_terms": state["tokens"],
+    }
 
 
 def speculators_args(
@@ -313,6 +340,7 @@ def train_speculators(kind: str, out: Path, minutes: float, args: list[str], war
         command += ["--warmup-steps", str(warmup), "--summary", str(summary_file), "--", *args]
         _run(command, out / kind / "train_speculators.log")
     summary = json.loads(summary_file.read_text())
+    summary.pop("argv", None)  # the results keep them once, as speculators_args
     return Path(summary["saved"]), summary
 
 
@@ -441,7 +469,7 @@ def paired_interval(ours: list, theirs: list) -> dict:
     from draftsmith.adapt.judge import paired_gain
 
     tau_theirs, tau_ours, gain, low = paired_gain(theirs, ours, CONFIDENCE)
-    high = -paired_gain(ours, theirs, CONFIDENCE)[3]
+    high = 0.0 - paired_gain(ours, theirs, CONFIDENCE)[3]
     return {"difference": round(gain, 4), "low": round(low, 4), "high": round(high, 4), "prompts": len(ours)}
 
 
@@ -454,9 +482,9 @@ def table(results: dict) -> str:
         f"{results['held_out_conversations']} held out; vLLM {results.get('vllm', '?')} fp32 greedy, "
         f"{results['prompts']} prompts x {results['max_new_tokens']} new tokens.",
         "",
-        "| kind | trainer | steps | supervised tokens | held-out accuracy per depth | vLLM tau "
+        "| kind | trainer | steps | loop seconds | sequences | held-out accuracy per depth | vLLM tau "
         "| vLLM acceptance per position |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for kind, entry in results["kinds"].items():
         for who in ("draftsmith", "speculators"):
@@ -464,7 +492,8 @@ def table(results: dict) -> str:
             acc = " / ".join(f"{a:.3f}" for a in run["held_out"]["accuracy"])
             pos = " / ".join(f"{p:.2f}" for p in run["vllm"]["per_position"])
             lines.append(
-                f"| {kind} | {who} | {run['train']['steps']} | {run['train'].get('supervised_tokens', '?')} | {acc} | "
+                f"| {kind} | {who} | {run['train']['steps']} | {run['train']['seconds']} | "
+                f"{run['train']['sequences']} | {acc} | "
                 f"{run['vllm']['acceptance_length']:.3f} | {pos} |"
             )
     lines.append("")
@@ -511,6 +540,7 @@ def main(argv: list[str] | None = None) -> dict:
     target, tokenizer, data, layers, target_dir = prepare_data(first)
     if not len(data["held_out"]):
         raise SystemExit("no held-out conversation: raise --data.held_out_fraction or --data.limit")
+    claim_run(out / FEATURES, {"overrides": overrides})
     extract_features(out, first, target, data, layers, target_dir)
     ratio = write_speculators_rows(out, data)
     store = write_our_store(out, first, target, tokenizer, data, layers)
@@ -537,6 +567,7 @@ def main(argv: list[str] | None = None) -> dict:
             mask = mask_token_for(recipe.drafter.mask_token_id, tokenizer, data["train"], len(tokenizer))
             recipe.drafter.mask_token_id = mask
         depth = args.eagle3_depth if kind == "eagle3" else recipe.drafter.block_size - 1
+        claim_run(out / kind, {"minutes": args.minutes, "overrides": overrides})
         ours_ckpt, ours_train = train_ours(kind, out, recipe, overrides, args.minutes, store, mask)
         spec_args = speculators_args(
             kind, recipe, target_dir, out / FEATURES, out / kind / "speculators", vocab, ratio, data
