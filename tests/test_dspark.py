@@ -142,7 +142,7 @@ def test_sampling_with_a_confidence_cut_matches_the_exact_distribution(tiny_targ
     assert sum(n for a, n in accepted.items() if max(a) > 1) > 100, accepted  # drafts were accepted, often
 
 
-def test_the_export_loads_in_speculators_dspark_with_the_same_weights_and_logits(tiny_target, tmp_path):
+def test_the_export_loads_in_speculators_dspark_with_the_same_weights_and_logits(tiny_target, tmp_path, capsys):
     """The speculators ``dspark`` export validates in DSparkSpeculatorConfig, loads every weight in
     DSparkDraftModel (backbone, Markov and confidence heads), its heads give our logits and
     confidences on the same hidden states, vLLM is told ``method: dspark`` with the block's tokens,
@@ -195,6 +195,12 @@ def test_the_export_loads_in_speculators_dspark_with_the_same_weights_and_logits
         assert torch.equal(value, expected), name
     raw = json.loads((tmp_path / "out" / "config.json").read_text())
     assert raw["speculators_model_type"] == "dspark" and raw["architectures"] == ["DSparkSpeculator"]
+    # More tokens than the block drafts (5 slots, every one drafting): one line naming the flag.
+    from draftsmith.export.cli import main as export_main
+
+    args = [str(tmp_path / "ckpt"), "--format", "speculators", "--out", str(tmp_path / "six"), "--draft-tokens", "6"]
+    line = user_error(capsys, export_main, args)
+    assert "--draft-tokens 6" in line and "at most 5" in line, line
 
 
 def save_copy_target(folder, tokenizer, hidden_size: int = 64):
