@@ -1,6 +1,9 @@
-"""Shared fixtures: the bundled SmolLM2 target (loaded once) and tiny random-weight models."""
+"""Shared fixtures: the bundled SmolLM2 target (loaded once), tiny random-weight models, and the
+vLLM tests' trained EAGLE-3 head (trained once per session)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -78,3 +81,60 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def gate_eagle3(tmp_path_factory):
+    """The vLLM tests' tiny target (4 layers, hidden 128: head size 32, which vLLM's CPU attention
+    takes) with the bundled tokenizer, its own replies to 16 ShareGPT prompts (``data`` regenerates
+    them into ``regenerated``; ``prompts`` holds their first user turns), and an EAGLE-3 head trained
+    on them for 400 steps at a constant learning rate with a checkpoint every 20 steps (``run``;
+    ``last`` is its final checkpoint).
+
+    Trained once for test_serve_check (the 400-step head; checkpoint-20 as its weak one) and
+    test_vllm_reload (checkpoints 20 and 60 as its rounds): at a constant learning rate the
+    checkpoint of step n is the head a run of n steps ends with, bit for bit.
+    """
+    from training_helpers import save_tiny_target, write_recipe
+
+    from draftsmith.target import load_tokenizer
+    from draftsmith.train.eagle3 import main as train_eagle3
+
+    root = tmp_path_factory.mktemp("gate-eagle3")
+    target = save_tiny_target(root / "target", load_tokenizer("default"), hidden_size=128, layers=4, scale=8.0)
+    regenerated = root / "regenerated.jsonl"
+    data = {
+        "limit": 16,
+        "max_length": 160,
+        "held_out_fraction": 0.1,
+        "regenerate": {"enabled": True, "max_new_tokens": 64, "output": str(regenerated)},
+    }
+    (root / "e3").mkdir()
+    recipe = write_recipe(
+        root / "e3",
+        target,
+        # Every position trained, as when test_serve_check's negative controls were sized on this head.
+        {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048, "down_sample_ratio": 1.0},
+        data=data,
+        learning_rate=3e-3,
+        lr_schedule="constant",
+        max_steps=400,
+        log_every=100,
+        eval_every=1000,
+        save_every=20,
+        keep_checkpoints=0,
+    )
+    last = train_eagle3([str(recipe), "--output_dir", str(root / "run")]).last_checkpoint
+    prompts = root / "prompts.jsonl"
+    with prompts.open("w") as out:  # the conversations the head was trained on: it accepts there
+        for line in regenerated.read_text().splitlines():
+            messages = json.loads(line)["messages"]
+            out.write(json.dumps({"prompt": next(m["content"] for m in messages if m["role"] == "user")}) + "\n")
+    return {
+        "target": target,
+        "data": data,
+        "regenerated": regenerated,
+        "prompts": prompts,
+        "run": root / "run",
+        "last": last,
+    }

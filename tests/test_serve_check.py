@@ -18,7 +18,7 @@ import pytest
 import torch
 from cli_helpers import assert_user_error
 from safetensors.torch import load_file, save_file
-from training_helpers import save_tiny_target, write_recipe
+from training_helpers import write_recipe
 from transformers import AutoModelForCausalLM
 
 from draftsmith.export import export_checkpoint
@@ -41,42 +41,20 @@ def vllm():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """The tiny target, its regenerated data as a prompt file, and trained checkpoints of each kind."""
-    from draftsmith.train.eagle3 import main as train_eagle3
+def trained(gate_eagle3, tmp_path_factory):
+    """The tiny target, its regenerated data as a prompt file, and trained checkpoints of each kind
+    (the EAGLE-3 head is conftest's ``gate_eagle3``, shared with test_vllm_reload)."""
     from draftsmith.train.medusa import main as train_medusa
 
     root = tmp_path_factory.mktemp("gate")
     tokenizer = load_tokenizer("default")
-    target_dir = save_tiny_target(root / "target", tokenizer, hidden_size=128, layers=4, scale=8.0)
-    regenerated = root / "regenerated.jsonl"
-    data = {
-        "limit": 16,
-        "max_length": 160,
-        "held_out_fraction": 0.1,
-        "regenerate": {"enabled": True, "max_new_tokens": 64, "output": str(regenerated)},
-    }
-    for sub in ("e3", "m"):
-        (root / sub).mkdir()
-    eagle3 = write_recipe(
-        root / "e3",
-        target_dir,
-        # Every position trained, as when the negative controls below were sized on this head.
-        {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048, "down_sample_ratio": 1.0},
-        data=data,
-        learning_rate=3e-3,
-        lr_schedule="constant",
-        max_steps=400,
-        log_every=100,
-        eval_every=1000,
-        save_every=20,  # checkpoint-20: a weak head for the negative controls
-        keep_checkpoints=0,
-    )
+    target_dir, data = gate_eagle3["target"], gate_eagle3["data"]
+    (root / "m").mkdir()
     medusa = write_recipe(
         root / "m",
         target_dir,
         {"num_heads": 3, "num_layers": 1, "lm_head": "shared", "draft_vocab_size": None},
-        data=data,
+        data=data,  # its regenerated file is written already: read, not generated again
         learning_rate=1e-2,
         lr_schedule="constant",
         max_steps=600,
@@ -84,9 +62,9 @@ def trained(tmp_path_factory):
         eval_every=1000,
     )
     checkpoints = {
-        "eagle3": train_eagle3([str(eagle3), "--output_dir", str(root / "e3-run")]).last_checkpoint,
+        "eagle3": gate_eagle3["last"],  # 400 steps
         "medusa": train_medusa([str(medusa), "--output_dir", str(root / "m-run")]).last_checkpoint,
-        "weak": root / "e3-run" / "checkpoint-20",
+        "weak": gate_eagle3["run"] / "checkpoint-20",  # a weak head for the negative controls
     }
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     # The target's layers moved a little (embeddings kept): it agrees with the target often, not always.
@@ -100,12 +78,8 @@ def trained(tmp_path_factory):
     counts = torch.bincount(torch.randint(0, target.config.vocab_size, (4096,)), minlength=target.config.vocab_size)
     save_draft_lm(draft, root / "draft", tokenizer, target_record(target, str(target_dir)), counts=counts)
     checkpoints["draft_lm"] = root / "draft"
-    prompts = root / "prompts.jsonl"
-    with prompts.open("w") as out:  # the conversations the heads were trained on: they accept there
-        for line in regenerated.read_text().splitlines():
-            messages = json.loads(line)["messages"]
-            out.write(json.dumps({"prompt": next(m["content"] for m in messages if m["role"] == "user")}) + "\n")
-    return {"target": target_dir, "prompts": prompts, "data": data, **checkpoints}
+    # The conversations the heads were trained on: they accept there.
+    return {"target": target_dir, "prompts": gate_eagle3["prompts"], "data": data, **checkpoints}
 
 
 def _check(folder: Path, prompts: Path, *extra: str) -> tuple[int, dict]:

