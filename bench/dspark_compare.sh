@@ -1,7 +1,7 @@
 #!/bin/bash
 # EAGLE-3 vs DFlash vs DSpark at one training budget (issue 44): the same data and stored features
 # (the target's fused layers, extracted once and read by all three), the same minutes of training
-# each, then MT-bench and its coding questions in draftsmith's engine: acceptance length per
+# each, then MT-bench (first questions of each category) and its coding questions (both turns) in draftsmith's engine: acceptance length per
 # position and speedup against plain decoding and prompt lookup in the same run, DSpark's
 # confidence cut (priced and threshold) against its fixed block, and DSpark's acceptance length
 # against DFlash's and EAGLE-3's with a paired bootstrap interval over the prompt turns.
@@ -31,14 +31,6 @@ for kind in eagle3 dflash dspark; do
 done
 python bench/learning_curve.py --run "eagle3=$OUT/eagle3" --run "dflash=$OUT/dflash" --run "dspark=$OUT/dspark" \
   --depths 1 3 --out "$OUT/curves.png" > "$OUT/curves.md"
-python - "$OUT/code.jsonl" <<'EOF'
-import json, sys
-from draftsmith.data_prep.prompts import load_prompts
-with open(sys.argv[1], "w") as out:
-    for p in load_prompts():
-        if p.category == "coding":
-            out.write(json.dumps({"prompt": p.turns[0], "category": "coding", "id": p.id}) + "\n")
-EOF
 DSPARK="dspark:$OUT/dspark/checkpoint-final"
 DRAFTERS=(--drafter "eagle3:$OUT/eagle3/checkpoint-final?name=eagle3"
           --drafter "dflash:$OUT/dflash/checkpoint-final?name=dflash"
@@ -48,7 +40,7 @@ DRAFTERS=(--drafter "eagle3:$OUT/eagle3/checkpoint-final?name=eagle3"
           --drafter prompt_lookup)
 python eval/run.py --dtype "$DTYPE" --bench mt_bench --per-category "$PER_CATEGORY" --max-new-tokens "$TOKENS" \
   "${DRAFTERS[@]}" --out "$OUT/mt_bench" > "$OUT/mt_bench.log" 2>&1
-python eval/run.py --dtype "$DTYPE" --prompts "$OUT/code.jsonl" --max-new-tokens "$TOKENS" \
+python eval/run.py --dtype "$DTYPE" --bench mt_bench --category coding --max-new-tokens "$TOKENS" \
   "${DRAFTERS[@]}" --out "$OUT/code" > "$OUT/code.log" 2>&1
 for set in mt_bench code; do
   first=--header

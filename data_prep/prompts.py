@@ -25,9 +25,11 @@ class Prompt:
     category: str = "all"
 
 
-def load_prompts(bench: str = MT_BENCH, limit: int | None = None, per_category: int | None = None) -> list[Prompt]:
-    """Prompts of ``bench`` (``mt_bench`` or a JSONL path): the first ``per_category`` of each
-    category (in file order), then the first ``limit`` of those."""
+def load_prompts(
+    bench: str = MT_BENCH, limit: int | None = None, per_category: int | None = None, category: str | None = None
+) -> list[Prompt]:
+    """Prompts of ``bench`` (``mt_bench`` or a JSONL path), of ``category`` alone where given: the
+    first ``per_category`` of each category (in file order), then the first ``limit`` of those."""
     path = asset_path(MT_BENCH) if bench == MT_BENCH else Path(bench)
     if not path.is_file():
         raise DataError(f"prompt set {bench!r} is neither 'mt_bench' nor an existing .jsonl file")
@@ -50,6 +52,12 @@ def load_prompts(bench: str = MT_BENCH, limit: int | None = None, per_category: 
                 )
             prompt_id = str(record.get("question_id", record.get("id", lineno)))
             prompts.append(Prompt(id=prompt_id, turns=turns, category=str(record.get("category", "all"))))
+    if category is not None:
+        kept = [prompt for prompt in prompts if prompt.category == category]
+        if not kept:
+            found = ", ".join(sorted({prompt.category for prompt in prompts}))
+            raise DataError(f"prompt set {bench!r} has no prompt of category {category!r}; its categories: {found}")
+        prompts = kept
     if per_category is not None:
         seen: dict[str, int] = {}
         kept = []

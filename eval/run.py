@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--prompts", help="JSONL prompt set: a 'turns' list or a 'prompt' string per line")
     parser.add_argument("--limit", type=at_least(1), default=None, help="first N prompts")
     parser.add_argument("--per-category", type=at_least(1), default=None, help="first N prompts of each category")
+    parser.add_argument("--category", default=None, help="only the prompts of this category (e.g. coding)")
     parser.add_argument(
         "--turns", type=at_least(1), default=1, help="turns per prompt (MT-bench has 2; turn 2 follows turn 1's answer)"
     )
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"--hf-assistant {', '.join(unknown)}: no {' or '.join(assisting)} drafter of that name "
             f"({' or '.join(assisting)} drafters: {', '.join(draft_lms) or 'none'})"
         )
-    prompts = load_prompts(args.prompts or args.bench, args.limit, args.per_category)
+    prompts = load_prompts(args.prompts or args.bench, args.limit, args.per_category, args.category)
     if not prompts:
         raise UsageError(f"{args.prompts or args.bench}: no prompts to run")
     short = [p.id for p in prompts if len(p.turns) < args.turns]

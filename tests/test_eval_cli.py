@@ -3,6 +3,7 @@ import json
 import pytest
 from cli_helpers import user_error
 
+from draftsmith.data_prep.sharegpt import DataError
 from draftsmith.eval.measure import Run, _agreement
 from draftsmith.eval.report import captions, depth_table, summarise
 from draftsmith.eval.run import main
@@ -142,6 +143,10 @@ def test_prompts_per_category_keep_file_order(tmp_path):
     assert len(two) == 16 and all(sum(p.category == c for p in two) == 2 for c in {p.category for p in two})
     assert [p.id for p in two if p.category == "writing"] == [p.id for p in mt_bench if p.category == "writing"][:2]
     assert [p.id for p in load_prompts("mt_bench", limit=3, per_category=2)] == [p.id for p in two[:3]]
+    coding = load_prompts("mt_bench", category="coding")
+    assert [p.id for p in coding] == [p.id for p in mt_bench if p.category == "coding"] and len(coding) == 10
+    with pytest.raises(DataError, match=r"no prompt of category 'code'; its categories: coding, extraction"):
+        load_prompts("mt_bench", category="code")
 
 
 def test_hf_assistant_must_name_a_draft_lm_drafter(capsys):
