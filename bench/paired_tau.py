@@ -19,8 +19,9 @@ LOW = 0.975  # one side of a two-sided 95% interval
 
 
 def counts(runs: list[dict], method: str) -> dict[tuple[str, int], tuple[int, int]]:
-    """``(new tokens, target passes)`` of ``method`` per (prompt id, turn)."""
-    return {(r["prompt_id"], r["turn"]): (r["new_tokens"], r["steps"]) for r in runs if r["method"] == method}
+    """``(tokens produced after prefill, target passes after prefill)`` of ``method`` per (prompt id,
+    turn): the table's acceptance length, pooled (the prefill's token is not a decoding step's)."""
+    return {(r["prompt_id"], r["turn"]): (sum(r["accepted"]), r["steps"]) for r in runs if r["method"] == method}
 
 
 def compare(results: dict, base: str, other: str) -> dict:
