@@ -32,7 +32,7 @@ from draftsmith.export.common import (
 )
 from draftsmith.heads.dflash import draft_config, weak_mask_row
 from draftsmith.heads.exported import DFLASH_MASK_EMBEDDING
-from draftsmith.kinds import COUNT, DrafterKind, Option, Served, Training
+from draftsmith.kinds import COUNT, DrafterKind, Option, Range, Served, Training
 from draftsmith.train import dflash as training
 
 
@@ -102,6 +102,18 @@ def write_block_drafter(
     return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
 
 
+# How much of a drafted chain the target verifies, for DFlash-family drafters with a confidence head.
+CUT_OPTIONS = {
+    "cut": Option(
+        None,
+        "with a confidence head, how many drafted tokens the target verifies: priced (the default: the count "
+        "with the most expected tokens per second, from the predicted acceptances and the target's measured "
+        "pass costs), threshold (while the running product of predicted acceptances >= threshold), fixed (all)",
+    ),
+    "threshold": Option(0.5, "cut=threshold: the least running product of predicted acceptances verified", Range(0, 1)),
+}
+
+
 def serve(fmt: str, folder: Path, depth: int) -> Served | None:
     """vLLM serves the speculators export as ``dflash`` (it drafts the block in parallel by itself)."""
     return Served("dflash", depth) if fmt == speculators.NAME else None
@@ -120,6 +132,7 @@ KIND = DrafterKind(
             "(default and most: the block size - 1, the block trained)",
             COUNT,
         ),
+        **CUT_OPTIONS,
     },
     has_distribution=True,
     max_depth=lambda config: config["block_size"] - 1,  # the anchor takes the block's first slot

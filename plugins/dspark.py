@@ -20,8 +20,8 @@ from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters import dspark
 from draftsmith.export import speculators
 from draftsmith.export.common import Source, Target, refuse
-from draftsmith.kinds import COUNT, DrafterKind, Option, Range, Served, Training
-from draftsmith.plugins.dflash import write_block_drafter
+from draftsmith.kinds import COUNT, DrafterKind, Option, Served, Training
+from draftsmith.plugins.dflash import CUT_OPTIONS, write_block_drafter
 from draftsmith.train import dspark as training
 
 
@@ -72,14 +72,7 @@ KIND = DrafterKind(
             "block_size with sample_from_anchor, else block_size - 1)",
             COUNT,
         ),
-        "cut": Option(
-            None,
-            "how many drafted tokens the target verifies: priced (default with a confidence head: the "
-            "count with the most expected tokens per second, from the predicted acceptances and the target's "
-            "measured pass costs), threshold (while the cumulative predicted acceptance >= threshold), "
-            "fixed (all K)",
-        ),
-        "threshold": Option(0.5, "cut=threshold: the least cumulative predicted acceptance verified", Range(0, 1)),
+        **CUT_OPTIONS,
     },
     has_distribution=True,
     max_depth=lambda config: config["block_size"] - 1 + int(config["sample_from_anchor"]),

@@ -333,3 +333,29 @@ def test_a_confidence_head_trained_afterwards_for_a_frozen_drafter_beats_a_const
     prompt = load_tokenizer("default")("The cat sat on the mat and the dog")["input_ids"]
     got = spec.generate(prompt, 24)
     assert got.tokens == plain.generate(prompt, 24).tokens and min(got.drafted) < 4
+
+
+def test_a_dflash_drafter_with_a_confidence_head_takes_the_cut_options(tiny_target, tmp_path):
+    """``dflash:`` drafters take ``cut`` too once they carry a confidence head (greedy stays lossless and
+    the cut shortens chains); without one, a cut other than ``fixed`` is refused in one line."""
+    from draftsmith.errors import UsageError
+    from draftsmith.heads.dflash import DFlashHead
+
+    torch.manual_seed(3)
+    head = DFlashHead.for_target(tiny_target, "tiny", [0, 1, 2], 1, 5, 7)
+    head.save_pretrained(tmp_path / "plain")
+    with pytest.raises(UsageError, match="cut=threshold needs a confidence head"):
+        build_drafter(f"dflash:{tmp_path / 'plain'}?cut=threshold", tiny_target)
+    head.add_confidence_head()
+    with torch.no_grad():
+        head.confidence_head.proj.weight.normal_(0, 2.0)  # confidences spread over (0, 1)
+    head.save_pretrained(tmp_path / "confident")
+    drafter = build_drafter(f"dflash:{tmp_path / 'confident'}?cut=threshold&threshold=0.3", tiny_target)
+    plain = SpeculativeDecoder(tiny_target, None, None, eos_ids=set())
+    spec = SpeculativeDecoder(tiny_target, drafter, None, eos_ids=set())
+    sizes = []
+    for prompt in (PROMPT, [1, 1, 6]):
+        got = spec.generate(prompt, 30)
+        assert got.tokens == plain.generate(prompt, 30).tokens
+        sizes += got.drafted
+    assert max(sizes) <= 4 and min(sizes[:-1]) < 4
