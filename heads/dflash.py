@@ -262,6 +262,14 @@ class DFlashHead(Fp32RotaryMixin, Head):
             "target_config": self.target_config.to_dict(),
         }
 
+    @staticmethod
+    def checkpoint_options(config: dict) -> dict:
+        """Constructor arguments beyond the backbone's, read from a checkpoint's config (a subclass's own)."""
+        return {
+            "learn_mask_embedding": config.get("learn_mask_embedding", False),  # older checkpoints: the target's row
+            "confidence_head": config.get("confidence_head", False),
+        }
+
     @classmethod
     def from_checkpoint(cls, config: dict, state: dict, layer_classes: tuple) -> DFlashHead:
         # Qwen3 layers whatever the target: the target's layer classes are not used.
@@ -273,8 +281,7 @@ class DFlashHead(Fp32RotaryMixin, Head):
             config["mask_token_id"],
             state["d2t"],
             config["target"],
-            config.get("learn_mask_embedding", False),  # older checkpoints: the target's row
-            config.get("confidence_head", False),
+            **cls.checkpoint_options(config),
         )
         head.depth_accuracy = config.get("depth_accuracy")
         return head

@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from draftsmith.heads.dflash import DFlashHead
 
@@ -162,21 +162,13 @@ class DSparkHead(DFlashHead):
         )
         return config
 
-    @classmethod
-    def from_checkpoint(cls, config: dict, state: dict, layer_classes: tuple) -> DSparkHead:
-        head = cls(
-            AutoConfig.for_model(**config["target_config"]),
-            config["aux_layers"],
-            config["num_layers"],
-            config["block_size"],
-            config["mask_token_id"],
-            state["d2t"],
-            config["target"],
-            markov_rank=config["markov_rank"],
-            markov_head_type=config["markov_head_type"],
-            confidence_head=config["confidence_head"],
-            confidence_head_with_markov=config["confidence_head_with_markov"],
-            sample_from_anchor=config["sample_from_anchor"],
+    @staticmethod
+    def checkpoint_options(config: dict) -> dict:
+        keys = (
+            "markov_rank",
+            "markov_head_type",
+            "confidence_head",
+            "confidence_head_with_markov",
+            "sample_from_anchor",
         )
-        head.depth_accuracy = config.get("depth_accuracy")
-        return head
+        return {key: config[key] for key in keys}

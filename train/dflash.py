@@ -315,11 +315,6 @@ class DFlashTask:
         (see :func:`~draftsmith.train.fused.fused_target_features`)."""
         return fused_target_features(self.target, self.model.aux_layers, batch)
 
-    # Slot k of a block scores the token ``shift`` places after its own position: DFlash's slots sit at
-    # the token they draft (the anchor slot drafts nothing: shift 0); DSpark's ``sample_from_anchor``
-    # slots draft the next token, the anchor's included (shift 1).
-    shift = 0
-
     def score(self, head, hidden: torch.Tensor, previous: torch.Tensor, supervised: torch.Tensor):
         """``(logits, confidence logits or None)`` of the scored slots ``hidden`` ``[b, A, S, h]``
         where ``supervised``; ``previous`` ``[b, A, S]`` holds the token before each slot's label."""
@@ -341,7 +336,9 @@ class DFlashTask:
 
     def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
         aux, last = self.target_features(batch)
-        model, block, shift = self.model, self.cfg.block_size, self.shift
+        model, block = self.model, self.cfg.block_size
+        # DFlash's slots sit at the token they draft (shift 0); DSpark's sample_from_anchor slots draft the next (1).
+        shift = model.shift
         ids, padding, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         batch_size, length = ids.shape
         # Held-out evaluations score the same blocks every time.

@@ -94,10 +94,6 @@ class DSparkTask(DFlashTask):
             "sample_from_anchor": drafter.sample_from_anchor,
         }
 
-    def __init__(self, recipe: DSparkRecipe, target, head: DSparkHead):
-        super().__init__(recipe, target, head)
-        self.shift = head.shift
-
     def score(self, head, hidden: torch.Tensor, previous: torch.Tensor, supervised: torch.Tensor):
         model = self.model
         normed = model.norm(hidden)

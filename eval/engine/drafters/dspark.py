@@ -38,7 +38,7 @@ class DSparkDrafter(DFlashDrafter):
             if embedded is not None:
                 features, state = head.markov_head.step(embedded, normed[d : d + 1], state)
                 bias = head.markov_head.markov_w2(features)
-            return bias, head.confidence_logits(normed[d : d + 1], embedded)
+            return bias, None if self.cut == "fixed" else head.confidence_logits(normed[d : d + 1], embedded)
 
         return step
 
