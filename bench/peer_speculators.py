@@ -36,10 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from draftsmith.timing import clock
 
 
 class OutOfTime(Exception):
@@ -80,9 +81,9 @@ def _patch(budget_seconds: float, warmup_steps: int, tally: dict) -> dict:
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in self.optimizers]
 
     def train_epoch(self, epoch, *, step_callback=None):
-        began = time.perf_counter()
+        began = clock()
         spent = tally["seconds"]
-        tally["seconds_now"] = lambda: spent + time.perf_counter() - began
+        tally["seconds_now"] = lambda: spent + clock() - began
 
         def on_step():
             tally["steps"] += 1
@@ -94,7 +95,7 @@ def _patch(budget_seconds: float, warmup_steps: int, tally: dict) -> dict:
         try:
             real_train_epoch(self, epoch, step_callback=on_step)
         finally:
-            tally["seconds"] = spent + time.perf_counter() - began
+            tally["seconds"] = spent + clock() - began
             tally["seconds_now"] = lambda: tally["seconds"]
 
     def val_epoch(self, epoch):

@@ -82,7 +82,9 @@ def test_vllm_features_equal_the_targets_own(tmp_path):
             for j in range(len(LAYERS)):
                 block = slice(j * 576, (j + 1) * 576)
                 scale = theirs["aux"][:, block].abs().amax()
-                torch.testing.assert_close(ours["aux"][:, block], theirs["aux"][:, block], rtol=1e-4, atol=1e-6 * scale)
+                # vLLM's fused CPU kernels sum in another order: CI saw one element in 1e5 off by
+                # 1.5e-6 of the block's largest; a wrong layer or position is off by a whole fraction of it.
+                torch.testing.assert_close(ours["aux"][:, block], theirs["aux"][:, block], rtol=1e-4, atol=1e-5 * scale)
     identity = json.loads((tmp_path / "vllm" / "identity.json").read_text())
     assert identity == json.loads((tmp_path / "hf" / "identity.json").read_text()) and identity["layers"] == LAYERS
 

@@ -50,9 +50,22 @@ def packed():
         _ENGINE.reset(token)
 
 
-def available(device: torch.device) -> bool:
-    """Whether oneDNN prepacking exists here: a CPU device and a torch built with oneDNN."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+def available(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN prepacking exists here for ``dtype``: a CPU device, a torch built with oneDNN
+    and, for bf16, a CPU whose instructions oneDNN's bf16 path needs (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; plain AVX2 machines have neither)."""
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and _packs(dtype)
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    if dtype not in PACKABLE:
+        return False
+    try:  # oneDNN says so only by refusing: ask once per process with a tiny weight
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 class _Packed:
@@ -123,7 +136,8 @@ def crossover(linear: nn.Linear) -> int:
 
 
 def prepack_linears(module: nn.Module, mode: str = "auto") -> int:
-    """Install packed forwards on ``module``'s CPU linears (fp32/bf16); returns how many now run packed.
+    """Install packed forwards on ``module``'s CPU linears (fp32, and bf16 where this CPU packs it:
+    :func:`available`); returns how many now run packed.
 
     ``mode``: ``on`` packs every one, ``off`` none, ``auto`` each from its measured :func:`crossover`
     (linears whose shape never pays stay as they are). Linears already packed are left alone.
@@ -136,7 +150,7 @@ def prepack_linears(module: nn.Module, mode: str = "auto") -> int:
     for linear in module.modules():
         if not isinstance(linear, nn.Linear) or isinstance(linear.forward, _Packed):
             continue
-        if linear.weight.dtype not in PACKABLE or not available(linear.weight.device):
+        if not available(linear.weight.device, linear.weight.dtype):
             continue
         min_rows = 1 if mode == "on" else crossover(linear)
         if min_rows != NEVER:

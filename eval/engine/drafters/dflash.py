@@ -14,7 +14,6 @@ Slots 1..depth give the draft distributions of depths 1..depth, from which the c
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 from transformers import DynamicCache
@@ -25,6 +24,7 @@ from draftsmith.eval.engine.pass_cost import priced_size
 from draftsmith.eval.engine.tree import TokenTree, grow_chain, grow_markov_chain
 from draftsmith.eval.engine.tree_plan import pass_costs
 from draftsmith.heads.dflash import DFlashHead
+from draftsmith.timing import clock
 
 CUTS = ("priced", "threshold", "fixed")
 
@@ -110,7 +110,8 @@ class DFlashDrafter(Drafter):
         reach = survival(confidences)
         if self.cut == "threshold":
             return sum(1 for p in reach if p >= self.threshold)
-        return priced_size(reach, self.costs, time.perf_counter() - started, depth)
+        device = next(self.head.parameters()).device
+        return priced_size(reach, self.costs, clock(device) - started, depth)
 
     sequential = False  # each depth's distribution depends on the token chosen above it (a Markov head)
 
@@ -125,7 +126,8 @@ class DFlashDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
-        started = time.perf_counter()  # read after the one read-back, which waits for the device
+        # The previous step's commit already read its tokens back: this wait costs nothing.
+        started = clock(next(self.head.parameters()).device)
         depth = min(self.depth, context.max_tokens)
         if depth < 1:
             return TokenTree()  # the pending context joins the cache at the next proposal
