@@ -4,6 +4,9 @@ TRAIN_MINUTES ?= 3.5
 PER_CATEGORY ?= 1
 MAX_NEW_TOKENS ?= 64
 DEMO_DIR ?= runs/demo
+# pytest-xdist workers for `make test`, a test file each (module fixtures train once); 0 runs the
+# suite in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: install install-core demo lint test
 
@@ -28,4 +31,4 @@ lint:
 	lint-imports
 
 test: install lint
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.assets import asset_path, cache_root
@@ -117,7 +118,12 @@ def resolve_target(name_or_path: str, field: str = "target") -> str:
         return name_or_path
     out_dir = _gguf_cache_dir(gguf)
     if not (out_dir / "model.safetensors").is_file():
-        _convert_gguf(gguf, out_dir)
+        # The ranks of one launch (or parallel test workers) all ask at once: one converts, the
+        # rest wait and read its folder (a second rename onto a full folder would fail).
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{out_dir}.lock"):
+            if not (out_dir / "model.safetensors").is_file():
+                _convert_gguf(gguf, out_dir)
     return str(out_dir)
 
 

@@ -1,12 +1,18 @@
-"""Shared fixtures: the bundled SmolLM2 target (loaded once), tiny random-weight models, and the
-vLLM tests' trained EAGLE-3 head (trained once per session)."""
+"""Shared fixtures: the bundled SmolLM2 target (loaded once per worker), tiny random-weight models,
+and the vLLM tests' trained EAGLE-3 head (trained once per run, whichever worker asks first).
+
+``make test`` runs the suite on two pytest-xdist workers, a test file to a worker (``--dist
+loadfile``: module fixtures are built once); each worker's torch gets its share of the cores."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.plugins import register_builtin
@@ -14,6 +20,36 @@ from draftsmith.target import load_target
 
 # Tests build drafters and export through the registry as the entry points do.
 register_builtin()
+
+# Every vLLM job already runs in a child process of its own (core/vllm_engine.py): its engine core
+# can run in that process rather than in a third one, which saves the third's start (imports, a
+# second torch) on each of the suite's few dozen vLLM starts: a tiny target's 4-prompt job took
+# 40-60 s instead of 83-97 s on a 2-core CI machine. Outputs and counters are the same either way.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# Two workers with torch's default of a thread per core would run 2x oversubscribed: tiny models'
+# ops then stall on each other (see ``one_thread``).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // WORKERS))
+
+
+def build_once(tmp_path_factory, name: str, build) -> dict:
+    """``build(folder)`` run once per test run by whichever xdist worker asks first (the others wait
+    for it, then read what it returned): for session fixtures that train. ``build`` returns a dict
+    of paths and JSON values; paths come back as paths."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # shared by the run's workers
+    folder, record = root / name, root / f"{name}.json"
+    with FileLock(f"{folder}.lock"):
+        if not record.is_file():
+            folder.mkdir()
+            built = build(folder)
+            paths = {key: str(value) for key, value in built.items() if isinstance(value, Path)}
+            values = {key: value for key, value in built.items() if not isinstance(value, Path)}
+            record.write_text(json.dumps({"paths": paths, "values": values}))
+    saved = json.loads(record.read_text())
+    return {**saved["values"], **{key: Path(value) for key, value in saved["paths"].items()}}
 
 
 @pytest.fixture(scope="session")
@@ -95,12 +131,15 @@ def gate_eagle3(tmp_path_factory):
     test_vllm_reload (checkpoints 20 and 60 as its rounds): at a constant learning rate the
     checkpoint of step n is the head a run of n steps ends with, bit for bit.
     """
+    return build_once(tmp_path_factory, "gate-eagle3", _train_gate_eagle3)
+
+
+def _train_gate_eagle3(root: Path) -> dict:
     from training_helpers import save_tiny_target, write_recipe
 
     from draftsmith.target import load_tokenizer
     from draftsmith.train.eagle3 import main as train_eagle3
 
-    root = tmp_path_factory.mktemp("gate-eagle3")
     target = save_tiny_target(root / "target", load_tokenizer("default"), hidden_size=128, layers=4, scale=8.0)
     regenerated = root / "regenerated.jsonl"
     data = {
@@ -124,7 +163,7 @@ def gate_eagle3(tmp_path_factory):
         save_every=20,
         keep_checkpoints=0,
     )
-    last = train_eagle3([str(recipe), "--output_dir", str(root / "run")]).last_checkpoint
+    last = Path(train_eagle3([str(recipe), "--output_dir", str(root / "run")]).last_checkpoint)
     prompts = root / "prompts.jsonl"
     with prompts.open("w") as out:  # the conversations the head was trained on: it accepts there
         for line in regenerated.read_text().splitlines():
@@ -138,3 +177,54 @@ def gate_eagle3(tmp_path_factory):
         "run": root / "run",
         "last": last,
     }
+
+
+@pytest.fixture(scope="session")
+def gate_heads(gate_eagle3, tmp_path_factory):
+    """The export gate's drafters on ``gate_eagle3``'s target, trained once per run: ``eagle3`` (its
+    400-step head), ``weak`` (its checkpoint-20, for the negative controls), ``medusa`` (3 heads,
+    600 steps) and ``draft_lm`` (the target's layers moved a little), with ``target``, ``prompts``
+    (the conversations they were trained on: they accept there) and ``data``."""
+    return build_once(tmp_path_factory, "gate-heads", lambda root: _train_gate_heads(root, gate_eagle3))
+
+
+def _train_gate_heads(root: Path, gate_eagle3: dict) -> dict:
+    from training_helpers import write_recipe
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.heads.draft_lm import derive_draft_lm, save_draft_lm
+    from draftsmith.target import load_tokenizer, target_record
+    from draftsmith.train.medusa import main as train_medusa
+
+    tokenizer = load_tokenizer("default")
+    target_dir, data = gate_eagle3["target"], gate_eagle3["data"]
+    (root / "m").mkdir()
+    medusa = write_recipe(
+        root / "m",
+        target_dir,
+        {"num_heads": 3, "num_layers": 1, "lm_head": "shared", "draft_vocab_size": None},
+        data=data,  # its regenerated file is written already: read, not generated again
+        learning_rate=1e-2,
+        lr_schedule="constant",
+        max_steps=600,
+        log_every=100,
+        eval_every=1000,
+    )
+    checkpoints = {
+        "eagle3": gate_eagle3["last"],
+        "medusa": Path(train_medusa([str(medusa), "--output_dir", str(root / "m-run")]).last_checkpoint),
+        "weak": gate_eagle3["run"] / "checkpoint-20",
+    }
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    # The target's layers moved a little (embeddings kept): it agrees with the target often, not always.
+    draft = derive_draft_lm(target, layers=[0, 1, 2, 3])
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if "norm" not in name and "embed" not in name:
+                param.add_(0.005 * torch.randn_like(param))
+    # Saved as train/distill.py saves it: with the training replies' token counts beside the weights.
+    counts = torch.bincount(torch.randint(0, target.config.vocab_size, (4096,)), minlength=target.config.vocab_size)
+    save_draft_lm(draft, root / "draft", tokenizer, target_record(target, str(target_dir)), counts=counts)
+    checkpoints["draft_lm"] = root / "draft"
+    return {"target": target_dir, "prompts": gate_eagle3["prompts"], "data": data, **checkpoints}
