@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from draftsmith.data_prep.vllm_features import engine_core_apart
+
 
 def extract(job: dict) -> dict:
     """Write ``hs_{i}.safetensors`` under ``job["hs_dir"]`` for ``job["conversations"]`` (token-id
@@ -39,6 +41,7 @@ def extract(job: dict) -> dict:
     todo = [i for i in range(len(job["conversations"])) if not (out / f"hs_{i}.safetensors").is_file()]
     if not todo:
         return {"written": 0, "layer_ids": job["layer_ids"]}
+    engine_core_apart()
     llm = LLM(**job["engine"])
     params = SamplingParams(max_tokens=1, detokenize=False)
     layer_ids = None

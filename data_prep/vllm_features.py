@@ -18,6 +18,7 @@ picks which.
 from __future__ import annotations
 
 import fcntl
+import os
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -207,10 +208,21 @@ def prepare_with_vllm(source: FeatureSource, layers: list[int] | None, target, t
     run_job(job, "extracting target features with vLLM (data.features.engine)", echo=True)
 
 
+def engine_core_apart() -> None:
+    """Run vLLM's engine core in a process of its own (vLLM's default, which the environment can
+    turn off): the hidden-states connector finishes a request's file, and releases the lock its
+    readers wait on, in a later engine step; with the engine core in the reading process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) that step never comes and the reader waits forever.
+    Call in vLLM's child process before building the ``vllm.LLM``."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+
+
 def run_vllm_features(job: dict) -> dict:
     """The features job for :func:`draftsmith.vllm_engine.run_job` (in vLLM's child process):
     regenerate where asked, tokenise, extract every split into the store; returns the manifest."""
     from vllm import LLM
+
+    engine_core_apart()
 
     target_cfg, data_cfg = from_dict(TargetConfig, job["target"], "job"), from_dict(DataConfig, job["data"], "job")
     model, layers, num_layers = job["model"], job["layers"], job["num_layers"]

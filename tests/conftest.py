@@ -228,3 +228,21 @@ def _train_gate_heads(root: Path, gate_eagle3: dict) -> dict:
     save_draft_lm(draft, root / "draft", tokenizer, target_record(target, str(target_dir)), counts=counts)
     checkpoints["draft_lm"] = root / "draft"
     return {"target": target_dir, "prompts": gate_eagle3["prompts"], "data": data, **checkpoints}
+
+
+# Measured seconds per test file (one process, tests/file_seconds.json): the scheduler hands out
+# whole files in collection order, so the longest go first or one worker finishes alone at the end.
+FILE_SECONDS = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
+# Files that wait for test_serve_check's build of the gate's heads (build_once): started with it,
+# a second worker would sit idle until that build is done.
+GATE_FOLLOWERS = {"test_serve_check_controls.py", "test_vllm_reload.py"}
+LEADERS = 4  # the longest files that start before the followers
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (a file's tests keep their order), the gate's followers after the leaders."""
+    seconds = {item.path.name: FILE_SECONDS.get(item.path.name, 0) for item in items}
+    leaders = sorted((s for name, s in seconds.items() if name not in GATE_FOLLOWERS), reverse=True)[:LEADERS]
+    cap = min(leaders, default=0) - 1
+    key = {name: min(s, cap) if name in GATE_FOLLOWERS else s for name, s in seconds.items()}
+    items.sort(key=lambda item: -key[item.path.name])
