@@ -230,8 +230,9 @@ def _train_gate_heads(root: Path, gate_eagle3: dict) -> dict:
     return {"target": target_dir, "prompts": gate_eagle3["prompts"], "data": data, **checkpoints}
 
 
-# Measured seconds per test file (one process, tests/file_seconds.json): the scheduler hands out
-# whole files in collection order, so the longest go first or one worker finishes alone at the end.
+# Measured seconds per test file (one process, tests/file_seconds.json): xdist hands out whole files
+# in collection order (a first batch of several to each worker, then one at a time), so the longest
+# are collected first. A balance only: a worker's first batch is fixed before any file's time is known.
 FILE_SECONDS = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
 # Files that wait for test_serve_check's build of the gate's heads (build_once): started with it,
 # a second worker would sit idle until that build is done.
