@@ -1,4 +1,4 @@
-"""What the export gate's tests share: the skip where vLLM cannot run, and one gate run."""
+"""What the vLLM tests share: the skip where vLLM cannot run (with the reason), and one export-gate run."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from draftsmith.export.serve_check import main as check_main
 from draftsmith.vllm_engine import why_unavailable
 
-needs_vllm = pytest.mark.skipif(why_unavailable() is not None, reason=why_unavailable() or "")
+WHY_NO_VLLM = why_unavailable()
+needs_vllm = pytest.mark.skipif(WHY_NO_VLLM is not None, reason=WHY_NO_VLLM or "")
 CHECK = ["--limit", "4", "--max-new-tokens", "32"]
 
 

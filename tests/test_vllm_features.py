@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from gate_helpers import needs_vllm
 from safetensors.torch import load_file
 from training_helpers import write_recipe
 
@@ -20,12 +21,10 @@ from draftsmith.data_prep.vllm_features import features_job, job_engine_args
 from draftsmith.errors import UserError
 from draftsmith.target import is_head_only
 from draftsmith.train.prepare import feature_layers, feature_source
-from draftsmith.vllm_engine import why_unavailable
 
 # Every kind's layers: EAGLE-3 / P-EAGLE / DFlash default to [2, 15, 27] on SmolLM2's 30 layers; 1 and
 # 30 (the final state, normed in HF's hidden_states) make sure any id a recipe may name comes out right.
 LAYERS = [27, 1, 30, 15, 2]  # not sorted: vLLM captures in layer order, the head fuses in its own
-needs_vllm = pytest.mark.skipif(why_unavailable() is not None, reason="vLLM is not installed here")
 
 
 def prepare(tmp_path, name: str, *overrides: str):

@@ -105,13 +105,17 @@ class DFlashDrafter(Drafter):
         self._cache.crop(-block)  # the block's keys: the cache keeps the context only
         return hidden[0, first:]
 
+    @property
+    def device(self) -> torch.device:
+        """Where the head runs (its drafting is timed on this device's clock)."""
+        return next(self.head.parameters()).device
+
     def keep(self, confidences: list[float], started: float, depth: int) -> int:
         """How many of ``depth`` drafted tokens to verify, by ``cut``, from their predicted acceptances."""
         reach = survival(confidences)
         if self.cut == "threshold":
             return sum(1 for p in reach if p >= self.threshold)
-        device = next(self.head.parameters()).device
-        return priced_size(reach, self.costs, clock(device) - started, depth)
+        return priced_size(reach, self.costs, clock(self.device) - started, depth)
 
     sequential = False  # each depth's distribution depends on the token chosen above it (a Markov head)
 
@@ -127,7 +131,7 @@ class DFlashDrafter(Drafter):
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
         # The previous step's commit already read its tokens back: this wait costs nothing.
-        started = clock(next(self.head.parameters()).device)
+        started = clock(self.device)
         depth = min(self.depth, context.max_tokens)
         if depth < 1:
             return TokenTree()  # the pending context joins the cache at the next proposal
