@@ -23,9 +23,12 @@ import importlib
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -88,43 +91,123 @@ def _import_error() -> str:
     return lines[-1] if lines else f"exit code {probe.returncode}"
 
 
+PRELOAD_ENV = "DRAFTSMITH_VLLM_PRELOAD"
+# What the fork server imports once (``import vllm`` alone is lazy): the engine's entry point and the
+# model code draftsmith's jobs load; ~20 s of a CPU's time that each fresh child pays.
+PRELOAD = (
+    "vllm.entrypoints.llm",
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.models.llama_eagle3",
+    "vllm.v1.worker.cpu_model_runner",
+)
+LOG_DEFAULTS = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def run_job(job: dict, what: str, echo: bool = False) -> dict:
     """Run ``job`` in a vLLM child process and return its result; ``what`` names it in errors.
 
     ``echo``: pass the child's output (its progress bar, vLLM's warnings) through to stderr as it
     comes; either way vLLM's log is shown when the job fails.
+
+    With ``DRAFTSMITH_VLLM_PRELOAD=1`` the child is forked from a server process that imported vLLM
+    once (started on this process's first job, ended with it) instead of started afresh: the same
+    job in a process of its own, less the ~20 s that importing vLLM costs each start on a CPU; for
+    processes that run many jobs (the test suite, benchmarks).
     """
     reason = why_unavailable()
     if reason:
         raise EngineError(f"{what}: {reason}")
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
-        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_file, out_file, log_file = (Path(tmp) / name for name in ("job.json", "result.json", "log"))
         job_file.write_text(json.dumps(job))
-        env = dict(os.environ)
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "draftsmith.vllm_engine", str(job_file), str(out_file)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        log = bytearray()
-        while chunk := os.read(proc.stdout.fileno(), 65536):
-            log += chunk
-            del log[:-LOG_TAIL]
-            if echo:
-                sys.stderr.buffer.write(chunk)
-                sys.stderr.flush()
-        proc.wait()
-        text = log.decode("utf-8", errors="replace")
-        if proc.returncode != 0 or not out_file.is_file():
+        log_file.touch()
+        env = {**LOG_DEFAULTS, **os.environ}
+        if os.environ.get(PRELOAD_ENV) == "1":
+            exit_code = _fork_server().submit(job_file, out_file, log_file, env)
+        else:
+            with log_file.open("wb") as log:
+                command = [sys.executable, "-m", "draftsmith.vllm_engine", str(job_file), str(out_file)]
+                exit_code = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT).poll
+        text, code = _follow(log_file, exit_code, echo)
+        if code != 0 or not out_file.is_file():
             if not echo:
                 sys.stderr.write(text)
-            raise EngineError(
-                f"{what}: vLLM failed (exit code {proc.returncode}): {_root_cause(text)} (vLLM's log is above)"
-            )
+            raise EngineError(f"{what}: vLLM failed (exit code {code}): {_root_cause(text)} (vLLM's log is above)")
         return json.loads(out_file.read_text())
+
+
+def _follow(log_file: Path, exit_code: Callable[[], int | None], echo: bool) -> tuple[str, int]:
+    """Read the child's log as it grows until it ends (echoing it where asked): the log's last
+    :data:`LOG_TAIL` bytes, decoded, and the child's exit code (``exit_code()`` is None while it runs)."""
+    log = bytearray()
+    with log_file.open("rb") as handle:
+        while True:
+            code = exit_code()  # before reading: what the child wrote before it ended is read after
+            while chunk := handle.read(65536):
+                log += chunk
+                del log[:-LOG_TAIL]
+                if echo:
+                    sys.stderr.buffer.write(chunk)
+                    sys.stderr.flush()
+            if code is not None:
+                return log.decode("utf-8", errors="replace"), code
+            time.sleep(0.1)
+
+
+class _ForkServer:
+    """``python -m draftsmith.vllm_engine --fork-server``: a child that imports :data:`PRELOAD` once and
+    forks a process per job (its requests and replies are JSON lines on its stdin and stdout). Python's
+    own ``forkserver`` re-runs the caller's main script in each child: scripts without a main guard,
+    and pytest, cannot use it."""
+
+    def __init__(self):
+        command = [sys.executable, "-m", "draftsmith.vllm_engine", "--fork-server"]
+        env = {**LOG_DEFAULTS, **os.environ}  # vLLM configures its logger on import
+        self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lock = threading.Lock()
+
+    def submit(self, job_file: Path, out_file: Path, log_file: Path, env: dict) -> Callable[[], int | None]:
+        """Start a job; returns its exit code's poll (None while it runs)."""
+        self.lock.acquire()
+        request = {"job": str(job_file), "out": str(out_file), "log": str(log_file), "env": env}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        reply: list[int] = []
+
+        def poll() -> int | None:
+            if not reply and select.select([self.proc.stdout], [], [], 0)[0]:
+                line = self.proc.stdout.readline()
+                # The server itself died (killed, out of memory): say so as the child's failure would.
+                reply.append(json.loads(line)["exit"] if line else -1)
+                self.lock.release()
+            return reply[0] if reply else None
+
+        return poll
+
+
+@functools.cache
+def _fork_server() -> _ForkServer:
+    return _ForkServer()
+
+
+def _serve_forks() -> None:
+    """The fork server's loop: a forked child per request runs the job as ``_worker`` would in a
+    fresh process (the request's environment, its output into the request's log), and exits."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            os.environ.clear()
+            os.environ.update(request["env"])
+            log = os.open(request["log"], os.O_WRONLY | os.O_APPEND)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            _worker(request["job"], request["out"])
+            sys.exit(0)  # through the interpreter's exit: vLLM's exit handlers stop its engine core
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"exit": os.waitstatus_to_exitcode(status)}), flush=True)
 
 
 ERROR_LINE = re.compile(r"\b(\w*(?:Error|Exception)): (.+)")
@@ -256,4 +339,7 @@ def _worker(job_file: str, out_file: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(*sys.argv[1:3])
+    if sys.argv[1:] == ["--fork-server"]:
+        _serve_forks()
+    else:
+        _worker(*sys.argv[1:3])
