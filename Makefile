@@ -31,4 +31,4 @@ lint:
 	lint-imports
 
 test: install lint
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
