@@ -179,7 +179,7 @@ def run_bench(
                             gen.steps,
                             gen.seconds,
                             gen.accepted,
-                            *_agreement(gen.tokens, reference.tokens, sampling.greedy),
+                            *agreement(gen.tokens, reference.tokens, sampling.greedy),
                             gen.drafted,
                             gen.draft_seconds,
                         )
@@ -204,7 +204,7 @@ def run_bench(
                             steps,
                             seconds,
                             [],
-                            *_agreement(tokens, reference.tokens, sampling.greedy),
+                            *agreement(tokens, reference.tokens, sampling.greedy),
                         )
                     )
                     bar.update()
@@ -215,8 +215,9 @@ def run_bench(
     return runs
 
 
-def _agreement(tokens: list[int], reference: list[int], greedy: bool) -> tuple[bool | None, int | None]:
-    """(same output, common prefix length) against plain decoding's tokens; (None, None) when sampling."""
+def agreement(tokens: list[int], reference: list[int], greedy: bool) -> tuple[bool | None, int | None]:
+    """(same output, common prefix length) of ``tokens`` against plain decoding's ``reference``;
+    (None, None) when sampling, where outputs differ by design."""
     if not greedy:  # sampled outputs differ by design
         return None, None
     prefix = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))

@@ -493,12 +493,12 @@ def test_hass_loss_adds_a_top_k_term_to_the_full_distillation_and_detaches_the_f
 def test_soft_target_cross_entropy_equals_the_composite_form_and_its_gradient(dtype):
     """The fused loss ``s lse(z) - c.z`` (gradient ``s softmax(z) - c``) equals autograd through
     ``-(c * log_softmax(z)).sum(-1)`` for a soft target plus a top-K term (weights summing above 1)."""
-    from draftsmith.train.unroll import UnrollLoss, _loss_coefficients, soft_target_cross_entropy
+    from draftsmith.train.unroll import UnrollLoss, loss_coefficients, soft_target_cross_entropy
 
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(6, 40, generator=generator) * 3).to(dtype).requires_grad_()
     probs = (torch.randn(6, 40, generator=generator) * 2).softmax(-1)
-    coeff = _loss_coefficients(probs, UnrollLoss(top_k=3, ce_weight=0.1, top_k_weight=1.0))
+    coeff = loss_coefficients(probs, UnrollLoss(top_k=3, ce_weight=0.1, top_k_weight=1.0))
     top = probs.topk(3, dim=-1).indices
     expected_coeff = 0.1 * probs + torch.zeros_like(probs).scatter(-1, top, probs.gather(-1, top))
     torch.testing.assert_close(coeff, expected_coeff)

@@ -4,7 +4,7 @@ import pytest
 from cli_helpers import user_error
 
 from draftsmith.data_prep.sharegpt import DataError
-from draftsmith.eval.measure import Run, _agreement
+from draftsmith.eval.measure import Run, agreement
 from draftsmith.eval.report import captions, depth_table, summarise
 from draftsmith.eval.run import main
 from draftsmith.timing import STAGES, stage, stage_table
@@ -54,10 +54,10 @@ def test_stage_table_totals_the_stages():
 
 
 def test_greedy_runs_report_agreement_with_plain_decoding():
-    assert _agreement([5, 6, 7, 8], [5, 6, 9, 8], greedy=True) == (False, 2)
-    assert _agreement([5, 6], [5, 6, 7], greedy=True) == (False, 2)  # a prefix is not the same output
-    assert _agreement([5, 6, 7], [5, 6, 7], greedy=True) == (True, 3)
-    assert _agreement([5, 6, 7], [1, 2, 3], greedy=False) == (None, None)
+    assert agreement([5, 6, 7, 8], [5, 6, 9, 8], greedy=True) == (False, 2)
+    assert agreement([5, 6], [5, 6, 7], greedy=True) == (False, 2)  # a prefix is not the same output
+    assert agreement([5, 6, 7], [5, 6, 7], greedy=True) == (True, 3)
+    assert agreement([5, 6, 7], [1, 2, 3], greedy=False) == (None, None)
     runs = [
         Run("baseline", "1", "math", 1, new_tokens=4, steps=3, seconds=1.0, same_output=True, common_prefix=4),
         Run("tuned", "1", "math", 1, new_tokens=4, steps=2, seconds=1.0, same_output=False, common_prefix=2),

@@ -17,7 +17,7 @@ from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResu
 from draftsmith.eval.engine.drafters.hybrid import HybridDrafter, merge_trees
 from draftsmith.eval.engine.drafters.suffix import SuffixDrafter
 from draftsmith.eval.engine.pass_cost import priced_size
-from draftsmith.eval.engine.prepack import _Packed, available, packed, prepack_linears, unpack_linears
+from draftsmith.eval.engine.prepack import PackedForward, available, packed, prepack_linears, unpack_linears
 from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.eval.engine.tree import ROOT, TreeBuilder
 from draftsmith.plugins import register_builtin
@@ -118,7 +118,7 @@ def test_prepacked_linears_compute_what_f_linear_does(dtype):
         if not available(torch.device("cpu"), dtype):  # bf16 on an AVX2-only CPU: nothing packs
             assert prepack_linears(model, "on") == 0 and "forward" not in vars(model[0])
             return
-        assert prepack_linears(model, "on") == 2 and isinstance(model[0].forward, _Packed)
+        assert prepack_linears(model, "on") == 2 and isinstance(model[0].forward, PackedForward)
         with packed():
             after = model(x)
         assert torch.equal(model(x), before)  # outside the engine: exactly the plain computation

@@ -396,7 +396,9 @@ def test_auto_dtype_follows_the_measurement(capsys):
     recipe, _ = parse_training_args(EagleRecipe, ["--target.dtype", "float32"])
     assert recipe.training.mixed_precision == "no"  # auto follows the target's dtype
     recipe.target.dtype, recipe.training.mixed_precision = "auto", "auto"
-    resolve_precision(recipe)
+    resolved = resolve_precision(recipe)
+    assert (recipe.target.dtype, recipe.training.mixed_precision) == ("auto", "auto")  # a copy, not an edit
+    recipe = resolved
     assert recipe.target.dtype == str(chosen).removeprefix("torch.")
     assert recipe.training.mixed_precision == {torch.bfloat16: "bf16", torch.float32: "no"}[chosen]
 

@@ -35,8 +35,7 @@ def parse_training_args(recipe_class, argv: list[str] | None = None, description
     args = parser.parse_args([w for w in argv if w in OWN_FLAGS])
     recipe_path, overrides = split_recipe([w for w in argv if w not in OWN_FLAGS])
     recipe = load_recipe(recipe_class, recipe_path, overrides, aliases=OVERRIDE_ALIASES)
-    resolve_precision(recipe)
-    return recipe, args
+    return resolve_precision(recipe), args
 
 
 def split_recipe(words: list[str]) -> tuple[str | None, list[str]]:

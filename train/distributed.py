@@ -11,6 +11,7 @@ import netrc
 import os
 import socket
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -96,18 +97,28 @@ def main_process_first(recipe: Recipe, timeout: timedelta = timedelta(hours=24))
         torch.distributed.barrier(group=group)
 
 
-def resolve_precision(recipe: Recipe) -> None:
-    """Replace ``auto`` in ``target.dtype`` and ``training.mixed_precision`` by what this machine
-    runs fastest (so the saved recipe records the concrete choice)."""
-    if recipe.target.dtype == "auto":
-        recipe.target.dtype = dtype_name(resolve_dtype("auto", default_device()))
-    if recipe.training.mixed_precision == "auto":
-        recipe.training.mixed_precision = mixed_precision_for(resolve_dtype(recipe.target.dtype, log=False))
+def resolve_precision(recipe: Recipe) -> Recipe:
+    """``recipe`` with ``auto`` in ``target.dtype`` and ``training.mixed_precision`` replaced by what
+    this machine runs fastest (so the saved recipe records the concrete choice); a copy where
+    either changes, ``recipe`` itself otherwise."""
+    dtype = recipe.target.dtype
+    if dtype == "auto":
+        dtype = dtype_name(resolve_dtype("auto", default_device()))
+    mixed = recipe.training.mixed_precision
+    if mixed == "auto":
+        mixed = mixed_precision_for(resolve_dtype(dtype, log=False))
+    if (dtype, mixed) == (recipe.target.dtype, recipe.training.mixed_precision):
+        return recipe
+    return replace(
+        recipe,
+        target=replace(recipe.target, dtype=dtype),
+        training=replace(recipe.training, mixed_precision=mixed),
+    )
 
 
 def make_accelerator(recipe: Recipe) -> Accelerator:
     """An Accelerator configured from the recipe's training, distributed and tracking sections."""
-    resolve_precision(recipe)  # recipes built in code may still say "auto"
+    recipe = resolve_precision(recipe)  # a recipe built in code may still say "auto"
     train, dist, track = recipe.training, recipe.distributed, recipe.tracking
     kwargs: dict = {
         "gradient_accumulation_steps": train.gradient_accumulation_steps,

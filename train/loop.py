@@ -36,7 +36,7 @@ from draftsmith.train.checkpoints import (
     staging_folder,
     state_dir,
 )
-from draftsmith.train.distributed import make_accelerator, start_tracker
+from draftsmith.train.distributed import make_accelerator, resolve_precision, start_tracker
 from draftsmith.train.ordering import epoch_items, epoch_loader, sequence_lengths
 
 LOG_HISTORY = "log_history.jsonl"  # every logged metrics dict, a JSON line each
@@ -112,6 +112,8 @@ class Trainer:
     """Runs a :class:`TrainTask` under a recipe."""
 
     def __init__(self, recipe: Recipe, task: TrainTask, train_data, eval_data=None):
+        # Recipes built in code may still say "auto": the run (and the recipe it saves) takes the choice.
+        recipe = resolve_precision(recipe)
         self.recipe, self.task = recipe, task
         self.train_data, self.eval_data = train_data, eval_data
         self.output_dir = Path(recipe.training.output_dir)

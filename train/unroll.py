@@ -435,17 +435,17 @@ def unrolled_loss(
 def target_terms(head, target_next: torch.Tensor, cfg: UnrollLoss, training: bool):
     """``(probs, best, coeff, kept)`` for rows of the target's last hidden states ``target_next``:
     its distribution over the draft vocabulary, its next token (exact, over the full vocabulary, in
-    evaluation or when masking), the loss weights ``c`` (:func:`_loss_coefficients`, zeroed where
+    evaluation or when masking), the loss weights ``c`` (:func:`loss_coefficients`, zeroed where
     ``cfg.mask_out_of_vocab`` drops the row) and which rows keep a token loss."""
     probs = head.target_logits(target_next).float().softmax(-1)
     best = _target_choice(head, target_next, probs, exact=not training or cfg.mask_out_of_vocab)
-    coeff = _loss_coefficients(probs, cfg)
+    coeff = loss_coefficients(probs, cfg)
     kept = head.to_draft_ids(best) >= 0 if cfg.mask_out_of_vocab else torch.ones_like(best, dtype=torch.bool)
     coeff[~kept] = 0.0
     return probs, best, coeff, kept
 
 
-def _loss_coefficients(probs: torch.Tensor, cfg: UnrollLoss) -> torch.Tensor:
+def loss_coefficients(probs: torch.Tensor, cfg: UnrollLoss) -> torch.Tensor:
     """Weights ``c`` over the draft vocabulary with loss ``-sum_i c_i log q_i``: ``ce_weight`` x the
     target's distribution, plus ``top_k_weight`` x its K most likely entries (HASS)."""
     coeff = probs * cfg.ce_weight

@@ -68,7 +68,7 @@ def _packs(dtype: torch.dtype) -> bool:
     return True
 
 
-class _Packed:
+class PackedForward:
     """The forward installed on one linear: oneDNN on the packed weight from ``min_rows`` input rows
     on (below, ``F.linear``: torch's fp32 path for 1-3 rows needs no packing and is faster there)."""
 
@@ -119,7 +119,7 @@ def _seconds(forward, x: torch.Tensor, repeats: int = 10) -> float:
 def _crossover(out_features: int, in_features: int, dtype: torch.dtype, bias: bool) -> int:
     generator = torch.Generator().manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
-    fast = _Packed(linear)
+    fast = PackedForward(linear)
     with torch.no_grad(), packed():
         for rows in _PROBE_ROWS:
             x = torch.randn(1, rows, in_features, generator=generator).to(dtype)
@@ -148,13 +148,13 @@ def prepack_linears(module: nn.Module, mode: str = "auto") -> int:
         return 0
     count = 0
     for linear in module.modules():
-        if not isinstance(linear, nn.Linear) or isinstance(linear.forward, _Packed):
+        if not isinstance(linear, nn.Linear) or isinstance(linear.forward, PackedForward):
             continue
         if not available(linear.weight.device, linear.weight.dtype):
             continue
         min_rows = 1 if mode == "on" else crossover(linear)
         if min_rows != NEVER:
-            linear.forward = _Packed(linear, min_rows)
+            linear.forward = PackedForward(linear, min_rows)
             count += 1
     return count
 
@@ -163,7 +163,7 @@ def unpack_linears(module: nn.Module) -> int:
     """Undo :func:`prepack_linears` on ``module`` (for before/after measurements); returns how many."""
     count = 0
     for linear in module.modules():
-        if isinstance(linear, nn.Linear) and isinstance(linear.forward, _Packed):
+        if isinstance(linear, nn.Linear) and isinstance(linear.forward, PackedForward):
             del linear.forward
             count += 1
     return count
