@@ -1,10 +1,11 @@
 """Writes that a killed process cannot leave half done, and the clean-up of what it leaves behind.
 
-A file or folder is written under a hidden sibling name that carries its writer's host and process
-id (``.NAME.HOST.PID.RANDOM.tmp``) and renamed onto its real name once complete, so readers see
-all of it or nothing. A writer killed before the rename (SIGKILL runs no ``finally``) leaves its
-stage behind; the next writer of the same name removes the stages of writers that no longer run on
-this host and leaves those of live ones (another process building the same cache) alone.
+A file or folder is written under a hidden sibling stage whose name carries its writer's host and
+process id (``.NAME.HOST.PID.RANDOM.tmp``; a file inside it) and renamed onto its real name once
+complete, so readers see all of it or nothing. A writer killed before the rename (SIGKILL runs no
+``finally``) leaves its stage behind; the next writer of the same name removes the stages of writers
+that no longer run on this host and leaves those of live ones (another process building the same
+cache) alone.
 """
 
 from __future__ import annotations
@@ -48,27 +49,26 @@ def remove_stale_stages(path: Path) -> list[Path]:
 
 @contextmanager
 def staged(path: str | Path, folder: bool = False) -> Iterator[Path]:
-    """A fresh hidden sibling of ``path`` (an empty file, or with ``folder`` an empty folder) to
-    write; renamed onto ``path`` when the block ends, removed when it raises.
+    """A fresh path to write ``path``'s content to (an empty file, or with ``folder`` an empty
+    folder) under a hidden stage beside ``path``; renamed onto ``path`` when the block ends, removed
+    when it raises.
 
-    A folder replaces ``path`` only where that is missing or an empty folder (the rename raises
-    ``OSError`` otherwise, after removing the stage). Stale stages of ``path`` are removed first.
+    A file is staged as ``STAGE/NAME`` inside a stage folder of its own, so that whatever a library
+    writes beside it (safetensors saves through a ``.tmpXXXXXX`` sibling it renames) is inside the
+    stage too, and goes with it when a killed writer's stage is removed. A folder replaces ``path``
+    only where that is missing or an empty folder (the rename raises ``OSError`` otherwise, after
+    removing the stage). Stale stages of ``path`` are removed first.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_stages(path)
     prefix = f".{path.name}.{socket.gethostname()}.{os.getpid()}."
-    make = tempfile.mkdtemp if folder else tempfile.mkstemp
-    made = make(dir=path.parent, prefix=prefix, suffix=SUFFIX)
-    if not folder:
-        os.close(made[0])
-    stage = Path(made if folder else made[1])
+    stage = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=SUFFIX))
+    content = stage if folder else stage / path.name
     try:
-        yield stage
-        os.replace(stage, path)
-    except BaseException:
-        if stage.is_dir():
-            shutil.rmtree(stage, ignore_errors=True)
-        else:
-            stage.unlink(missing_ok=True)
-        raise
+        if not folder:
+            content.touch()
+        yield content
+        os.replace(content, path)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)

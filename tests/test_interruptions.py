@@ -31,7 +31,7 @@ import pytest
 from prepare_stages import main as prepare
 from training_helpers import REPO, save_tiny_target, write_recipe
 
-from draftsmith.atomic import staged
+from draftsmith.atomic import SUFFIX, staged
 from draftsmith.data_prep.regenerate import main as regenerate_main
 from draftsmith.export.cli import main as export_main
 from draftsmith.target import load_tokenizer
@@ -63,9 +63,10 @@ def rng(request) -> random.Random:
 
 def _content(path: Path):
     """A file's bytes; a safetensors file's header as a dict and its tensor bytes (safetensors
-    writes metadata from a hash map, in an order that varies between writers)."""
+    writes metadata from a hash map, in an order that varies between writers). A file still in its
+    stage (a kill's debris, maybe half written) is its bytes."""
     raw = path.read_bytes()
-    if path.suffix != ".safetensors":
+    if path.suffix != ".safetensors" or path.parent.name.endswith(SUFFIX):
         return raw
     size = struct.unpack("<Q", raw[:8])[0]
     return json.loads(raw[8 : 8 + size]), raw[8 + size :]
@@ -153,6 +154,7 @@ import sys, time
 from draftsmith.atomic import staged
 with staged(sys.argv[1]) as stage:
     stage.write_text("half")
+    (stage.parent / ".tmpAbC123").write_text("a library's own temporary, as safetensors leaves one")
     print(stage, flush=True)
     time.sleep(60)
 """
@@ -160,7 +162,8 @@ with staged(sys.argv[1]) as stage:
 
 def test_a_killed_writers_stage_is_removed_and_a_live_ones_kept(tmp_path):
     """Two writers stage the same file; one is killed mid-write: the next writer removes its
-    stage (SIGKILL ran no clean-up), leaves the live one's alone, and its own rename wins."""
+    stage (SIGKILL ran no clean-up), temporaries a library made beside the file included, leaves
+    the live one's alone, and its own rename wins."""
     path = tmp_path / "shard.safetensors"
     writers = [
         subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True) for _ in range(2)
@@ -172,8 +175,9 @@ def test_a_killed_writers_stage_is_removed_and_a_live_ones_kept(tmp_path):
         with staged(path) as stage:
             stage.write_text("whole")
         assert path.read_text() == "whole"
-        assert not killed.exists() and live.read_text() == "half"
-        assert sorted(tmp_path.iterdir()) == sorted([path, live])
+        # The killed writer's stage went whole, what its library wrote beside the file with it.
+        assert not killed.parent.exists() and live.read_text() == "half"
+        assert sorted(tmp_path.iterdir()) == sorted([path, live.parent])
     finally:
         for writer in writers:
             writer.kill()
