@@ -6,11 +6,12 @@ EAGLE-3 and DFlash; judged by vLLM's acceptance counts on the same prompts.
 
 (the measurement: both kinds, 10 minutes per trainer, 16 MT-bench first turns x 128 tokens; about 50 held-out
 conversations). Smaller: ``--kinds eagle3``, ``--per-category 1``, ``--max-new-tokens 64``; any ``--data.*``
-recipe override goes to both trainers, e.g. the smoke run ``--minutes 1 --limit 2 --max-new-tokens 16
---data.limit 24 --data.regenerate.enabled false --data.held_out_fraction 0.2 --data.max_length 256``. The first
-run also regenerates the replies (the recipes' cached self-distillation, shared with them) and extracts the
-features; neither counts in a trainer's budget. Each trainer's budget is checked after each optimiser step (a
-step in flight finishes), so ``loop seconds`` in the table may pass ``--minutes`` by up to one step.
+recipe override goes to both trainers (``--target.name DIR`` another target), e.g. the smoke run ``--minutes
+1 --limit 2 --max-new-tokens 16 --data.limit 24 --data.regenerate.enabled false --data.held_out_fraction 0.2
+--data.max_length 256``. The first run also regenerates the replies (the recipes' cached self-distillation,
+shared with them) and extracts the features; neither counts in a trainer's budget. Each trainer's budget is
+checked after each optimiser step (a step in flight finishes), so ``loop seconds`` in the table may pass
+``--minutes`` by up to one step.
 
 What it runs, in order (each stage is skipped where its output is already there, so a rerun resumes):
 
@@ -84,6 +85,7 @@ ROOT = BENCH.parent
 KINDS = ("eagle3", "dflash")
 RECIPES = {kind: ROOT / "recipes" / f"smollm2-{kind}.yaml" for kind in KINDS}
 FEATURES = "features"  # under --out: speculators' data folder (arrow rows, hidden_states/, vocab files)
+SHARED_OVERRIDES = ("--data.", "--target.name")  # recipe overrides both trainers take
 CONFIDENCE = 0.975  # each side of the paired bootstrap interval (95% two-sided)
 
 
@@ -525,9 +527,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--eagle3-depth", type=int, default=3, help="EAGLE-3 chain length served in vLLM")
     args, overrides = parser.parse_known_args(argv)
-    bad = [w for w in overrides if w.startswith("--") and not w.startswith("--data.")]
+    bad = [w for w in overrides if w.startswith("--") and not w.startswith(SHARED_OVERRIDES)]
     if bad:
-        parser.error(f"unknown options {bad}: only --data.* recipe overrides go to both trainers")
+        parser.error(f"unknown options {bad}: only --data.* and --target.name recipe overrides go to both trainers")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), *filter(None, [os.environ.get("PYTHONPATH")])])
     from draftsmith.export.serve_check import prompt_ids
     from draftsmith.plugins import register_builtin

@@ -3,9 +3,9 @@
 - Fast: the settings it hands speculators' trainer parse in speculators' own schema and carry the
   recipe's values (learning rate, optimiser, warm-up, vocabulary, layers, TTT steps, block size,
   anchors per step, loss weighting, bidirectional block attention, mask token).
-- Slow: a tiny end-to-end run (EAGLE-3, a few seconds of training each): both trainers' heads load
-  in speculators' model class, are scored on the same held-out rows and served by vLLM on the same
-  prompts, and the paired interval brackets the difference.
+- Slow: a tiny end-to-end run (EAGLE-3 on a tiny target, a few seconds of training each): both
+  trainers' heads load in speculators' model class, are scored on the same held-out rows and served
+  by vLLM on the same prompts, and the paired interval brackets the difference.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from training_helpers import save_tiny_target
+
+from draftsmith.target import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,8 +77,12 @@ def test_both_heads_are_trained_loaded_and_scored_on_the_same_prompts(tmp_path):
     reason = why_unavailable()
     if reason:
         pytest.skip(reason)
+    # The vLLM tests' tiny target (head size 32, which vLLM's CPU attention takes) with the bundled
+    # tokenizer: the comparison's plumbing is what is tested, not SmolLM2's acceptance.
+    target = save_tiny_target(tmp_path / "target", load_tokenizer("default"), hidden_size=128, layers=4, scale=8.0)
     out = tmp_path / "peer"
     command = [sys.executable, str(ROOT / "bench" / "peer_trainers.py"), "--minutes", "0.1", "--out", str(out)]
+    command += ["--target.name", str(target)]
     command += ["--kinds", "eagle3", "--limit", "2", "--max-new-tokens", "8", "--data.limit", "16"]
     command += ["--data.regenerate.enabled", "false", "--data.held_out_fraction", "0.25", "--data.max_length", "128"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
