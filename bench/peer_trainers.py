@@ -531,6 +531,7 @@ def main(argv: list[str] | None = None) -> dict:
     if bad:
         parser.error(f"unknown options {bad}: only --data.* and --target.name recipe overrides go to both trainers")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ.setdefault("DRAFTSMITH_VLLM_PRELOAD", "1")  # up to seven vLLM jobs: vLLM imported once
     from draftsmith.export.serve_check import prompt_ids
     from draftsmith.plugins import register_builtin
 
