@@ -27,5 +27,15 @@ def check_aux_layers(layers: list[int], num_layers: int, where: str = "drafter.a
 
 
 def resolve_aux_layers(layers: list[int] | None, num_layers: int, where: str = "drafter.aux_layers") -> list[int]:
-    """``layers`` checked (:func:`check_aux_layers`), or the default for a target of ``num_layers`` when None."""
-    return default_aux_layers(num_layers) if layers is None else check_aux_layers(layers, num_layers, where)
+    """``layers`` checked (:func:`check_aux_layers`), or the default for a target of ``num_layers`` when
+    None; a target too shallow for the default (fewer than 7 layers: it would repeat a layer or
+    name one below 0) is a one-line error asking for them, as speculators' trainer refuses it."""
+    if layers is not None:
+        return check_aux_layers(layers, num_layers, where)
+    default = default_aux_layers(num_layers)
+    if len(set(default)) != len(default) or min(default) < 0 or max(default) > num_layers:
+        raise RecipeError(
+            f"{where} is not set and EAGLE-3's default {default} does not fit a target of {num_layers} "
+            f"decoder layers: give {len(default)} distinct target layer ids in [0, {num_layers}]"
+        )
+    return default

@@ -24,12 +24,13 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from training_helpers import save_tiny_target, train_offline, write_recipe
 from transformers import DynamicCache
 
+from draftsmith.config import RecipeError
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.eval.engine.drafters.eagle import EagleDrafter
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.eval.engine.tree import ROOT
-from draftsmith.heads.aux_layers import default_aux_layers
+from draftsmith.heads.aux_layers import default_aux_layers, resolve_aux_layers
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.target import load_tokenizer
@@ -292,6 +293,15 @@ def test_sampling_with_eagle3_matches_exact_distribution(tiny_target, draft_voca
     drafter = EagleDrafter(_head3(tiny_target, "identity", draft_vocab), depth=2, top_k=2, budget=4)
     accepted = assert_distributed_as_target(tiny_target, drafter, PROMPT, 4, 3000)
     assert accepted[(3,)] > 100 and accepted[(1, 1, 1)] > 100, accepted  # drafts accepted and rejected, often
+
+
+def test_default_aux_layers_are_eagle3s_or_a_one_line_request_for_them():
+    assert resolve_aux_layers(None, 32) == [2, 16, 29] and resolve_aux_layers(None, 7) == [2, 3, 4]
+    # A shallow target would repeat a layer ([2, 2, 1]) or name one below 0 ([2, 1, -1]).
+    for layers, shown in ((4, r"\[2, 2, 1\]"), (2, r"\[2, 1, -1\]")):
+        with pytest.raises(RecipeError, match=rf"drafter\.aux_layers is not set and EAGLE-3's default {shown} "):
+            resolve_aux_layers(None, layers)
+    assert resolve_aux_layers([0, 1, 2], 4) == [0, 1, 2]
 
 
 @pytest.mark.slow

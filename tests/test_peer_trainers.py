@@ -77,9 +77,10 @@ def test_both_heads_are_trained_loaded_and_scored_on_the_same_prompts(tmp_path):
     reason = why_unavailable()
     if reason:
         pytest.skip(reason)
-    # The vLLM tests' tiny target (head size 32, which vLLM's CPU attention takes) with the bundled
-    # tokenizer: the comparison's plumbing is what is tested, not SmolLM2's acceptance.
-    target = save_tiny_target(tmp_path / "target", load_tokenizer("default"), hidden_size=128, layers=4, scale=8.0)
+    # A tiny target (head size 32, which vLLM's CPU attention takes; 7 layers, the fewest that fit
+    # EAGLE-3's default layers [2, 3, 4]) with the bundled tokenizer: the comparison's plumbing is
+    # what is tested, not SmolLM2's acceptance.
+    target = save_tiny_target(tmp_path / "target", load_tokenizer("default"), hidden_size=128, layers=7, scale=8.0)
     out = tmp_path / "peer"
     command = [sys.executable, str(ROOT / "bench" / "peer_trainers.py"), "--minutes", "0.1", "--out", str(out)]
     command += ["--target.name", str(target)]
