@@ -531,8 +531,10 @@ def main(argv: list[str] | None = None) -> dict:
     if bad:
         parser.error(f"unknown options {bad}: only --data.* and --target.name recipe overrides go to both trainers")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), *filter(None, [os.environ.get("PYTHONPATH")])])
-    os.environ.setdefault("DRAFTSMITH_VLLM_PRELOAD", "1")  # up to seven vLLM jobs: vLLM imported once
     from draftsmith.export.serve_check import prompt_ids
+    from draftsmith.vllm_engine import PRELOAD_ENV
+
+    os.environ.setdefault(PRELOAD_ENV, "1")  # up to seven vLLM jobs: vLLM imported once
     from draftsmith.plugins import register_builtin
 
     register_builtin()

@@ -18,6 +18,7 @@ Jobs (``task``):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -121,19 +122,24 @@ def run_job(job: dict, what: str, echo: bool = False) -> dict:
         job_file, out_file, log_file = (Path(tmp) / name for name in ("job.json", "result.json", "log"))
         job_file.write_text(json.dumps(job))
         log_file.touch()
-        env = {**LOG_DEFAULTS, **os.environ}
-        if os.environ.get(PRELOAD_ENV) == "1":
-            exit_code = _fork_server().submit(job_file, out_file, log_file, env)
-        else:
-            with log_file.open("wb") as log:
-                command = [sys.executable, "-m", "draftsmith.vllm_engine", str(job_file), str(out_file)]
-                exit_code = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT).poll
-        text, code = _follow(log_file, exit_code, echo)
+        with contextlib.ExitStack() as stack:
+            if os.environ.get(PRELOAD_ENV) == "1":
+                exit_code = stack.enter_context(_fork_server().job(job_file, out_file, log_file, _job_env()))
+            else:
+                with log_file.open("wb") as log:
+                    command = [sys.executable, "-m", "draftsmith.vllm_engine", str(job_file), str(out_file)]
+                    exit_code = subprocess.Popen(command, env=_job_env(), stdout=log, stderr=subprocess.STDOUT).poll
+            text, code = _follow(log_file, exit_code, echo)
         if code != 0 or not out_file.is_file():
             if not echo:
                 sys.stderr.write(text)
             raise EngineError(f"{what}: vLLM failed (exit code {code}): {_root_cause(text)} (vLLM's log is above)")
         return json.loads(out_file.read_text())
+
+
+def _job_env() -> dict:
+    """This process's environment with :data:`LOG_DEFAULTS` where it says nothing of them."""
+    return {**LOG_DEFAULTS, **os.environ}
 
 
 def _follow(log_file: Path, exit_code: Callable[[], int | None], echo: bool) -> tuple[str, int]:
@@ -162,27 +168,31 @@ class _ForkServer:
 
     def __init__(self):
         command = [sys.executable, "-m", "draftsmith.vllm_engine", "--fork-server"]
-        env = {**LOG_DEFAULTS, **os.environ}  # vLLM configures its logger on import
-        self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # vLLM configures its logger on import: the server's environment sets it.
+        self.proc = subprocess.Popen(command, env=_job_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lock = threading.Lock()
 
-    def submit(self, job_file: Path, out_file: Path, log_file: Path, env: dict) -> Callable[[], int | None]:
-        """Start a job; returns its exit code's poll (None while it runs)."""
-        self.lock.acquire()
-        request = {"job": str(job_file), "out": str(out_file), "log": str(log_file), "env": env}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        reply: list[int] = []
+    @contextlib.contextmanager
+    def job(self, job_file: Path, out_file: Path, log_file: Path, env: dict) -> Iterator[Callable[[], int | None]]:
+        """Run a job (one at a time); yields its exit code's poll (None while it runs). The block's
+        end waits for the job's reply, so the next job never reads this one's."""
+        with self.lock:
+            request = {"job": str(job_file), "out": str(out_file), "log": str(log_file), "env": env}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            reply: list[int] = []
 
-        def poll() -> int | None:
-            if not reply and select.select([self.proc.stdout], [], [], 0)[0]:
-                line = self.proc.stdout.readline()
-                # The server itself died (killed, out of memory): say so as the child's failure would.
-                reply.append(json.loads(line)["exit"] if line else -1)
-                self.lock.release()
-            return reply[0] if reply else None
+            def poll(wait: bool = False) -> int | None:
+                if not reply and (wait or select.select([self.proc.stdout], [], [], 0)[0]):
+                    line = self.proc.stdout.readline()
+                    # The server itself died (killed, out of memory): say so as the child's failure would.
+                    reply.append(json.loads(line)["exit"] if line else -1)
+                return reply[0] if reply else None
 
-        return poll
+            try:
+                yield poll
+            finally:
+                poll(wait=True)
 
 
 @functools.cache

@@ -15,10 +15,16 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def _fit(layers: list[int], num_layers: int) -> bool:
+    """Whether ``layers`` are distinct target layer ids in ``[0, num_layers]`` (what vLLM and
+    speculators take)."""
+    return bool(layers) and len(set(layers)) == len(layers) and min(layers) >= 0 and max(layers) <= num_layers
+
+
 def check_aux_layers(layers: list[int], num_layers: int, where: str = "drafter.aux_layers") -> list[int]:
     """``layers`` if they are distinct target layer ids in ``[0, num_layers]``; else a one-line error."""
     layers = [int(layer) for layer in layers]
-    if not layers or len(set(layers)) != len(layers) or min(layers) < 0 or max(layers) > num_layers:
+    if not _fit(layers, num_layers):
         raise RecipeError(
             f"{where} = {layers}: give distinct target layer ids in [0, {num_layers}] "
             f"(the target has {num_layers} decoder layers; default {default_aux_layers(num_layers)})"
@@ -33,7 +39,7 @@ def resolve_aux_layers(layers: list[int] | None, num_layers: int, where: str = "
     if layers is not None:
         return check_aux_layers(layers, num_layers, where)
     default = default_aux_layers(num_layers)
-    if len(set(default)) != len(default) or min(default) < 0 or max(default) > num_layers:
+    if not _fit(default, num_layers):
         raise RecipeError(
             f"{where} is not set and EAGLE-3's default {default} does not fit a target of {num_layers} "
             f"decoder layers: give {len(default)} distinct target layer ids in [0, {num_layers}]"

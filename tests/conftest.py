@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.plugins import register_builtin
 from draftsmith.target import load_target
+from draftsmith.vllm_engine import PRELOAD_ENV
 
 # Tests build drafters and export through the registry as the entry points do.
 register_builtin()
@@ -28,7 +29,7 @@ register_builtin()
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # And each job's child is forked from a server that imported vLLM once per worker
 # (core/vllm_engine.py's fork server): ~17 s less per job here (a tiny target's job: 13 s, not 30-38 s).
-os.environ.setdefault("DRAFTSMITH_VLLM_PRELOAD", "1")
+os.environ.setdefault(PRELOAD_ENV, "1")
 
 # Two workers with torch's default of a thread per core would run 2x oversubscribed: tiny models'
 # ops then stall on each other (see ``one_thread``).

@@ -99,16 +99,14 @@ def main_process_first(recipe: Recipe, timeout: timedelta = timedelta(hours=24))
 
 def resolve_precision(recipe: Recipe) -> Recipe:
     """``recipe`` with ``auto`` in ``target.dtype`` and ``training.mixed_precision`` replaced by what
-    this machine runs fastest (so the saved recipe records the concrete choice); a copy where
-    either changes, ``recipe`` itself otherwise."""
+    this machine runs fastest (so the saved recipe records the concrete choice): a copy, ``recipe``
+    is left as it is."""
     dtype = recipe.target.dtype
     if dtype == "auto":
         dtype = dtype_name(resolve_dtype("auto", default_device()))
     mixed = recipe.training.mixed_precision
     if mixed == "auto":
         mixed = mixed_precision_for(resolve_dtype(dtype, log=False))
-    if (dtype, mixed) == (recipe.target.dtype, recipe.training.mixed_precision):
-        return recipe
     return replace(
         recipe,
         target=replace(recipe.target, dtype=dtype),
@@ -117,8 +115,8 @@ def resolve_precision(recipe: Recipe) -> Recipe:
 
 
 def make_accelerator(recipe: Recipe) -> Accelerator:
-    """An Accelerator configured from the recipe's training, distributed and tracking sections."""
-    recipe = resolve_precision(recipe)  # a recipe built in code may still say "auto"
+    """An Accelerator configured from the recipe's training, distributed and tracking sections
+    (``recipe`` resolved by :func:`resolve_precision`, as the trainer and the command line do)."""
     train, dist, track = recipe.training, recipe.distributed, recipe.tracking
     kwargs: dict = {
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
