@@ -92,8 +92,8 @@ def test_gate_passes_a_trained_peagle_head_of_two_layers(gate_heads, tmp_path, c
         data=gate_heads["data"],
         learning_rate=3e-3,
         lr_schedule="constant",
-        max_steps=400,
-        log_every=100,
+        max_steps=250,
+        log_every=50,
         eval_every=1000,
         save_every=1000,
     )
