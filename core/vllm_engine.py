@@ -18,6 +18,7 @@ Jobs (``task``):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib
@@ -215,7 +216,7 @@ def _serve_forks() -> None:
             os.dup2(log, 1)
             os.dup2(log, 2)
             _worker(request["job"], request["out"])
-            sys.exit(0)  # through the interpreter's exit: vLLM's exit handlers stop its engine core
+            _exit_done()
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"exit": os.waitstatus_to_exitcode(status)}), flush=True)
 
@@ -348,8 +349,21 @@ def _worker(job_file: str, out_file: str) -> None:
     Path(out_file).write_text(json.dumps(result))
 
 
+def _exit_done() -> None:
+    """End a job's process once its result is written: the exit handlers run (vLLM's finalizers
+    stop its engine core and workers), the interpreter's teardown does not. Freeing the modules of
+    vLLM, torch and transformers one by one took 3.5-5 s of each job on a 2-core CPU (a tiny
+    target's whole job: 13 s), for a process that is about to end. A failing job still leaves
+    through the interpreter (its traceback printed, exit code 1)."""
+    atexit._run_exitfuncs()  # what sys.exit runs first; there is no public name for it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--fork-server"]:
         _serve_forks()
     else:
         _worker(*sys.argv[1:3])
+        _exit_done()
