@@ -37,16 +37,26 @@ PROMPTS = [
 # Greedy on the bundled SmolLM2 (slow)
 
 
-def _greedy_matches(model, tokenizer, drafter, max_new_tokens: int = 48) -> float:
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def plain_smollm2(smollm2):
+    """Plain greedy decoding of ``PROMPTS`` on SmolLM2, once for both vocabularies: (prompt ids,
+    generation) per prompt."""
     from draftsmith.data_prep.chat import render_prompt
 
+    model, tokenizer = smollm2
     plain = SpeculativeDecoder(model, None, tokenizer)
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": text}]) for text in PROMPTS]
+    return [(prompt, plain.generate(prompt, NEW_TOKENS)) for prompt in prompts]
+
+
+def _greedy_matches(model, tokenizer, drafter, plain) -> float:
     spec = SpeculativeDecoder(model, drafter, tokenizer)
     produced = steps = 0
-    for text in PROMPTS:
-        prompt = render_prompt(tokenizer, [{"role": "user", "content": text}])
-        want = plain.generate(prompt, max_new_tokens)
-        got = spec.generate(prompt, max_new_tokens)
+    for text, (prompt, want) in zip(PROMPTS, plain):
+        got = spec.generate(prompt, NEW_TOKENS)
         assert got.tokens == want.tokens, text
         assert got.stop_reason == want.stop_reason
         produced, steps = produced + sum(got.accepted), steps + got.steps
@@ -55,7 +65,7 @@ def _greedy_matches(model, tokenizer, drafter, max_new_tokens: int = 48) -> floa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "reduced_vocab"])
-def test_greedy_eagle_on_smollm2_is_lossless(smollm2, tmp_path, reduced):
+def test_greedy_eagle_on_smollm2_is_lossless(smollm2, plain_smollm2, tmp_path, reduced):
     model, tokenizer = smollm2
     vocab = model.config.vocab_size
     draft_vocab = None
@@ -66,7 +76,7 @@ def test_greedy_eagle_on_smollm2_is_lossless(smollm2, tmp_path, reduced):
     drafter = build_drafter(f"eagle:{tmp_path / 'head'}?depth=4&top_k=3&budget=10", model)
     assert isinstance(drafter, EagleDrafter)
     assert drafter.head.draft_vocab.numel() == (vocab if draft_vocab is None else draft_vocab.numel())
-    tau = _greedy_matches(model, tokenizer, drafter)
+    tau = _greedy_matches(model, tokenizer, drafter, plain_smollm2)
     print(f"acceptance length {tau:.2f}")
     assert tau > 1.0  # some drafts were accepted, so the accepted-feature path ran too
 
