@@ -4,7 +4,9 @@ order in which ``make test``'s workers take the files: longest first).
     python -m pytest -n 0 --junitxml=/tmp/suite.xml
     python bench/file_seconds.py /tmp/suite.xml > tests/file_seconds.json
 
-Run the suite in one process (``-n 0``) for it: two workers' times include each other's load.
+A one-process run (``-n 0``) gives each file's own time; a two-worker run (``make test``'s) gives
+the times the workers see, each file slowed by whatever ran beside it. Either balances the workers;
+the file holds a two-worker run's.
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ def _train_gate_heads(root: Path, gate_eagle3: dict) -> dict:
     return {"target": target_dir, "prompts": gate_eagle3["prompts"], "data": data, **checkpoints}
 
 
-# Measured seconds per test file (a two-worker `make test`, tests/file_seconds.json): xdist hands out whole files
+# Measured seconds per test file (tests/file_seconds.json, from bench/file_seconds.py): xdist hands out whole files
 # in collection order (a first batch of several to each worker, then one at a time), so the longest
 # are collected first. A balance only: a worker's first batch is fixed before any file's time is known.
 FILE_SECONDS = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
