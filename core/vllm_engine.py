@@ -123,19 +123,23 @@ def run_job(job: dict, what: str, echo: bool = False) -> dict:
         job_file, out_file, log_file = (Path(tmp) / name for name in ("job.json", "result.json", "log"))
         job_file.write_text(json.dumps(job))
         log_file.touch()
-        with contextlib.ExitStack() as stack:
-            if os.environ.get(PRELOAD_ENV) == "1":
-                exit_code = stack.enter_context(_fork_server().job(job_file, out_file, log_file, _job_env()))
-            else:
-                with log_file.open("wb") as log:
-                    command = [sys.executable, "-m", "draftsmith.vllm_engine", str(job_file), str(out_file)]
-                    exit_code = subprocess.Popen(command, env=_job_env(), stdout=log, stderr=subprocess.STDOUT).poll
+        launch = _fork_server().job if os.environ.get(PRELOAD_ENV) == "1" else _fresh_child
+        with launch(job_file, out_file, log_file, _job_env()) as exit_code:
             text, code = _follow(log_file, exit_code, echo)
         if code != 0 or not out_file.is_file():
             if not echo:
                 sys.stderr.write(text)
             raise EngineError(f"{what}: vLLM failed (exit code {code}): {_root_cause(text)} (vLLM's log is above)")
         return json.loads(out_file.read_text())
+
+
+@contextlib.contextmanager
+def _fresh_child(job_file: Path, out_file: Path, log_file: Path, env: dict) -> Iterator[Callable[[], int | None]]:
+    """Run a job in a new ``python -m draftsmith.vllm_engine`` process; yields its exit code's poll
+    (None while it runs), as :meth:`_ForkServer.job` does."""
+    with log_file.open("wb") as log:
+        command = [sys.executable, "-m", "draftsmith.vllm_engine", str(job_file), str(out_file)]
+        yield subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT).poll
 
 
 def _job_env() -> dict:
@@ -216,7 +220,6 @@ def _serve_forks() -> None:
             os.dup2(log, 1)
             os.dup2(log, 2)
             _worker(request["job"], request["out"])
-            _exit_done()
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"exit": os.waitstatus_to_exitcode(status)}), flush=True)
 
@@ -344,9 +347,11 @@ def task_function(task: str) -> Callable[[dict], dict]:
 
 
 def _worker(job_file: str, out_file: str) -> None:
+    """A job's process: run the job, write its result, end (see :func:`_exit_done`)."""
     job = json.loads(Path(job_file).read_text())
     result = task_function(job["task"])(job)
     Path(out_file).write_text(json.dumps(result))
+    _exit_done()
 
 
 def _exit_done() -> None:
@@ -366,4 +371,3 @@ if __name__ == "__main__":
         _serve_forks()
     else:
         _worker(*sys.argv[1:3])
-        _exit_done()
