@@ -14,10 +14,18 @@ from __future__ import annotations
 import hashlib
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from filelock import FileLock
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from draftsmith.assets import asset_path, cache_root
 from draftsmith.atomic import staged
@@ -59,6 +67,17 @@ def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def stop_token_ids(folder: str, tokenizer: PreTrainedTokenizerBase | None = None) -> list[int]:
+    """:func:`eos_token_ids` of the model in ``folder`` (a local folder or hub id) from its configs
+    and tokenizer alone, no weights loaded: what a vLLM job that runs without a tokenizer stops on."""
+    try:
+        generation = GenerationConfig.from_pretrained(folder)
+    except OSError:  # the model ships no generation config
+        generation = None
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(folder), generation_config=generation)
+    return sorted(eos_token_ids(model, tokenizer if tokenizer is not None else load_tokenizer(folder)))
 
 
 def target_record(target: PreTrainedModel, name: str) -> dict:

