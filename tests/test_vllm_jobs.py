@@ -1,15 +1,18 @@
 """core/vllm_engine.py's jobs: a child forked from the preloaded fork server computes what a fresh
 child does, and a failing job is one error naming its cause either way (and leaves the server able
-to run the next job)."""
+to run the next job); the ``import vllm`` probe runs once per install, not once per process."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 from gate_helpers import needs_vllm
 from training_helpers import save_tiny_target
 
 from draftsmith.target import load_tokenizer
-from draftsmith.vllm_engine import PRELOAD_ENV, EngineError, engine_args, run_job
+from draftsmith.vllm_engine import PRELOAD_ENV, EngineError, engine_args, run_job, vllm_version
 
 pytestmark = needs_vllm
 
@@ -47,3 +50,21 @@ def test_a_failing_job_names_its_cause_and_the_next_job_runs(preload, tiny_targe
     if preload == "1":  # the fork server outlives its failed child and runs the next job
         job = {"task": "generate", "prompts": [[1, 422]], "max_new_tokens": 4, "engine": engine_args(str(tiny_target))}
         assert len(run_job(job, "the next job")["outputs"][0]["tokens"]) == 4
+
+
+# A fresh process that reads vLLM's version with no way to start a probe (a probe would raise).
+NO_PROBE = (
+    "import subprocess; subprocess.run = None; from draftsmith.vllm_engine import vllm_version; print(vllm_version())"
+)
+
+
+def test_a_passed_import_probe_is_recorded_and_later_processes_skip_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    vllm_version.cache_clear()
+    try:
+        version = vllm_version()
+    finally:
+        vllm_version.cache_clear()
+    assert version is not None and len(list((tmp_path / "vllm-import-probes").iterdir())) == 1
+    later = subprocess.run([sys.executable, "-c", NO_PROBE], capture_output=True, text=True)
+    assert (later.returncode, later.stdout.strip()) == (0, version), later.stderr[-2000:]
