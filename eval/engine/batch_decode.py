@@ -147,7 +147,7 @@ class BatchDecoder:
         self.sampling = sampling
         self.eos_ids = eos_ids if eos_ids is not None else eos_token_ids(target, tokenizer)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self,
         prompts: list[list[int]],
