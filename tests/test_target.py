@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from draftsmith.assets import asset_path
 from draftsmith.errors import UserError
 from draftsmith.precision import resolve_dtype
-from draftsmith.target import load_target, resolve_target
+from draftsmith.target import load_target, load_tokenizer, resolve_target
 
 pytestmark = pytest.mark.slow
 
@@ -41,3 +41,16 @@ def test_bad_dtype_and_missing_gguf_are_clear():
         resolve_dtype("fp8")
     with pytest.raises(UserError, match="nope.gguf"):
         resolve_target("/nonexistent/nope.gguf")
+
+
+def test_a_tokenizer_is_loaded_once_per_folder_state_and_each_caller_gets_its_own(tmp_path):
+    folder = tmp_path / "tok"
+    load_tokenizer("default").save_pretrained(folder)
+    first = load_tokenizer(str(folder))
+    first.chat_template, first.pad_token = "changed", "<|im_start|>"  # a caller's own edits
+    second = load_tokenizer(str(folder))
+    assert second is not first and second.pad_token == "<|im_end|>" and "changed" not in second.chat_template
+    # The folder rewritten in place (a token added): the next load reads it.
+    second.add_tokens(["<draftsmith-new-token>"])
+    second.save_pretrained(folder)
+    assert len(load_tokenizer(str(folder))) == len(first) + 1
