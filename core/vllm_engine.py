@@ -13,8 +13,8 @@ Jobs (``task``):
   speculative-decoding counters (``speculative_config`` as vLLM takes it), once per entry of
   ``concurrency`` (requests in flight at a time; default ``[1]``). vLLM runs without its tokenizer
   (:func:`engine_args`), so a reply ends on ``stop_token_ids`` (give
-  :func:`~draftsmith.target.eos_token_ids`, as draftsmith's engine stops) or the model's generation
-  config's ``eos_token_id``, never on an end token only the tokenizer names.
+  :func:`~draftsmith.target.stop_token_ids`, what draftsmith's engine stops on) or the model's
+  generation config's ``eos_token_id``, never on an end token only the tokenizer names.
 - ``module:function``: a job defined where it belongs, e.g. regeneration's
   (``draftsmith.data_prep.regenerate:run_vllm_regeneration``), run by that function in the child.
 """
