@@ -34,7 +34,6 @@ from draftsmith.eval.engine.pass_cost import measure_pass_cost
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.export.serve_check import export_metadata, prompt_ids, served_as, speculative_config
 from draftsmith.plugins import register_builtin
-from draftsmith.target import stop_token_ids
 from draftsmith.timing import clock
 from draftsmith.vllm_engine import engine_args, run_job
 
@@ -49,13 +48,7 @@ def serve(args) -> dict:
     target = meta["target_folder"]
     depth = served.num_speculative_tokens
     ids = prompt_ids(target, None, args.limit)
-    job = {
-        "task": "generate",
-        "prompts": ids,
-        "max_new_tokens": args.max_new_tokens,
-        "stop_token_ids": stop_token_ids(target),
-        "concurrency": args.concurrency,
-    }
+    job = {"task": "generate", "prompts": ids, "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency}
     plain = run_job({**job, "engine": engine_args(target)}, "vLLM plain")
     spec = run_job(
         {**job, "engine": engine_args(target, speculative_config=speculative_config(served, folder))},
@@ -115,12 +108,7 @@ def compare(args) -> dict:
         raise SystemExit(2)
     target = targets.pop()
     ids = prompt_ids(target, args.prompts, args.limit, args.per_category)
-    job = {
-        "task": "generate",
-        "prompts": ids,
-        "max_new_tokens": args.max_new_tokens,
-        "stop_token_ids": stop_token_ids(target),
-    }
+    job = {"task": "generate", "prompts": ids, "max_new_tokens": args.max_new_tokens}
     configs = [("plain", None), ("prompt lookup (ngram)", prompt_lookup_config())]
     for folder, meta in zip(folders, metas):
         served = served_as(meta, folder, None)

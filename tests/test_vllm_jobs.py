@@ -11,6 +11,7 @@ import pytest
 from gate_helpers import needs_vllm
 from training_helpers import save_tiny_target
 
+import draftsmith.vllm_engine as vllm_engine
 from draftsmith.target import load_tokenizer
 from draftsmith.vllm_engine import PRELOAD_ENV, EngineError, engine_args, run_job, vllm_version
 
@@ -60,11 +61,11 @@ NO_PROBE = (
 
 def test_a_passed_import_probe_is_recorded_and_later_processes_skip_it(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
-    vllm_version.cache_clear()
+    vllm_engine._import_failure.cache_clear()  # this process's probe, run again under the new cache
     try:
         version = vllm_version()
     finally:
-        vllm_version.cache_clear()
+        vllm_engine._import_failure.cache_clear()
     assert version is not None and len(list((tmp_path / "vllm-import-probes").iterdir())) == 1
     later = subprocess.run([sys.executable, "-c", NO_PROBE], capture_output=True, text=True)
     assert (later.returncode, later.stdout.strip()) == (0, version), later.stderr[-2000:]
