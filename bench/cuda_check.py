@@ -4,13 +4,15 @@
 
 On tiny random-weight models built from a config, on ``--device``: (1) greedy speculative decoding
 with the feature-level drafter kinds (EAGLE-3 with 1 and 2 layers, P-EAGLE with 2, DFlash with a
-learned mask row) gives plain greedy decoding's tokens, with the host syncs per step counted
+learned mask row, DSpark with a vanilla Markov head cut by price and with an rnn one cut by
+threshold) gives plain greedy decoding's tokens, with the host syncs per step counted
 (:func:`~draftsmith.eval.engine.host_syncs.count_host_syncs`: each one waits for the device); (2)
 training computes what it computes on the CPU: EAGLE-3's chain-sampled passes equal the full
 unroll at their chains, DFlash's block-sparse attention equals dense masked SDPA (values and
 gradients), and a packed batch scores what its padded conversations score (EAGLE-3, DFlash); (3) one
-training step of each of those losses in bf16 autocast. Prints one JSON object (and writes it to
-``DIR/cuda_check.json``); exits 1 if any check fails.
+training step of each of those losses, and of DSpark's (Markov and confidence heads), in bf16
+autocast. Prints one JSON object (and writes it to ``DIR/cuda_check.json``); exits 1 if any check
+fails.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.eval.engine.host_syncs import count_host_syncs
 from draftsmith.heads.dflash import DFlashHead
+from draftsmith.heads.dspark import DSparkHead
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.plugins import register_builtin
 from draftsmith.train.dflash import DFlashDrafterConfig, DFlashRecipe, DFlashTask
+from draftsmith.train.dspark import DSparkDrafterConfig, DSparkRecipe, DSparkTask
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
 from draftsmith.train.unroll import chain_sample, supervised_next, unroll
 
@@ -90,6 +94,18 @@ def heads(target) -> dict[str, tuple[torch.nn.Module, str]]:
         "dflash_learned_mask": (
             _perturbed(DFlashHead.for_target(target, "tiny", [0, 1, 2], 2, 4, MASK, learn_mask_embedding=True)),
             "",
+        ),
+        # The Markov bias makes drafting sequential over the block and the confidence head cuts the
+        # chain: priced (the default, timed on the device's clock) and threshold take different paths.
+        "dspark": (
+            _perturbed(DSparkHead.for_target(target, "tiny", [0, 1, 2], 2, 4, MASK, markov_rank=8)),
+            "?depth=3&cut=priced",
+        ),
+        "dspark_rnn": (
+            _perturbed(
+                DSparkHead.for_target(target, "tiny", [0, 1, 2], 2, 4, MASK, markov_rank=8, markov_head_type="rnn")
+            ),
+            "?cut=threshold&threshold=0.2",
         ),
     }
 
@@ -184,9 +200,15 @@ def check_training(target, device: str) -> dict:
         )
     out["dflash_sparse_vs_dense_loss_diff"] = abs(dense_sparse[0][0] - dense_sparse[1][0])
     out["dflash_sparse_vs_dense_grad_max_diff"] = float((dense_sparse[0][1] - dense_sparse[1][1]).abs().max())
+    torch.manual_seed(1)
+    dspark = _perturbed(DSparkHead.for_target(target, "tiny", [0, 1, 2], 2, 4, MASK, markov_rank=8)).train()
+    drafter = DSparkDrafterConfig(
+        aux_layers=[0, 1, 2], block_size=4, anchors_per_sequence=64, draft_vocab_size=None, markov_rank=8
+    )
     for name, (trainer, model) in {
         "eagle3": (Eagle3Task(recipe, target, head), head),
         "dflash": (task, dflash),
+        "dspark": (DSparkTask(DSparkRecipe(drafter=drafter), target, dspark), dspark),
     }.items():
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             loss, _ = trainer.loss(model, batch, training=True)
