@@ -13,6 +13,10 @@ from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.sampling import SamplingConfig, probabilities
 
 QUANTILE = 0.999
+# Generations per end-to-end test. Its power, measured (BENCHMARKS.md, "The test suite's time"): at
+# 2,000 a subtle verifier bug (after a rejection, resampling from p instead of the residual) fails
+# every kind's test by 1.7-5.6x the threshold, and test_sampling_lossless's draft LM by over 1.5x.
+SAMPLES = 2000
 
 
 def generate_counts(decoder, prompt: list[int], length: int, n: int):

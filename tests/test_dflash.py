@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from stats_helpers import assert_distributed_as_target
+from stats_helpers import SAMPLES, assert_distributed_as_target
 from training_helpers import save_tiny_target, write_recipe
 from transformers import DynamicCache
 
@@ -240,9 +240,8 @@ def test_greedy_dflash_is_lossless_and_drafts_in_one_pass(tiny_target, tmp_path)
 
 
 def test_sampling_with_dflash_matches_exact_distribution(tiny_target):
-    length, samples = 4, 3000
     drafter = DFlashDrafter(_head(tiny_target, mask=7, block=3, draft_vocab=[0, 2, 3, 5, 6, 7]))
-    accepted = assert_distributed_as_target(tiny_target, drafter, PROMPT, length, samples)
+    accepted = assert_distributed_as_target(tiny_target, drafter, PROMPT, 4, SAMPLES)
     assert sum(n for a, n in accepted.items() if max(a) > 1) > 100, accepted  # drafts were accepted, often
 
 

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from cli_helpers import user_error
-from stats_helpers import assert_distributed_as_target
+from stats_helpers import SAMPLES, assert_distributed_as_target
 from training_helpers import save_tiny_target, write_recipe
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
@@ -138,7 +138,7 @@ def test_sampling_with_a_confidence_cut_matches_the_exact_distribution(tiny_targ
     on the target: recursive rejection sampling over the kept chain stays exact."""
     head = _head(tiny_target, mask=7, block=3, draft_vocab=[0, 2, 3, 5, 6, 7], seed=2)
     drafter = DSparkDrafter(head, cut="threshold", threshold=0.3)
-    accepted = assert_distributed_as_target(tiny_target, drafter, PROMPT, 4, 3000)
+    accepted = assert_distributed_as_target(tiny_target, drafter, PROMPT, 4, SAMPLES)
     assert sum(n for a, n in accepted.items() if max(a) > 1) > 100, accepted  # drafts were accepted, often
 
 

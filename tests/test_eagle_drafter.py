@@ -14,7 +14,7 @@ import collections
 
 import pytest
 import torch
-from stats_helpers import chi_square, exact_joint
+from stats_helpers import SAMPLES, chi_square, exact_joint
 
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
@@ -88,7 +88,6 @@ def test_greedy_eagle_on_smollm2_is_lossless(smollm2, plain_smollm2, tmp_path, r
 V = 8
 PROMPT = [3, 5, 2, 7, 4]
 LENGTH = 4  # the first token comes from the prefill: depth 2 plus the bonus token
-SAMPLES = 3000
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +101,11 @@ def _tiny_head(target, init: str, draft_vocab: list[int] | None = None) -> Eagle
     return EagleHead.for_target(target, "tiny", draft_vocab=vocab, init=init).eval()
 
 
-@pytest.mark.parametrize(
-    "init, draft_vocab",
-    [("random", None), ("identity", None), ("random", [0, 2, 3, 5, 6])],
-    ids=["random_init", "identity_init", "reduced_vocab"],
-)
-def test_sampling_with_eagle_matches_exact_distribution(tiny_target, init, draft_vocab):
-    drafter = EagleDrafter(_tiny_head(tiny_target, init, draft_vocab), depth=2, top_k=2, budget=4)
+# Losslessness is the engine's (candidates drawn from q, verified against p), not the head's weights: one
+# random head per vocabulary layout; EAGLE-3 heads (test_eagle3.py) go through the same drafter.
+@pytest.mark.parametrize("draft_vocab", [None, [0, 2, 3, 5, 6]], ids=["full_vocab", "reduced_vocab"])
+def test_sampling_with_eagle_matches_exact_distribution(tiny_target, draft_vocab):
+    drafter = EagleDrafter(_tiny_head(tiny_target, "random", draft_vocab), depth=2, top_k=2, budget=4)
     sampling = SamplingConfig(temperature=1.0)
     decoder = SpeculativeDecoder(tiny_target, drafter, None, sampling, eos_ids=set())
     counts, accepted, drafted = collections.Counter(), collections.Counter(), set()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from stats_helpers import chi_square, exact_joint
+from stats_helpers import SAMPLES, chi_square, exact_joint
 from training_helpers import VOCAB, launch, save_tiny_target, write_recipe
 from transformers import LlamaForCausalLM
 
@@ -292,7 +292,7 @@ def test_medusa2_trains_lora_after_the_heads_warm_up(recipe, tmp_path):
 
 
 def test_medusa_sampling_is_lossless(make_tiny_llama):
-    V, prompt, n = 8, [3, 5, 2, 7, 4], 2000
+    V, prompt, n = 8, [3, 5, 2, 7, 4], SAMPLES
     target = make_tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
     heads = MedusaHeads.for_target(target, "tiny", num_heads=2, num_layers=1)
     with torch.no_grad():  # perturbed heads: their guesses differ from the target's own prediction

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from stats_helpers import chi_square, exact_joint, generate_counts
+from stats_helpers import SAMPLES, chi_square, exact_joint, generate_counts
 
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.decode import SpeculativeDecoder
@@ -32,7 +32,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 8
 PROMPT = [3, 5, 2, 7, 4]
-SAMPLES = 2000
 
 
 @pytest.fixture(scope="module")
