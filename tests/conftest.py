@@ -190,7 +190,7 @@ def _train_gate_eagle3(root: Path) -> dict:
 def gate_heads(gate_eagle3, tmp_path_factory):
     """The export gate's drafters on ``gate_eagle3``'s target, trained once per run: ``eagle3`` (its
     400-step head), ``weak`` (its checkpoint-20, for the negative controls), ``medusa`` (3 heads,
-    300 steps) and ``draft_lm`` (the target's layers moved a little), with ``target``, ``prompts``
+    150 steps) and ``draft_lm`` (the target's layers moved a little), with ``target``, ``prompts``
     (the conversations they were trained on: they accept there) and ``data``."""
     return build_once(tmp_path_factory, "gate-heads", lambda root: _train_gate_heads(root, gate_eagle3))
 
@@ -213,7 +213,7 @@ def _train_gate_heads(root: Path, gate_eagle3: dict) -> dict:
         data=data,  # its regenerated file is written already: read, not generated again
         learning_rate=1e-2,
         lr_schedule="constant",
-        max_steps=300,
+        max_steps=150,
         log_every=100,
         eval_every=1000,
     )
