@@ -202,13 +202,13 @@ def check_training(target, device: str) -> dict:
     out["dflash_sparse_vs_dense_grad_max_diff"] = float((dense_sparse[0][1] - dense_sparse[1][1]).abs().max())
     torch.manual_seed(1)
     dspark = _perturbed(DSparkHead.for_target(target, "tiny", [0, 1, 2], 2, 4, MASK, markov_rank=8)).train()
-    drafter = DSparkDrafterConfig(
+    dspark_drafter = DSparkDrafterConfig(
         aux_layers=[0, 1, 2], block_size=4, anchors_per_sequence=64, draft_vocab_size=None, markov_rank=8
     )
     for name, (trainer, model) in {
         "eagle3": (Eagle3Task(recipe, target, head), head),
         "dflash": (task, dflash),
-        "dspark": (DSparkTask(DSparkRecipe(drafter=drafter), target, dspark), dspark),
+        "dspark": (DSparkTask(DSparkRecipe(drafter=dspark_drafter), target, dspark), dspark),
     }.items():
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             loss, _ = trainer.loss(model, batch, training=True)
