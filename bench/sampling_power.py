@@ -1,0 +1,141 @@
+"""How strong the suite's statistical tests are at their sample sizes: each chi-square test's
+statistic over its threshold, with the verifier as it is and with a subtle bug planted.
+
+The bug is test_sampling_lossless's own negative control: after a rejection, resample from p
+instead of the residual max(p - q, 0). Each kind's end-to-end test (its head, prompt and length, as
+in ``tests/``) draws ``--samples`` seeded generations; the one-step tests of ``verify_sampling``
+draw ``--one-step`` verifications per candidate layout. A ratio above 1 fails the test.
+
+    python bench/sampling_power.py --samples 2000 --one-step 5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import test_dflash  # noqa: E402
+import test_dspark  # noqa: E402
+import test_eagle3  # noqa: E402
+import test_eagle_drafter  # noqa: E402
+import test_peagle  # noqa: E402
+from conftest import tiny_llama  # noqa: E402
+from stats_helpers import chi_square, exact_joint, generate_counts  # noqa: E402
+from test_sampling_lossless import one_level_tree  # noqa: E402
+
+import draftsmith.eval.engine.verify as verify_module  # noqa: E402
+from draftsmith.eval.engine.decode import SpeculativeDecoder  # noqa: E402
+from draftsmith.eval.engine.drafters.dflash import DFlashDrafter  # noqa: E402
+from draftsmith.eval.engine.drafters.dspark import DSparkDrafter  # noqa: E402
+from draftsmith.eval.engine.drafters.eagle import EagleDrafter  # noqa: E402
+from draftsmith.eval.engine.drafters.peagle import PEagleDrafter  # noqa: E402
+from draftsmith.eval.engine.sampling import SamplingConfig, choose  # noqa: E402
+from draftsmith.plugins import register_builtin  # noqa: E402
+
+PROMPT, V = [3, 5, 2, 7, 4], 8
+REJECT = verify_module._reject
+
+
+def keep_p(r, z, q, c, *args):
+    """The planted bug: q loses the rejected token, p stays as it was."""
+    return r, z, REJECT(r.clone(), z, q, c, *args)[2]
+
+
+def end_to_end_cases() -> dict:
+    """Each kind's sampling test: (target, drafter factory), as the test files build them."""
+    one = tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
+    three = tiny_llama(vocab_size=V, hidden_size=32, layers=3, seed=0, scale=15.0)
+    reduced, masked = [0, 2, 3, 5, 6], [0, 2, 3, 5, 6, 7]
+    return {
+        "EAGLE-1, full vocabulary": (
+            one,
+            lambda: EagleDrafter(test_eagle_drafter._tiny_head(one, "random"), depth=2, top_k=2, budget=4),
+        ),
+        "EAGLE-1, reduced vocabulary": (
+            one,
+            lambda: EagleDrafter(test_eagle_drafter._tiny_head(one, "random", reduced), depth=2, top_k=2, budget=4),
+        ),
+        "EAGLE-3, reduced vocabulary": (
+            three,
+            lambda: EagleDrafter(test_eagle3._head3(three, "identity", reduced), depth=2, top_k=2, budget=4),
+        ),
+        "P-EAGLE": (
+            three,
+            lambda: PEagleDrafter(test_peagle._head(three, mask=7, draft_vocab=masked, init="identity"), depth=3),
+        ),
+        "DFlash": (three, lambda: DFlashDrafter(test_dflash._head(three, mask=7, block=3, draft_vocab=masked))),
+        "DSpark (confidence cut)": (
+            three,
+            lambda: DSparkDrafter(
+                test_dspark._head(three, mask=7, block=3, draft_vocab=masked, seed=2), cut="threshold", threshold=0.3
+            ),
+        ),
+    }
+
+
+def end_to_end_ratio(target, drafter, n: int) -> float:
+    decoder = SpeculativeDecoder(target, drafter, None, SamplingConfig(1.0), eos_ids=set())
+    counts, _, _ = generate_counts(decoder, PROMPT, 4, n)
+    statistic, threshold, _ = chi_square(counts, exact_joint(target, PROMPT, 4, SamplingConfig(1.0)), n)
+    return statistic / threshold
+
+
+def one_step_ratio(layout: str, n: int) -> float:
+    """test_verify_sampling_emits_p's case ``layout``: the emitted token against p."""
+    p = torch.tensor([0.02, 0.3, 0.05, 0.25, 0.1, 0.18, 0.07, 0.03])
+    q = torch.tensor([0.3, 0.05, 0.2, 0.05, 0.15, 0.05, 0.1, 0.1])
+    sampling = SamplingConfig(1.0)
+    logits = torch.stack([p.log(), torch.zeros(V), torch.zeros(V), torch.zeros(V)])
+    generator = torch.Generator().manual_seed(1)
+    counts = collections.Counter()
+    for _ in range(n):
+        if layout == "deterministic":
+            tree = one_level_tree([1, 6, 0], None)
+        else:
+            drawn, probs = choose(q.log().view(1, -1), 1 if layout == "single" else 3, sampling, generator)
+            tree = one_level_tree(drawn[0].tolist(), probs[0], budget=1 if layout == "pruned" else None)
+        values = verify_module.verify_sampling(tree, logits, sampling, generator).tolist()
+        path, last = verify_module.read_verdict(values)
+        counts[(tree.tokens[path[0]] if path else last,)] += 1
+    statistic, threshold, _ = chi_square(counts, {(x,): float(p[x]) for x in range(V)}, n)
+    return statistic / threshold
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=2000, help="generations per end-to-end test")
+    parser.add_argument("--one-step", type=int, default=5000, help="verifications per one-step test")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    register_builtin()
+    rows = []
+    for name, (target, make) in end_to_end_cases().items():
+        rows.append(
+            (f"{name} ({args.samples} generations)", lambda t=target, m=make: end_to_end_ratio(t, m(), args.samples))
+        )
+    for layout in ("single", "three_without_replacement", "pruned", "deterministic"):
+        rows.append(
+            (f"verify_sampling, {layout} ({args.one_step} draws)", lambda k=layout: one_step_ratio(k, args.one_step))
+        )
+    print("| test | statistic / threshold, correct | with the bug | seconds |\n|---|---:|---:|---:|")
+    for name, run in rows:
+        start = time.perf_counter()
+        ratios = []
+        for bug in (False, True):
+            verify_module._reject = keep_p if bug else REJECT
+            try:
+                ratios.append(run())
+            finally:
+                verify_module._reject = REJECT
+        print(f"| {name} | {ratios[0]:.2f} | {ratios[1]:.2f} | {time.perf_counter() - start:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
