@@ -12,7 +12,6 @@ draw ``--one-step`` verifications per candidate layout. A ratio above 1 fails th
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import test_eagle_drafter  # noqa: E402
 import test_peagle  # noqa: E402
 from conftest import tiny_llama  # noqa: E402
 from stats_helpers import chi_square, exact_joint, generate_counts  # noqa: E402
-from test_sampling_lossless import one_level_tree  # noqa: E402
+from test_sampling_lossless import one_step_chi_square  # noqa: E402
 
 import draftsmith.eval.engine.verify as verify_module  # noqa: E402
 from draftsmith.eval.engine.decode import SpeculativeDecoder  # noqa: E402
@@ -36,7 +35,7 @@ from draftsmith.eval.engine.drafters.dflash import DFlashDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.dspark import DSparkDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.eagle import EagleDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.peagle import PEagleDrafter  # noqa: E402
-from draftsmith.eval.engine.sampling import SamplingConfig, choose  # noqa: E402
+from draftsmith.eval.engine.sampling import SamplingConfig  # noqa: E402
 from draftsmith.plugins import register_builtin  # noqa: E402
 
 PROMPT, V = [3, 5, 2, 7, 4], 8
@@ -89,22 +88,7 @@ def end_to_end_ratio(target, drafter, n: int) -> float:
 
 def one_step_ratio(layout: str, n: int) -> float:
     """test_verify_sampling_emits_p's case ``layout``: the emitted token against p."""
-    p = torch.tensor([0.02, 0.3, 0.05, 0.25, 0.1, 0.18, 0.07, 0.03])
-    q = torch.tensor([0.3, 0.05, 0.2, 0.05, 0.15, 0.05, 0.1, 0.1])
-    sampling = SamplingConfig(1.0)
-    logits = torch.stack([p.log(), torch.zeros(V), torch.zeros(V), torch.zeros(V)])
-    generator = torch.Generator().manual_seed(1)
-    counts = collections.Counter()
-    for _ in range(n):
-        if layout == "deterministic":
-            tree = one_level_tree([1, 6, 0], None)
-        else:
-            drawn, probs = choose(q.log().view(1, -1), 1 if layout == "single" else 3, sampling, generator)
-            tree = one_level_tree(drawn[0].tolist(), probs[0], budget=1 if layout == "pruned" else None)
-        values = verify_module.verify_sampling(tree, logits, sampling, generator).tolist()
-        path, last = verify_module.read_verdict(values)
-        counts[(tree.tokens[path[0]] if path else last,)] += 1
-    statistic, threshold, _ = chi_square(counts, {(x,): float(p[x]) for x in range(V)}, n)
+    statistic, threshold = one_step_chi_square(layout, n)
     return statistic / threshold
 
 

@@ -263,16 +263,13 @@ def one_level_tree(tokens: list[int], probs: torch.Tensor | None, budget: int | 
     return b.build(budget)
 
 
-@pytest.mark.parametrize("kind", ["single", "three_without_replacement", "pruned", "deterministic"])
-def test_verify_sampling_emits_p(kind):
-    """One verification step over a depth-1 tree: the emitted token must follow p exactly."""
+def one_step_chi_square(kind: str, n: int) -> tuple[float, float]:
+    """``n`` verification steps over a depth-1 tree of layout ``kind`` (p fixed, candidates from a q
+    unlike it): the emitted token's chi-square statistic against p, and the threshold."""
     p = torch.tensor([0.02, 0.3, 0.05, 0.25, 0.1, 0.18, 0.07, 0.03])
     q = torch.tensor([0.3, 0.05, 0.2, 0.05, 0.15, 0.05, 0.1, 0.1])
     sampling = SamplingConfig(1.0)
     logits = torch.stack([p.log(), torch.zeros(V), torch.zeros(V), torch.zeros(V)])
-    # The resample-from-p bug fails each kind by 25-59x the threshold at 5,000 draws (BENCHMARKS.md);
-    # 10,000 still sees a bias of ~0.03 in one token's probability.
-    n = 10000
     generator = torch.Generator().manual_seed(1)
     counts = collections.Counter()
     for _ in range(n):
@@ -285,4 +282,13 @@ def test_verify_sampling_emits_p(kind):
         path, last = read_verdict(verify_sampling(tree, logits, sampling, generator).tolist())
         counts[(tree.tokens[path[0]] if path else last,)] += 1
     statistic, threshold, _ = chi_square(counts, {(x,): float(p[x]) for x in range(V)}, n)
+    return statistic, threshold
+
+
+@pytest.mark.parametrize("kind", ["single", "three_without_replacement", "pruned", "deterministic"])
+def test_verify_sampling_emits_p(kind):
+    """One verification step over a depth-1 tree: the emitted token must follow p exactly. The
+    resample-from-p bug fails each layout by 25-59x the threshold at 5,000 steps (BENCHMARKS.md);
+    10,000 still see a bias of ~0.03 in one token's probability."""
+    statistic, threshold = one_step_chi_square(kind, 10000)
     assert statistic < threshold
