@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ from draftsmith.eval.engine.drafters.eagle import EagleDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.peagle import PEagleDrafter  # noqa: E402
 from draftsmith.eval.engine.sampling import SamplingConfig  # noqa: E402
 from draftsmith.plugins import register_builtin  # noqa: E402
+from draftsmith.timing import clock  # noqa: E402
 
 PROMPT, V = [3, 5, 2, 7, 4], 8
 REJECT = verify_module._reject
@@ -110,7 +110,7 @@ def main() -> None:
         )
     print("| test | statistic / threshold, correct | with the bug | seconds |\n|---|---:|---:|---:|")
     for name, run in rows:
-        start = time.perf_counter()
+        start = clock("cpu")
         ratios = []
         for bug in (False, True):
             verify_module._reject = keep_p if bug else REJECT
@@ -118,7 +118,7 @@ def main() -> None:
                 ratios.append(run())
             finally:
                 verify_module._reject = REJECT
-        print(f"| {name} | {ratios[0]:.2f} | {ratios[1]:.2f} | {time.perf_counter() - start:.0f} |", flush=True)
+        print(f"| {name} | {ratios[0]:.2f} | {ratios[1]:.2f} | {clock('cpu') - start:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
