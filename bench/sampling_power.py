@@ -26,7 +26,7 @@ import test_eagle_drafter  # noqa: E402
 import test_peagle  # noqa: E402
 from conftest import tiny_llama  # noqa: E402
 from stats_helpers import chi_square, exact_joint, generate_counts  # noqa: E402
-from test_sampling_lossless import one_step_chi_square  # noqa: E402
+from test_sampling_lossless import PROMPT, V, one_step_chi_square  # noqa: E402
 
 import draftsmith.eval.engine.verify as verify_module  # noqa: E402
 from draftsmith.eval.engine.decode import SpeculativeDecoder  # noqa: E402
@@ -38,7 +38,6 @@ from draftsmith.eval.engine.sampling import SamplingConfig  # noqa: E402
 from draftsmith.plugins import register_builtin  # noqa: E402
 from draftsmith.timing import clock  # noqa: E402
 
-PROMPT, V = [3, 5, 2, 7, 4], 8
 REJECT = verify_module._reject
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -184,7 +185,9 @@ def _files_stamp(source: str) -> tuple:
     folder = Path(source)
     if not folder.is_dir():
         return ()
-    return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file()))
+    with os.scandir(folder) as entries:  # one stat a file (the entry knows its type)
+        stats = [(e.name, e.stat()) for e in entries if e.is_file()]
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
 
 
 def load_target(
