@@ -389,3 +389,15 @@ def test_tree_plan_follows_the_measured_costs_and_acceptance():
     assert chain_speedup(bf16, 4, [0.6] * 2, 0.07) == pytest.approx(chain_speedup(bf16, 4, 0.6, 0.07))
     # A head strong at depth 1 and useless below it drafts one token however cheap the passes.
     assert plan_tree(bf16, [0.9, 0.0], 0.07)[0] == 1
+
+
+def test_a_noisy_cost_curve_does_not_deepen_the_tree_of_a_head_that_is_never_right():
+    """Timings on a tiny model can say a 4-token pass is cheaper than a 2-token one (CI once planned
+    depth 3 for a head with 0% accuracy from such a curve); the planner's curve is their running maximum."""
+    from draftsmith.eval.engine.pass_cost import plan_tree
+    from draftsmith.eval.engine.tree_plan import monotone
+
+    noisy = {1: 1.0, 2: 1.6, 3: 1.3, 4: 1.0, 5: 1.7}
+    assert plan_tree(noisy, 0.0, 0.05, max_depth=3, max_budget=4)[0] == 3  # what the raw medians plan
+    assert monotone(noisy) == {1: 1.0, 2: 1.6, 3: 1.6, 4: 1.6, 5: 1.7}
+    assert plan_tree(monotone(noisy), 0.0, 0.05, max_depth=3, max_budget=4)[:2] == (1, 4)

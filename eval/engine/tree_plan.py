@@ -79,10 +79,24 @@ def pass_costs(target, max_budget: int = MAX_BUDGET) -> dict[int, float]:
     key = (param.dtype, param.device, max_budget)
     cached = _PASS_COSTS.setdefault(target, {})
     if key not in cached:
-        cached[key] = measure_pass_cost(
+        measured = measure_pass_cost(
             CausalLMRunner(target), prefix=200, sizes=tuple(range(1, max_budget + 2)), repeats=3
         )
+        cached[key] = monotone(measured)
     return cached[key]
+
+
+def monotone(costs: dict[int, float]) -> dict[int, float]:
+    """``costs`` with each pass at least as dear as every smaller one (their running maximum).
+
+    A pass over more tokens never costs less, but on a small model the medians of a few timings are
+    noisy enough to say so; a planner fed such a curve picks a deep tree for a head that is never
+    right, because its larger pass happened to time cheaper."""
+    smoothed, highest = {}, 0.0
+    for n in sorted(costs):
+        highest = max(highest, costs[n])
+        smoothed[n] = highest
+    return smoothed
 
 
 @torch.no_grad()
