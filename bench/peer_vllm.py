@@ -23,17 +23,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.data_prep.vllm_features import engine_core_apart
+from draftsmith.data_prep.vllm_features import written_states
 
 
 def extract(job: dict) -> dict:
     """Write ``hs_{i}.safetensors`` under ``job["hs_dir"]`` for ``job["conversations"]`` (token-id
     lists, file index = list index); returns what it wrote and the layer ids captured."""
     from vllm import LLM, SamplingParams
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        cleanup_hidden_states,
-        load_hidden_states,
-    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import cleanup_hidden_states
     from vllm.inputs import TokensPrompt
 
     out = Path(job["hs_dir"])
@@ -41,7 +38,6 @@ def extract(job: dict) -> dict:
     todo = [i for i in range(len(job["conversations"])) if not (out / f"hs_{i}.safetensors").is_file()]
     if not todo:
         return {"written": 0, "layer_ids": job["layer_ids"]}
-    engine_core_apart()
     llm = LLM(**job["engine"])
     params = SamplingParams(max_tokens=1, detokenize=False)
     layer_ids = None
@@ -51,7 +47,7 @@ def extract(job: dict) -> dict:
         prompts = [TokensPrompt(prompt_token_ids=job["conversations"][i]) for i in picked]
         for i, output in zip(picked, llm.generate(prompts, params, use_tqdm=False)):
             path = output.kv_transfer_params["hidden_states_path"]
-            saved = load_hidden_states(path)  # waits for the writer's lock
+            saved = written_states(llm, path)
             cleanup_hidden_states(path)
             if saved["token_ids"].tolist() != job["conversations"][i]:
                 raise RuntimeError(f"vLLM wrote the states of other tokens than conversation {i}'s ({path})")

@@ -18,8 +18,8 @@ picks which.
 from __future__ import annotations
 
 import fcntl
-import os
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -49,6 +49,9 @@ from draftsmith.target import load_target, resolve_target
 from draftsmith.vllm_engine import engine_args, run_job
 
 CONNECTOR_MODULE = "draftsmith.hidden_states_connector"
+# Engine steps (with a millisecond's pause each) to wait for a states file: one step hands a finished
+# request to the connector; the rest wait for its writer thread.
+STEPS_TO_WRITE = 100_000
 
 
 def resolve_engine(engine: str) -> str:
@@ -102,10 +105,7 @@ def vllm_compute(llm, layers: list[int] | None, num_layers: int, norm) -> Comput
     """:data:`~draftsmith.data_prep.features.Compute` by a ``vllm.LLM`` built with
     :func:`speculative_config` and :func:`transfer_config` (in vLLM's child process)."""
     from vllm import SamplingParams
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        cleanup_hidden_states,
-        load_hidden_states,
-    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import cleanup_hidden_states
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=1, detokenize=False)
@@ -116,7 +116,7 @@ def vllm_compute(llm, layers: list[int] | None, num_layers: int, norm) -> Comput
         rows = []
         for ids, output in zip(chunk, outputs):
             path = output.kv_transfer_params["hidden_states_path"]
-            saved = load_hidden_states(path)
+            saved = written_states(llm, path)
             cleanup_hidden_states(path)
             if saved["token_ids"].tolist() != list(ids):
                 raise RuntimeError(f"vLLM wrote the states of other tokens than asked for ({path})")
@@ -126,13 +126,42 @@ def vllm_compute(llm, layers: list[int] | None, num_layers: int, norm) -> Comput
     return compute
 
 
-def discard_states(storage: Path) -> None:
-    """Delete the states files under ``storage`` once their writers are done (each holds its
-    ``.lock`` file's lock until its file is written)."""
+def await_written(llm, path: str) -> None:
+    """Return once vLLM's connector has written the states file ``path`` of a finished request (its
+    writer holds ``path.lock`` until then).
+
+    The connector writes a request's file on the engine step after the one that finished it. An
+    engine core in a process of its own (vLLM's default) takes that step by itself; one in this
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which spares starting two more processes, ~35 s
+    on a 2-core CPU) steps only when asked: it is stepped here until the writer lets go."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    in_process = isinstance(llm.llm_engine.engine_core, InprocClient)
+    with open(f"{path}.lock") as lock:
+        for _ in range(STEPS_TO_WRITE):
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | (fcntl.LOCK_NB if in_process else 0))
+                return
+            except BlockingIOError:
+                llm.llm_engine.step()
+                time.sleep(0.001)  # the file itself is written on the connector's thread
+    raise RuntimeError(f"vLLM's connector did not write {path} within {STEPS_TO_WRITE} engine steps")
+
+
+def written_states(llm, path: str) -> dict[str, torch.Tensor]:
+    """The states file ``path`` of a finished request, once written (:func:`await_written`)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
+
+    await_written(llm, path)
+    return load_hidden_states(path)
+
+
+def discard_states(llm, storage: Path) -> None:
+    """Delete the states files under ``storage`` once written (:func:`await_written`)."""
     for lock in storage.glob("*.lock"):
-        with lock.open() as handle:
-            fcntl.flock(handle, fcntl.LOCK_SH)
-            Path(str(lock)[: -len(".lock")]).unlink(missing_ok=True)
+        path = str(lock)[: -len(".lock")]
+        await_written(llm, path)
+        Path(path).unlink(missing_ok=True)
         lock.unlink()
 
 
@@ -208,21 +237,10 @@ def prepare_with_vllm(source: FeatureSource, layers: list[int] | None, target, t
     run_job(job, "extracting target features with vLLM (data.features.engine)", echo=True)
 
 
-def engine_core_apart() -> None:
-    """Run vLLM's engine core in a process of its own (vLLM's default, which the environment can
-    turn off): the hidden-states connector finishes a request's file, and releases the lock its
-    readers wait on, in a later engine step; with the engine core in the reading process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) that step never comes and the reader waits forever.
-    Call in vLLM's child process before building the ``vllm.LLM``."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-
-
 def run_vllm_features(job: dict) -> dict:
     """The features job for :func:`draftsmith.vllm_engine.run_job` (in vLLM's child process):
     regenerate where asked, tokenise, extract every split into the store; returns the manifest."""
     from vllm import LLM
-
-    engine_core_apart()
 
     target_cfg, data_cfg = from_dict(TargetConfig, job["target"], "job"), from_dict(DataConfig, job["data"], "job")
     model, layers, num_layers = job["model"], job["layers"], job["num_layers"]
@@ -238,7 +256,7 @@ def run_vllm_features(job: dict) -> dict:
         def generate(histories: list[list[dict]], seeds: list[int]):
             # The connector writes every finished request's prompt states, generation's too: not needed.
             out = replies(histories, seeds)
-            discard_states(Path(storage))
+            discard_states(llm, Path(storage))
             return out
 
         prepared = prepare_data_config(data_cfg, head, target_cfg.name, tokenizer, generate=generate)
