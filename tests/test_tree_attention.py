@@ -393,11 +393,13 @@ def test_tree_plan_follows_the_measured_costs_and_acceptance():
 
 def test_a_noisy_cost_curve_does_not_deepen_the_tree_of_a_head_that_is_never_right():
     """Timings on a tiny model can say a 4-token pass is cheaper than a 2-token one (CI once planned
-    depth 3 for a head with 0% accuracy from such a curve); the planner's curve is their running maximum."""
+    depth 3 for a head with 0% accuracy from such a curve); the planner's curve is their isotonic fit."""
     from draftsmith.eval.engine.pass_cost import plan_tree
     from draftsmith.eval.engine.tree_plan import monotone
 
     noisy = {1: 1.0, 2: 1.6, 3: 1.3, 4: 1.0, 5: 1.7}
     assert plan_tree(noisy, 0.0, 0.05, max_depth=3, max_budget=4)[0] == 3  # what the raw medians plan
-    assert monotone(noisy) == {1: 1.0, 2: 1.6, 3: 1.6, 4: 1.6, 5: 1.7}
-    assert plan_tree(monotone(noisy), 0.0, 0.05, max_depth=3, max_budget=4)[:2] == (1, 4)
+    # The violators 1.6, 1.3, 1.0 are pooled into their mean; a monotone curve is kept as it is.
+    assert monotone(noisy) == pytest.approx({1: 1.0, 2: 1.3, 3: 1.3, 4: 1.3, 5: 1.7})
+    assert monotone({1: 1.0, 2: 1.0, 3: 2.0}) == {1: 1.0, 2: 1.0, 3: 2.0}
+    assert plan_tree(monotone(noisy), 0.0, 0.05, max_depth=3, max_budget=4)[:2] == (1, 3)
