@@ -25,16 +25,14 @@ import test_eagle3  # noqa: E402
 import test_eagle_drafter  # noqa: E402
 import test_peagle  # noqa: E402
 from conftest import tiny_llama  # noqa: E402
-from stats_helpers import chi_square, exact_joint, generate_counts  # noqa: E402
+from stats_helpers import target_chi_square  # noqa: E402
 from test_sampling_lossless import PROMPT, V, one_step_chi_square  # noqa: E402
 
 import draftsmith.eval.engine.verify as verify_module  # noqa: E402
-from draftsmith.eval.engine.decode import SpeculativeDecoder  # noqa: E402
 from draftsmith.eval.engine.drafters.dflash import DFlashDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.dspark import DSparkDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.eagle import EagleDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.peagle import PEagleDrafter  # noqa: E402
-from draftsmith.eval.engine.sampling import SamplingConfig  # noqa: E402
 from draftsmith.plugins import register_builtin  # noqa: E402
 from draftsmith.timing import clock  # noqa: E402
 
@@ -79,9 +77,7 @@ def end_to_end_cases() -> dict:
 
 
 def end_to_end_ratio(target, drafter, n: int) -> float:
-    decoder = SpeculativeDecoder(target, drafter, None, SamplingConfig(1.0), eos_ids=set())
-    counts, _, _ = generate_counts(decoder, PROMPT, 4, n)
-    statistic, threshold, _ = chi_square(counts, exact_joint(target, PROMPT, 4, SamplingConfig(1.0)), n)
+    statistic, threshold, _ = target_chi_square(target, drafter, PROMPT, 4, n)
     return statistic / threshold
 
 

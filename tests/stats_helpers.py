@@ -65,14 +65,22 @@ def chi_square(counts: collections.Counter, joint: dict, n: int) -> tuple[float,
     return statistic, float(stats.chi2.ppf(QUANTILE, len(observed) - 1)), len(observed)
 
 
-def assert_distributed_as_target(
+def target_chi_square(
     target, drafter, prompt: list[int], length: int, n: int, sampling: SamplingConfig = SamplingConfig(temperature=1.0)
-) -> collections.Counter:
-    """``n`` seeded generations of ``length`` tokens with ``drafter`` follow ``target``'s exact joint
-    distribution (chi-square below its ``QUANTILE``); returns the Counter of per-step acceptances."""
+) -> tuple[float, float, collections.Counter]:
+    """``n`` seeded generations of ``length`` tokens with ``drafter`` against ``target``'s exact joint
+    distribution: (chi-square statistic, threshold, Counter of per-step acceptances)."""
     decoder = SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set())
     counts, accepted, _ = generate_counts(decoder, prompt, length, n)
     statistic, threshold, _ = chi_square(counts, exact_joint(target, prompt, length, sampling), n)
+    return statistic, threshold, accepted
+
+
+def assert_distributed_as_target(
+    target, drafter, prompt: list[int], length: int, n: int, sampling: SamplingConfig = SamplingConfig(temperature=1.0)
+) -> collections.Counter:
+    """:func:`target_chi_square` below its ``QUANTILE``; returns the Counter of per-step acceptances."""
+    statistic, threshold, accepted = target_chi_square(target, drafter, prompt, length, n, sampling)
     print(f"chi2 {statistic:.1f} (threshold {threshold:.1f}); accepted {accepted.most_common(4)}")
     assert statistic < threshold
     return accepted
