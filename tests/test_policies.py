@@ -252,6 +252,19 @@ def test_hierarchical_thresholds_follow_the_rejections(target, draft, middle):
     assert drafter.rule2.tau == pytest.approx(m2_entropy[0], abs=1e-4)
 
 
+def test_hierarchical_counts_the_accepted_path_not_equal_tokens(draft, middle):
+    """The target's token after a rejection can equal the rejected one (a residual that fell back to
+    p): the rejection is where the accepted path ends, whatever token the target emitted there."""
+    drafter = HierarchicalDrafter(draft, middle, depth=3, m1_depth=3, m1_tau=10.0, m2_tau=10.0)
+    drafter.begin(PROMPT, None)
+    drafter._pending, drafter._m2_entropy = [5, 6, 7], [0.5, 1.25, 2.0]
+    drafter.accept(StepResult([5, 6], None, PROMPT + [5, 6]))  # 5 kept, 6 rejected, then 6 emitted
+    assert drafter.rule2.count == 1 and drafter.rule2.tau == 1.25
+    drafter._pending, drafter._m2_entropy = [5, 6, 7], [0.5, 1.25, 2.0]
+    drafter.accept(StepResult([5, 6, 7, 1], None, PROMPT + [5, 6, 7, 1]))  # all kept, plus the bonus
+    assert drafter.rule2.count == 1
+
+
 @pytest.mark.slow
 def test_hierarchical_defaults_draft_on_the_bundled_target(smollm2):
     """The default spec on SmolLM2 (fp32, greedy) drafts and the target accepts some of it: with
@@ -277,11 +290,16 @@ def test_hierarchical_defaults_draft_on_the_bundled_target(smollm2):
     assert tau > 1.05, gen.accepted
 
 
+def always_drafting(draft, middle) -> HierarchicalDrafter:
+    """A hierarchical drafter whose thresholds lie above any entropy here: it drafts every step."""
+    return HierarchicalDrafter(draft, middle, depth=3, m1_depth=2, m1_tau=10.0, m2_tau=10.0)
+
+
 @pytest.mark.parametrize("wrong", [False, True], ids=["m2_distributions", "negative_control_m1_distributions"])
 def test_hierarchical_target_verifies_against_m2(monkeypatch, target, draft, middle, wrong):
     """Always drafting (thresholds above any entropy here), the output is exact; verifying the same
     tokens against M1's distributions instead of M2's (a plausible bug) fails the same test."""
-    drafter = HierarchicalDrafter(draft, middle, depth=3, m1_depth=2, m1_tau=10.0, m2_tau=10.0)
+    drafter = always_drafting(draft, middle)
     if wrong:
         pre_verify = drafter._pre_verify
 

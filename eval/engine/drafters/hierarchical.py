@@ -136,9 +136,10 @@ class HierarchicalDrafter(Drafter):
 
     def accept(self, result: StepResult) -> None:
         """Update M2's threshold with its entropy where the target rejected a pending token."""
-        accepted = 0
-        while accepted < len(self._pending) and result.accepted[accepted] == self._pending[accepted]:
-            accepted += 1
+        # The tree was the pending chain: the accepted path is its first len - 1 tokens. Comparing
+        # tokens instead would count a target token equal to the rejected one (a residual that fell
+        # back to p) as accepted, and read past the result's end.
+        accepted = len(result.accepted) - 1
         if accepted < len(self._pending):  # the target rejected the pending token at this position
             self.rule2.rejected(self._m2_entropy[accepted])
         self._pending, self._m2_entropy = [], []
