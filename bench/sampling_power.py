@@ -2,9 +2,11 @@
 statistic over its threshold, with the verifier as it is and with a subtle bug planted.
 
 The bug is test_sampling_lossless's own negative control: after a rejection, resample from p
-instead of the residual max(p - q, 0). Each kind's end-to-end test (its head, prompt and length, as
-in ``tests/``) draws ``--samples`` seeded generations; the one-step tests of ``verify_sampling``
-draw ``--one-step`` verifications per candidate layout. A ratio above 1 fails the test.
+instead of the residual max(p - q, 0). Each end-to-end test (its drafter, prompt, length and
+sampling, as in ``tests/``: every kind's, test_sampling_lossless's and test_policies') draws
+``--samples`` seeded generations; the one-step tests of ``verify_sampling`` draw ``--one-step``
+verifications per candidate layout. A ratio above 1 fails the test. ``--planted-only`` skips the
+correct run (the tests themselves make it), ``--only`` runs the cases whose name contains it.
 
     python bench/sampling_power.py --samples 2000 --one-step 5000
 """
@@ -23,16 +25,25 @@ import test_dflash  # noqa: E402
 import test_dspark  # noqa: E402
 import test_eagle3  # noqa: E402
 import test_eagle_drafter  # noqa: E402
+import test_medusa  # noqa: E402
 import test_peagle  # noqa: E402
+import test_policies  # noqa: E402
+import test_sampling_lossless  # noqa: E402
 from conftest import tiny_llama  # noqa: E402
 from stats_helpers import target_chi_square  # noqa: E402
 from test_sampling_lossless import PROMPT, V, one_step_chi_square  # noqa: E402
 
 import draftsmith.eval.engine.verify as verify_module  # noqa: E402
 from draftsmith.eval.engine.drafters.dflash import DFlashDrafter  # noqa: E402
+from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.dspark import DSparkDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.eagle import EagleDrafter  # noqa: E402
+from draftsmith.eval.engine.drafters.hybrid import HybridDrafter  # noqa: E402
+from draftsmith.eval.engine.drafters.medusa import MedusaDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.peagle import PEagleDrafter  # noqa: E402
+from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
+from draftsmith.eval.engine.drafters.suffix import SuffixDrafter  # noqa: E402
+from draftsmith.eval.engine.sampling import SamplingConfig  # noqa: E402
 from draftsmith.plugins import register_builtin  # noqa: E402
 from draftsmith.timing import clock  # noqa: E402
 
@@ -44,12 +55,22 @@ def keep_p(r, z, q, c, *args):
     return r, z, REJECT(r.clone(), z, q, c, *args)[2]
 
 
+def medusa_case() -> tuple:
+    """Medusa's target and heads, the heads drawn right after the target's seeded init (as in the test)."""
+    target = tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
+    heads = test_medusa.perturbed_heads(target)
+    return target, lambda: MedusaDrafter(heads, test_medusa.SAMPLING_CHOICES)
+
+
 def end_to_end_cases() -> dict:
-    """Each kind's sampling test: (target, drafter factory), as the test files build them."""
+    """Each end-to-end sampling test: (target, drafter factory, prompt, sampling), as the test files build them."""
     one = tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
+    draft = tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=1, scale=8.0)
+    middle = tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=2, scale=12.0)
     three = tiny_llama(vocab_size=V, hidden_size=32, layers=3, seed=0, scale=15.0)
     reduced, masked = [0, 2, 3, 5, 6], [0, 2, 3, 5, 6, 7]
-    return {
+    t1 = SamplingConfig(1.0)
+    cases = {
         "EAGLE-1, full vocabulary": (
             one,
             lambda: EagleDrafter(test_eagle_drafter._tiny_head(one, "random"), depth=2, top_k=2, budget=4),
@@ -73,11 +94,44 @@ def end_to_end_cases() -> dict:
                 test_dspark._head(three, mask=7, block=3, draft_vocab=masked, seed=2), cut="threshold", threshold=0.3
             ),
         ),
+        "Medusa": medusa_case(),
+        "draft LM, chain": (one, lambda: DraftLMDrafter(draft, depth=2, top_k=1)),
+        "draft LM, chain, reduced draft vocabulary": (
+            one,
+            lambda: DraftLMDrafter(draft, depth=2, top_k=1, draft_vocab=torch.tensor([1, 2, 4, 6])),
+        ),
+        "draft LM, pruned tree": (one, lambda: DraftLMDrafter(draft, depth=2, top_k=3, budget=4)),
+        "deterministic siblings": (one, test_sampling_lossless.FixedTreeDrafter),
+        "prompt lookup branches": (
+            one,
+            lambda: PromptLookupDrafter(num_tokens=2, max_ngram=2, min_ngram=1, branches=3),
+            test_sampling_lossless.BRANCHING_PROMPT,
+        ),
+        "draft LM, warped": (
+            one,
+            lambda: DraftLMDrafter(draft, depth=2, top_k=2, budget=4),
+            PROMPT,
+            test_sampling_lossless.WARPED,
+        ),
     }
+    for mode in ("merge", "switch"):
+        cases[f"hybrid ({mode})"] = (
+            one,
+            lambda m=mode: HybridDrafter(
+                [DraftLMDrafter(draft, depth=2, top_k=2), test_sampling_lossless.FixedTreeDrafter(), SuffixDrafter(3)],
+                learned=[True, False, False],
+                budget=6,
+                mode=m,
+            ),
+        )
+    for name in ("entropy", "entropy_tree", "confidence", "hierarchical"):
+        cases[f"policy {name}"] = (one, lambda k=name: test_policies.policy_drafters(one, draft, middle)[k])
+    cases["hierarchical, always drafting"] = (one, lambda: test_policies.always_drafting(draft, middle))
+    return {name: (case + (PROMPT, t1)[len(case) - 2 :]) for name, case in cases.items()}
 
 
-def end_to_end_ratio(target, drafter, n: int) -> float:
-    statistic, threshold, _ = target_chi_square(target, drafter, PROMPT, 4, n)
+def end_to_end_ratio(target, drafter, n: int, prompt: list[int], sampling: SamplingConfig) -> float:
+    statistic, threshold, _ = target_chi_square(target, drafter, prompt, 4, n, sampling)
     return statistic / threshold
 
 
@@ -91,13 +145,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=2000, help="generations per end-to-end test")
     parser.add_argument("--one-step", type=int, default=5000, help="verifications per one-step test")
+    parser.add_argument("--planted-only", action="store_true", help="only the run with the bug planted")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this")
     args = parser.parse_args()
     torch.set_num_threads(1)
     register_builtin()
     rows = []
-    for name, (target, make) in end_to_end_cases().items():
+    for name, (target, make, prompt, sampling) in end_to_end_cases().items():
         rows.append(
-            (f"{name} ({args.samples} generations)", lambda t=target, m=make: end_to_end_ratio(t, m(), args.samples))
+            (
+                f"{name} ({args.samples} generations)",
+                lambda t=target, m=make, p=prompt, s=sampling: end_to_end_ratio(t, m(), args.samples, p, s),
+            )
         )
     for layout in ("single", "three_without_replacement", "pruned", "deterministic"):
         rows.append(
@@ -105,9 +164,11 @@ def main() -> None:
         )
     print("| test | statistic / threshold, correct | with the bug | seconds |\n|---|---:|---:|---:|")
     for name, run in rows:
+        if args.only not in name:
+            continue
         start = clock("cpu")
-        ratios = []
-        for bug in (False, True):
+        ratios = [float("nan")] if args.planted_only else []
+        for bug in (True,) if args.planted_only else (False, True):
             verify_module._reject = keep_p if bug else REJECT
             try:
                 ratios.append(run())

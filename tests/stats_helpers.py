@@ -13,9 +13,11 @@ from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.sampling import SamplingConfig, probabilities
 
 QUANTILE = 0.999
-# Generations per end-to-end test. Its power, measured (BENCHMARKS.md, "The test suite's time"): at
-# 2,000 a subtle verifier bug (after a rejection, resampling from p instead of the residual) fails
-# every kind's test by 1.7-5.6x the threshold, and test_sampling_lossless's draft LM by over 1.5x.
+# Generations per end-to-end test, sized by measured power (``python bench/sampling_power.py``;
+# BENCHMARKS.md, "The test suite's time"): with a subtle verifier bug planted (after a rejection,
+# resample from p instead of the residual) a test must fail by at least 2x its threshold. At 2,000
+# the weakest fail by 1.7-2.5x and draw this many; a test that fails by more draws fewer, at a
+# size where the bug still fails it by 2x (each such test says so).
 SAMPLES = 2000
 
 

@@ -19,7 +19,7 @@ import torch
 import yaml
 from cli_helpers import assert_user_error
 from safetensors.torch import load_file
-from stats_helpers import SAMPLES, assert_distributed_as_target
+from stats_helpers import assert_distributed_as_target
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from training_helpers import save_tiny_target, train_offline, write_recipe
 from transformers import DynamicCache
@@ -292,8 +292,9 @@ def test_sampling_with_eagle3_matches_exact_distribution(tiny_target):
     """Over a reduced draft vocabulary (d2t): the full-vocabulary path of the same drafter is
     test_eagle_drafter.py's, with an EAGLE-1 head."""
     drafter = EagleDrafter(_head3(tiny_target, "identity", [0, 2, 3, 5, 6]), depth=2, top_k=2, budget=4)
-    accepted = assert_distributed_as_target(tiny_target, drafter, PROMPT, 4, SAMPLES)
-    assert accepted[(3,)] > 50 and accepted[(1, 1, 1)] > 100, accepted  # drafts accepted and rejected, often (82, 769)
+    n = 1400  # the planted bug still fails this test by 2x+ (stats_helpers)
+    accepted = assert_distributed_as_target(tiny_target, drafter, PROMPT, 4, n)
+    assert accepted[(3,)] > n / 40 and accepted[(1, 1, 1)] > n / 20, accepted  # drafts accepted and rejected, often
 
 
 def test_default_aux_layers_are_eagle3s_or_a_one_line_request_for_them():

@@ -14,7 +14,7 @@ import collections
 
 import pytest
 import torch
-from stats_helpers import SAMPLES, chi_square, exact_joint
+from stats_helpers import chi_square, exact_joint
 
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
@@ -109,17 +109,18 @@ def test_sampling_with_eagle_matches_exact_distribution(tiny_target, draft_vocab
     sampling = SamplingConfig(temperature=1.0)
     decoder = SpeculativeDecoder(tiny_target, drafter, None, sampling, eos_ids=set())
     counts, accepted, drafted = collections.Counter(), collections.Counter(), set()
-    for i in range(SAMPLES):
+    n = 800  # the planted bug still fails both layouts by 2x+ (stats_helpers)
+    for i in range(n):
         gen = decoder.generate(PROMPT, LENGTH, seed=i)
         assert len(gen.tokens) == LENGTH and sum(gen.accepted) == LENGTH - 1
         counts[tuple(gen.tokens)] += 1
         accepted[tuple(gen.accepted)] += 1
         drafted.update(gen.tokens[1 : gen.accepted[0]])  # the first step's accepted draft tokens
-    statistic, threshold, _ = chi_square(counts, exact_joint(tiny_target, PROMPT, LENGTH, sampling), SAMPLES)
+    statistic, threshold, _ = chi_square(counts, exact_joint(tiny_target, PROMPT, LENGTH, sampling), n)
     print(f"chi2 {statistic:.1f} (threshold {threshold:.1f}); accepted {accepted.most_common(4)}")
     assert statistic < threshold
     # The drafts mattered: whole depth-2 paths accepted (+ bonus) and first drafts rejected, often.
-    assert accepted[(3,)] > 100 and accepted[(1, 1, 1)] > 100, accepted
+    assert accepted[(3,)] > n / 20 and accepted[(1, 1, 1)] > n / 20, accepted
     if draft_vocab is not None:
         assert drafted and drafted <= set(draft_vocab)  # accepted drafts come from the draft vocabulary
 

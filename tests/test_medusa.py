@@ -291,15 +291,22 @@ def test_medusa2_trains_lora_after_the_heads_warm_up(recipe, tmp_path):
 # Lossless sampling through static trees (exact joint distribution vs chi-square, tiny vocab)
 
 
+SAMPLING_CHOICES = [(0,), (1,), (0, 0), (0, 1), (1, 0)]
+
+
+def perturbed_heads(target) -> MedusaHeads:
+    """Two heads whose guesses differ from ``target``'s own prediction."""
+    heads = MedusaHeads.for_target(target, "tiny", num_heads=2, num_layers=1)
+    with torch.no_grad():
+        for block in heads.blocks:
+            block[0].linear.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    return heads
+
+
 def test_medusa_sampling_is_lossless(make_tiny_llama):
     V, prompt, n = 8, [3, 5, 2, 7, 4], SAMPLES
     target = make_tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
-    heads = MedusaHeads.for_target(target, "tiny", num_heads=2, num_layers=1)
-    with torch.no_grad():  # perturbed heads: their guesses differ from the target's own prediction
-        for block in heads.blocks:
-            block[0].linear.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
-    choices = [(0,), (1,), (0, 0), (0, 1), (1, 0)]
-    drafter = MedusaDrafter(heads, choices)
+    drafter = MedusaDrafter(perturbed_heads(target), SAMPLING_CHOICES)
     sampling = SamplingConfig(temperature=1.0)
     decoder = SpeculativeDecoder(target, drafter, None, sampling, eos_ids=set())
     counts, accepted = {}, {}

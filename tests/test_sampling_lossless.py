@@ -37,6 +37,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 8
 PROMPT = [3, 5, 2, 7, 4]
+# A prompt whose suffix recurs with several different continuations: a 3-branch trie for prompt lookup.
+BRANCHING_PROMPT = [1, 2, 3, 1, 2, 5, 1, 2, 6, 1, 2]
+WARPED = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,6 +131,7 @@ def test_chain_draft_lm_over_a_reduced_draft_vocabulary(monkeypatch, target, dra
     """Drafts come only from the draft vocabulary and the output distribution stays the target's."""
     subset = [1, 2, 4, 6]
     drafter = DraftLMDrafter(draft, depth=2, top_k=1, draft_vocab=torch.tensor(subset))
+    n = 600  # the planted bug still fails this test by 2x+ (stats_helpers)
     drafted = collections.Counter()
     propose = drafter.propose
 
@@ -137,30 +141,31 @@ def test_chain_draft_lm_over_a_reduced_draft_vocabulary(monkeypatch, target, dra
         return tree
 
     monkeypatch.setattr(drafter, "propose", recording)
-    statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4)
+    statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, n)
     assert statistic < threshold
     assert set(drafted) == set(subset)
-    assert accepted[(3,)] > 100 and accepted[(1, 1, 1)] > 100
+    assert accepted[(3,)] > n / 20 and accepted[(1, 1, 1)] > n / 20
 
 
 def test_tree_draft_lm_with_pruning(monkeypatch, target, draft):
     drafter = DraftLMDrafter(draft, depth=2, top_k=3, budget=4)  # 3 + 9 candidates, 4 kept
-    statistic, threshold, accepted, recorder = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4)
+    n = 1000  # the planted bug still fails this test by 2x+ (stats_helpers)
+    statistic, threshold, accepted, recorder = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, n)
     assert statistic < threshold
-    assert recorder.pruned_trees >= SAMPLES  # (at least) every first step's tree was pruned
-    assert recorder.pruned_tokens_out > 100  # and steps did end on pruned candidates
-    assert accepted[(3,)] > 50  # a depth-2 path fully accepted, plus the bonus
+    assert recorder.pruned_trees >= n  # (at least) every first step's tree was pruned
+    assert recorder.pruned_tokens_out > n / 20  # and steps did end on pruned candidates
+    assert accepted[(3,)] > n / 40  # a depth-2 path fully accepted, plus the bonus
 
 
 def test_deterministic_sibling_proposals(monkeypatch, target):
-    statistic, threshold, accepted, _ = run_case(monkeypatch, target, FixedTreeDrafter(), SamplingConfig(1.0), 4)
+    n = 1000  # the planted bug still fails this test by 2x+ (stats_helpers)
+    statistic, threshold, accepted, _ = run_case(monkeypatch, target, FixedTreeDrafter(), SamplingConfig(1.0), 4, n)
     assert statistic < threshold
-    assert accepted[(3,)] > 20 and accepted[(1, 1, 1)] > 50
+    assert accepted[(3,)] > n / 100 and accepted[(1, 1, 1)] > n / 40
 
 
 def test_prompt_lookup_branches(monkeypatch, target):
-    # A prompt whose suffix recurs with several different continuations: a 3-branch trie.
-    prompt = [1, 2, 3, 1, 2, 5, 1, 2, 6, 1, 2]
+    prompt = BRANCHING_PROMPT
     drafter = PromptLookupDrafter(num_tokens=2, max_ngram=2, min_ngram=1, branches=3)
     tree = drafter.propose(DraftContext(prompt, SamplingConfig(1.0), None, 2))
     assert tree.proposals[ROOT].tokens == [6, 5, 3] and tree.proposals[ROOT].probs is None
@@ -175,18 +180,19 @@ def test_hybrid_of_a_draft_lm_and_deterministic_lookups(monkeypatch, target, dra
     proposal per parent): the output still follows the target exactly."""
     parts = [DraftLMDrafter(draft, depth=2, top_k=2), FixedTreeDrafter(), SuffixDrafter(num_tokens=3)]
     drafter = HybridDrafter(parts, learned=[True, False, False], budget=6, mode=mode)
-    statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4)
+    n = 1200  # the planted bug still fails this test by 2x+ (stats_helpers)
+    statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, n)
     assert statistic < threshold
-    assert accepted[(3,)] > 25 and accepted[(1, 1, 1)] > 100
+    assert accepted[(3,)] > n / 80 and accepted[(1, 1, 1)] > n / 20
     assert (drafter.skipped > 0) == (mode == "switch")
 
 
 def test_warped_sampling(monkeypatch, target, draft):
-    sampling = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
     drafter = DraftLMDrafter(draft, depth=2, top_k=2, budget=4)
-    statistic, threshold, accepted, recorder = run_case(monkeypatch, target, drafter, sampling, 4)
+    n = 400  # the planted bug still fails this test by 2x+ (stats_helpers)
+    statistic, threshold, accepted, recorder = run_case(monkeypatch, target, drafter, WARPED, 4, n)
     assert statistic < threshold
-    assert accepted[(3,)] > 50 and recorder.pruned_trees > 0
+    assert accepted[(3,)] > n / 40 and recorder.pruned_trees > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +239,7 @@ def test_negative_control_top_k_drafts_claimed_as_samples(monkeypatch, target, d
 
     monkeypatch.setattr(tree_module, "choose", top_k_choose)  # where the draft LM's trees draw their candidates
     drafter = DraftLMDrafter(draft, depth=2)
-    statistic, threshold, _, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, n=1000)
+    statistic, threshold, _, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, n=400)
     assert statistic > 3 * threshold
 
 
@@ -288,7 +294,6 @@ def one_step_chi_square(kind: str, n: int) -> tuple[float, float]:
 @pytest.mark.parametrize("kind", ["single", "three_without_replacement", "pruned", "deterministic"])
 def test_verify_sampling_emits_p(kind):
     """One verification step over a depth-1 tree: the emitted token must follow p exactly. The
-    resample-from-p bug fails each layout by 25-59x the threshold at 5,000 steps (BENCHMARKS.md);
-    10,000 still see a bias of ~0.03 in one token's probability."""
-    statistic, threshold = one_step_chi_square(kind, 10000)
+    resample-from-p bug fails each layout by 25-59x the threshold at this size (stats_helpers)."""
+    statistic, threshold = one_step_chi_square(kind, 5000)
     assert statistic < threshold
