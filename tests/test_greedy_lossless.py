@@ -48,6 +48,9 @@ REPETITIVE = (0, 1, 3)  # answers that copy the prompt or repeat themselves
 # the tiny-model tests below cover every prompt / many more trees.
 DRAFT_LM_PROMPTS = (0, 1, 3)
 RANDOM_TREE_PROMPTS = (0, 2)
+# The oracle drafts with the target itself (8 target passes a step): one answer that ends with EOS,
+# one that runs the full length.
+ORACLE_PROMPTS = (0, 2)
 
 
 def check_bookkeeping(
@@ -152,7 +155,8 @@ def test_prompt_lookup_is_lossless(target, prompts, plain, branches):
 def test_oracle_is_lossless_and_accepts_everything(target, prompts, plain):
     model, tokenizer = target
     decoder = SpeculativeDecoder(model, OracleDrafter(CausalLMRunner(model), num_tokens=8), tokenizer)
-    for prompt, reference in zip(prompts, plain):
+    for i in ORACLE_PROMPTS:
+        prompt, reference = prompts[i], plain[i]
         gen = decoder.generate(prompt, TOKENS)
         check_bookkeeping(gen, reference, max_depth=8)
         # Every drafted token is accepted: 9 tokens per step until the end.
