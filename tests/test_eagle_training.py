@@ -21,7 +21,7 @@ import torch
 import yaml
 from cli_helpers import assert_user_error
 from safetensors.torch import load_file
-from training_helpers import EOS, VOCAB, launch, save_tiny_target, write_recipe
+from training_helpers import EOS, VOCAB, check_two_replicas, launch, save_tiny_target, write_recipe
 from transformers import LlamaForCausalLM
 
 from draftsmith.heads.common import TargetMismatchError
@@ -399,35 +399,6 @@ def test_wandb_offline_records_the_logged_history(recipe, tmp_path, monkeypatch)
 # Multi-process (slow)
 
 
-def _checkpoint_param_sum(folder: Path) -> float:
-    tensors = load_file(str(folder / "model.safetensors"))
-    return float(sum(v.double().sum() for k, v in tensors.items() if k != "draft_vocab"))
-
-
-def _check_two_replicas(out: Path, targets) -> None:
-    final = out / "checkpoint-final"
-    state = json.loads((final / "state" / "trainer_state.json").read_text())
-    assert state["step"] == 2
-    checksums = state["replica_checksums"]
-    assert len(checksums) == 2 and checksums[0] == checksums[1]
-    # Both ranks' RNG states made it into the checkpoint before it was renamed into place.
-    assert (final / "state" / "random_states_0.pkl").is_file() and (final / "state" / "random_states_1.pkl").is_file()
-    assert checksums[0] == pytest.approx(_checkpoint_param_sum(final), rel=1e-9)
-    init = yaml.safe_load((final / "recipe.yaml").read_text())["drafter"]["init"]
-    fresh = EagleHead.for_target(load_target_model(targets["main"]), "x", 1, init=init)
-    fresh_sum = float(sum(p.detach().double().sum() for p in fresh.parameters()))
-    assert abs(checksums[0] - fresh_sum) > 1e-3  # training moved the parameters
-
-
-@pytest.mark.slow
-def test_ddp_two_processes(recipe, targets, tmp_path):
-    out = tmp_path / "ddp"
-    proc = launch("train/eagle.py", recipe, out, "--training.max_steps", "2", cpu=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    _check_two_replicas(out, targets)
-    assert (out / "checkpoint-final" / "state" / "model.safetensors").is_file()
-
-
 @pytest.mark.slow
 def test_deepspeed_zero2_two_processes(recipe, targets, tmp_path):
     out = tmp_path / "ds"
@@ -444,7 +415,7 @@ def test_deepspeed_zero2_two_processes(recipe, targets, tmp_path):
         cpu=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    _check_two_replicas(out, targets)
+    check_two_replicas(out, targets["main"], 2)
     assert (out / "checkpoint-final" / "state" / "pytorch_model").is_dir()
 
 

@@ -3,7 +3,8 @@ and extracts features while the others wait and then read the cache.
 
 A two-process gloo run from a cold cache must leave exactly what a one-process run leaves: the
 same regenerated JSONL (no conversation written twice), the same feature shards and the same
-token counts (the reduced draft vocabulary chosen from them).
+token counts (the reduced draft vocabulary chosen from them); its two replicas then train alike
+(the suite's DDP training check).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_helpers import launch, save_tiny_target, write_recipe
+from training_helpers import check_two_replicas, launch, save_tiny_target, write_recipe
 from transformers import LlamaForCausalLM
 
 from draftsmith.target import load_tokenizer
@@ -83,12 +84,17 @@ def test_two_processes_from_a_cold_cache_prepare_what_one_process_does(
         tmp_path / "out2",
         "--data.cache_dir",
         str(tmp_path / "data2"),
+        "--training.max_steps",
+        "2",
         *backend,
         cpu=not backend,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = _outputs(tmp_path / "cache2", tmp_path / "out2")
+    if not backend:  # DDP over gloo trained both replicas alike (test_eagle_training checks ZeRO-2's)
+        check_two_replicas(tmp_path / "out2", recipe.parent / "target", 2)
+        assert (tmp_path / "out2" / "checkpoint-final" / "state" / "model.safetensors").is_file()
 
     ids = [json.loads(line)["id"] for line in two["regenerated"].splitlines()]
     assert len(ids) == len(set(ids)) > 0  # every conversation written once

@@ -5,6 +5,7 @@ thread) and two-process ``accelerate launch`` runs of a training script.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -12,9 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith.heads.eagle import EagleHead
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer
 EOS = 2  # <|im_end|>
@@ -126,3 +131,30 @@ def train_offline(main, recipe: Path, output_dir: Path, features_dir: Path, *ove
         [str(recipe), "--output_dir", str(output_dir), *overrides]
         + ["--drafter.features", "offline", "--drafter.features_dir", str(features_dir)]
     )
+
+
+def check_two_replicas(out: Path, target: Path, steps: int) -> None:
+    """A two-process EAGLE run's final checkpoint under ``out``: ``steps`` taken, both replicas'
+    parameter checksums equal to each other and to the saved weights, both ranks' RNG states saved,
+    and the parameters moved from a fresh head's (``target``: the run's target folder)."""
+    final = out / "checkpoint-final"
+    state = json.loads((final / "state" / "trainer_state.json").read_text())
+    assert state["step"] == steps
+    checksums = state["replica_checksums"]
+    assert len(checksums) == 2 and checksums[0] == checksums[1]
+    # Both ranks' RNG states made it into the checkpoint before it was renamed into place.
+    assert (final / "state" / "random_states_0.pkl").is_file() and (final / "state" / "random_states_1.pkl").is_file()
+    tensors = load_file(str(final / "model.safetensors"))
+    assert checksums[0] == pytest.approx(
+        float(sum(v.double().sum() for k, v in tensors.items() if k != "draft_vocab")), rel=1e-9
+    )
+    drafter = yaml.safe_load((final / "recipe.yaml").read_text())["drafter"]
+    fresh = EagleHead.for_target(
+        LlamaForCausalLM.from_pretrained(target, dtype=torch.float32),
+        "x",
+        drafter["num_layers"],
+        draft_vocab=tensors.get("draft_vocab"),
+        init=drafter["init"],
+    )
+    fresh_sum = float(sum(p.detach().double().sum() for p in fresh.parameters()))
+    assert abs(checksums[0] - fresh_sum) > 1e-3  # training moved the parameters
