@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import weakref
 
 import pytest
 import torch
@@ -54,10 +55,18 @@ def path_of(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
+# Per model, the plain logits of each sequence already run: the SmolLM2 tests compare the same tree's
+# 21 sequences again and again (~0.3 s a forward on one thread).
+_PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @torch.no_grad()
 def plain_last_logits(model, ids: list[int]) -> torch.Tensor:
     """Next-token logits after ``ids`` from the HF model run on the plain sequence, no cache."""
-    return model(torch.tensor([ids])).logits[0, -1].float()
+    seen = _PLAIN.setdefault(model, {})
+    if tuple(ids) not in seen:
+        seen[tuple(ids)] = model(torch.tensor([ids])).logits[0, -1].float()
+    return seen[tuple(ids)]
 
 
 @torch.no_grad()
