@@ -142,7 +142,7 @@ def test_chi_square_catches_a_lossy_verifier(tiny_target, monkeypatch):
     drafter = EagleDrafter(_tiny_head(tiny_target, "random"), depth=2, top_k=2, budget=4)
     sampling = SamplingConfig(temperature=1.0)
     decoder = SpeculativeDecoder(tiny_target, drafter, None, sampling, eos_ids=set())
-    n = 1000
+    n = 400  # it fails by 5.9x here (14.6x at 1,000)
     counts = collections.Counter(tuple(decoder.generate(PROMPT, LENGTH, seed=i).tokens) for i in range(n))
     joint = exact_joint(tiny_target, PROMPT, LENGTH, sampling)
     counts = collections.Counter({k: c for k, c in counts.items() if k in joint})

@@ -112,7 +112,7 @@ def test_two_processes_from_a_cold_cache_prepare_what_one_process_does(
 
 def test_the_other_processes_outwait_the_default_group_timeout(tmp_path):
     """Regenerating a dataset takes hours where a barrier of the default group gives up after 10
-    (NCCL) or 30 minutes; scaled down: a 20 s preparation against a 10 s default timeout."""
+    (NCCL) or 30 minutes; scaled down: a 15 s preparation against a 10 s default timeout."""
     proc = launch("tests/long_preparation.py", tmp_path / "marker", tmp_path / "unused", cpu=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT ")) == [
