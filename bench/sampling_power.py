@@ -29,7 +29,7 @@ import test_medusa  # noqa: E402
 import test_peagle  # noqa: E402
 import test_policies  # noqa: E402
 import test_sampling_lossless  # noqa: E402
-from conftest import tiny_llama  # noqa: E402
+from conftest import pair_draft, pair_target, tiny_llama  # noqa: E402
 from stats_helpers import target_chi_square  # noqa: E402
 from test_sampling_lossless import PROMPT, V, one_step_chi_square  # noqa: E402
 
@@ -38,11 +38,9 @@ from draftsmith.eval.engine.drafters.dflash import DFlashDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.dspark import DSparkDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.eagle import EagleDrafter  # noqa: E402
-from draftsmith.eval.engine.drafters.hybrid import HybridDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.medusa import MedusaDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.peagle import PEagleDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
-from draftsmith.eval.engine.drafters.suffix import SuffixDrafter  # noqa: E402
 from draftsmith.eval.engine.sampling import SamplingConfig  # noqa: E402
 from draftsmith.plugins import register_builtin  # noqa: E402
 from draftsmith.timing import clock  # noqa: E402
@@ -57,16 +55,14 @@ def keep_p(r, z, q, c, *args):
 
 def medusa_case() -> tuple:
     """Medusa's target and heads, the heads drawn right after the target's seeded init (as in the test)."""
-    target = tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
+    target = pair_target()
     heads = test_medusa.perturbed_heads(target)
     return target, lambda: MedusaDrafter(heads, test_medusa.SAMPLING_CHOICES)
 
 
 def end_to_end_cases() -> dict:
     """Each end-to-end sampling test: (target, drafter factory, prompt, sampling), as the test files build them."""
-    one = tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=0, scale=15.0)
-    draft = tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=1, scale=8.0)
-    middle = tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=2, scale=12.0)
+    one, draft, middle = pair_target(), pair_draft(), test_policies.middle_draft(tiny_llama)
     three = tiny_llama(vocab_size=V, hidden_size=32, layers=3, seed=0, scale=15.0)
     reduced, masked = [0, 2, 3, 5, 6], [0, 2, 3, 5, 6, 7]
     t1 = SamplingConfig(1.0)
@@ -115,15 +111,7 @@ def end_to_end_cases() -> dict:
         ),
     }
     for mode in ("merge", "switch"):
-        cases[f"hybrid ({mode})"] = (
-            one,
-            lambda m=mode: HybridDrafter(
-                [DraftLMDrafter(draft, depth=2, top_k=2), test_sampling_lossless.FixedTreeDrafter(), SuffixDrafter(3)],
-                learned=[True, False, False],
-                budget=6,
-                mode=m,
-            ),
-        )
+        cases[f"hybrid ({mode})"] = (one, lambda m=mode: test_sampling_lossless.hybrid_of_lookups(draft, m))
     for name in ("entropy", "entropy_tree", "confidence", "hierarchical"):
         cases[f"policy {name}"] = (one, lambda k=name: test_policies.policy_drafters(one, draft, middle)[k])
     cases["hierarchical, always drafting"] = (one, lambda: test_policies.always_drafting(draft, middle))

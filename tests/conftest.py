@@ -104,16 +104,26 @@ def make_tiny_llama():
     return tiny_llama
 
 
-@pytest.fixture(scope="session")
-def tiny_pair_target():
+def pair_target() -> LlamaForCausalLM:
     """The statistical tests' target: 8 tokens, peaked (weights x 15)."""
     return tiny_llama(vocab_size=8, hidden_size=32, layers=1, seed=0, scale=15.0)
 
 
+def pair_draft() -> LlamaForCausalLM:
+    """A draft unrelated to ``pair_target`` (other seed, flatter): many rejections, some acceptances."""
+    return tiny_llama(vocab_size=8, hidden_size=32, layers=1, seed=1, scale=8.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_target():
+    """:func:`pair_target`, once per worker."""
+    return pair_target()
+
+
 @pytest.fixture(scope="session")
 def tiny_pair_draft():
-    """A draft unrelated to ``tiny_pair_target`` (other seed, flatter): many rejections, some acceptances."""
-    return tiny_llama(vocab_size=8, hidden_size=32, layers=1, seed=1, scale=8.0)
+    """:func:`pair_draft`, once per worker."""
+    return pair_draft()
 
 
 @pytest.fixture(scope="module")

@@ -46,8 +46,13 @@ def draft(tiny_pair_draft):
 
 @pytest.fixture(scope="module")
 def middle(make_tiny_llama):
-    """A second draft for M2: closer to nothing in particular, sharper than ``draft``."""
-    return make_tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=2, scale=12.0)
+    return middle_draft(make_tiny_llama)
+
+
+def middle_draft(tiny_llama):
+    """A second draft for M2 (``tiny_llama``: conftest's builder): closer to nothing in particular,
+    sharper than ``draft``."""
+    return tiny_llama(vocab_size=V, hidden_size=32, layers=1, seed=2, scale=12.0)
 
 
 def with_policy(drafter, **options):

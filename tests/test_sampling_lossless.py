@@ -174,12 +174,17 @@ def test_prompt_lookup_branches(monkeypatch, target):
     assert sum(c for a, c in accepted.items() if a[0] > 1) > 100
 
 
+def hybrid_of_lookups(draft, mode: str) -> HybridDrafter:
+    """A sampled draft LM tree with a deterministic tree and suffix drafts, ``mode`` merge or switch."""
+    parts = [DraftLMDrafter(draft, depth=2, top_k=2), FixedTreeDrafter(), SuffixDrafter(num_tokens=3)]
+    return HybridDrafter(parts, learned=[True, False, False], budget=6, mode=mode)
+
+
 @pytest.mark.parametrize("mode", ["merge", "switch"])
 def test_hybrid_of_a_draft_lm_and_deterministic_lookups(monkeypatch, target, draft, mode):
     """A sampled draft LM tree merged with a deterministic tree and suffix drafts (one part's
     proposal per parent): the output still follows the target exactly."""
-    parts = [DraftLMDrafter(draft, depth=2, top_k=2), FixedTreeDrafter(), SuffixDrafter(num_tokens=3)]
-    drafter = HybridDrafter(parts, learned=[True, False, False], budget=6, mode=mode)
+    drafter = hybrid_of_lookups(draft, mode)
     n = 1200  # the planted bug still fails this test by 2x+ (stats_helpers)
     statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, n)
     assert statistic < threshold

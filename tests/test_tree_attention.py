@@ -63,10 +63,10 @@ _PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 @torch.no_grad()
 def plain_last_logits(model, ids: list[int]) -> torch.Tensor:
     """Next-token logits after ``ids`` from the HF model run on the plain sequence, no cache."""
-    seen = _PLAIN.setdefault(model, {})
-    if tuple(ids) not in seen:
-        seen[tuple(ids)] = model(torch.tensor([ids])).logits[0, -1].float()
-    return seen[tuple(ids)]
+    seen, key = _PLAIN.setdefault(model, {}), tuple(ids)
+    if key not in seen:
+        seen[key] = model(torch.tensor([ids])).logits[0, -1].float()
+    return seen[key]
 
 
 @torch.no_grad()
