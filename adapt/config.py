@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+PLANNED = "planned"  # adapt.judge_drafter: each head judged with the tree planned for it
+
 
 @dataclass
 class AdaptConfig:
@@ -14,7 +16,8 @@ class AdaptConfig:
     out_dir: str = "runs/adapt"  # rounds/round-NNNN/, the `current` link to the serving head, state.json
     replay_fraction: float = 0.3  # share of a round's rows replayed from the head's own data (not to forget)
     replay_limit: int = 512  # conversations of the head's data whose features are extracted once for replay
-    held_out: int = 16  # the most recent requests: judged on, never trained on
+    held_out: int = 16  # conversations judged per round: the newest begun since the last round; never trained on
+    min_held_out: int = 8  # fewer held-out conversations than this: the round is not judged (nor run)
     general_held_out: int = 64  # the head's own held-out conversations: its top-1 there is the forgetting check
     max_forgetting: float | None = 0.02  # most depth-1 top-1 the challenger may lose there (null: unchecked)
     round_steps: int = 60  # optimiser steps per round
@@ -23,7 +26,7 @@ class AdaptConfig:
     batch_size: int = 4
     max_length: int = 1024  # tokens of a request trained on (longer ones are cut)
     judge_max_new_tokens: int = 64  # tokens generated per held-out request when judging
-    judge_drafter: str = ""  # drafter options both heads are judged with, e.g. depth=4&top_k=3 ("": planned trees)
+    judge_drafter: str = "depth=3&top_k=1&budget=3"  # both heads' tree: drafter options (vLLM's chain of 3), or planned
     margin: float = 0.05  # promote when the acceptance-length gain is at least this (at the confidence below)
     confidence: float = 0.9  # one-sided, paired bootstrap over the held-out requests
     export_format: str = "speculators"  # the format a promoted head is exported in ("none": the checkpoint alone)
@@ -41,6 +44,14 @@ class AdaptConfig:
         for name in ("held_out", "round_steps", "batch_size", "judge_max_new_tokens", "max_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"adapt.{name} must be >= 1, got {getattr(self, name)}")
+        if not 2 <= self.min_held_out <= self.held_out:
+            raise ValueError(
+                f"adapt.min_held_out must be in [2, adapt.held_out={self.held_out}], got {self.min_held_out}"
+            )
+        if not self.judge_drafter:
+            raise ValueError(
+                f'adapt.judge_drafter is empty: give drafter options (e.g. "depth=3&top_k=1&budget=3") or "{PLANNED}"'
+            )
         if self.replay_limit < 0:
             raise ValueError(f"adapt.replay_limit must be >= 0, got {self.replay_limit}")
         if self.round_minutes is not None and self.round_minutes <= 0:

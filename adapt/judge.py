@@ -1,11 +1,12 @@
 """Judge a challenger head against the serving one: acceptance in our engine on the same requests, one run.
 
-Both heads decode every held-out request greedily, each with the tree it would be served with
-(counts, not timings: the order of the runs does not matter). Acceptance length is tokens per
-target pass over all requests (``sum tokens / sum passes``). The challenger is promoted only when
-the gain's one-sided lower bound at the ``confidence`` asked for, from a paired bootstrap over the
-requests (both heads' counts of a request resampled together), reaches ``margin``: a win that a
-few lucky requests make is not enough.
+Both heads decode every held-out request greedily with one drafter configuration (by default a
+chain, the shape vLLM serves; planned trees read each head's recorded accuracy, measured on data
+that is never judged), and counts, not timings, are compared: the order of the runs does not matter.
+Acceptance length is tokens per target pass over all requests (``sum tokens / sum passes``). The
+challenger is promoted only when the gain's one-sided lower bound at the ``confidence`` asked for,
+from a paired bootstrap over the requests (both heads' counts of a request resampled together),
+reaches ``margin``: a win that a few lucky requests make is not enough.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Verdict:
     requests: int
     promoted: bool
     reason: str
+    forgetting: str = ""  # what the forgetting check found, or why it did not run
 
     def record(self) -> dict:
         return asdict(self)

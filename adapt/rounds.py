@@ -31,8 +31,9 @@ from pathlib import Path
 import datasets
 import torch
 
-from draftsmith.adapt.config import AdaptConfig
+from draftsmith.adapt.config import PLANNED, AdaptConfig
 from draftsmith.adapt.judge import Verdict, judge
+from draftsmith.adapt.split import TrafficSplit, judge_prompt, split_traffic
 from draftsmith.atomic import staged
 from draftsmith.checkpoint_files import load_torch, read_json
 from draftsmith.config import load_recipe
@@ -58,6 +59,7 @@ CURRENT = "current"
 ROUNDS = "rounds"
 STATE = "state.json"
 VERDICT = "verdict.json"
+UNCHECKED = "not checked"  # how a verdict's forgetting note starts when the check did not run
 
 
 @dataclass
@@ -75,9 +77,22 @@ class Round:
     # top-1 per draft depth on the head's own held-out conversations (the forgetting check)
     general_serving: list[float] | None = None
     general_challenger: list[float] | None = None
+    traffic_seen: int = 0  # requests the traffic had had (kept or dropped by its bound): the next round waits for more
+    conversations: int = 0  # in the traffic this round split
 
     def record(self) -> dict:
         return dict(self.__dict__)
+
+
+@dataclass
+class RoundData:
+    """What one round trains and is judged on."""
+
+    train: RowSelection  # traffic rows of conversations not held out, then the replay share
+    prompts: list[list[int]]  # one judge prompt per held-out conversation
+    served: int  # traffic rows among ``train``
+    seen: int  # requests the traffic has had
+    split: TrafficSplit
 
 
 def serving_head(out_dir: str | Path) -> Path:
@@ -202,14 +217,15 @@ class Adapter:
         depths = sorted(int(k[5:]) for k in sums if k.startswith("top1@"))
         return [round(sums[f"top1@{d}"] / max(sums[f"rows@{d}"], 1.0), 4) for d in depths]
 
-    def split(self, number: int) -> tuple[RowSelection, RowSelection, list[list[int]], int]:
-        """``(train rows, held-out rows, held-out prompts, traffic rows among the train rows)`` of round ``number``."""
+    def split(self, number: int, since: int) -> RoundData:
+        """Round ``number``'s data: the held-out conversations (:func:`~draftsmith.adapt.split.split_traffic`:
+        whole conversations that began after request ``since``, judged on their newest request) and
+        the train rows, the other conversations plus the replay share."""
         traffic = self.traffic()
-        held = min(self.cfg.held_out, len(traffic) - 1)
-        if held < 1:
-            raise UserError(f"adapt.traffic {self.cfg.traffic}: {len(traffic)} request(s); a round needs 2 or more")
-        recent = list(range(len(traffic) - held, len(traffic)))
-        picks = [(traffic, i) for i in range(len(traffic) - held)]
+        rows = traffic.token_rows()
+        first = self.traffic_start()
+        parts = split_traffic(rows, first, since, self.cfg.held_out)
+        picks = [(traffic, i) for i in parts.train]
         served = len(picks)
         replay = self._general.get("train")
         if replay is not None:
@@ -217,12 +233,31 @@ class Adapter:
             count = min(len(replay), round(len(picks) * share / (1 - share)))
             rng = random.Random(self.cfg.seed + number)
             picks += [(replay, i) for i in rng.sample(range(len(replay)), count)]
-        held_rows = RowSelection([(traffic, i) for i in recent], self.cfg.max_length)
-        prompts = []
-        for row in held_rows:
-            mask = row["loss_mask"].tolist()
-            prompts.append(row["input_ids"][: mask.index(1) if 1 in mask else len(mask)].tolist())
-        return RowSelection(picks, self.cfg.max_length), held_rows, prompts, served
+        prompts = [judge_prompt(*rows[i]) for i in parts.judged]
+        return RoundData(RowSelection(picks, self.cfg.max_length), prompts, served, first + len(rows), parts)
+
+    def traffic_start(self) -> int:
+        """The number of the traffic's oldest request kept: those before it went to a store's size bound."""
+        manifest = Path(self.cfg.traffic) / "manifest.json"
+        if not manifest.is_file():
+            return 0
+        return read_json(manifest, f"delete {manifest}: it is rebuilt").get("dropped_conversations", 0)
+
+    def _not_judged(self, since: int, data: RoundData) -> str | None:
+        """Why a round is not judged on ``data`` (None: it is); ``since``: the requests the last round saw."""
+        arrived = data.seen - since
+        if arrived < self.cfg.held_out:
+            return (
+                f"{arrived} request(s) arrived since the last round (request {since}); adapt.held_out asks "
+                f"{self.cfg.held_out} new ones to judge on: serve more traffic, then run again"
+            )
+        if len(data.prompts) < self.cfg.min_held_out:
+            return (
+                f"{len(data.prompts)} held-out conversation(s) ({data.split.fresh} new of {data.split.conversations} "
+                f"in the traffic, one kept to train on) are fewer than adapt.min_held_out {self.cfg.min_held_out}: "
+                "serve more traffic, then run again"
+            )
+        return None
 
     # -- rounds ----------------------------------------------------------------------------------
     def history(self) -> list[dict]:
@@ -252,16 +287,21 @@ class Adapter:
             export_checkpoint(folder / "checkpoint", self.cfg.export_format, folder / "export")
 
     def run(self, rounds: int = 1) -> list[Round]:
-        """Run ``rounds`` more rounds (after any a kill cut short); returns them."""
+        """Run up to ``rounds`` more rounds (after any a kill cut short); returns them. Stops early,
+        saying why in one line, when the traffic holds too few new requests to judge another."""
         self.out.mkdir(parents=True, exist_ok=True)
         self._start()
         done = []
         for _ in range(rounds):
-            done.append(self.run_round(len(self.history()) + 1))
+            result = self.run_round(len(self.history()) + 1)
+            if result is None:
+                break
+            done.append(result)
         return done
 
-    def run_round(self, number: int) -> Round:
-        """Round ``number``: train, judge, and publish when the challenger wins (see the module docstring)."""
+    def run_round(self, number: int) -> Round | None:
+        """Round ``number``: train, judge, and publish when the challenger wins (see the module
+        docstring); None, with a line saying why, when the traffic cannot judge it."""
         folder = self.out / ROUNDS / f"round-{number:04d}"
         history = self.history()
         if folder.is_dir():  # published before a kill, not yet recorded: record it (and switch to it) now
@@ -270,55 +310,64 @@ class Adapter:
                 switch_current(self.out, folder)
             self._record(history + [result])
             return Round(**result)
+        since = history[-1].get("traffic_seen", 0) if history else 0
+        data = self.split(number, since)
+        if why := self._not_judged(since, data):
+            print(f"adapt round {number} not run: {why}")
+            return None
         serving = serving_head(self.out)
-        train_rows, held_rows, prompts, served = self.split(number)
+        general = self._general.get("held_out")
         with staged(folder, folder=True) as tmp:
             began = clock(self.target.device)
-            head, trainer = self._train(serving, train_rows, held_rows, tmp / "train")
+            # The trainer evaluates (and records the depth accuracy a planned tree reads) on the head's own
+            # held-out data: the judged requests never reach training, its evaluation or a plan.
+            head, trainer = self._train(serving, data.train, general, tmp / "train")
             train_seconds = clock(self.target.device) - began
             nan = not all(torch.isfinite(p).all() for p in head.parameters())
             began = clock(self.target.device)
             if nan:
-                verdict = Verdict(0, 0, 0, 0, len(prompts), False, "training produced NaN or inf weights: not judged")
+                verdict = Verdict(
+                    0, 0, 0, 0, len(data.prompts), False, "training produced NaN or inf weights: not judged"
+                )
             else:
                 verdict = judge(
                     self.target,
                     self.kind.name,
                     str(serving),
                     str(trainer.last_checkpoint),
-                    prompts,
+                    data.prompts,
                     self.cfg.judge_max_new_tokens,
-                    self.cfg.judge_drafter,
+                    "" if self.cfg.judge_drafter == PLANNED else self.cfg.judge_drafter,
                     self.cfg.margin,
                     self.cfg.confidence,
                     self.cfg.seed + number,
                 )
             judge_seconds = clock(self.target.device) - began
-            general = self._general.get("held_out")
             before = after = None
             if general is not None and not nan:
                 before = self.accuracy(
                     self.kind.training.task.head_class.from_pretrained(serving, self.target), general
                 )
                 after = self.accuracy(head, general)
-                drop = before[0] - after[0]
-                if verdict.promoted and self.cfg.max_forgetting is not None and drop > self.cfg.max_forgetting:
-                    verdict.promoted = False
-                    verdict.reason += (
-                        f"; but it forgets: general held-out top-1 {before[0]:.3f} -> {after[0]:.3f} "
-                        f"(more than adapt.max_forgetting {self.cfg.max_forgetting} below)"
-                    )
+            verdict.forgetting = f"{UNCHECKED}: NaN weights" if nan else self._forgetting(before, after)
+            if verdict.promoted and "more than" in verdict.forgetting:
+                verdict.promoted = False
+                verdict.reason += f"; but it forgets: {verdict.forgetting}"
+            elif verdict.promoted and verdict.forgetting.startswith(UNCHECKED):
+                verdict.reason += f"; forgetting {verdict.forgetting}"
             result = Round(
                 number,
                 verdict.record(),
-                served,
-                len(train_rows) - served,
+                data.served,
+                len(data.train) - data.served,
                 trainer.state.step,
                 round(train_seconds, 2),
                 round(judge_seconds, 2),
                 nan,
                 before,
                 after,
+                data.seen,
+                data.split.conversations,
             )
             if verdict.promoted:
                 os.replace(trainer.last_checkpoint, tmp / "checkpoint")
@@ -331,11 +380,25 @@ class Adapter:
         print(f"adapt round {number}: {'promoted' if verdict.promoted else 'kept the serving head'}: {verdict.reason}")
         return result
 
-    def _train(self, serving: Path, train_rows, held_rows, output_dir: Path):
+    def _forgetting(self, before: list[float] | None, after: list[float] | None) -> str:
+        """What the forgetting check found from both heads' top-1 on the head's own held-out data, or
+        why it did not run."""
+        if before is None:
+            return (
+                f"{UNCHECKED}: the head's data has no held-out split (data.held_out_fraction), or general_held_out is 0"
+            )
+        found = f"general held-out top-1 {before[0]:.3f} -> {after[0]:.3f}"
+        if self.cfg.max_forgetting is None:
+            return f"{UNCHECKED} (adapt.max_forgetting is null): {found}"
+        if before[0] - after[0] > self.cfg.max_forgetting:
+            return f"{found}, more than adapt.max_forgetting {self.cfg.max_forgetting} lost"
+        return found
+
+    def _train(self, serving: Path, train_rows, eval_rows, output_dir: Path):
         """A challenger trained from the serving head (weights and, where saved, optimiser state)."""
         head = self.kind.training.task.head_class.from_pretrained(serving, self.target)
         trainer = round_trainer(
-            self.kind, Path(self.cfg.head), self.cfg, self.target, head, train_rows, held_rows, output_dir
+            self.kind, Path(self.cfg.head), self.cfg, self.target, head, train_rows, eval_rows, output_dir
         )
         optimizer = state_dir(serving) / "optimizer.bin"
         if optimizer.is_file():  # Adam's moments carry over; the round's own learning rate replaces the saved one
@@ -346,8 +409,8 @@ class Adapter:
         return trainer.task.model, trainer
 
 
-def round_trainer(kind, head_checkpoint: Path, cfg: AdaptConfig, target, head, rows, held_rows, output_dir: Path):
-    """A :class:`~draftsmith.train.loop.Trainer` of ``head`` on feature ``rows`` (``held_rows`` evaluated at the end)
+def round_trainer(kind, head_checkpoint: Path, cfg: AdaptConfig, target, head, rows, eval_rows, output_dir: Path):
+    """A :class:`~draftsmith.train.loop.Trainer` of ``head`` on feature ``rows`` (``eval_rows`` evaluated at the end)
     for one round of ``cfg``: the head's own recipe (``head_checkpoint/recipe.yaml``) and task, with the
     round's steps, learning rate (linear decay, no warm-up) and batch size, no tracker."""
     overrides = {
@@ -370,4 +433,4 @@ def round_trainer(kind, head_checkpoint: Path, cfg: AdaptConfig, target, head, r
         "tracking": {"report_to": "none"},
     }
     recipe = load_recipe(kind.training.recipe, head_checkpoint / "recipe.yaml", overrides)
-    return Trainer(recipe, kind.training.task(recipe, target, head), rows, held_rows)
+    return Trainer(recipe, kind.training.task(recipe, target, head), rows, eval_rows)

@@ -320,6 +320,16 @@ class FeatureDataset(Dataset):
         """Token count of every row (from the shards' offsets, nothing else read)."""
         return [n for offsets in self.offsets for n in offsets.diff().tolist()]
 
+    def token_rows(self) -> list[tuple[list[int], list[int]]]:
+        """``(input_ids, loss_mask)`` of every row, the features left unread."""
+        rows = []
+        for file, offsets in zip(self.files, self.offsets):
+            with open_tensors(file, self._fix) as handle:
+                ids, mask = handle.get_tensor("input_ids").tolist(), handle.get_tensor("loss_mask").tolist()
+            bounds = offsets.tolist()
+            rows += [(ids[lo:hi], mask[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+        return rows
+
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < len(self):
             raise IndexError(index)

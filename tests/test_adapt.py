@@ -9,14 +9,17 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
+import torch
 import yaml
 from training_helpers import save_tiny_target, write_recipe
 
 from draftsmith.adapt.config import AdaptConfig
 from draftsmith.adapt.rounds import Adapter, serving_head
-from draftsmith.data_prep.features import FeatureDataset
+from draftsmith.data_prep.chat import render_prompt
+from draftsmith.data_prep.features import FeatureDataset, hf_compute
 from draftsmith.data_prep.traffic import TrafficStore
 from draftsmith.errors import UserError
 from draftsmith.eval.engine.decode import SpeculativeDecoder
@@ -26,11 +29,12 @@ from draftsmith.target import load_target, load_tokenizer
 from draftsmith.train.eagle3 import main as train_eagle3
 
 LAYERS = [0, 1, 2]
+REQUESTS = 16
 
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
-    """A tiny EAGLE-3 head trained briefly on ShareGPT, and 10 requests served and captured."""
+    """A tiny EAGLE-3 head trained briefly on ShareGPT, and 16 requests served and captured."""
     register_builtin()
     root = tmp_path_factory.mktemp("adapt")
     target_dir = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0, layers=3)
@@ -42,7 +46,7 @@ def deployed(tmp_path_factory):
     target, tokenizer = load_target(str(target_dir), "float32")
     store = TrafficStore.for_target(root / "traffic", target, tokenizer, str(target_dir), LAYERS, shard_size=4)
     decoder = SpeculativeDecoder(target, None, eos_ids=set(), capture=store)
-    for i in range(10):
+    for i in range(REQUESTS):
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": f"Write a Python function number {i} that adds two numbers."}],
             tokenize=False,
@@ -50,7 +54,7 @@ def deployed(tmp_path_factory):
         )
         decoder.generate(tokenizer(text, add_special_tokens=False)["input_ids"], 24)
     store.flush()
-    return {"root": root, "head": head, "traffic": root / "traffic", "target": target_dir}
+    return {"root": root, "head": head, "traffic": root / "traffic", "target": target_dir, "model": target}
 
 
 def _config(deployed, out, **fields) -> AdaptConfig:
@@ -60,6 +64,7 @@ def _config(deployed, out, **fields) -> AdaptConfig:
         "out_dir": str(out),
         "replay_limit": 4,
         "held_out": 3,
+        "min_held_out": 3,
         "round_steps": 4,
         "batch_size": 2,
         "judge_max_new_tokens": 16,
@@ -69,24 +74,18 @@ def _config(deployed, out, **fields) -> AdaptConfig:
     return AdaptConfig(**{**base, **fields})
 
 
-def test_a_round_that_loses_is_not_promoted_and_one_that_wins_is(deployed, tmp_path):
+def test_a_round_that_loses_is_not_promoted_and_no_new_traffic_is_not_judged_again(deployed, tmp_path, capsys):
     out = tmp_path / "adapt"
     first = Adapter(_config(deployed, out, margin=100.0)).run(1)[0]
     assert not first.verdict["promoted"] and "< the margin 100.0" in first.verdict["reason"]
     assert serving_head(out).parent.name == "round-0000"  # the deployed head still serves
-    assert first.trained_rows == 7 and first.replay_rows == 3  # 10 requests - 3 held out; 30% replay
-    assert first.verdict["requests"] == 3 and first.steps == 4
-    # A margin any challenger clears: promoted, exported as the recipe says, and `current` moved.
-    second = Adapter(_config(deployed, out, margin=-100.0, export_format="speculators")).run(1)[0]
-    assert second.number == 2 and second.verdict["promoted"]
-    assert serving_head(out) == (out / "rounds" / "round-0002" / "checkpoint").resolve()
-    assert (out / "current" / "export" / "config.json").is_file()
-    assert [r["number"] for r in json.loads((out / "state.json").read_text())["rounds"]] == [1, 2]
-    # The promoted head is the trained challenger, not a copy of the serving one, and carries its optimiser.
-    before = Eagle3Head.from_pretrained(deployed["head"]).state_dict()
-    after = Eagle3Head.from_pretrained(serving_head(out)).state_dict()
-    assert any((before[k] - after[k]).abs().max() > 0 for k in before if before[k].is_floating_point())
-    assert (serving_head(out) / "state" / "optimizer.bin").is_file()
+    assert first.trained_rows == REQUESTS - 3 and first.replay_rows == 4  # 30% replay, as much as replay_limit holds
+    assert first.verdict["requests"] == 3 and first.steps == 4 and first.traffic_seen == REQUESTS
+    assert first.verdict["forgetting"].startswith("general held-out top-1")  # the check ran
+    # The same requests are not judged again: a second round waits for adapt.held_out new ones.
+    assert Adapter(_config(deployed, out, margin=-100.0)).run(2) == []
+    assert "adapt round 2 not run: 0 request(s) arrived since the last round" in capsys.readouterr().out
+    assert [r["number"] for r in json.loads((out / "state.json").read_text())["rounds"]] == [1]
 
 
 def test_a_nan_round_and_another_targets_traffic_are_refused(deployed, tmp_path):
@@ -104,13 +103,22 @@ def test_a_nan_round_and_another_targets_traffic_are_refused(deployed, tmp_path)
 def test_replay_keeps_the_heads_general_accuracy(deployed, tmp_path):
     """A round with replay stays near the deployed head's top-1 on its own held-out data, and a
     round that forgets more than adapt.max_forgetting is not promoted."""
-    cfg = _config(deployed, tmp_path / "adapt", margin=-100.0, round_steps=8, replay_limit=8, general_held_out=4)
-    adapter = Adapter(cfg)
+    out = tmp_path / "adapt"
+    cfg = _config(deployed, out, margin=-100.0, round_steps=8, replay_limit=8, general_held_out=4)
+    adapter = Adapter(replace(cfg, export_format="speculators"))
     general = adapter.general()
     assert len(general["train"]) == 5 and len(general["held_out"]) == 1  # all the tiny recipe's data
     replayed = adapter.run(1)[0]
-    assert replayed.replay_rows == 3 and replayed.verdict["promoted"]
+    assert replayed.replay_rows == 5 and replayed.verdict["promoted"]
     assert abs(replayed.general_challenger[0] - replayed.general_serving[0]) <= 0.15
+    # Promoted: published, exported as the recipe says, and `current` moved.
+    assert serving_head(out) == (out / "rounds" / "round-0001" / "checkpoint").resolve()
+    assert (out / "current" / "export" / "config.json").is_file()
+    # The promoted head is the trained challenger, not a copy of the serving one, and carries its optimiser.
+    before = Eagle3Head.from_pretrained(deployed["head"]).state_dict()
+    after = Eagle3Head.from_pretrained(serving_head(out)).state_dict()
+    assert any((before[k] - after[k]).abs().max() > 0 for k in before if before[k].is_floating_point())
+    assert (serving_head(out) / "state" / "optimizer.bin").is_file()
     strict = Adapter(_config(deployed, tmp_path / "strict", margin=-100.0, learning_rate=0.3, max_forgetting=-1.0))
     refused = strict.run(1)[0]
     assert not refused.verdict["promoted"] and "forgets" in refused.verdict["reason"]
@@ -121,9 +129,9 @@ def test_a_kill_at_any_point_leaves_a_complete_head_serving_and_the_next_run_res
     recipe = tmp_path / "adapt.yaml"
     fields = _config(deployed, out, margin=-100.0).__dict__
     recipe.write_text(yaml.safe_dump({"adapt": fields}))
-    command = [sys.executable, "-m", "draftsmith.adapt.cli", str(recipe), "--rounds", "3"]
+    command = [sys.executable, "-m", "draftsmith.adapt.cli", str(recipe), "--rounds", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for delay in (6.0, 9.0, 12.0):
+    for delay in (5.0, 8.0):
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(delay)
         process.send_signal(signal.SIGKILL)
@@ -134,8 +142,9 @@ def test_a_kill_at_any_point_leaves_a_complete_head_serving_and_the_next_run_res
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rounds = json.loads((out / "state.json").read_text())["rounds"]
-    assert [r["number"] for r in rounds] == list(range(1, len(rounds) + 1)) and len(rounds) >= 3
-    assert serving_head(out).parent.name == f"round-{len(rounds):04d}"
+    assert [r["number"] for r in rounds] == [1]  # one judged round: the traffic did not grow for a second
+    assert "adapt round 2 not run" in done.stdout
+    assert serving_head(out).parent.name == "round-0001"
     assert not [p for p in (out / "rounds").iterdir() if p.name.startswith(".")]  # no stage left behind
 
 
@@ -173,3 +182,88 @@ def test_a_gateways_request_log_is_traffic_too(deployed, tmp_path):
     assert len(rows) == 6  # in the log's order, with the target's features at the head's layers
     assert rows[5]["aux"].shape[-1] == 3 * rows[5]["hidden"].shape[-1]
     assert 0 < int(rows[5]["loss_mask"].sum()) < len(rows[5]["input_ids"])  # the reply alone is trained on
+
+
+def _chat(user: str, reply: str | None = None, history: list[dict] | None = None) -> dict:
+    """One gateway-log record: ``history`` then ``user``'s turn, answered by ``reply`` (default: a reply naming it)."""
+    messages = [*(history or []), {"role": "user", "content": user}]
+    answer = {"role": "assistant", "content": reply or f"Here is {user.lower()}"}
+    return {"request": {"messages": messages}, "response": {"choices": [{"message": answer}]}}
+
+
+def test_held_out_conversations_share_nothing_with_trained_rows_and_are_judged_on_their_last_turn(deployed, tmp_path):
+    """A multi-turn log: every turn of a held-out conversation leaves training (its turn-3 request
+    supervises turns 1 and 2 too), the judge prompt stops before the last reply, and two users'
+    identical prompts are one conversation."""
+    turns = [{"role": "user", "content": "Sort a list in Go."}, {"role": "assistant", "content": "Use sort.Ints."}]
+    turns += [
+        {"role": "user", "content": "And in reverse?"},
+        {"role": "assistant", "content": "sort.Sort(sort.Reverse)."},
+    ]
+    records = [
+        _chat("Write hello world in C."),  # 0
+        _chat(turns[0]["content"], turns[1]["content"]),  # 1: conversation A, turn 1
+        _chat("Hi there."),  # 2: the same prompt as 6
+        _chat("Parse JSON in Rust."),  # 3
+        _chat(turns[2]["content"], turns[3]["content"], turns[:2]),  # 4: A, turn 2
+        _chat("Explain a Python decorator."),  # 5
+        _chat("Hi there.", "Hello! How can I help?"),  # 6
+        _chat("Reverse a string in Java."),  # 7
+        _chat("Now in Python?", None, turns),  # 8: A, turn 3
+    ]
+    log = tmp_path / "chats.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    adapter = Adapter(_config(deployed, tmp_path / "adapt", traffic=str(log), held_out=3, replay_fraction=0.0))
+    data = adapter.split(1, since=0)
+    assert data.split.conversations == 6 and data.split.judged == [8, 7, 6]  # A, the Java request, "Hi there."
+    assert data.split.train == [0, 3, 5] and data.served == 3  # no turn of A, neither copy of "Hi there."
+    rows = adapter.traffic().token_rows()
+    assert data.prompts[0] == render_prompt(adapter.tokenizer, [*turns, {"role": "user", "content": "Now in Python?"}])
+    assert rows[8][1].index(1) < len(data.prompts[0])  # the row supervises turn 1: a prompt cut there leaked it
+    for i in data.split.train:  # no trained row starts with a held-out conversation's first prompt
+        assert all(rows[i][0][: len(p)] != p for p in (rows[1][0][: rows[1][1].index(1)], data.prompts[2]))
+    # A conversation begun before `since` is never judged (a serving head may have trained on its turns),
+    # though its turn 3 arrived after: only the Java request is.
+    later = adapter.split(2, since=7)
+    assert later.split.judged == [7] and later.split.fresh == 1 and later.prompts == data.prompts[1:2]
+
+
+@pytest.mark.parametrize("control", ["unrelated", "shuffled targets"])
+def test_a_challenger_that_learnt_nothing_of_the_judged_traffic_is_not_promoted(deployed, tmp_path, control):
+    """Negative controls at the default margin and confidence: a challenger trained on unrelated
+    traffic (random replies, with the target's states for them), or on the served traffic with its
+    targets (the target's last states) shuffled along each reply, is judged on the newest served
+    requests and kept out."""
+    target = deployed["model"]
+    served = FeatureDataset(deployed["traffic"] / "train")
+    store = TrafficStore.for_target(
+        tmp_path / "traffic", target, load_tokenizer(str(deployed["target"])), str(deployed["target"]), LAYERS
+    )
+    generator = torch.Generator().manual_seed(0)
+    compute = hf_compute(target, LAYERS)
+    for i in range(REQUESTS):
+        row = served[i]
+        ids, start, hidden, aux = (
+            row["input_ids"].tolist(),
+            int(row["loss_mask"].int().argmax()),
+            row["hidden"],
+            row["aux"],
+        )
+        if i < REQUESTS // 2 and control == "unrelated":
+            ids = (
+                ids[:start] + torch.randint(target.config.vocab_size, (len(ids) - start,), generator=generator).tolist()
+            )
+            ((hidden, aux),) = compute([ids])
+        elif i < REQUESTS // 2:
+            order = torch.cat([torch.arange(start), start + torch.randperm(len(ids) - start, generator=generator)])
+            hidden = hidden[order]
+        store.add(ids, start, hidden, aux)
+    store.flush()
+    cfg = _config(deployed, tmp_path / "adapt", traffic=str(tmp_path / "traffic"), held_out=REQUESTS // 2)
+    cfg = replace(cfg, min_held_out=REQUESTS // 2, replay_fraction=0.0, round_steps=20, learning_rate=3e-3)
+    cfg = replace(cfg, judge_drafter=AdaptConfig.judge_drafter, margin=AdaptConfig.margin)
+    result = Adapter(cfg).run(1)[0]
+    verdict = result.verdict
+    assert result.trained_rows == REQUESTS // 2 and verdict["requests"] == REQUESTS // 2 and result.steps == 20
+    assert not verdict["promoted"] and verdict["low"] < AdaptConfig.margin, verdict
+    assert serving_head(tmp_path / "adapt").parent.name == "round-0000"
