@@ -13,6 +13,7 @@ class AdaptConfig:
 
     head: str = ""  # the deployed head's training checkpoint (its recipe.yaml names the target and replay data)
     traffic: str = ""  # a capture store (eval/run.py --capture DIR), or a gateway's or vLLM's request log
+    served_model: str = ""  # the model name a request log's requests must name to be trained on ("": any)
     out_dir: str = "runs/adapt"  # rounds/round-NNNN/, the `current` link to the serving head, state.json
     replay_fraction: float = 0.3  # share of a round's rows replayed from the head's own data (not to forget)
     replay_limit: int = 512  # conversations of the head's data whose features are extracted once for replay

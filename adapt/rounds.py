@@ -46,6 +46,7 @@ from draftsmith.data_prep.features import (
     is_complete,
     store_identity,
 )
+from draftsmith.data_prep.traffic import hold_lock, private_folder
 from draftsmith.errors import UserError
 from draftsmith.export import export_checkpoint
 from draftsmith.kinds import get
@@ -100,13 +101,32 @@ def serving_head(out_dir: str | Path) -> Path:
     return Path(os.path.realpath(Path(out_dir) / CURRENT)) / "checkpoint"
 
 
+def sync_tree(folder: Path) -> None:
+    """Flush every file and folder under ``folder`` to disk: a power cut after a switch to it must not
+    leave ``current`` naming files whose data never reached the disk."""
+    for path in sorted(folder.rglob("*"), reverse=True) + [folder]:
+        if not path.is_symlink():
+            _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def switch_current(out_dir: Path, round_folder: Path) -> None:
-    """Point ``OUT/current`` at ``round_folder`` with one atomic rename (readers see the old or the new head)."""
+    """Point ``OUT/current`` at ``round_folder`` with one atomic rename (readers see the old or the new
+    head), its data on disk first."""
+    sync_tree(round_folder)
     link = out_dir / CURRENT
     tmp = out_dir / f".{CURRENT}.{os.getpid()}.tmp"
     tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(round_folder, out_dir), tmp)
     os.replace(tmp, link)
+    _fsync(out_dir)  # the rename itself, durable
 
 
 def adaptable_kind(checkpoint: str | Path, what: str):
@@ -171,7 +191,7 @@ class Adapter:
                 max_length=self.cfg.max_length,
                 regenerate=RegenerateConfig(enabled=False),
             )
-            data, _ = build_dataset(data_cfg, self.tokenizer)
+            data, _ = build_dataset(data_cfg, self.tokenizer, expected_model=self.cfg.served_model or None)
             data = datasets.DatasetDict({"train": data["train"]})
             root = self.out / "traffic"
             if not is_complete(root, data):
@@ -289,7 +309,10 @@ class Adapter:
     def run(self, rounds: int = 1) -> list[Round]:
         """Run up to ``rounds`` more rounds (after any a kill cut short); returns them. Stops early,
         saying why in one line, when the traffic holds too few new requests to judge another."""
-        self.out.mkdir(parents=True, exist_ok=True)
+        if self.out.exists() and not self.out.is_dir():
+            raise UserError(f"adapt.out_dir {self.out} is a file: give a folder (it holds the rounds and `current`)")
+        private_folder(self.out)  # round folders hold heads trained on users' requests
+        self._lock = hold_lock(self.out, "adapt.out_dir")  # a second adapter on it is refused
         self._start()
         done = []
         for _ in range(rounds):

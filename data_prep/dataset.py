@@ -69,7 +69,7 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     return f"{tokenizer.name_or_path}|{len(tokenizer)}|{hashlib.sha256(template.encode()).hexdigest()}"
 
 
-def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, expected_model: str | None = None) -> str:
     """Hash of everything the tokenised set depends on."""
     parts = [
         FORMAT_VERSION,
@@ -83,6 +83,8 @@ def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
     if cfg.held_out_path:
         # "by prompt": sets cut by held-out ids before that rule are stale; other sets stay valid.
         parts.append(["by prompt", source_identity(cfg.held_out_path)])
+    if expected_model is not None:  # appended only when given: the keys of every other set stay as they were
+        parts.append(["served model", expected_model])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
@@ -169,21 +171,24 @@ def _tokenize(
 
 
 def build_dataset(
-    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, verbose: bool = True
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, verbose: bool = True, expected_model: str | None = None
 ) -> tuple[datasets.DatasetDict, TokenizedSummary]:
     """The tokenised ``train``/``held_out`` set for ``cfg``, from the cache when it is current.
 
-    Columns: ``id``, ``input_ids`` and ``loss_mask`` (1 on assistant tokens).
+    Columns: ``id``, ``input_ids`` and ``loss_mask`` (1 on assistant tokens). ``expected_model``:
+    the served model a request log's requests must be for (others are counted, never kept).
     """
     root = Path(cfg.cache_dir) if cfg.cache_dir else cache_root() / "datasets"
-    target = root / cache_key(cfg, tokenizer)
+    target = root / cache_key(cfg, tokenizer, expected_model)
     summary_file = target / "draftsmith_summary.json"
     if summary_file.is_file():
         summary = TokenizedSummary(**json.loads(summary_file.read_text()))
         if verbose:
             print(f"loaded cached tokenised set from {target}\n{summary}")
         return _load(target, cfg, verbose), summary
-    conversations, load_summary = load_conversations(cfg.path, cfg.split, cfg.limit, verbose=verbose)
+    conversations, load_summary = load_conversations(
+        cfg.path, cfg.split, cfg.limit, verbose=verbose, expected_model=expected_model
+    )
     held_out = None
     if cfg.held_out_path:
         held_out, _ = load_conversations(cfg.held_out_path, "train", None, verbose=verbose)

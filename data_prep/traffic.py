@@ -15,17 +15,22 @@ a user's own loop calls :meth:`TrafficStore.add` with the tokens and the states 
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 from pathlib import Path
+from typing import IO
 
 import torch
 
 from draftsmith.atomic import staged
 from draftsmith.checkpoint_files import read_json
 from draftsmith.data_prep.features import FeatureDataset, check_identity, store_identity, write_shard
+from draftsmith.errors import UserError
 
 SPLIT = "train"
+LOCK = ".lock"
 _SHARD = re.compile(r"shard-(\d+)\.safetensors$")
 
 
@@ -36,8 +41,9 @@ class TrafficStore:
         self.root, self.identity = Path(root), identity
         self.max_bytes, self.shard_size = max_bytes, shard_size
         self.layers = list(identity["layers"]) or None
-        check_identity(self.root, identity)
-        (self.root / SPLIT).mkdir(parents=True, exist_ok=True)
+        private_folder(self.root / SPLIT)  # users' prompts and replies: readable by their owner only
+        check_identity(self.root, identity)  # before the lock: another target's store is refused as such
+        self._lock = hold_lock(self.root, "traffic store")
         manifest = self.root / "manifest.json"
         previous = read_json(manifest, f"delete {manifest}: it is rebuilt") if manifest.is_file() else {}
         self.dropped = previous.get("dropped_conversations", 0)  # shards removed by the bound so far
@@ -125,6 +131,29 @@ class TrafficStore:
 
     def __exit__(self, *exc) -> None:
         self.flush()
+
+
+def private_folder(folder: Path) -> None:
+    """Create ``folder`` (and missing parents) readable by its owner only; an existing one keeps its mode."""
+    for part in reversed([folder, *folder.parents]):
+        if not part.exists():
+            part.mkdir(mode=0o700)
+
+
+def hold_lock(folder: Path, what: str) -> IO:
+    """An exclusive lock on ``folder`` for as long as the returned file stays open, or a one-line
+    error when another process (a second writer) holds it."""
+    handle = open(folder / LOCK, "a")  # noqa: SIM115 -- held open for the writer's lifetime
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise UserError(
+            f"{what} {folder} is in use by another process (its {LOCK} is locked): stop that one, "
+            "or give another folder"
+        ) from None
+    os.chmod(folder / LOCK, 0o600)
+    return handle
 
 
 def _number(path: Path) -> int:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,14 +31,14 @@ from draftsmith.train.eagle3 import main as train_eagle3
 
 LAYERS = [0, 1, 2]
 REQUESTS = 16
+CONTROLS = ("unrelated", "shuffled targets")
 
 
-@pytest.fixture(scope="module")
-def deployed(tmp_path_factory):
-    """A tiny EAGLE-3 head trained briefly on ShareGPT, and 16 requests served and captured."""
+def deploy(root: Path, seed: int = 0) -> dict:
+    """A tiny EAGLE-3 head trained briefly on ShareGPT, and 16 requests served and captured
+    (``seed``: the tiny target's weights)."""
     register_builtin()
-    root = tmp_path_factory.mktemp("adapt")
-    target_dir = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0, layers=3)
+    target_dir = save_tiny_target(root / "target", load_tokenizer("default"), seed=seed, scale=8.0, layers=3)
     drafter = {"aux_layers": LAYERS, "ttt_steps": 2, "draft_vocab_size": 512}
     recipe = write_recipe(
         root, target_dir, drafter, data={"regenerate": {"enabled": False}}, learning_rate=3e-3, max_steps=6
@@ -55,6 +56,11 @@ def deployed(tmp_path_factory):
         decoder.generate(tokenizer(text, add_special_tokens=False)["input_ids"], 24)
     store.flush()
     return {"root": root, "head": head, "traffic": root / "traffic", "target": target_dir, "model": target}
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    return deploy(tmp_path_factory.mktemp("adapt"))
 
 
 def _config(deployed, out, **fields) -> AdaptConfig:
@@ -165,7 +171,7 @@ def test_eval_run_adapt_streams_the_prompts_with_the_head_learning_between_reque
     assert "| 1-2 | 0 |" in (out / "stream.md").read_text()
 
 
-def test_a_gateways_request_log_is_traffic_too(deployed, tmp_path):
+def test_a_gateways_request_log_is_traffic_too(deployed, tmp_path, capsys):
     log = tmp_path / "gateway.jsonl"
     records = [
         {
@@ -177,9 +183,14 @@ def test_a_gateways_request_log_is_traffic_too(deployed, tmp_path):
         }
         for i in range(6)
     ]
-    log.write_text("".join(json.dumps(r) + "\n" for r in records))
-    rows = Adapter(_config(deployed, tmp_path / "adapt", traffic=str(log))).traffic()
-    assert len(rows) == 6  # in the log's order, with the target's features at the head's layers
+    other = {
+        "request": {"model": "big", "messages": records[0]["request"]["messages"]},
+        "response": {**records[0]["response"], "model": "big"},
+    }
+    log.write_text("".join(json.dumps(r) + "\n" for r in [*records[:3], other, *records[3:]]))
+    rows = Adapter(_config(deployed, tmp_path / "adapt", traffic=str(log), served_model="smol")).traffic()
+    assert len(rows) == 6  # in the log's order, with the target's features at the head's layers; not big's request
+    assert "other_model 'big' (expected 'smol')" in capsys.readouterr().out  # counted by reason
     assert rows[5]["aux"].shape[-1] == 3 * rows[5]["hidden"].shape[-1]
     assert 0 < int(rows[5]["loss_mask"].sum()) < len(rows[5]["input_ids"])  # the reply alone is trained on
 
@@ -228,18 +239,16 @@ def test_held_out_conversations_share_nothing_with_trained_rows_and_are_judged_o
     assert later.split.judged == [7] and later.split.fresh == 1 and later.prompts == data.prompts[1:2]
 
 
-@pytest.mark.parametrize("control", ["unrelated", "shuffled targets"])
-def test_a_challenger_that_learnt_nothing_of_the_judged_traffic_is_not_promoted(deployed, tmp_path, control):
-    """Negative controls at the default margin and confidence: a challenger trained on unrelated
-    traffic (random replies, with the target's states for them), or on the served traffic with its
-    targets (the target's last states) shuffled along each reply, is judged on the newest served
-    requests and kept out."""
+def control_round(deployed, folder: Path, control: str, seed: int = 0):
+    """A round at the default margin and confidence whose challenger learnt nothing of the requests
+    it is judged on (the newest half of the served ones): trained on ``unrelated`` traffic (random
+    replies, with the target's states for them), or on the older served requests with their targets
+    (the target's last states) shuffled along each reply (``shuffled targets``)."""
     target = deployed["model"]
     served = FeatureDataset(deployed["traffic"] / "train")
-    store = TrafficStore.for_target(
-        tmp_path / "traffic", target, load_tokenizer(str(deployed["target"])), str(deployed["target"]), LAYERS
-    )
-    generator = torch.Generator().manual_seed(0)
+    tokenizer = load_tokenizer(str(deployed["target"]))
+    store = TrafficStore.for_target(folder / "traffic", target, tokenizer, str(deployed["target"]), LAYERS)
+    generator = torch.Generator().manual_seed(seed)
     compute = hf_compute(target, LAYERS)
     for i in range(REQUESTS):
         row = served[i]
@@ -259,11 +268,35 @@ def test_a_challenger_that_learnt_nothing_of_the_judged_traffic_is_not_promoted(
             hidden = hidden[order]
         store.add(ids, start, hidden, aux)
     store.flush()
-    cfg = _config(deployed, tmp_path / "adapt", traffic=str(tmp_path / "traffic"), held_out=REQUESTS // 2)
+    cfg = _config(deployed, folder / "adapt", traffic=str(folder / "traffic"), held_out=REQUESTS // 2, seed=seed)
     cfg = replace(cfg, min_held_out=REQUESTS // 2, replay_fraction=0.0, round_steps=20, learning_rate=3e-3)
     cfg = replace(cfg, judge_drafter=AdaptConfig.judge_drafter, margin=AdaptConfig.margin)
-    result = Adapter(cfg).run(1)[0]
+    return Adapter(cfg).run(1)[0]
+
+
+@pytest.mark.parametrize("control", CONTROLS)
+def test_a_challenger_that_learnt_nothing_of_the_judged_traffic_is_not_promoted(deployed, tmp_path, control):
+    """Negative controls (:func:`control_round`): the judge keeps them out."""
+    result = control_round(deployed, tmp_path, control)
     verdict = result.verdict
     assert result.trained_rows == REQUESTS // 2 and verdict["requests"] == REQUESTS // 2 and result.steps == 20
     assert not verdict["promoted"] and verdict["low"] < AdaptConfig.margin, verdict
     assert serving_head(tmp_path / "adapt").parent.name == "round-0000"
+
+
+def test_stores_and_round_folders_are_private_and_have_one_writer(deployed, tmp_path):
+    target, tokenizer = load_target(str(deployed["target"]), "float32")
+    store = TrafficStore.for_target(tmp_path / "traffic", target, tokenizer, str(deployed["target"]), LAYERS)
+    assert (tmp_path / "traffic").stat().st_mode & 0o777 == 0o700
+    with pytest.raises(UserError, match="traffic store .* is in use by another process"):
+        TrafficStore.for_target(tmp_path / "traffic", target, tokenizer, str(deployed["target"]), LAYERS)
+    del store
+    out = tmp_path / "adapt"
+    first = Adapter(_config(deployed, out))
+    first.run(0)
+    assert out.stat().st_mode & 0o777 == 0o700
+    with pytest.raises(UserError, match="adapt.out_dir .* is in use by another process"):
+        Adapter(_config(deployed, out)).run(0)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="is a file: give a folder"):
+        Adapter(_config(deployed, tmp_path / "file")).run(0)
