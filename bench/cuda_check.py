@@ -3,9 +3,11 @@
     python bench/cuda_check.py [--device cuda] [--out DIR]
 
 On tiny random-weight models built from a config, on ``--device``: (1) greedy speculative decoding
-with the feature-level drafter kinds (EAGLE-3 with 1 and 2 layers, P-EAGLE with 2, DFlash with a
-learned mask row, DSpark with a vanilla Markov head cut by price and with an rnn one cut by
-threshold) gives plain greedy decoding's tokens, with the host syncs per step counted
+with every drafter kind (EAGLE-1; EAGLE-3 with 1 and 2 layers; P-EAGLE with 2; DFlash with a learned
+mask row; DSpark with a vanilla Markov head cut by price and with an rnn one cut by threshold;
+Medusa over a static tree; a draft LM cut from the target; prompt lookup; suffix decoding where
+arctic-inference is installed; the hybrid of EAGLE-3 and prompt lookup) gives plain greedy
+decoding's tokens, with the host syncs per step counted
 (:func:`~draftsmith.eval.engine.host_syncs.count_host_syncs`: each one waits for the device); (2)
 training computes what it computes on the CPU: EAGLE-3's chain-sampled passes equal the full
 unroll at their chains, DFlash's block-sparse attention equals dense masked SDPA (values and
@@ -18,6 +20,7 @@ fails.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import tempfile
 import traceback
@@ -33,7 +36,9 @@ from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.eval.engine.host_syncs import count_host_syncs
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.dspark import DSparkHead
+from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
+from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.plugins import register_builtin
 from draftsmith.train.dflash import DFlashDrafterConfig, DFlashRecipe, DFlashTask
@@ -80,6 +85,8 @@ def heads(target) -> dict[str, tuple[torch.nn.Module, str]]:
     """Fresh heads of every learned kind for ``target`` and the spec options they draft with."""
     torch.manual_seed(1)
     return {
+        "eagle": (_perturbed(EagleHead.for_target(target, "tiny")), "?depth=3&top_k=2&budget=5"),
+        "medusa": (_perturbed(MedusaHeads.for_target(target, "tiny", num_heads=3)), "?choices=MEDUSA_TREE"),
         "eagle3": (Eagle3Head.for_target(target, "tiny", [0, 1, 2], init="identity"), "?depth=4&top_k=2&budget=6"),
         "eagle3_2_layers": (
             _perturbed(Eagle3Head.for_target(target, "tiny", [0, 1, 2], init="identity", num_layers=2)),
@@ -110,16 +117,31 @@ def heads(target) -> dict[str, tuple[torch.nn.Module, str]]:
     }
 
 
+# Medusa's static tree: two candidates at depth 1, a chain of three under the first.
+MEDUSA_TREE = "[[0],[1],[0,0],[0,0,0]]"
+
+
+def training_free() -> dict[str, str]:
+    """Specs of the kinds that need no checkpoint (suffix decoding where arctic-inference is installed)."""
+    specs = {"draft_lm": "draft_lm?layers=1&depth=3", "prompt_lookup": "prompt_lookup?branches=2"}
+    if importlib.util.find_spec("arctic_inference") is not None:
+        specs["suffix"] = "suffix"
+    return specs
+
+
 def check_decoding(target, device: str) -> dict:
     """Greedy speculative decoding equals plain greedy for every kind; acceptance and syncs per step."""
     plain = SpeculativeDecoder(target, None, None, eos_ids=set())
     wanted = [plain.generate(prompt, 40).tokens for prompt in PROMPTS]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
+        specs = training_free()
         for name, (head, options) in heads(target).items():
             head.save_pretrained(Path(tmp) / name)
-            kind = name.split("_")[0]
-            drafter = build_drafter(f"{kind}:{Path(tmp) / name}{options}", target)
+            specs[name] = f"{name.split('_')[0]}:{Path(tmp) / name}{options.replace('MEDUSA_TREE', MEDUSA_TREE)}"
+        specs["hybrid"] = f"hybrid:eagle3:{Path(tmp) / 'eagle3'}+prompt_lookup"
+        for name, spec in specs.items():
+            drafter = build_drafter(spec, target)
             spec = SpeculativeDecoder(target, drafter, None, eos_ids=set())
             same, produced, steps, syncs = True, 0, 0, []
             for prompt, want in zip(PROMPTS, wanted):

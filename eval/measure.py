@@ -9,6 +9,7 @@ counted with a forward hook.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -119,6 +120,7 @@ def run_bench(
     warmup: bool = True,
     time_drafting: bool = False,
     capture: TrafficStore | None = None,
+    max_seconds: float | None = None,
 ) -> list[Run]:
     """Run the baseline, every drafter and the requested HF baselines on every prompt turn.
 
@@ -127,6 +129,8 @@ def run_bench(
     one row per assistant (``hf_assisted`` alone, ``hf_assisted:NAME`` for several).
     ``time_drafting``: record each generation's drafting time (for the cost model). ``capture``: the
     baseline's generations go into this traffic store with the target's states (training data).
+    ``max_seconds``: start no prompt after this much wall-clock time (each prompt runs every method,
+    so the prompts run are compared alike); the prompts that ran are those in the returned runs.
     """
     eos = eos_token_ids(target, tokenizer)
     decoders = {BASELINE: SpeculativeDecoder(target, None, tokenizer, sampling, eos, capture=capture)}
@@ -158,8 +162,12 @@ def run_bench(
             decoder.capture = held
     runs: list[Run] = []
     total = len(prompts) * turns * (len(decoders) + len(hf_kwargs))
+    started = time.monotonic()
     with tqdm(total=total, desc="bench", unit="gen") as bar:
         for index, prompt in enumerate(prompts):
+            if max_seconds is not None and index and time.monotonic() - started >= max_seconds:
+                tqdm.write(f"time budget of {max_seconds:.0f} s spent: {index} of {len(prompts)} prompts run")
+                break
             history: list[dict] = []
             for turn, text in enumerate(prompt.turns[:turns], start=1):
                 history.append({"role": "user", "content": text})

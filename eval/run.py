@@ -133,8 +133,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="--adapt: optimiser steps per round (0: the frozen head's curve)",
     )
     parser.add_argument("--adapt-lr", type=float, default=AdaptConfig.learning_rate, help="--adapt: learning rate")
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="start no prompt after this many minutes of decoding (every method runs on each prompt that starts); "
+        "the table says how many prompts ran",
+    )
     parser.add_argument("--out", default="results", help="output folder")
     args = parser.parse_args(argv)
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        parser.error(f"--max-minutes must be > 0, got {args.max_minutes}")
     if args.adapt and (len(args.drafter) != 1 or args.hf_baseline):
         parser.error("--adapt runs one --drafter (a trained head) and no --hf-baseline")
     if not args.drafter:
@@ -203,7 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
             args.seed,
             time_drafting=args.cost_model,
             capture=capture,
+            max_seconds=args.max_minutes * 60 if args.max_minutes else None,
         )
+    ran = len({r.prompt_id for r in runs})
     meta = {
         "argv": sys.argv if argv is None else ["eval/run.py", *argv],
         "target": args.target,
@@ -211,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
         "device": str(next(target.parameters()).device),
         "bench": args.prompts or args.bench,
         "per_category": args.per_category,
+        "prompts": ran,
+        "prompts_asked": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_k": args.top_k,
@@ -234,8 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cost_model:
         model_lines = cost_model_lines(summary, runs, costs)
     write_results(runs, args.out, summary=summary)
+    cut = f" (of {len(prompts)}: --max-minutes {args.max_minutes} spent)" if ran < len(prompts) else ""
     print(
-        f"\n{len(prompts)} prompts x {args.turns} turn(s), {args.max_new_tokens} new tokens, "
+        f"\n{ran} prompts{cut} x {args.turns} turn(s), {args.max_new_tokens} new tokens, "
         f"temperature {args.temperature}, target {args.target} ({meta['dtype']})\n"
     )
     print(markdown_table(summary))
