@@ -3,7 +3,7 @@ scale the method needs, and the MT-bench table measured there, in stages that ea
 budget and record what they did as they finish.
 
     python bench/gpu_suite.py --out OUT [--work DIR] [--stages identity,train,table] \
-        [--data CONVERSATIONS.jsonl[.xz]] [--train-minutes 3.5] [--table-minutes 1.5]
+        [--data CONVERSATIONS.jsonl[.xz]] [--train-minutes 3] [--table-minutes 1.25]
 
 Stages (docs/gpu_runbook.md gives the device calls and their timing):
 
@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", default="default", help="target of the train and table stages")
     parser.add_argument("--recipe", type=Path, default=RECIPE, help="EAGLE-3 training recipe")
     parser.add_argument("--data", default=None, help="training conversations (.jsonl, or .jsonl.xz as packed)")
-    parser.add_argument("--train-minutes", type=float, default=3.5, help="training budget (training.max_minutes)")
-    parser.add_argument("--table-minutes", type=float, default=1.5, help="decoding budget per temperature")
+    parser.add_argument("--train-minutes", type=float, default=3.0, help="training budget (training.max_minutes)")
+    parser.add_argument("--table-minutes", type=float, default=1.25, help="decoding budget per temperature")
     parser.add_argument("--per-category", type=int, default=2, help="MT-bench questions per category")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", help="target dtype in training and the table")
@@ -249,6 +249,8 @@ def report(results: dict) -> str:
         lines += [f"## {name}: {status} ({stage.get('wall_seconds', 0):.0f} s)", ""]
         if "error" in stage:
             lines += ["```", stage["error"].strip().splitlines()[-1], "```", ""]
+        if "waiting" in stage:
+            lines += [stage["waiting"], ""]
         if name == "identity" and "decoding" in stage:
             lines += ["| kind | lossless | tokens/step | host syncs/step (max) |", "|---|---|---:|---:|"]
             for kind, row in stage["decoding"].items():
@@ -281,7 +283,7 @@ def publish(results: dict, work: Path, out: Path) -> None:
     head = results.get("train", {}).get("head")
     if head and Path(head).is_dir() and not (out / "head").is_dir():
         for path in sorted(Path(head).iterdir()):
-            if path.is_file() and path.suffix in (".json", ".safetensors", ".yaml"):
+            if path.is_file() and path.name in ("config.json", "model.safetensors"):  # what loads it
                 cut(path, out / "head", PART_BYTES)
 
 
@@ -310,6 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
         if waiting and name in NEEDS_TARGET:
             print(f"gpu suite: {name} waits for the target's parts: {waiting}")
             results[name] = {"waiting": waiting}
+            publish(results, work, args.out)
             continue
         print(f"gpu suite: stage {name}", flush=True)
         started = time.monotonic()
