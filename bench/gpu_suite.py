@@ -39,6 +39,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import transformers
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "smollm2-eagle3-gpu.yaml"
@@ -232,7 +233,8 @@ NEEDS_TARGET = ("train", "table")
 TINY_TRAINING = [
     *("--training.max_steps", "4", "--training.batch_size", "2", "--training.eval_every", "2"),
     *("--training.log_every", "1", "--training.save_every", "0", "--training.packing", "false"),
-    *("--data.max_length", "192", "--data.held_out_fraction", "0.25", "--drafter.ttt_steps", "3"),
+    *("--data.max_length", "192", "--data.held_out_fraction", "0.25", "--data.limit", "24"),
+    *("--drafter.ttt_steps", "3"),
     *("--drafter.draft_vocab_size", "512"),
 ]
 RUNNERS = {"identity": stage_identity, "train": stage_train, "table": stage_table}
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     saved = work / "suite.json"
     results = json.loads(saved.read_text()) if saved.is_file() else {}
-    results.update(device=args.device, torch=torch.__version__)
+    results.update(device=args.device, torch=torch.__version__, transformers=transformers.__version__)
     if args.device.startswith("cuda"):
         results["gpu"] = torch.cuda.get_device_name()
     waiting = place_assets(args.parts) if args.parts else None

@@ -1,7 +1,7 @@
 import pytest
 
 from draftsmith.data_prep.chat import tokenize_conversation
-from draftsmith.data_prep.dataset import build_dataset, is_held_out
+from draftsmith.data_prep.dataset import build_dataset, encode_all, is_held_out
 from draftsmith.data_prep.sharegpt import DataError
 from draftsmith.recipe import DataConfig
 from draftsmith.target import load_tokenizer
@@ -46,6 +46,15 @@ def test_truncation_keeps_mask_aligned(tokenizer):
     cut = tokenize_conversation(tokenizer, MESSAGES, max_length=40)
     assert cut["truncated"] and len(cut["input_ids"]) == 40 == len(cut["loss_mask"])
     assert cut["loss_mask"] == full["loss_mask"][:40]
+
+
+def test_worker_processes_tokenise_exactly_as_one_process(tokenizer):
+    """Large sets are tokenised by forked workers (data_prep.dataset.POOL_MIN): same rows, same order."""
+    long = [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "reply " * 20}]
+    conversations = [MESSAGES, MESSAGES[:2], long] * 30
+    alone = encode_all(tokenizer, conversations, 64, processes=1)
+    assert encode_all(tokenizer, conversations, 64, processes=2) == alone
+    assert {e["truncated"] for e in alone} == {False, True}  # both kinds of row cross the pipe
 
 
 def test_tokenised_set_is_split_deterministically_and_cached(tokenizer, tmp_path, capsys):
