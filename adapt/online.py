@@ -1,16 +1,17 @@
 """A head that learns between requests: ``eval/run.py --adapt EVERY`` runs the prompts as a stream.
 
-Each request is decoded by the head (its tree as planned), and its tokens and the target's states,
-captured by the engine as it decodes, go into a traffic store. After every ``EVERY`` requests the
-head trains for a bounded number of steps on the requests captured so far (its own task and loop,
-an fp32 master copy, the learning rate of ``adapt``), and the next requests are drafted by the
-updated weights. The acceptance length per window of the stream is the learning curve. On a GPU
-the rounds could overlap decoding; here they run between requests, and their wall time is reported.
+Each request is decoded by the head (its tree as planned) with the sampling asked for (greedy by
+default; request ``i`` seeded ``seed + i``), and its tokens and the target's states, captured by the
+engine as it decodes, go into a traffic store. After every ``EVERY`` requests the head trains for a
+bounded number of steps on the requests captured so far (its own task and loop, the learning rate
+of ``adapt``, one optimiser whose moments carry from round to round, starting from the checkpoint's
+own), and the next requests are drafted by the updated weights. The acceptance length per window
+of the stream is the learning curve. On a GPU the rounds could overlap decoding; here they run
+between requests, and their wall time is reported.
 """
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +19,12 @@ from pathlib import Path
 import torch
 
 from draftsmith.adapt.config import AdaptConfig
-from draftsmith.adapt.rounds import adaptable_kind, round_trainer
+from draftsmith.adapt.rounds import adaptable_kind, carry_optimizer, round_trainer, saved_optimizer
 from draftsmith.data_prep.features import FeatureDataset, RowSelection
 from draftsmith.data_prep.traffic import TrafficStore
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.timing import clock
 
 
@@ -49,22 +51,27 @@ def adapt_stream(
     every: int,
     cfg: AdaptConfig,
     store_dir: str | Path | None = None,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
 ) -> list[StreamRequest]:
     """Decode ``prompts`` in order with ``drafter`` (a head of an adaptable kind loaded from
-    ``checkpoint``), training its head after every ``every`` requests on what was captured."""
+    ``checkpoint``) under ``sampling``, training its head after every ``every`` requests on what was captured."""
     kind, _ = adaptable_kind(checkpoint, "--adapt: --drafter")
     head = getattr(drafter, "head", None)
     if head is None:
         raise UsageError(f"--adapt: --drafter {drafter.name} has no trained head to adapt")
-    master = copy.deepcopy(head).float()  # fp32 weights to train; the drafter's copy serves in the target's dtype
-    master.bound_to(target)
+    master = head
+    if any(p.dtype != torch.float32 for p in head.parameters()):
+        # fp32 weights to train, read from the checkpoint (a deep copy of the head would copy the target
+        # it is bound to); the drafter's head serves in the target's dtype and takes them after each round.
+        master = kind.training.task.head_class.from_pretrained(checkpoint, target).float()
     folder = Path(store_dir) if store_dir else Path(tempfile.mkdtemp(prefix="draftsmith-stream-"))
     store = TrafficStore.for_target(folder, target, tokenizer, target_name, drafter.feature_layers, shard_size=every)
-    decoder = SpeculativeDecoder(target, drafter, tokenizer, capture=store)
-    results, rounds = [], 0
+    decoder = SpeculativeDecoder(target, drafter, tokenizer, sampling=sampling, capture=store)
+    results, rounds, optimizer = [], 0, saved_optimizer(checkpoint)
     for index, prompt in enumerate(prompts):
         before = rounds
-        gen = decoder.generate(prompt, max_new_tokens)
+        gen = decoder.generate(prompt, max_new_tokens, seed=seed + index)
         spent = 0.0
         if cfg.round_steps and (index + 1) % every == 0 and index + 1 < len(prompts):
             store.flush()
@@ -80,10 +87,14 @@ def adapt_stream(
                 None,
                 folder / f"round-{rounds + 1}",
             )
+            if optimizer is not None:
+                carry_optimizer(trainer, optimizer)
             trainer.train()
-            with torch.no_grad():
-                for mine, trained in zip(head.parameters(), master.parameters()):
-                    mine.copy_(trained)
+            optimizer = trainer.optimizer.state_dict()
+            if master is not head:
+                with torch.no_grad():
+                    for mine, trained in zip(head.parameters(), master.parameters()):
+                        mine.copy_(trained)
             rounds += 1
             spent = clock(target.device) - began
         results.append(StreamRequest(index, sum(gen.accepted), gen.steps, gen.seconds, before, spent))

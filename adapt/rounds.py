@@ -46,6 +46,7 @@ from draftsmith.data_prep.features import (
     is_complete,
     store_identity,
 )
+from draftsmith.data_prep.regenerate import prepare_data_config
 from draftsmith.data_prep.traffic import hold_lock, private_folder
 from draftsmith.errors import UserError
 from draftsmith.export import export_checkpoint
@@ -211,7 +212,10 @@ class Adapter:
         """The head's own data with its features (extracted once into ``OUT/general``): ``train``, a
         replay sample of its training conversations, and ``held_out``, its held-out conversations
         (the forgetting check); a split the config or the data leaves empty is absent."""
-        data, _ = build_dataset(self.recipe.data, self.tokenizer)
+        # The head learnt the data its recipe prepared: with data.regenerate, the target's own replies
+        # (the file the recipe wrote, written again here only where it is missing), not the source's.
+        prepared = prepare_data_config(self.recipe.data, self.target, self.recipe.target.name, self.tokenizer)
+        data, _ = build_dataset(prepared, self.tokenizer)
         rng = random.Random(self.cfg.seed)
         splits = {}
         if self.cfg.replay_fraction > 0 and self.cfg.replay_limit > 0:
@@ -372,6 +376,12 @@ class Adapter:
                     self.kind.training.task.head_class.from_pretrained(serving, self.target), general
                 )
                 after = self.accuracy(head, general)
+            if len(data.prompts) < self.cfg.held_out:  # judged on fewer than asked: the record says so
+                verdict.reason += (
+                    f"; judged on {len(data.prompts)} held-out conversations, fewer than adapt.held_out "
+                    f"{self.cfg.held_out} ({data.split.fresh} new of {data.split.conversations} in the traffic, "
+                    "one kept to train on)"
+                )
             verdict.forgetting = f"{UNCHECKED}: NaN weights" if nan else self._forgetting(before, after)
             if verdict.promoted and "more than" in verdict.forgetting:
                 verdict.promoted = False
@@ -423,13 +433,25 @@ class Adapter:
         trainer = round_trainer(
             self.kind, Path(self.cfg.head), self.cfg, self.target, head, train_rows, eval_rows, output_dir
         )
-        optimizer = state_dir(serving) / "optimizer.bin"
-        if optimizer.is_file():  # Adam's moments carry over; the round's own learning rate replaces the saved one
-            trainer.optimizer.load_state_dict(load_torch(optimizer))
-            for group, lr in zip(trainer.optimizer.param_groups, trainer.scheduler.get_last_lr()):
-                group["lr"] = lr
+        optimizer = saved_optimizer(serving)
+        if optimizer is not None:
+            carry_optimizer(trainer, optimizer)
         trainer.last_checkpoint = trainer.train()
         return trainer.task.model, trainer
+
+
+def saved_optimizer(checkpoint: str | Path) -> dict | None:
+    """The optimiser state saved with a training ``checkpoint`` (None: an export, or none saved)."""
+    file = state_dir(Path(checkpoint)) / "optimizer.bin"
+    return load_torch(file) if file.is_file() else None
+
+
+def carry_optimizer(trainer, state: dict) -> None:
+    """Continue ``trainer`` from an earlier round's optimiser ``state``: Adam's moments carry over (a
+    fresh AdamW would restart them at zero every round); the round's own learning rate replaces the saved one."""
+    trainer.optimizer.load_state_dict(state)
+    for group, lr in zip(trainer.optimizer.param_groups, trainer.scheduler.get_last_lr()):
+        group["lr"] = lr
 
 
 def round_trainer(kind, head_checkpoint: Path, cfg: AdaptConfig, target, head, rows, eval_rows, output_dir: Path):

@@ -5,8 +5,9 @@ hidden states at the layers a head reads: the training signal is free. A :class:
 appends finished requests (the tokens the target produced after its prompt, and those states)
 to a feature store in the layout training reads (:class:`~draftsmith.data_prep.features.FeatureDataset`
 over ``ROOT/train``), with the same ``identity.json`` checks (another target, tokenizer, layers or
-storage is refused), shards written atomically in the order the requests finished, and a bound on
-disk: past ``max_bytes`` the oldest shards go, counted in ``manifest.json``. A killed server loses
+storage is refused), shards written atomically in the order the requests finished, and bounds on
+disk and on age: past ``max_bytes``, and once older than ``max_age`` seconds (users' prompts and
+replies are kept no longer than asked), the oldest shards go, counted in ``manifest.json``. A killed server loses
 at most the requests not yet flushed (``shard_size`` of them).
 
 The engine records into it (``SpeculativeDecoder(..., capture=store)``, ``eval/run.py --capture``);
@@ -19,6 +20,7 @@ import fcntl
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import IO
 
@@ -37,9 +39,21 @@ _SHARD = re.compile(r"shard-(\d+)\.safetensors$")
 class TrafficStore:
     """An append-only, bounded feature store of served requests (see the module docstring)."""
 
-    def __init__(self, root: str | Path, identity: dict, max_bytes: int | None = None, shard_size: int = 8) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        identity: dict,
+        max_bytes: int | None = None,
+        shard_size: int = 8,
+        max_age: float | None = None,
+    ) -> None:
         self.root, self.identity = Path(root), identity
-        self.max_bytes, self.shard_size = max_bytes, shard_size
+        if self.root.exists() and not self.root.is_dir():
+            raise UserError(f"traffic store {self.root} is a file: give a folder (it holds the captured requests)")
+        for name, bound in (("max_bytes", max_bytes), ("max_age", max_age)):
+            if bound is not None and bound <= 0:  # a bound of 0 or less would delete every request at once
+                raise UserError(f"traffic store {self.root}: {name} must be > 0 (None: unbounded), got {bound}")
+        self.max_bytes, self.shard_size, self.max_age = max_bytes, shard_size, max_age
         self.layers = list(identity["layers"]) or None
         private_folder(self.root / SPLIT)  # users' prompts and replies: readable by their owner only
         check_identity(self.root, identity)  # before the lock: another target's store is refused as such
@@ -63,11 +77,12 @@ class TrafficStore:
         storage: str = "auto",
         max_bytes: int | None = None,
         shard_size: int = 8,
+        max_age: float | None = None,
     ) -> TrafficStore:
         """The store at ``root`` for ``target`` (named ``target_name`` as recipes name it) and the
         head's ``layers`` (None: the last hidden state only)."""
         identity = store_identity(target_name, target, tokenizer, layers, storage)
-        return cls(root, identity, max_bytes, shard_size)
+        return cls(root, identity, max_bytes, shard_size, max_age)
 
     def add(self, tokens: list[int], reply_start: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         """One finished request: ``tokens`` (prompt then reply, the reply from ``reply_start``) and
@@ -104,10 +119,17 @@ class TrafficStore:
         write_shard(path, self._ids, self._masks, self._states, self.identity)
         self._ids, self._masks, self._states = [], [], []
         shards = self.shards()
-        while self.max_bytes is not None and len(shards) > 1 and sum(f.stat().st_size for f in shards) > self.max_bytes:
+        while len(shards) > 1 and (self._too_big(shards) or self._too_old(shards[0])):
             self.dropped += len(FeatureDataset.from_files([shards[0]]))
             shards.pop(0).unlink()
         self._write_manifest(shards)
+
+    def _too_big(self, shards: list[Path]) -> bool:
+        return self.max_bytes is not None and sum(f.stat().st_size for f in shards) > self.max_bytes
+
+    def _too_old(self, shard: Path) -> bool:
+        # A shard's age is its write time: its requests finished at most shard_size requests before.
+        return self.max_age is not None and time.time() - shard.stat().st_mtime > self.max_age
 
     def _write_manifest(self, shards: list[Path]) -> None:
         rows = FeatureDataset.from_files(shards) if shards else None

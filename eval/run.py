@@ -20,6 +20,7 @@ import torch
 
 from draftsmith.adapt.config import AdaptConfig
 from draftsmith.adapt.online import adapt_stream, window_table
+from draftsmith.adapt.rounds import adaptable_kind
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
 from draftsmith.data_prep.traffic import TrafficStore
@@ -118,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--capture-max-gb", type=float, default=None, help="--capture: keep the store under this size (oldest go)"
     )
     parser.add_argument(
+        "--capture-max-days",
+        type=float,
+        default=None,
+        help="--capture: drop the store's requests older than this (users' data kept no longer than needed)",
+    )
+    parser.add_argument(
         "--adapt",
         type=at_least(1),
         default=None,
@@ -144,6 +151,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.max_minutes is not None and args.max_minutes <= 0:
         parser.error(f"--max-minutes must be > 0, got {args.max_minutes}")
+    for flag in ("capture_max_gb", "capture_max_days"):  # a bound of 0 or less would delete every request
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0, got {value}")
+        if value is not None and not args.capture:
+            parser.error(f"--{flag.replace('_', '-')} bounds the --capture store: give --capture DIR too")
+    if args.capture and Path(args.capture).exists() and not Path(args.capture).is_dir():  # before a model load
+        parser.error(f"--capture {args.capture} is a file: give a folder (it holds the captured requests)")
     if args.adapt and (len(args.drafter) != 1 or args.hf_baseline):
         parser.error("--adapt runs one --drafter (a trained head) and no --hf-baseline")
     if not args.drafter:
@@ -182,6 +197,13 @@ def main(argv: list[str] | None = None) -> dict:
         raise UsageError(
             f"--turns {args.turns}: all {len(short)} prompt(s) have fewer turns (e.g. id {short[0]}); lower --turns"
         )
+    if args.adapt:  # before the target loads: a drafter with nothing to train is refused at once
+        if specs[0].path is None:
+            raise UsageError(
+                f"--adapt: --drafter {args.drafter[0]} has no trained head to adapt: give a head checkpoint "
+                "(e.g. eagle3:runs/x/checkpoint-final)"
+            )
+        adaptable_kind(specs[0].path, "--adapt: --drafter")
     with stage("eval: load target and drafters"):
         target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template, field="--target")
         drafters = [build_drafter(spec, target) for spec in specs]
@@ -194,7 +216,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.capture:
         layers = next((d.feature_layers for d in drafters if d.feature_layers), None)
         limit = int(args.capture_max_gb * 2**30) if args.capture_max_gb else None
-        capture = TrafficStore.for_target(args.capture, target, tokenizer, args.target, layers, max_bytes=limit)
+        age = args.capture_max_days * 86400 if args.capture_max_days else None
+        capture = TrafficStore.for_target(
+            args.capture, target, tokenizer, args.target, layers, max_bytes=limit, max_age=age
+        )
     assistants = {d.name: d.assistant() for d in drafters if d.assistant() is not None}
     if args.hf_assistant:
         assistants = {name: assistants[name] for name in args.hf_assistant}
@@ -234,6 +259,10 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "compile": args.compile,
+        # what the run kept of users' requests, and for how long
+        "capture": args.capture,
+        "capture_max_gb": args.capture_max_gb,
+        "capture_max_days": args.capture_max_days,
         "verified_by": {d.name: d.verifier_label or f"target {args.target}" for d in drafters},
         "trees": {d.name: d.tree_label for d in drafters if d.tree_label},
     }
@@ -272,7 +301,18 @@ def _stream(args, target, tokenizer, drafter, spec, prompts) -> dict:
     ids = [render_prompt(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in prompts]
     with stage(f"eval: stream of {len(ids)} requests, the head adapting every {args.adapt}"):
         requests = adapt_stream(
-            target, args.target, tokenizer, drafter, spec.path, ids, args.max_new_tokens, args.adapt, cfg, args.capture
+            target,
+            args.target,
+            tokenizer,
+            drafter,
+            spec.path,
+            ids,
+            args.max_new_tokens,
+            args.adapt,
+            cfg,
+            args.capture,
+            args.sampling,
+            args.seed,
         )
     table = window_table(requests, args.adapt)
     print(f"\n{spec.name} learning from the stream ({args.adapt_steps} steps every {args.adapt} requests):\n\n{table}")
