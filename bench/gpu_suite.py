@@ -34,12 +34,13 @@ import json
 import lzma
 import shutil
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch
 import transformers
+
+from draftsmith.timing import clock
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "smollm2-eagle3-gpu.yaml"
@@ -127,9 +128,9 @@ def stage_train(args, work: Path, results: dict) -> dict:
     if (run / "checkpoint-final").is_dir():
         shutil.rmtree(run)  # a finished run of another call: train afresh
     resume = run.is_dir() and any(run.glob("checkpoint-*"))
-    started = time.monotonic()
+    started = clock(args.device)
     trainer = train_eagle3(argv + (["--resume"] if resume else []))
-    seconds = time.monotonic() - started
+    seconds = clock(args.device) - started
     head = Path(trainer.last_checkpoint)
     config = json.loads((head / "config.json").read_text())
     evals = [e for e in trainer.history if any(k.startswith("eval/") for k in e)]
@@ -317,14 +318,14 @@ def main(argv: list[str] | None = None) -> dict:
             publish(results, work, args.out)
             continue
         print(f"gpu suite: stage {name}", flush=True)
-        started = time.monotonic()
+        started = clock(args.device)
         try:
             stage = RUNNERS[name](args, work, results)
             stage["done"] = True
         except Exception:  # every stage runs and reports; the exit code says one failed
             stage = {"error": traceback.format_exc()}
             print(stage["error"], file=sys.stderr)
-        stage["wall_seconds"] = round(time.monotonic() - started, 1)
+        stage["wall_seconds"] = round(clock(args.device) - started, 1)
         results[name] = stage
         publish(results, work, args.out)
     print(report(results))

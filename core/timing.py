@@ -7,6 +7,7 @@ first waits for the device's queued work.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 
@@ -30,6 +31,12 @@ def clock(device: torch.device | str | None = None) -> float:
     ``clock(device) - start`` with ``start = clock(device)``."""
     synchronize(device)
     return time.perf_counter()
+
+
+def age_seconds(path) -> float:
+    """Seconds since ``path`` was last modified, by the calendar clock (an age of data, not a
+    duration of device work: nothing to wait for)."""
+    return time.time() - os.stat(path).st_mtime
 
 
 @contextmanager

@@ -20,7 +20,6 @@ import fcntl
 import json
 import os
 import re
-import time
 from pathlib import Path
 from typing import IO
 
@@ -30,6 +29,7 @@ from draftsmith.atomic import staged
 from draftsmith.checkpoint_files import read_json
 from draftsmith.data_prep.features import FeatureDataset, check_identity, store_identity, write_shard
 from draftsmith.errors import UserError
+from draftsmith.timing import age_seconds
 
 SPLIT = "train"
 LOCK = ".lock"
@@ -129,7 +129,7 @@ class TrafficStore:
 
     def _too_old(self, shard: Path) -> bool:
         # A shard's age is its write time: its requests finished at most shard_size requests before.
-        return self.max_age is not None and time.time() - shard.stat().st_mtime > self.max_age
+        return self.max_age is not None and age_seconds(shard) > self.max_age
 
     def _write_manifest(self, shards: list[Path]) -> None:
         rows = FeatureDataset.from_files(shards) if shards else None

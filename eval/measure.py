@@ -9,7 +9,6 @@ counted with a forward hook.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -162,10 +161,11 @@ def run_bench(
             decoder.capture = held
     runs: list[Run] = []
     total = len(prompts) * turns * (len(decoders) + len(hf_kwargs))
-    started = time.monotonic()
+    device = next(target.parameters()).device
+    started = clock(device)
     with tqdm(total=total, desc="bench", unit="gen") as bar:
         for index, prompt in enumerate(prompts):
-            if max_seconds is not None and index and time.monotonic() - started >= max_seconds:
+            if max_seconds is not None and index and clock(device) - started >= max_seconds:
                 tqdm.write(f"time budget of {max_seconds:.0f} s spent: {index} of {len(prompts)} prompts run")
                 break
             history: list[dict] = []

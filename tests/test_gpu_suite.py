@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from accelerate.state import AcceleratorState
 from training_helpers import save_tiny_target
 
 from draftsmith.assets import asset_path
@@ -79,6 +80,8 @@ def test_the_suite_runs_as_two_device_calls(tmp_path, monkeypatch):
     out = tmp_path / "out"
     argv = ["--tiny", "--device", "cpu", "--dtype", "float32", "--target", str(target), "--data", str(data)]
     argv += ["--work", str(tmp_path / "work"), "--out", str(out), "--parts", str(carried), "--table-minutes", "0.01"]
+    # The suite trains in this process, as on the device: an earlier in-process run's mixed precision must not stay.
+    AcceleratorState._reset_state(reset_partial_state=True)
 
     first = suite.main(argv)
     assert first["identity"]["ok"] and all(row["lossless"] for row in first["identity"]["decoding"].values())
