@@ -47,7 +47,7 @@ from draftsmith.data_prep.features import (
     store_identity,
 )
 from draftsmith.data_prep.regenerate import prepare_data_config
-from draftsmith.data_prep.traffic import hold_lock, private_folder
+from draftsmith.data_prep.traffic import hold_lock, private_folder, read_traffic
 from draftsmith.errors import UserError
 from draftsmith.export import export_checkpoint
 from draftsmith.kinds import get
@@ -178,9 +178,14 @@ class Adapter:
         check_identity(root, self._identity())  # traffic of another target, tokenizer or layers is refused
 
     def traffic(self) -> FeatureDataset:
-        """Every served request, oldest first: a capture store as it is, or a request log's (or any
-        conversations file's) conversations in file order, their features extracted by this target
-        into ``OUT/traffic`` (again when the file has grown)."""
+        """Every served request, oldest first: a capture store's within its age bound, or a request
+        log's (or any conversations file's) conversations in file order, their features extracted by
+        this target into ``OUT/traffic`` (again when the file has grown)."""
+        return self._traffic()[0]
+
+    def _traffic(self) -> tuple[FeatureDataset, int]:
+        """:meth:`traffic` and the number of its oldest request (those before it went to a store's
+        bounds), read together: a store's writer may drop shards in between."""
         source = Path(self.cfg.traffic)
         if source.is_file():
             data_cfg = replace(
@@ -198,11 +203,14 @@ class Adapter:
             if not is_complete(root, data):
                 shutil.rmtree(root, ignore_errors=True)  # a grown log: its shards no longer line up
                 extract_features(self.target, data, root, layers=self.layers, identity=self._identity(data))
-            return FeatureDataset(root / "train")
-        try:
-            return FeatureDataset(source / "train")
-        except FileNotFoundError:
-            raise UserError(f"adapt.traffic {self.cfg.traffic} holds no request yet: serve some first") from None
+            return FeatureDataset(root / "train"), 0
+        store = read_traffic(source)
+        if store.expired:  # never trained or judged on: the store keeps users' requests no longer than asked
+            print(f"adapt.traffic {source}: {store.expired} request(s) past the store's age bound not used")
+        if store.rows is None:
+            past = f" ({store.expired} past its age bound)" if store.expired else ""
+            raise UserError(f"adapt.traffic {self.cfg.traffic} holds no request to use{past}: serve some first")
+        return store.rows, store.first
 
     @functools.cached_property
     def _general(self) -> dict[str, FeatureDataset]:
@@ -245,9 +253,8 @@ class Adapter:
         """Round ``number``'s data: the held-out conversations (:func:`~draftsmith.adapt.split.split_traffic`:
         whole conversations that began after request ``since``, judged on their newest request) and
         the train rows, the other conversations plus the replay share."""
-        traffic = self.traffic()
+        traffic, first = self._traffic()
         rows = traffic.token_rows()
-        first = self.traffic_start()
         parts = split_traffic(rows, first, since, self.cfg.held_out)
         picks = [(traffic, i) for i in parts.train]
         served = len(picks)
@@ -259,13 +266,6 @@ class Adapter:
             picks += [(replay, i) for i in rng.sample(range(len(replay)), count)]
         prompts = [judge_prompt(*rows[i]) for i in parts.judged]
         return RoundData(RowSelection(picks, self.cfg.max_length), prompts, served, first + len(rows), parts)
-
-    def traffic_start(self) -> int:
-        """The number of the traffic's oldest request kept: those before it went to a store's size bound."""
-        manifest = Path(self.cfg.traffic) / "manifest.json"
-        if not manifest.is_file():
-            return 0
-        return read_json(manifest, f"delete {manifest}: it is rebuilt").get("dropped_conversations", 0)
 
     def _not_judged(self, since: int, data: RoundData) -> str | None:
         """Why a round is not judged on ``data`` (None: it is); ``since``: the requests the last round saw."""

@@ -7,7 +7,9 @@ to a feature store in the layout training reads (:class:`~draftsmith.data_prep.f
 over ``ROOT/train``), with the same ``identity.json`` checks (another target, tokenizer, layers or
 storage is refused), shards written atomically in the order the requests finished, and bounds on
 disk and on age: past ``max_bytes``, and once older than ``max_age`` seconds (users' prompts and
-replies are kept no longer than asked), the oldest shards go, counted in ``manifest.json``. A killed server loses
+replies are kept no longer than asked), the oldest shards go, counted in ``manifest.json``; the age
+bound applies when the store is opened and each time it writes, and :func:`read_traffic` (what a
+round reads, while a server may hold the store) skips what is past it. A killed server loses
 at most the requests not yet flushed (``shard_size`` of them).
 
 The engine records into it (``SpeculativeDecoder(..., capture=store)``, ``eval/run.py --capture``);
@@ -20,6 +22,7 @@ import fcntl
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -61,10 +64,11 @@ class TrafficStore:
         manifest = self.root / "manifest.json"
         previous = read_json(manifest, f"delete {manifest}: it is rebuilt") if manifest.is_file() else {}
         self.dropped = previous.get("dropped_conversations", 0)  # shards removed by the bound so far
-        self.empty = previous.get("empty_replies", 0)  # requests whose reply was one token: nothing kept
+        self.empty = previous.get("empty_replies", 0)  # requests with no reply token: nothing kept
         self._ids: list[list[int]] = []
         self._masks: list[list[int]] = []
         self._states: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._bound()  # an idle store's requests past max_age go now, not at its next write
 
     @classmethod
     def for_target(
@@ -87,30 +91,39 @@ class TrafficStore:
     def add(self, tokens: list[int], reply_start: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         """One finished request: ``tokens`` (prompt then reply, the reply from ``reply_start``) and
         the target's states for the tokens it read (``hidden`` ``[n, H]`` the last hidden states,
-        ``aux`` ``[n, layers * H]`` the head's layers); ``n`` may stop short of ``tokens`` by the
-        tokens never fed back (the last one). Only the reply is supervised."""
+        ``aux`` ``[n, layers * H]`` the head's layers); ``n`` is ``len(tokens)``, or one less when
+        the last token (the reply's end of turn, or its last token at the length limit) was never fed
+        back. The whole reply is supervised, its last token included."""
         n = hidden.shape[0]
-        if n > len(tokens) or n < reply_start:
-            raise ValueError(f"{n} feature rows for {len(tokens)} tokens whose reply starts at {reply_start}")
-        if n == reply_start:  # the reply ended at its first token (EOS): no reply token was read, nothing to learn
+        if n not in (len(tokens) - 1, len(tokens)) or reply_start > len(tokens):
+            raise ValueError(
+                f"{n} feature rows for {len(tokens)} tokens whose reply starts at {reply_start}: give a row for "
+                "every token, or for every token but the last"
+            )
+        if reply_start == len(tokens):  # no reply token: nothing to learn
             self.empty += 1
             return
         if (aux is None) != (self.layers is None):
             given = "without" if aux is None else "with"
             raise ValueError(f"the store keeps layers {self.layers}; the request came {given} layer states")
-        dtype = hidden.dtype
-        self._ids.append(list(tokens[:n]))
-        self._masks.append([0] * reply_start + [1] * (n - reply_start))
-        self._states.append((hidden.detach().cpu(), aux.detach().to(dtype).cpu() if aux is not None else None))
+        # Training scores token t with the target's states at t - 1 (EAGLE's regressed feature is row
+        # t - 1 too): a conversation's last row is never read, so a last token that was never fed back
+        # gets a row of zeros, as padding does, and is supervised like every other reply token.
+        missing = len(tokens) - n
+        self._ids.append(list(tokens))
+        self._masks.append([0] * reply_start + [1] * (len(tokens) - reply_start))
+        self._states.append(
+            (_on_host(hidden, missing), _on_host(aux.to(hidden.dtype), missing) if aux is not None else None)
+        )
         if len(self._ids) >= self.shard_size:
             self.flush()
 
     def shards(self) -> list[Path]:
         """The store's shards, oldest first."""
-        return sorted(self.root.joinpath(SPLIT).glob("shard-*.safetensors"), key=_number)
+        return _shards(self.root)
 
     def flush(self) -> None:
-        """Write the requests held in memory as the next shard, then keep the store within ``max_bytes``."""
+        """Write the requests held in memory as the next shard, then keep the store within its bounds."""
         if not self._ids:
             return
         shards = self.shards()
@@ -118,18 +131,19 @@ class TrafficStore:
         path = self.root / SPLIT / f"shard-{number:06d}.safetensors"
         write_shard(path, self._ids, self._masks, self._states, self.identity)
         self._ids, self._masks, self._states = [], [], []
+        self._bound()
+
+    def _bound(self) -> None:
+        """Delete the oldest shards while they are past ``max_age`` (every one: none outlives it) or
+        the store is past ``max_bytes`` (the newest shard stays), then record the store in ``manifest.json``."""
         shards = self.shards()
-        while len(shards) > 1 and (self._too_big(shards) or self._too_old(shards[0])):
+        while shards and (_past_age(shards[0], self.max_age) or (len(shards) > 1 and self._too_big(shards))):
             self.dropped += len(FeatureDataset.from_files([shards[0]]))
             shards.pop(0).unlink()
         self._write_manifest(shards)
 
     def _too_big(self, shards: list[Path]) -> bool:
         return self.max_bytes is not None and sum(f.stat().st_size for f in shards) > self.max_bytes
-
-    def _too_old(self, shard: Path) -> bool:
-        # A shard's age is its write time: its requests finished at most shard_size requests before.
-        return self.max_age is not None and age_seconds(shard) > self.max_age
 
     def _write_manifest(self, shards: list[Path]) -> None:
         rows = FeatureDataset.from_files(shards) if shards else None
@@ -144,6 +158,7 @@ class TrafficStore:
             },
             "dropped_conversations": self.dropped,
             "empty_replies": self.empty,
+            "max_age": self.max_age,  # for readers: read_traffic skips what is past it
         }
         with staged(self.root / "manifest.json") as tmp:
             tmp.write_text(json.dumps(manifest, indent=1))
@@ -153,6 +168,35 @@ class TrafficStore:
 
     def __exit__(self, *exc) -> None:
         self.flush()
+
+
+@dataclass(frozen=True)
+class TrafficRows:
+    """A traffic store as a round may use it (:func:`read_traffic`)."""
+
+    rows: FeatureDataset | None  # the requests within the age bound, oldest first (None: no request)
+    first: int  # the number of the oldest of them: the ones before it went to the bounds or are past the age
+    expired: int  # requests still on disk but past the age bound: never read
+
+
+def read_traffic(root: str | Path) -> TrafficRows:
+    """The requests of the traffic store at ``root`` within the age bound its writer recorded
+    (``manifest.json``'s ``max_age``), read without the writer's lock (a server may be capturing):
+    shards past it are skipped, not deleted (its writer deletes them when it next opens or writes)."""
+    root = Path(root)
+    manifest = root / "manifest.json"
+    recorded = read_json(manifest, f"delete {manifest}: it is rebuilt") if manifest.is_file() else {}
+    shards = _shards(root)
+    expired = 0
+    while shards and _past_age(shards[0], recorded.get("max_age")):
+        expired += len(FeatureDataset.from_files([shards.pop(0)]))
+    rows = FeatureDataset.from_files(shards) if shards else None
+    return TrafficRows(rows, recorded.get("dropped_conversations", 0) + expired, expired)
+
+
+def _past_age(shard: Path, max_age: float | None) -> bool:
+    # A shard's age is its write time: its requests finished at most shard_size requests before.
+    return max_age is not None and age_seconds(shard) > max_age
 
 
 def private_folder(folder: Path) -> None:
@@ -176,6 +220,16 @@ def hold_lock(folder: Path, what: str) -> IO:
         ) from None
     os.chmod(folder / LOCK, 0o600)
     return handle
+
+
+def _on_host(states: torch.Tensor, missing: int) -> torch.Tensor:
+    """``states`` on the host with ``missing`` rows of zeros after them."""
+    states = states.detach().cpu()
+    return torch.cat([states, states.new_zeros(missing, states.shape[1])])
+
+
+def _shards(root: Path) -> list[Path]:
+    return sorted(root.joinpath(SPLIT).glob("shard-*.safetensors"), key=_number)
 
 
 def _number(path: Path) -> int:

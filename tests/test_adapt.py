@@ -19,6 +19,7 @@ from training_helpers import save_tiny_target, write_recipe
 
 from draftsmith.adapt.config import AdaptConfig
 from draftsmith.adapt.rounds import Adapter, serving_head
+from draftsmith.checkpoint_files import load_torch
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.features import FeatureDataset, hf_compute
 from draftsmith.data_prep.traffic import TrafficStore
@@ -27,6 +28,7 @@ from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.plugins import register_builtin
 from draftsmith.target import load_target, load_tokenizer
+from draftsmith.train.checkpoints import state_dir
 from draftsmith.train.eagle3 import main as train_eagle3
 
 LAYERS = [0, 1, 2]
@@ -112,6 +114,14 @@ def test_a_nan_round_and_another_targets_traffic_are_refused(deployed, tmp_path)
         Adapter(_config(deployed, tmp_path / "x", traffic=str(tmp_path / "foreign")))
 
 
+def test_a_round_judged_on_fewer_conversations_than_held_out_says_so(deployed, tmp_path):
+    """Every request is new but one conversation stays to train on: 15 judged of the 16 asked."""
+    cfg = _config(deployed, tmp_path / "adapt", held_out=REQUESTS, round_steps=1, margin=100.0, replay_fraction=0.0)
+    verdict = Adapter(replace(cfg, judge_max_new_tokens=4, general_held_out=0)).run(1)[0].verdict
+    assert verdict["requests"] == REQUESTS - 1 and not verdict["promoted"]
+    assert f"judged on {REQUESTS - 1} held-out conversations, fewer than adapt.held_out {REQUESTS}" in verdict["reason"]
+
+
 def test_replay_keeps_the_heads_general_accuracy(deployed, tmp_path):
     """A round with replay stays near the deployed head's top-1 on its own held-out data, and a
     round that forgets more than adapt.max_forgetting is not promoted."""
@@ -175,6 +185,35 @@ def test_eval_run_adapt_streams_the_prompts_with_the_head_learning_between_reque
     assert [r["train_seconds"] > 0 for r in stream] == [False, True, False, True, False]
     assert len(FeatureDataset(tmp_path / "seen" / "train")) == 5  # every request captured for later rounds
     assert "| 1-2 | 0 |" in (out / "stream.md").read_text()
+    # One optimiser across rounds, from the checkpoint's: round 2 continues round 1's steps and moments.
+    steps = [
+        {int(s["step"]) for s in load_torch(state_dir(ckpt) / "optimizer.bin")["state"].values()}
+        for ckpt in (deployed["head"], *(tmp_path / "seen" / f"round-{n}" / "checkpoint-final" for n in (1, 2)))
+    ]
+    assert steps == [{6}, {8}, {10}]
+    # Greedy by default: every captured reply is the target's own greedy one (the end of turn included).
+    plain = SpeculativeDecoder(deployed["model"], None, load_tokenizer(str(deployed["target"])))
+    greedy = _replies(tmp_path / "seen")
+    assert [reply for _, reply in greedy] == [plain.generate(prompt, 8).tokens for prompt, _ in greedy]
+
+
+def _replies(store: Path) -> list[tuple[list[int], list[int]]]:
+    """``(prompt, reply)`` of every request captured in ``store``."""
+    return [(ids[: mask.index(1)], ids[mask.index(1) :]) for ids, mask in FeatureDataset(store / "train").token_rows()]
+
+
+def test_eval_run_adapt_samples_as_asked_reproducibly(deployed, tmp_path):
+    """--temperature 1 samples the stream (not the greedy replies), and --seed makes it reproducible."""
+    from draftsmith.eval.run import main as run
+
+    prompts = tmp_path / "stream.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Write function {i} in C."}) + "\n" for i in range(3)))
+    argv = ["--target", str(deployed["target"]), "--dtype", "float32", "--prompts", str(prompts)]
+    argv += ["--drafter", f"eagle3:{deployed['head']}?depth=2&top_k=1&budget=2", "--max-new-tokens", "8"]
+    argv += ["--adapt", "2", "--adapt-steps", "0"]
+    for name, extra in {"greedy": [], "a": ["--temperature", "1"], "b": ["--temperature", "1"]}.items():
+        run(argv + extra + ["--seed", "3", "--capture", str(tmp_path / name), "--out", str(tmp_path / f"out-{name}")])
+    assert _replies(tmp_path / "a") == _replies(tmp_path / "b") != _replies(tmp_path / "greedy")
 
 
 def test_a_gateways_request_log_is_traffic_too(deployed, tmp_path, capsys):
@@ -273,8 +312,9 @@ def control_round(deployed, folder: Path, control: str, seed: int = 0):
             )
             ((hidden, aux),) = compute([ids])
         else:
-            order = torch.cat([torch.arange(start), start + torch.randperm(len(ids) - start, generator=generator)])
-            hidden = hidden[order]
+            # The last row stays last: no target reads it (a captured request's is zeros).
+            reply = start + torch.randperm(len(ids) - start - 1, generator=generator)
+            hidden = hidden[torch.cat([torch.arange(start), reply, torch.tensor([len(ids) - 1])])]
         store.add(ids, start, hidden, aux)
     store.flush()
     cfg = _config(deployed, folder / "adapt", traffic=str(folder / "traffic"), held_out=REQUESTS // 2, seed=seed)
@@ -350,7 +390,9 @@ def test_bad_capture_and_adapt_flags_end_in_one_line(deployed, tmp_path, capsys)
     assert not (tmp_path / "c").exists()  # refused before anything was written
 
 
-def test_a_store_drops_requests_older_than_its_age_bound(deployed, tmp_path):
+def test_a_store_drops_requests_older_than_its_age_bound(deployed, tmp_path, capsys):
+    """Past max_age a request goes when the store writes or is opened, and a round never reads it
+    even while the store sits idle (its writer open, writing nothing)."""
     target, tokenizer = load_target(str(deployed["target"]), "float32")
     store = TrafficStore.for_target(tmp_path / "t", target, tokenizer, str(deployed["target"]), LAYERS, max_age=3600)
     row = FeatureDataset(deployed["traffic"] / "train")[0]
@@ -364,3 +406,12 @@ def test_a_store_drops_requests_older_than_its_age_bound(deployed, tmp_path):
     store.flush()
     assert old not in store.shards() and len(store.shards()) == 3 and store.dropped == 1
     assert json.loads((tmp_path / "t" / "manifest.json").read_text())["dropped_conversations"] == 1
+    idle = store.shards()[0]
+    os.utime(idle, (time.time() - 7200, time.time() - 7200))
+    adapter = Adapter(_config(deployed, tmp_path / "adapt", traffic=str(tmp_path / "t")))
+    assert len(adapter.traffic()) == 2 and idle.is_file()  # not read; left for the writer to delete
+    assert "1 request(s) past the store's age bound not used" in capsys.readouterr().out
+    assert adapter.split(1, since=0).seen == 4  # request numbers stay those of arrival
+    del store
+    reopened = TrafficStore.for_target(tmp_path / "t", target, tokenizer, str(deployed["target"]), LAYERS, max_age=3600)
+    assert not idle.exists() and len(reopened.shards()) == 2 and reopened.dropped == 2
