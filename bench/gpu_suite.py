@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", default=None, help="training conversations (.jsonl, or .jsonl.xz as packed)")
     parser.add_argument("--train-minutes", type=float, default=3.0, help="training budget (training.max_minutes)")
     parser.add_argument("--table-minutes", type=float, default=1.25, help="decoding budget per temperature")
+    parser.add_argument(
+        "--call-minutes",
+        type=float,
+        default=9.5,
+        help="this call's limit (the device's: 10 minutes a command): the table's budget shrinks to what is left",
+    )
     parser.add_argument("--per-category", type=int, default=2, help="MT-bench questions per category")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", help="target dtype in training and the table")
@@ -158,9 +164,18 @@ def _methods(head: str | None) -> list[str]:
     return methods
 
 
+class NoTimeLeft(Exception):
+    """Too little of the call's time is left for a stage: a later call on the warm machine runs it."""
+
+
+# The table's cost beyond its two decoding budgets (loading the target and drafters twice, the
+# pass-cost curve, one profiled generation per method): a guess, not yet measured on a GPU.
+TABLE_FIXED_MINUTES = 1.5
+
+
 def stage_table(args, work: Path, results: dict) -> dict:
-    """The MT-bench table at temperature 0 and 1 within ``--table-minutes`` each, the device's
-    pass-cost curve and the per-phase step split of each method on one prompt."""
+    """The MT-bench table at temperature 0 and 1 within ``--table-minutes`` each (less when the call's
+    time runs short), the device's pass-cost curve and the per-phase step split of each method on one prompt."""
     from profile_decode import step_phases
 
     from draftsmith.data_prep.chat import render_prompt
@@ -173,17 +188,23 @@ def stage_table(args, work: Path, results: dict) -> dict:
     from draftsmith.eval.run import main as eval_main
     from draftsmith.target import load_target
 
+    left = (args.deadline - clock(args.device)) / 60
+    room = (left - TABLE_FIXED_MINUTES) / 2  # per temperature
+    budget = min(args.table_minutes, room)
+    if room <= 0:
+        raise NoTimeLeft(f"{left:.1f} of --call-minutes {args.call_minutes} left: run the table in another call")
     train = results.get("train", {})
     head = train.get("head") if train.get("done") and Path(train.get("head", "")).is_dir() else None
     methods = _methods(head)
-    out: dict = {"methods": methods, "suffix": importlib.util.find_spec("arctic_inference") is not None}
-    if not out["suffix"]:
+    suffix = importlib.util.find_spec("arctic_inference") is not None
+    out: dict = {"budget_minutes_per_temperature": round(budget, 3), "methods": methods, "suffix": suffix}
+    if not suffix:
         out["suffix_missing"] = "arctic-inference is not importable: no suffix rows; the hybrid uses prompt lookup"
     for temperature in (0, 1):
         folder = work / f"table_t{temperature}"
         argv = ["--target", args.target, "--dtype", args.dtype, "--device", args.device, "--bench", "mt_bench"]
         argv += ["--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens)]
-        argv += ["--temperature", str(temperature), "--max-minutes", str(args.table_minutes), "--out", str(folder)]
+        argv += ["--temperature", str(temperature), "--max-minutes", f"{budget:.3f}", "--out", str(folder)]
         argv += [w for m in methods for w in ("--drafter", m)]
         argv += ["--hf-baseline", "hf_plain", "--hf-baseline", "hf_prompt_lookup"]
         summary = eval_main(argv + (["--cost-model"] if temperature == 0 else []))
@@ -248,7 +269,7 @@ def report(results: dict) -> str:
         stage = results.get(name)
         if stage is None:
             continue
-        status = "done" if stage.get("done") else "FAILED" if "error" in stage else "waiting for the target's parts"
+        status = "done" if stage.get("done") else "FAILED" if "error" in stage else "waiting"
         lines += [f"## {name}: {status} ({stage.get('wall_seconds', 0):.0f} s)", ""]
         if "error" in stage:
             lines += ["```", stage["error"].strip().splitlines()[-1], "```", ""]
@@ -293,6 +314,7 @@ def publish(results: dict, work: Path, out: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     """Run the asked stages not yet done; returns the results (also in ``--work`` and ``--out``)."""
     args = parse_args(argv)
+    args.deadline = clock(args.device) + args.call_minutes * 60
     if args.tiny:
         args.per_category, args.max_new_tokens = 1, 16
         args.train_overrides = [*TINY_TRAINING, *args.train_overrides]
@@ -314,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         if waiting and name in NEEDS_TARGET:
             print(f"gpu suite: {name} waits for the target's parts: {waiting}")
-            results[name] = {"waiting": waiting}
+            results[name] = {"waiting": f"the target's parts: {waiting}"}
             publish(results, work, args.out)
             continue
         print(f"gpu suite: stage {name}", flush=True)
@@ -322,6 +344,9 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             stage = RUNNERS[name](args, work, results)
             stage["done"] = True
+        except NoTimeLeft as why:
+            print(f"gpu suite: {name} waits for another call: {why}")
+            stage = {"waiting": str(why)}
         except Exception:  # every stage runs and reports; the exit code says one failed
             stage = {"error": traceback.format_exc()}
             print(stage["error"], file=sys.stderr)

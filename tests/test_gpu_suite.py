@@ -90,7 +90,7 @@ def test_the_suite_runs_as_two_device_calls(tmp_path, monkeypatch):
     )
     for stage in ("train", "table"):
         assert "question.jsonl.part1" in first[stage]["waiting"] and "done" not in first[stage]
-    assert "waiting for the target's parts" in (out / "suite.md").read_text()
+    assert "## train: waiting" in (out / "suite.md").read_text()
 
     for path in (tmp_path / "call2").iterdir():
         shutil.copyfile(path, carried / path.name)
@@ -120,3 +120,7 @@ def test_the_suite_runs_as_two_device_calls(tmp_path, monkeypatch):
     assert (tmp_path / "head" / "model.safetensors").read_bytes() == (head / "model.safetensors").read_bytes()
     assert Eagle3Head.from_pretrained(tmp_path / "head").depth_accuracy == train["held_out_top1_per_depth"]
     assert json.loads((out / "suite.json").read_text())["table"]["done"]
+
+    # A call with too little of its time left for the table leaves it to the next call.
+    third = suite.main([*argv, "--stages", "table", "--force", "--call-minutes", "1"])
+    assert "--call-minutes 1.0 left" in third["table"]["waiting"] and "done" not in third["table"]
