@@ -121,10 +121,15 @@ def heads(target) -> dict[str, tuple[torch.nn.Module, str]]:
 MEDUSA_TREE = "[[0],[1],[0,0],[0,0,0]]"
 
 
+def suffix_available() -> bool:
+    """Whether suffix decoding can run here (arctic-inference, a C++ extension, built and importable)."""
+    return importlib.util.find_spec("arctic_inference") is not None
+
+
 def training_free() -> dict[str, str]:
-    """Specs of the kinds that need no checkpoint (suffix decoding where arctic-inference is installed)."""
+    """Specs of the kinds that need no checkpoint (suffix decoding where it is available)."""
     specs = {"draft_lm": "draft_lm?layers=1&depth=3", "prompt_lookup": "prompt_lookup?branches=2"}
-    if importlib.util.find_spec("arctic_inference") is not None:
+    if suffix_available():
         specs["suffix"] = "suffix"
     return specs
 
@@ -239,6 +244,13 @@ def check_training(target, device: str) -> dict:
     return out
 
 
+def passed(decoding: dict, training: dict) -> bool:
+    """The checks' verdict: every check ran, every kind was lossless, every equality held to 1e-3."""
+    ok = "error" not in decoding and "error" not in training
+    ok = ok and all(row["lossless"] for row in decoding.values())
+    return ok and all(value < 1e-3 for key, value in training.items() if "diff" in key)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -254,11 +266,7 @@ def main() -> None:
             result[name] = check(target, args.device)
         except Exception:  # report every check, then fail
             result[name] = {"error": traceback.format_exc()}
-    decoding, training = result["decoding"], result["training"]
-    ok = "error" not in decoding and "error" not in training
-    ok = ok and all(row["lossless"] for row in decoding.values())
-    ok = ok and all(value < 1e-3 for key, value in training.items() if "diff" in key)
-    result["ok"] = ok
+    ok = result["ok"] = passed(result["decoding"], result["training"])
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -62,11 +62,10 @@ def join(parts_dir: Path, out_dir: Path) -> list[Path]:
     raises :class:`PartsError` naming what is missing or corrupt. Returns the files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     manifests = sorted(parts_dir.glob(f"*{MANIFEST}"))
-    cut_files = {m.name[: -len(MANIFEST)] for m in manifests}
+    cut_files = {m.name[: -len(MANIFEST)] for m in manifests}  # a manifest's and its parts' names start so
     written = []
     for path in sorted(parts_dir.iterdir()):
-        stem = path.name.rsplit(".part", 1)[0]
-        if path.is_file() and path.name not in {m.name for m in manifests} and stem not in cut_files:
+        if path.is_file() and path.name.rsplit(".part", 1)[0] not in cut_files:
             if path.resolve() != (out_dir / path.name).resolve():
                 shutil.copyfile(path, out_dir / path.name)
             written.append(out_dir / path.name)

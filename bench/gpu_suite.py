@@ -29,7 +29,6 @@ small target (the test suite does, so the run cannot rot between devices).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import lzma
 import shutil
@@ -88,13 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def stage_identity(args, work: Path, results: dict) -> dict:
     """bench/cuda_check.py's decoding and training checks on ``args.device``."""
-    from cuda_check import check_decoding, check_training, tiny_target
+    from cuda_check import check_decoding, check_training, passed, tiny_target
 
     target = tiny_target(args.device)
     decoding, training = check_decoding(target, args.device), check_training(target, args.device)
-    ok = all(row["lossless"] for row in decoding.values())
-    ok = ok and all(value < 1e-3 for key, value in training.items() if "diff" in key)
-    return {"ok": ok, "decoding": decoding, "training": training}
+    return {"ok": passed(decoding, training), "decoding": decoding, "training": training}
 
 
 def training_data(args, work: Path) -> str:
@@ -155,10 +152,11 @@ def stage_train(args, work: Path, results: dict) -> dict:
     }
 
 
-def _methods(head: str | None) -> list[str]:
-    """The table's drafters: the training-free ones, and the head and its hybrid when one was trained."""
-    lookup = "suffix" if importlib.util.find_spec("arctic_inference") is not None else "prompt_lookup"
-    methods = ["prompt_lookup"] + (["suffix"] if lookup == "suffix" else [])
+def _methods(head: str | None, suffix: bool) -> list[str]:
+    """The table's drafters: the training-free ones, and the head and its hybrid (with suffix
+    decoding where it is available, else prompt lookup) when one was trained."""
+    lookup = "suffix" if suffix else "prompt_lookup"
+    methods = ["prompt_lookup", "suffix"] if suffix else ["prompt_lookup"]
     if head:
         methods += [f"eagle3:{head}?name=eagle3", f"hybrid:eagle3:{head}+{lookup}?name=hybrid"]
     return methods
@@ -176,6 +174,7 @@ TABLE_FIXED_MINUTES = 1.5
 def stage_table(args, work: Path, results: dict) -> dict:
     """The MT-bench table at temperature 0 and 1 within ``--table-minutes`` each (less when the call's
     time runs short), the device's pass-cost curve and the per-phase step split of each method on one prompt."""
+    from cuda_check import suffix_available
     from profile_decode import step_phases
 
     from draftsmith.data_prep.chat import render_prompt
@@ -195,8 +194,8 @@ def stage_table(args, work: Path, results: dict) -> dict:
         raise NoTimeLeft(f"{left:.1f} of --call-minutes {args.call_minutes} left: run the table in another call")
     train = results.get("train", {})
     head = train.get("head") if train.get("done") and Path(train.get("head", "")).is_dir() else None
-    methods = _methods(head)
-    suffix = importlib.util.find_spec("arctic_inference") is not None
+    suffix = suffix_available()
+    methods = _methods(head, suffix)
     out: dict = {"budget_minutes_per_temperature": round(budget, 3), "methods": methods, "suffix": suffix}
     if not suffix:
         out["suffix_missing"] = "arctic-inference is not importable: no suffix rows; the hybrid uses prompt lookup"
