@@ -505,7 +505,8 @@ def test_hass_loss_adds_a_top_k_term_to_the_full_distillation_and_detaches_the_f
 def test_soft_target_cross_entropy_equals_the_composite_form_and_its_gradient(dtype):
     """The fused loss ``s lse(z) - c.z`` (gradient ``s softmax(z) - c``) equals autograd through
     ``-(c * log_softmax(z)).sum(-1)`` for a soft target plus a top-K term (weights summing above 1)."""
-    from draftsmith.train.unroll import UnrollLoss, loss_coefficients, soft_target_cross_entropy
+    from draftsmith.train.objectives import soft_target_cross_entropy
+    from draftsmith.train.unroll import UnrollLoss, loss_coefficients
 
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(6, 40, generator=generator) * 3).to(dtype).requires_grad_()

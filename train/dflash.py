@@ -36,12 +36,12 @@ from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
 from draftsmith.train.cli import run_training
 from draftsmith.train.fused import build_fused, fused_target_features, regenerated_data
 from draftsmith.train.loop import Trainer
+from draftsmith.train.objectives import parse_objective, token_loss
 from draftsmith.train.unroll import (
     UnrollLoss,
     attention_implementation,
     depth_rates,
     record_depth_accuracy,
-    soft_target_cross_entropy,
     target_terms,
 )
 
@@ -65,6 +65,7 @@ class DFlashDrafterConfig(DrafterConfig):
     # reading the target's frozen row, which training refuses where it is near zero (never trained).
     learn_mask_embedding: bool = False
     out_of_vocab_targets: Literal["mask", "renormalise"] = "mask"  # as EAGLE-3's
+    objective: str | dict[str, float] = "kl_div"  # kl_div, rkl, jsd, ce, tv, nla, lk_hybrid or a mix {ce: 0.1, tv: 0.9}
     features: Literal["online", "offline", "served"] = "online"
     features_dir: str | None = None
     # A per-position acceptance predictor (the engine's cut=priced/threshold), trained with the
@@ -76,6 +77,7 @@ class DFlashDrafterConfig(DrafterConfig):
     confidence_for: str | None = None
 
     def validate(self) -> None:
+        parse_objective(self.objective)
         if self.confidence_alpha < 0:
             raise ValueError(f"drafter.confidence_alpha must be >= 0, got {self.confidence_alpha}")
         if self.confidence_for is not None and not self.confidence_head:
@@ -247,7 +249,9 @@ class DFlashTask:
         self.cfg = recipe.drafter
         self.target = target
         self.model = head
-        self.loss_config = UnrollLoss(mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask")
+        self.loss_config = UnrollLoss(
+            mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask", objective=parse_objective(self.cfg.objective)
+        )
         self.block_sparse = True  # False: dense SDPA under block_attention's mask (the reference; bench/dflash_cost.py)
 
     head_class = DFlashHead
@@ -385,7 +389,7 @@ class DFlashTask:
             draft_ids = model.to_draft_ids(best)
         previous = ids.gather(1, (clamped - 1).flatten(1)).view_as(labels)
         logits, confidence = self.score(head, hidden[:, :, 1 - shift :], previous, supervised)
-        ce, lse = soft_target_cross_entropy(logits, coeff)
+        ce, lse = token_loss(logits, coeff, target_probs, self.loss_config.objective, kept)
         with torch.no_grad():
             # D-PACE's per-slot acceptance: the draft's probability of the target's token (0 where
             # the draft vocabulary lacks it), not exp(-soft cross-entropy), which entropy caps.

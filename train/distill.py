@@ -4,8 +4,9 @@ Each training sequence is a ShareGPT prompt (its first user turn) followed by a 
 per sequence, from the recipe's mixture: the dataset's own reply (``fixed``), one sampled from
 the target (``target``) or one sampled from the student as it is now (``student``, on-policy:
 regenerated every step, so it follows the student as it trains). Both models score the whole
-sequence; the loss is the recipe's token-level divergence between the target's distribution p
-and the student's q at a temperature, averaged over response tokens. Logged: the divergence, the
+sequence; the loss is the recipe's token objective (``drafter.objective``, train/objectives.py)
+between the target's distribution p and the student's q at a temperature, averaged over response
+tokens. Logged: the objective, the
 acceptance rate ``sum min(p, q)`` and the greedy top-1 agreement (held-out: on target-sampled
 responses, i.e. where speculative decoding goes; in training also per response source, e.g.
 ``train/student/acceptance_rate``) and the student's perplexity on the responses.
@@ -30,8 +31,8 @@ from draftsmith.heads.vocab import token_counts
 from draftsmith.recipe import DrafterConfig, LoraConfig, Recipe
 from draftsmith.target import eos_token_ids, target_record
 from draftsmith.train.cli import run_training
-from draftsmith.train.divergences import acceptance_rate, divergence
 from draftsmith.train.loop import Trainer
+from draftsmith.train.objectives import acceptance_rate, objective_rows, parse_objective
 from draftsmith.train.prepare import target_and_data
 
 
@@ -60,17 +61,19 @@ class DistillLora(LoraConfig):
 
 @dataclass
 class DistillDrafterConfig(DrafterConfig):
-    """The student, its divergence and where its training responses come from."""
+    """The student, its token objective and where its training responses come from."""
 
     kind: str = "distill"
     # The LoRA settings were flat fields before they became the shared drafter.lora section.
-    RENAMED = {f"lora_{name}": f"lora.{name}" for name in ("r", "alpha", "dropout", "target_modules")}
+    RENAMED = {f"lora_{name}": f"lora.{name}" for name in ("r", "alpha", "dropout", "target_modules")} | {
+        "divergence": "objective"  # DistillSpec's name; its fkl and tvd are objective aliases
+    }
     student: str | None = None  # hub id or folder of a causal LM with the target's tokenizer; None: derive
     num_layers: int = 4  # derived student: this many of the target's layers, evenly spaced
     layers: list[int] | None = None  # or exactly these layer indices
     finetune: Literal["full", "lora"] = "full"  # train every student weight, or LoRA adapters (merged on export)
     lora: DistillLora = field(default_factory=DistillLora)  # with finetune: lora
-    divergence: Literal["fkl", "rkl", "jsd", "tvd"] = "fkl"  # token-level divergence between target and student
+    objective: str | dict[str, float] = "kl_div"  # kl_div, rkl, jsd, ce, tv, nla, lk_hybrid or a mix {ce: 0.1, tv: 0.9}
     jsd_beta: float = 0.5  # generalised JSD mixing weight
     temperature: float = 1.0  # both distributions are taken at this temperature
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
@@ -79,6 +82,7 @@ class DistillDrafterConfig(DrafterConfig):
     max_prompt_tokens: int = 512  # longer prompts are left out (counted)
 
     def validate(self) -> None:
+        parse_objective(self.objective)
         if self.num_layers < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
             raise ValueError("drafter.num_layers, max_new_tokens and max_prompt_tokens must be >= 1")
         if self.temperature <= 0 or self.sample_temperature < 0:
@@ -255,7 +259,8 @@ class DistillTask:
         if tokens == 0:
             return q_logits.sum() * 0.0, {"tokens": 0.0}
         t = self.cfg.temperature
-        per_token = divergence(self.cfg.divergence, p_logits / t, q_logits / t, self.cfg.jsd_beta)
+        target_probs = (p_logits / t).softmax(-1)
+        per_token = objective_rows(parse_objective(self.cfg.objective), q_logits / t, target_probs, self.cfg.jsd_beta)
         loss = per_token.mean()
         with torch.no_grad():
             gold = ids[:, width:][scored]
@@ -266,7 +271,7 @@ class DistillTask:
         metrics = {
             "tokens": float(tokens),
             "loss": float(loss.detach()) * tokens,
-            "divergence": float(per_token.detach().sum()),
+            "objective": float(per_token.detach().sum()),
             "acceptance_rate": float(accept.sum()),
             "top1_agreement": float(agree.sum()),
             "nll": float(nll),

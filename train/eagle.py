@@ -27,6 +27,7 @@ from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.timing import stage
 from draftsmith.train.cli import run_training
 from draftsmith.train.loop import Trainer
+from draftsmith.train.objectives import parse_objective
 from draftsmith.train.prepare import feature_source, target_and_data
 from draftsmith.train.unroll import UnrollLoss, depth_rates, record_depth_accuracy, unroll, unrolled_loss
 
@@ -51,8 +52,10 @@ class EagleDrafterConfig(DrafterConfig):
     detach_feedback: bool = True  # HASS: no gradient through the predicted features fed back to later passes
     top_k_loss: int | None = None  # HASS distillation: add a term over the target's K most likely tokens (null: off)
     top_k_weight: float = 1.0  # weight of the top-K term (HASS: 1.0, beside ce_weight x the full distribution)
+    objective: str | dict[str, float] = "kl_div"  # kl_div, rkl, jsd, ce, tv, nla, lk_hybrid or a mix {ce: 0.1, tv: 0.9}
 
     def validate(self) -> None:
+        parse_objective(self.objective)
         if self.num_layers < 1:
             raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
         if self.ttt_steps < 1:
@@ -82,6 +85,7 @@ class EagleTask:
             ce_weight=self.cfg.ce_weight,
             top_k_weight=self.cfg.top_k_weight,
             regression_weight=self.cfg.regression_weight,
+            objective=parse_objective(self.cfg.objective),
         )
 
     collate = staticmethod(pad_batch)

@@ -23,6 +23,7 @@ from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
 from draftsmith.train.cli import run_training
 from draftsmith.train.fused import build_fused, fused_target_features, regenerated_data
 from draftsmith.train.loop import Trainer
+from draftsmith.train.objectives import parse_objective
 from draftsmith.train.unroll import (
     Chains,
     UnrollLoss,
@@ -53,6 +54,7 @@ class Eagle3DrafterConfig(DrafterConfig):
     ttt_step_loss_decay: float = 0.8  # the loss of pass j is weighted decay ** j
     top_k_loss: int | None = None  # HASS: add a distillation term over the target's K most likely tokens (null: off)
     top_k_weight: float = 1.0  # weight of the top-K term
+    objective: str | dict[str, float] = "kl_div"  # kl_div, rkl, jsd, ce, tv, nla, lk_hybrid or a mix {ce: 0.1, tv: 0.9}
     # Chain sampling (P-EAGLE's COD): pass d >= 2 trains max(ratio ** (d - 1), ratio_min) of the positions,
     # nested (each sampled draft's ancestors are trained too) and runs on those rows only; 1: every position.
     # 0.7 beat every position at equal wall time (BENCHMARKS.md, issue 33 round 2).
@@ -66,6 +68,7 @@ class Eagle3DrafterConfig(DrafterConfig):
     features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
 
     def validate(self) -> None:
+        parse_objective(self.objective)
         if self.num_layers < 1:
             raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
         if self.ttt_steps < 1:
@@ -124,6 +127,7 @@ class Eagle3Task:
             top_k=self.cfg.top_k_loss,
             top_k_weight=self.cfg.top_k_weight,
             mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask",
+            objective=parse_objective(self.cfg.objective),
         )
 
     collate = staticmethod(pad_batch)

@@ -32,6 +32,7 @@ from draftsmith.recipe import DrafterConfig, LoraConfig, Recipe
 from draftsmith.target import final_logits
 from draftsmith.train.cli import run_training
 from draftsmith.train.loop import Trainer
+from draftsmith.train.objectives import objective_rows, parse_objective
 from draftsmith.train.prepare import feature_source, target_and_data
 
 
@@ -62,12 +63,15 @@ class MedusaDrafterConfig(DrafterConfig):
     lm_head: Literal["shared", "copy"] = "shared"  # the target's LM head by reference, or a trainable copy per head
     draft_vocab_size: int | None = None  # None: the full vocabulary; N: the N most frequent assistant tokens
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
+    objective: str | dict[str, float] | None = None  # null: CE on the data's tokens (Medusa's); else as EAGLE's
     # target hidden states computed in each step, cached on disk first, or served (data.features.server)
     features: Literal["online", "offline", "served"] = "online"
     features_dir: str | None = None  # offline cache (default: under the draftsmith cache, shared with EAGLE)
     lora: LoraSettings = field(default_factory=LoraSettings)
 
     def validate(self) -> None:
+        if self.objective is not None:
+            parse_objective(self.objective)
         if self.num_heads < 1 or self.num_layers < 0:
             raise ValueError(
                 f"drafter.num_heads must be >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}"
@@ -110,6 +114,7 @@ class MedusaTask:
         self.recipe = recipe
         self.heads = heads
         self.latest_eval: dict[str, float] = {}
+        self.objective = parse_objective(self.cfg.objective) if self.cfg.objective is not None else None
         if self.cfg.lora.enabled:
             from peft import get_peft_model
 
@@ -154,7 +159,12 @@ class MedusaTask:
         for k, (logits, gold) in enumerate(zip(head_logits, labels)):
             draft_gold = self.heads.to_draft_ids(gold)
             known = draft_gold >= 0  # labels outside the draft vocabulary cannot be learnt, only missed
-            ce = F.cross_entropy(logits[known].float(), draft_gold[known], reduction="sum")
+            if self.objective is None:
+                ce = F.cross_entropy(logits[known].float(), draft_gold[known], reduction="sum")
+            else:
+                # Head k's label (token i+k+2) is what the target predicts from position i+k+1.
+                probs = self.target_probs(hidden.flatten(0, 1)[positions[k] + k + 1])
+                ce = objective_rows(self.objective, logits, probs).sum()
             total = total + self.cfg.head_decay**k * ce / max(1, len(gold))
             with torch.no_grad():
                 ranks = min(TOP_K_RECORDED if not training else 5, logits.shape[-1])
@@ -169,6 +179,15 @@ class MedusaTask:
         metrics["tokens"] = float(len(labels[0]))
         metrics["loss"] = float(total.detach()) * metrics["tokens"]
         return total, metrics
+
+    @torch.no_grad()
+    def target_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's next-token distribution over the heads' draft vocabulary, fp32, from rows
+        of its last hidden states (renormalised over that vocabulary, as EAGLE's)."""
+        lm_head = self.target.get_output_embeddings()
+        weight = lm_head.weight.index_select(0, self.heads.draft_vocab.to(lm_head.weight.device))
+        logits = F.linear(hidden.detach().to(weight.dtype), weight)
+        return final_logits(self.target.config, logits).softmax(-1)
 
     def _target_loss(self, hidden: torch.Tensor, batch: dict, metrics: dict) -> torch.Tensor:
         """How far the tuned target moved, on assistant positions (next-token predictions)."""

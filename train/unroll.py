@@ -20,7 +20,7 @@ token ``t + j + 2`` from the target's distribution at position ``t + j + 1``.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from draftsmith.data_prep.packing import block_causal_mask, head_segments, same_segment, segment_positions
+from draftsmith.train.objectives import is_soft_cross_entropy, token_loss
 
 
 @dataclass
@@ -44,6 +45,8 @@ class UnrollLoss:
     # One mean over the scored rows of all passes (P-EAGLE, as speculators and SpecForge reduce it: each
     # depth then weighs as many rows as it scores) instead of each pass's own mean, summed (EAGLE-3).
     pool_depths: bool = False
+    # The token term over the target's whole distribution (weighted ce_weight): train/objectives.py's mix.
+    objective: dict[str, float] = field(default_factory=lambda: {"kl_div": 1.0})
 
 
 UNROLLED_ATTENTION = "draftsmith_unrolled"
@@ -307,41 +310,6 @@ def record_depth_accuracy(head, metrics: dict[str, float]) -> None:
         head.depth_accuracy = [round(metrics[f"eval/top1@{d}"], 4) for d in depths]
 
 
-class _SoftTargetCrossEntropy(torch.autograd.Function):
-    """Per row, ``-sum_i c_i log softmax(z)_i = s lse(z) - c.z`` with ``s = sum_i c_i``, and its
-    gradient ``s softmax(z) - c``, in fp32. Only the logits (in their own dtype), ``c`` and the
-    row's log-sum-exp are kept for the backward pass: the composite form (cast, log_softmax, mul,
-    sum) wrote and reread fp32 ``[rows, vocab]`` tensors at each step and took ~40% of a 7-pass
-    training step on CPU (torch.profiler), where these ops are bound by memory bandwidth."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, coeff: torch.Tensor):
-        with torch.autocast(logits.device.type, enabled=False):
-            z = logits.float()
-            lse = z.logsumexp(-1)
-            total = coeff.sum(-1)
-            loss = total * lse - torch.bmm(coeff.unsqueeze(1), z.unsqueeze(2)).view(-1)
-        ctx.save_for_backward(logits, coeff, lse, total)
-        ctx.mark_non_differentiable(lse)
-        return loss, lse
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, _grad_lse: torch.Tensor):
-        logits, coeff, lse, total = ctx.saved_tensors
-        with torch.autocast(logits.device.type, enabled=False):
-            # Out of place first: for fp32 logits .float() is the saved tensor itself.
-            grad_z = torch.sub(logits.float(), lse[:, None]).exp_().mul_((total * grad)[:, None])
-            grad_z.addcmul_(coeff, grad[:, None], value=-1.0)
-        return grad_z.to(logits.dtype), None
-
-
-def soft_target_cross_entropy(logits: torch.Tensor, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, lse)`` per row of ``logits`` ``[rows, V]``: ``-sum_i coeff_i log softmax(logits)_i``
-    (``coeff`` ``[rows, V]`` fp32: a distribution for soft cross-entropy, any non-negative weights
-    for sums of such terms) and the rows' fp32 log-sum-exp (no gradient)."""
-    return _SoftTargetCrossEntropy.apply(logits, coeff)
-
-
 def unrolled_loss(
     head,
     outputs: list[torch.Tensor],
@@ -392,8 +360,9 @@ def unrolled_loss(
             total = total + pred.sum() * 0.0
             continue
         logits = head.draft_logits(pred_t)
-        ce, lse = soft_target_cross_entropy(logits, coeff.index_select(0, rows))
         kept = keep.index_select(0, rows)
+        probs_t = target_probs.index_select(0, rows)
+        ce, lse = token_loss(logits, coeff.index_select(0, rows), probs_t, cfg.objective, cfg.ce_weight * kept)
         if cfg.regression_weight:
             target_t = next_feature.index_select(0, rows)
             regression = F.smooth_l1_loss(pred_t.float(), target_t.float(), reduction="none").mean(-1)
@@ -418,7 +387,6 @@ def unrolled_loss(
                 sums["top1"] = hits
                 sums["top3"] = (top3 == best_t[:, None]).any(-1).sum()
                 # The plain soft cross-entropy, whatever the loss's terms: lse - p.z (p sums to 1).
-                probs_t = target_probs.index_select(0, rows)
                 sums["ce_loss"] = (lse - torch.bmm(probs_t.unsqueeze(1), logits.float().unsqueeze(2)).view(-1)).sum()
                 if cfg.regression_weight:
                     sums["regression_loss"] = regression.detach().sum()
@@ -447,8 +415,10 @@ def target_terms(head, target_next: torch.Tensor, cfg: UnrollLoss, training: boo
 
 def loss_coefficients(probs: torch.Tensor, cfg: UnrollLoss) -> torch.Tensor:
     """Weights ``c`` over the draft vocabulary with loss ``-sum_i c_i log q_i``: ``ce_weight`` x the
-    target's distribution, plus ``top_k_weight`` x its K most likely entries (HASS)."""
-    coeff = probs * cfg.ce_weight
+    target's distribution (when the objective is forward KL: any other is scored apart, see
+    :func:`~draftsmith.train.objectives.token_loss`), plus ``top_k_weight`` x its K most likely
+    entries (HASS)."""
+    coeff = probs * cfg.ce_weight if is_soft_cross_entropy(cfg.objective) else torch.zeros_like(probs)
     if cfg.top_k:
         top = probs.topk(min(cfg.top_k, probs.shape[-1]), dim=-1).indices
         coeff.scatter_add_(-1, top, probs.gather(-1, top) * cfg.top_k_weight)

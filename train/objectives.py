@@ -1,0 +1,200 @@
+"""Token objectives: how a drafter's distribution q is pulled towards the target's p, per position.
+
+Every kind that predicts a distribution (EAGLE-1/3, HASS, P-EAGLE, DFlash, DSpark, draft LMs) takes
+its objective from the recipe (``drafter.objective``): one name, or a weighted mix as a mapping
+(``{ce: 0.1, tv: 0.9}``) or the JSON string speculators' ``--loss-fn`` takes. Names and definitions
+are speculators' (``speculators/losses/eager.py``, 0.9.0), so a recipe means what the peer's flag
+means:
+
+- ``kl_div``: KL(p || q), mode-covering (the default; trained as the soft cross-entropy
+  ``-sum p log q``, which differs from it by p's entropy, a constant, so gradients are equal);
+- ``rkl``: KL(q || p), mode-seeking;
+- ``jsd``: ``beta KL(p || m) + (1 - beta) KL(q || m)``, ``m = beta p + (1 - beta) q`` (beta 0.5:
+  speculators' JSD);
+- ``ce``: cross-entropy on the target's argmax;
+- ``tv``: total variation ``1 - alpha``, with ``alpha = sum_v min(p_v, q_v)`` the chance that
+  speculative sampling accepts a token drawn from q (Leviathan et al., 2023);
+- ``nla``: ``-log alpha`` (alpha clamped at 1e-5, as speculators does);
+- ``lk_hybrid``: ``lambda KL(p || q) + (1 - lambda) TV`` with ``lambda = exp(-3 sg(alpha))``
+  (Samarin et al., "LK Losses", arXiv 2602.23881).
+
+Rows are scored in chunks under activation checkpointing: a term's fp32 intermediates exist for
+one chunk at a time, never as full ``[tokens, vocab]`` copies per term, and are recomputed in the
+backward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+OBJECTIVES = ("kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")
+# Other spellings users bring: DistillSpec's (fkl, tvd) and short names.
+ALIASES = {"fkl": "kl_div", "kl": "kl_div", "forward_kl": "kl_div", "reverse_kl": "rkl", "tvd": "tv", "lk": "lk_hybrid"}
+NLA_EPS = 1e-5  # speculators' clamp of alpha under the log
+LK_ETA = 3.0  # speculators' (and the LK paper's best) blend temperature
+CHUNK_ELEMENTS = 1 << 22  # rows per chunk x vocabulary: 16 MiB of fp32 per intermediate
+
+
+def parse_objective(spec: str | dict, where: str = "drafter.objective") -> dict[str, float]:
+    """``{name: weight}`` for an objective spec: a name, a mapping of names to weights, or that
+    mapping as a JSON string (speculators' ``--loss-fn``). Raises ``ValueError`` naming the field
+    ``where`` and what is wrong."""
+    try:
+        return _parse(spec)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def _parse(spec: str | dict) -> dict[str, float]:
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text.startswith("{"):
+            try:
+                spec = json.loads(text)
+            except json.JSONDecodeError as err:
+                example = '{"ce": 0.1, "tv": 0.9}'
+                raise ValueError(f"{text!r} is not valid JSON ({err.msg}); e.g. '{example}'") from None
+        else:
+            spec = {text: 1.0}
+    if not isinstance(spec, dict) or not spec:
+        raise ValueError(f"must be a name or a non-empty mapping of names to weights, got {spec!r}")
+    mix: dict[str, float] = {}
+    for name, weight in spec.items():
+        canonical = ALIASES.get(str(name), str(name))
+        if canonical not in OBJECTIVES:
+            raise ValueError(f"unknown objective {name!r}; choose from {', '.join(OBJECTIVES)}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"the weight of {name!r} must be a finite number >= 0, got {weight!r}")
+        mix[canonical] = mix.get(canonical, 0.0) + float(weight)
+    if not any(mix.values()):
+        raise ValueError(f"{spec!r}: at least one weight must be > 0")
+    return mix
+
+
+def describe(mix: dict[str, float]) -> str:
+    """A short label for a mix (``kl_div``, ``0.1 ce + 0.9 tv``), for tables and logs."""
+    if len(mix) == 1 and next(iter(mix.values())) == 1.0:
+        return next(iter(mix))
+    return " + ".join(f"{w:g} {n}" for n, w in mix.items())
+
+
+def slug(mix: dict[str, float]) -> str:
+    """``describe`` as a file-name-safe word."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", describe(mix)).strip("-")
+
+
+def is_soft_cross_entropy(mix: dict[str, float]) -> bool:
+    """Whether ``mix`` is forward KL alone, which trains as the soft cross-entropy fast path."""
+    return set(mix) == {"kl_div"}
+
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) per row from log-probabilities (0 log 0 taken as 0)."""
+    a = log_a.exp()
+    return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(-1)
+
+
+def _terms(mix: dict[str, float], logits: torch.Tensor, probs: torch.Tensor, beta: float) -> torch.Tensor:
+    """``sum_name weight x term`` per row, fp32, from one chunk of student ``logits`` and target ``probs``."""
+    log_q = logits.float().log_softmax(-1)
+    p = probs.float()
+    log_p = p.clamp_min(torch.finfo(torch.float32).tiny).log()
+    total = log_q.new_zeros(log_q.shape[0])
+    alpha = None
+    if mix.keys() & {"tv", "nla", "lk_hybrid"}:
+        alpha = torch.minimum(log_q.exp(), p).sum(-1)
+    for name, weight in mix.items():
+        if not weight:
+            continue
+        if name == "kl_div":
+            term = _kl(log_p, log_q)
+        elif name == "rkl":
+            term = _kl(log_q, log_p)
+        elif name == "jsd":
+            log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
+            term = beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
+        elif name == "ce":
+            term = -log_q.gather(-1, p.argmax(-1, keepdim=True))[:, 0]
+        elif name == "tv":
+            term = 1.0 - alpha
+        elif name == "nla":
+            term = -alpha.clamp_min(NLA_EPS).log()
+        else:  # lk_hybrid
+            blend = torch.exp(-LK_ETA * alpha.detach())
+            term = blend * _kl(log_p, log_q) + (1 - blend) * (1.0 - alpha)
+        total = total + weight * term
+    return total
+
+
+def objective_rows(mix: dict[str, float], logits: torch.Tensor, probs: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """The objective ``mix`` per row ``[rows]`` (fp32) of student ``logits`` ``[rows, V]`` against the
+    target's distribution ``probs`` ``[rows, V]`` (no gradient flows into it), in row chunks."""
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"JSD beta must be in (0, 1), got {beta}")
+    probs = probs.detach()
+    if logits.shape[0] == 0:
+        return logits.new_zeros(0, dtype=torch.float32) + logits.sum() * 0.0
+    rows = max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    parts = [
+        checkpoint(_terms, mix, z, p, beta, use_reentrant=False) if grad else _terms(mix, z, p, beta)
+        for z, p in zip(logits.split(rows), probs.split(rows))
+    ]
+    return torch.cat(parts)
+
+
+class _SoftTargetCrossEntropy(torch.autograd.Function):
+    """Per row, ``-sum_i c_i log softmax(z)_i = s lse(z) - c.z`` with ``s = sum_i c_i``, and its
+    gradient ``s softmax(z) - c``, in fp32. Only the logits (in their own dtype), ``c`` and the
+    row's log-sum-exp are kept for the backward pass: the composite form (cast, log_softmax, mul,
+    sum) wrote and reread fp32 ``[rows, vocab]`` tensors at each step and took ~40% of a 7-pass
+    training step on CPU (torch.profiler), where these ops are bound by memory bandwidth."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, coeff: torch.Tensor):
+        with torch.autocast(logits.device.type, enabled=False):
+            z = logits.float()
+            lse = z.logsumexp(-1)
+            total = coeff.sum(-1)
+            loss = total * lse - torch.bmm(coeff.unsqueeze(1), z.unsqueeze(2)).view(-1)
+        ctx.save_for_backward(logits, coeff, lse, total)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _grad_lse: torch.Tensor):
+        logits, coeff, lse, total = ctx.saved_tensors
+        with torch.autocast(logits.device.type, enabled=False):
+            # Out of place first: for fp32 logits .float() is the saved tensor itself.
+            grad_z = torch.sub(logits.float(), lse[:, None]).exp_().mul_((total * grad)[:, None])
+            grad_z.addcmul_(coeff, grad[:, None], value=-1.0)
+        return grad_z.to(logits.dtype), None
+
+
+def soft_target_cross_entropy(logits: torch.Tensor, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, lse)`` per row of ``logits`` ``[rows, V]``: ``-sum_i coeff_i log softmax(logits)_i``
+    (``coeff`` ``[rows, V]`` fp32: a distribution for soft cross-entropy, any non-negative weights
+    for sums of such terms) and the rows' fp32 log-sum-exp (no gradient)."""
+    return _SoftTargetCrossEntropy.apply(logits, coeff)
+
+
+def token_loss(
+    logits: torch.Tensor, coeff: torch.Tensor, probs: torch.Tensor, mix: dict[str, float], weight: torch.Tensor | float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, lse)`` per row: the soft cross-entropy with ``coeff`` (which holds the whole token
+    term when ``mix`` is forward KL alone, else only extra terms such as HASS's top-K) plus, for any
+    other ``mix``, ``weight`` (a number, or one per row: 0 drops a row) x the objective against ``probs``."""
+    loss, lse = soft_target_cross_entropy(logits, coeff)
+    if not is_soft_cross_entropy(mix):
+        loss = loss + weight * objective_rows(mix, logits, probs)
+    return loss, lse
+
+
+def acceptance_rate(target_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """``sum min(p, q)`` per position: the chance a token drawn from q is accepted against p."""
+    return torch.minimum(target_logits.softmax(-1), student_logits.softmax(-1)).sum(-1)
