@@ -46,7 +46,10 @@ class MarkovHead(nn.Module):
             raise ValueError(f"markov head type must be one of {', '.join(MARKOV_TYPES)}, got {kind!r}")
         self.kind, self.rank = kind, rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        nn.init.normal_(self.markov_w1.weight, std=0.01)  # speculators' start: a near-zero bias
+        # speculators 0.9's MarkovHead.__init__ (models/dspark/model_definitions.py) draws W1 from
+        # N(0, 0.01) after the embedding's own N(0, 1); W2 and the gate/rnn projections keep torch's
+        # Linear default. Built in the same order, a seed gives speculators' very tensors.
+        nn.init.normal_(self.markov_w1.weight, std=0.01)
         self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
         if kind == "gated":
             self.gate_proj = nn.Linear(hidden_size + rank, rank)
@@ -74,12 +77,15 @@ class MarkovHead(nn.Module):
         state = gate * state + (1.0 - gate) * torch.tanh(candidate)
         return torch.tanh(out), state
 
-    def block_features(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def block_features(
+        self, embedded: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``f`` ``[..., S, r]`` for whole blocks (teacher-forced previous tokens ``embedded``
-        ``[..., S, r]``, hidden states ``[..., S, h]``); the rnn runs over the S positions in order."""
+        ``[..., S, r]``, hidden states ``[..., S, h]``); the rnn runs over the S positions in order,
+        from ``state`` (None: zeros)."""
         if self.kind != "rnn":
             return self.step(embedded, hidden, None)[0]
-        state, out = None, []
+        out = []
         for k in range(embedded.shape[-2]):
             f, state = self.step(embedded[..., k, :], hidden[..., k, :], state)
             out.append(f)
@@ -132,6 +138,41 @@ class DSparkHead(DFlashHead):
     def embed_previous(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """The Markov head's ``W1`` rows of ``token_ids`` (target vocabulary), None without one."""
         return None if self.markov_head is None else self.markov_head.markov_w1(token_ids)
+
+    @property
+    def markov_reads_anchor_slot(self) -> bool:
+        """Whether the Markov recurrence runs over the anchor's slot before the first drafting one:
+        speculators 0.9 (``DSparkDraftModel.forward``) runs ``block_bias`` over all ``block_size``
+        slots, and without ``sample_from_anchor`` the anchor's slot drafts nothing but still steps
+        the rnn (previous token: the anchor), so depth 1 starts from that state, not from zeros.
+        Vanilla and gated heads have no state: the anchor's slot changes nothing for them."""
+        return self.markov_head is not None and self.markov_head.kind == "rnn" and not self.sample_from_anchor
+
+    def markov_start(self, anchor: torch.Tensor | None, anchor_normed: torch.Tensor | None) -> torch.Tensor | None:
+        """The rnn's state entering depth 1: one step over the anchor's slot (``anchor`` its token's
+        ``W1`` row ``[..., r]``, ``anchor_normed`` its normed hidden state ``[..., h]``) where
+        :attr:`markov_reads_anchor_slot`, else None (zeros)."""
+        if not self.markov_reads_anchor_slot:
+            return None
+        return self.markov_head.step(anchor, anchor_normed, None)[1]
+
+    def teacher_forced(
+        self, hidden: torch.Tensor, previous: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(normed, features, embedded)`` of whole blocks as training scores them: ``hidden``
+        ``[..., block, h]`` every slot of each block (the anchor's first), ``previous`` ``[..., S]``
+        the token before each drafting slot's label (S = :attr:`draft_slots`). ``normed`` is the
+        drafting slots' ``[..., S, h]``; ``features`` the Markov features for :meth:`markov_logits`
+        and ``embedded`` the ``W1`` rows for :meth:`confidence_logits` (None without a Markov head)."""
+        first = 1 - self.shift
+        normed = self.norm(hidden)
+        slots = normed[..., first:, :]
+        embedded = self.embed_previous(previous)
+        if embedded is None:
+            return slots, None, None
+        # Without sample_from_anchor the first drafting slot's previous token is the anchor itself.
+        state = self.markov_start(embedded[..., 0, :], normed[..., 0, :]) if first else None
+        return slots, self.markov_head.block_features(embedded, slots, state), embedded
 
     def markov_logits(self, normed: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         """Draft logits of normed hidden states plus the Markov bias of ``features`` (from

@@ -77,19 +77,23 @@ def test_the_drafted_chain_is_the_argmax_of_the_teacher_forced_block(make_tiny_l
         features = _features(target, ids)
         drafter = DSparkDrafter(head, cut="fixed")
         drafter.begin(ids[: a + 1], features[0, :a])
-        chain = drafter.propose(DraftContext(ids[: a + 1], SamplingConfig(), None, max_tokens=10)).tokens
+        tree = drafter.propose(DraftContext(ids[: a + 1], SamplingConfig(), None, max_tokens=10))
+        chain = tree.tokens
         assert len(chain) == depth
         cache = DynamicCache()
         head.add_context(cache, features[:, :a], torch.arange(a)[None])
         slots = depth + 1 - head.shift
         block = torch.tensor([[ids[a]] + [47] * (slots - 1)])
         everything = torch.ones(1, 1, slots, a + slots, dtype=torch.bool)  # the block sees its context and itself
-        hidden = head(block, a + torch.arange(slots)[None], cache, everything)[0, 1 - head.shift :]
-        normed = head.norm(hidden)
+        hidden = head(block, a + torch.arange(slots)[None], cache, everything)[0]  # every slot, the anchor's too
         previous = torch.tensor([ids[a], *chain[:-1]])
-        embedded = head.embed_previous(previous)
-        logits = head.markov_logits(normed, head.markov_head.block_features(embedded, normed))
+        normed, markov, embedded = head.teacher_forced(hidden, previous)  # what DSparkTask.score scores
+        logits = head.markov_logits(normed, markov)
         assert head.draft_vocab[logits.argmax(-1)].tolist() == chain
+        # The chain's draft log-probabilities too, which an argmax can hide: an rnn started from another
+        # state (e.g. zeros instead of the anchor's slot without sample_from_anchor) moves them.
+        chosen = logits.float().log_softmax(-1).max(-1).values.cumsum(0)
+        torch.testing.assert_close(torch.tensor(tree.scores, dtype=torch.float32), chosen, rtol=1e-4, atol=1e-4)
         # Without the bias the chain differs somewhere: the Markov head is really in the loop.
         assert head.draft_vocab[head.lm_head(normed).argmax(-1)].tolist() != chain
         confidence = head.confidence_logits(normed, embedded).sigmoid().tolist()

@@ -56,7 +56,9 @@ class DFlashDrafterConfig(DrafterConfig):
     num_layers: int = 2  # Qwen3 decoder layers (speculators' default: 5)
     block_size: int = 8  # anchor + block_size - 1 drafted tokens (speculators' default: 16)
     anchors_per_sequence: int = 64  # blocks trained per batch row and step (a packed row's conversations share them)
-    weighting: Literal["decay", "dpace"] = "decay"  # slot k's weight: exp(-(k-1)/decay_gamma), or D-PACE
+    # The token term's slot weights: exp(-(k-1)/decay_gamma), or D-PACE. A confidence head's BCE
+    # stays on the decay either way, as speculators 0.9 weighs DSpark's (models/dspark/metrics.py).
+    weighting: Literal["decay", "dpace"] = "decay"
     decay_gamma: float = 4.0  # DFlash's gamma (speculators' default)
     dpace_alpha: float = 0.5  # D-PACE: a slot's survival is (1 - alpha) exp(-loss) + alpha
     draft_vocab_size: int | None = 8192  # the N most frequent tokens of the training replies; null: all
@@ -320,15 +322,20 @@ class DFlashTask:
         return fused_target_features(self.target, self.model.aux_layers, batch)
 
     def score(self, head, hidden: torch.Tensor, previous: torch.Tensor, supervised: torch.Tensor):
-        """``(logits, confidence logits or None)`` of the scored slots ``hidden`` ``[b, A, S, h]``
-        where ``supervised``; ``previous`` ``[b, A, S]`` holds the token before each slot's label."""
-        normed = self.model.norm(hidden[supervised])
+        """``(logits, confidence logits or None)`` of the scored slots where ``supervised``
+        ``[b, A, S]``: ``hidden`` ``[b, A, block, h]`` holds every slot of each block (the anchor's
+        first; the scored ones are the last S), ``previous`` ``[b, A, S]`` the token before each
+        scored slot's label."""
+        normed = self.model.norm(hidden[:, :, hidden.shape[2] - supervised.shape[2] :][supervised])
         return self.model.lm_head(normed), self.model.confidence_logits(normed)
 
     def confidence_loss(self, confidence, accept, weights, sums: dict) -> torch.Tensor:
-        """The confidence head's loss: binary cross-entropy of its logits against each slot's
-        acceptance rate ``accept`` (no gradient), a ``weights``-weighted mean (DFlash's decay, as
-        speculators weighs DSpark's), times ``confidence_alpha``; Brier score and bias into ``sums``."""
+        """The confidence head's loss as speculators 0.9 computes DSpark's (models/dspark/metrics.py,
+        ``_masked_decayed_mean``): binary cross-entropy of its logits against each scored slot's
+        acceptance rate ``accept`` (no gradient), times the slot's ``weights`` (DFlash's decay
+        whatever ``weighting`` says: "D-PACE expects token CE, so keep the confidence BCE on fixed
+        decay"), summed and divided by the number of scored slots (not by the weights' sum), times
+        ``confidence_alpha``; Brier score and bias into ``sums``."""
         bce = F.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")
         with torch.no_grad():
             predicted = confidence.float().sigmoid()
@@ -336,7 +343,7 @@ class DFlashTask:
             sums["confidence_bias"] = (predicted - accept).sum()
             sums["accept_rate"] = accept.sum()
             sums["accept_rate_sq"] = (accept**2).sum()  # with accept_rate, the rates' variance: a constant's Brier
-        return self.cfg.confidence_alpha * (weights * bce).sum() / weights.sum().clamp(min=1e-8)
+        return self.cfg.confidence_alpha * (weights * bce).sum() / max(weights.numel(), 1)
 
     def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
         aux, last = self.target_features(batch)
@@ -388,7 +395,7 @@ class DFlashTask:
             )
             draft_ids = model.to_draft_ids(best)
         previous = ids.gather(1, (clamped - 1).flatten(1)).view_as(labels)
-        logits, confidence = self.score(head, hidden[:, :, 1 - shift :], previous, supervised)
+        logits, confidence = self.score(head, hidden, previous, supervised)
         ce, lse = token_loss(logits, coeff, target_probs, self.loss_config.objective, kept)
         with torch.no_grad():
             # D-PACE's per-slot acceptance: the draft's probability of the target's token (0 where

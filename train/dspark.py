@@ -9,11 +9,15 @@ them (``models/dspark/{core,metrics}.py``):
   too, so a block of b slots trains depths 1..b (DFlash's layout, depths 1..b - 1, without it);
 - the Markov head adds ``W2 f(previous token)`` to each slot's logits, teacher-forced with the
   data's token before the slot's label (the token the chain will have drafted when the draft is
-  right);
+  right); an rnn head's recurrence runs over every slot of the block as speculators' ``block_bias``
+  does, so without ``sample_from_anchor`` it steps over the anchor's slot (previous token: the
+  anchor) before depth 1 (:meth:`~draftsmith.heads.dspark.DSparkHead.teacher_forced`);
 - the confidence head is trained with binary cross-entropy against each slot's analytic acceptance
   rate ``sum_v min(p_v, q_v)`` (p the target's distribution, q the draft's with the Markov bias,
   over the draft vocabulary; no gradient through the rate), weighted by DFlash's decay whatever the
-  token loss's weighting, and added with weight ``confidence_alpha`` (speculators' default 1.0).
+  token loss's ``weighting`` (``dpace`` included: speculators keeps the confidence BCE on the decay),
+  divided by the number of scored slots (speculators' ``_masked_decayed_mean``), and added with
+  weight ``confidence_alpha`` (speculators' default 1.0).
 
 The token loss is the soft cross-entropy to the target's distribution (the same gradient as
 speculators' default ``kl_div``), weighted per depth as DFlash's (decay or D-PACE).
@@ -96,9 +100,7 @@ class DSparkTask(DFlashTask):
 
     def score(self, head, hidden: torch.Tensor, previous: torch.Tensor, supervised: torch.Tensor):
         model = self.model
-        normed = model.norm(hidden)
-        embedded = model.embed_previous(previous)
-        features = None if embedded is None else model.markov_head.block_features(embedded, normed)
+        normed, features, embedded = model.teacher_forced(hidden, previous)
         logits = model.markov_logits(normed[supervised], None if features is None else features[supervised])
         confidence = model.confidence_logits(normed[supervised], None if embedded is None else embedded[supervised])
         return logits, confidence

@@ -82,8 +82,8 @@ class DFlashDrafter(Drafter):
         self._features = result.hidden if self._features is None else torch.cat([self._features, result.hidden])
 
     def block_hidden(self, context: DraftContext) -> torch.Tensor:
-        """The hidden states ``[depth, h]`` of the block's drafting slots (depth d's in row d - 1),
-        after the pending positions' context has joined the cache."""
+        """The hidden states ``[slots, h]`` of every slot of the block (the anchor's first; depth d's
+        in row d - shift), after the pending positions' context has joined the cache."""
         param = next(self.head.parameters())
         if self._features is not None and len(self._features):
             n = len(self._features)
@@ -103,7 +103,7 @@ class DFlashDrafter(Drafter):
         everything = torch.ones(1, 1, block, self._length + block, dtype=torch.bool, device=param.device)
         hidden = self.head(ids, positions, self._cache, everything)
         self._cache.crop(-block)  # the block's keys: the cache keeps the context only
-        return hidden[0, first:]
+        return hidden[0]
 
     @property
     def device(self) -> torch.device:
@@ -119,9 +119,10 @@ class DFlashDrafter(Drafter):
 
     sequential = False  # each depth's distribution depends on the token chosen above it (a Markov head)
 
-    def markov_step(self, normed: torch.Tensor):
-        """``step(d, previous) -> (bias, confidence logit)`` for :func:`grow_markov_chain`: DFlash
-        drafts without a bias; a subclass's Markov head adds one."""
+    def markov_step(self, normed: torch.Tensor, anchor: torch.Tensor):
+        """``step(d, previous) -> (bias, confidence logit)`` for :func:`grow_markov_chain` (``normed``
+        the drafting slots' normed states, ``anchor`` the slots before them: the anchor's where it
+        drafts nothing): DFlash drafts without a bias; a subclass's Markov head adds one."""
 
         def step(d: int, previous: torch.Tensor):
             return None, self.head.confidence_logits(normed[d : d + 1])
@@ -136,7 +137,9 @@ class DFlashDrafter(Drafter):
         if depth < 1:
             return TokenTree()  # the pending context joins the cache at the next proposal
         head = self.head
-        normed = head.norm(self.block_hidden(context)[:depth])
+        slots = head.norm(self.block_hidden(context))
+        first = 1 - head.shift  # the slot drafting depth 1
+        normed = slots[first : first + depth]
         logits = head.lm_head(normed)  # depth d's distribution in row d - 1
         vocab = None if head.full_vocab else head.draft_vocab
         if self.cut == "fixed" and not self.sequential:  # every depth chosen at once
@@ -145,7 +148,7 @@ class DFlashDrafter(Drafter):
             )
         return grow_markov_chain(
             logits,
-            self.markov_step(normed),
+            self.markov_step(normed, slots[:first]),
             torch.tensor(context.tokens[-1], device=logits.device),
             context.sampling,
             context.generator,

@@ -26,9 +26,11 @@ class DSparkDrafter(DFlashDrafter):
         super().__init__(head, *args, name=name, **kwargs)
         self.sequential = head.markov_head is not None
 
-    def markov_step(self, normed: torch.Tensor):
-        """Depth d's Markov bias from the token chosen at depth d - 1 (the rnn's state carried along),
-        and its confidence logit from the same features."""
+    def markov_step(self, normed: torch.Tensor, anchor: torch.Tensor):
+        """Depth d's Markov bias from the token chosen at depth d - 1 (the rnn's state carried along,
+        from the anchor's slot where the anchor drafts nothing, as training runs it:
+        :meth:`~draftsmith.heads.dspark.DSparkHead.teacher_forced`), and its confidence logit from
+        the same features."""
         head, state = self.head, None
 
         def step(d: int, previous: torch.Tensor):
@@ -36,6 +38,8 @@ class DSparkDrafter(DFlashDrafter):
             embedded = head.embed_previous(previous)
             bias = None
             if embedded is not None:
+                if d == 0 and len(anchor):  # the anchor's slot: previous is the anchor's own token
+                    state = head.markov_start(embedded, anchor)
                 features, state = head.markov_head.step(embedded, normed[d : d + 1], state)
                 bias = head.markov_head.markov_w2(features)
             return bias, None if self.cut == "fixed" else head.confidence_logits(normed[d : d + 1], embedded)
