@@ -211,6 +211,177 @@ def test_the_export_loads_in_speculators_dspark_with_the_same_weights_and_logits
         assert not (tmp_path / "gated").exists()
 
 
+@pytest.fixture(scope="module")
+def reference_target(tmp_path_factory):
+    """A tiny 3-layer Llama saved for speculators to load as the verifier; its final norm's weights
+    are moved off 1 so that a norm applied twice, or not at all, shows in the targets."""
+    pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
+    folder = save_tiny_target(tmp_path_factory.mktemp("reference") / "target", load_tokenizer("default"), layers=3)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        target.model.norm.weight.uniform_(0.5, 1.5)
+    target.save_pretrained(folder)
+    return folder, target
+
+
+@pytest.mark.parametrize(
+    ("markov", "from_anchor", "weighting", "objective"),
+    [
+        (markov, from_anchor, "decay", "kl_div")
+        for markov in ("vanilla", "gated", "rnn")
+        for from_anchor in (True, False)
+    ]
+    + [("vanilla", True, "dpace", "ce"), ("rnn", False, "dpace", "ce")],
+)
+def test_the_training_pass_is_speculators_dspark_forward(
+    reference_target, tmp_path, monkeypatch, markov, from_anchor, weighting, objective
+):
+    """Our DSpark training step and speculators 0.9's ``DSparkDraftModel.forward`` (its whole
+    forward: fc over the aux states, the block pass over anchored blocks, the verifier's targets, the
+    Markov and confidence heads, ``compute_metrics``' loss) on the same weights (our export loaded by
+    speculators), the same features and the same anchors: the same logits and confidence logits at
+    every scored slot, the same confidence loss (BCE on the decay, divided by the scored slots, under
+    D-PACE too), the same total loss (forward KL is our soft cross-entropy less the target's weighted
+    entropy; under D-PACE speculators' CE) and the same gradient on every trained weight both share."""
+    from speculators.losses import eager
+    from speculators.losses.utils import resolve_loss_config
+    from speculators.models.dflash import core as dflash_core
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+    from speculators.models.dspark import core as dspark_core
+
+    from draftsmith.export import export_checkpoint
+    from draftsmith.train import dflash as dflash_training
+    from draftsmith.train.dspark import DSparkDrafterConfig, DSparkRecipe, DSparkTask
+
+    folder, target = reference_target
+    vocab_size, block, gamma = target.config.vocab_size, 7, 4.0
+    torch.manual_seed(0)
+    options = {"markov_rank": 16, "markov_head_type": markov, "sample_from_anchor": from_anchor}
+    head = DSparkHead.for_target(
+        target, str(folder), [2, 0, 1], 2, block, 16, torch.arange(0, vocab_size, 3), **options
+    )
+    with torch.no_grad():
+        for param in head.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    head.save_pretrained(tmp_path / "ckpt")
+    export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out")
+    config = DSparkSpeculatorConfig.from_pretrained(tmp_path / "out")
+    config.transformer_layer_config._attn_implementation = "eager"
+    config.speculators_config.verifier.name_or_path = str(folder)
+    theirs = DSparkDraftModel.from_pretrained(tmp_path / "out", config=config).train()
+
+    ids = torch.randint(vocab_size, (1, 48), generator=torch.Generator().manual_seed(1))
+    loss_mask = (torch.arange(48) >= 6).long()[None]  # a prompt of 6 tokens, then the reply
+    anchors = torch.tensor([6, 9, 20, 27, 33])  # every block's slots and labels inside the reply; two overlap
+    count = len(anchors)
+    inputs = []
+    hook = target.model.norm.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    with torch.no_grad():
+        out = target.get_decoder()(input_ids=ids, output_hidden_states=True)
+    hook.remove()
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": loss_mask,
+        "aux": torch.cat([out.hidden_states[layer] for layer in head.aux_layers], dim=-1),
+        "hidden": out.last_hidden_state,
+    }
+    drafter = DSparkDrafterConfig(
+        block_size=block,
+        anchors_per_sequence=count,
+        weighting=weighting,
+        decay_gamma=gamma,
+        out_of_vocab_targets="renormalise",  # speculators' targets: the verifier's logits over the draft vocabulary
+        objective=objective,
+        **options,
+    )
+    task = DSparkTask(DSparkRecipe(drafter=drafter), target, head)
+    monkeypatch.setattr(
+        dflash_training, "sample_anchors", lambda *args: (anchors[None], torch.ones(1, count, dtype=bool))
+    )
+    monkeypatch.setattr(dflash_core, "select_anchors", lambda *args: (anchors.clone(), torch.ones(count, dtype=bool)))
+    ours, reference = {}, {}
+    score, confidence_loss = task.score, task.confidence_loss
+
+    def spy_score(*args):
+        ours["logits"], ours["confidence"] = score(*args)
+        return ours["logits"], ours["confidence"]
+
+    task.score = spy_score
+    task.confidence_loss = lambda *args: ours.setdefault("confidence_loss", confidence_loss(*args))
+    compute_metrics = dspark_core.compute_metrics
+
+    def spy_metrics(logits, targets, confidence, mask, *args, **kwargs):
+        reference.update(logits=logits, targets=targets, confidence=confidence, mask=mask)
+        return compute_metrics(logits, targets, confidence, mask, *args, **kwargs)
+
+    monkeypatch.setattr(dspark_core, "compute_metrics", spy_metrics)
+    total, _ = task.loss(head, batch, True)
+    _, loss, metrics = theirs(
+        hidden_states=torch.cat([out.hidden_states[layer] for layer in config.aux_hidden_state_layer_ids], dim=-1),
+        input_ids=ids,
+        loss_mask=loss_mask,
+        verifier_last_hidden_states=inputs[0],  # before the final norm, which speculators applies
+        document_ids=torch.zeros_like(ids),
+        loss_config=resolve_loss_config(objective, "eager"),
+        tv_loss_fn=eager.tv_loss,
+        gamma=gamma,
+        max_anchors=count,
+        confidence_head_alpha=1.0,
+        per_position_loss_weight="dpace" if weighting == "dpace" else "fixed-exp-decay",
+        dpace_alpha=drafter.dpace_alpha,
+    )
+    first = 1 - head.shift  # speculators scores slots 0.. with sample_from_anchor, else 1..
+    scored = reference["mask"].view(count, block)[:, first:].bool()
+    assert scored.all() and len(ours["logits"]) == scored.sum()  # every slot scored, on both sides
+
+    def at_scored(x: torch.Tensor) -> torch.Tensor:
+        return x.view(count, block, *x.shape[2:])[:, first:][scored]
+
+    torch.testing.assert_close(ours["logits"], at_scored(reference["logits"]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours["confidence"], at_scored(reference["confidence"]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours["confidence_loss"], metrics["confidence_loss_sum"], rtol=1e-4, atol=1e-5)
+    offset = 0.0
+    if objective == "kl_div":  # soft cross-entropy = KL + the target's entropy, weighted as the slots are
+        probs = at_scored(reference["targets"]).float().softmax(-1)
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+        decay = torch.exp(-torch.arange(block - first) / gamma).expand(count, -1)[scored]
+        offset = (decay * entropy).sum() / scored.sum()
+    torch.testing.assert_close(total, loss + offset, rtol=1e-5, atol=1e-5)
+    total.backward()
+    loss.backward()
+    shared = dict(theirs.named_parameters())
+    # fc reads the aux layers in another order; the draft LM head, which speculators freezes, is left out.
+    checked = [name for name, param in head.named_parameters() if name in shared and shared[name].requires_grad]
+    assert any(name.startswith("markov_head.") for name in checked) and "confidence_head.proj.weight" in checked
+    for name in checked:
+        if name != "fc.weight":
+            mine, want = dict(head.named_parameters())[name].grad, shared[name].grad
+            torch.testing.assert_close(mine, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_the_markov_head_starts_as_speculators_does(kind):
+    """Built in the same order from the same seed, our Markov head holds speculators' very initial
+    tensors (``markov_w1`` N(0, 0.01) after the embedding's own draw, as its ``MarkovHead.__init__``
+    sets it; the projections torch's Linear default)."""
+    pytest.importorskip("speculators", reason="installed by scripts/install.sh (see README)")
+    from speculators.models.dspark.model_definitions import MarkovHead as TheirMarkovHead
+
+    from draftsmith.heads.dspark import MarkovHead
+
+    torch.manual_seed(5)
+    ours = MarkovHead(300, 120, 16, 32, kind).state_dict()
+    torch.manual_seed(5)
+    theirs = TheirMarkovHead(
+        verifier_vocab_size=300, draft_vocab_size=120, markov_rank=16, hidden_size=32, head_type=kind
+    ).state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+    assert 0.008 < float(ours["markov_w1.weight"].std()) < 0.012
+
+
 def save_copy_target(folder, tokenizer, hidden_size: int = 64):
     """A tiny Llama whose next token depends on the current token alone, and how sure it is too: its
     layers add nothing (zero output projections), so the last hidden state is the token's embedding
