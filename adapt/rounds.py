@@ -159,6 +159,7 @@ class Adapter:
         )
         self.layers = config.get("aux_layers")
         self.storage = self.recipe.data.features.storage_dtype
+        self.traffic_override: Path | None = None  # a feature store of the traffic, kept by draftsmith-adapt --watch
         self._check_traffic()
 
     # -- data ------------------------------------------------------------------------------------
@@ -187,6 +188,8 @@ class Adapter:
         """:meth:`traffic` and the number of its oldest request (those before it went to a store's
         bounds), read together: a store's writer may drop shards in between."""
         source = Path(self.cfg.traffic)
+        if self.traffic_override is not None:  # a watcher appends a log's features there (adapt/watch.py)
+            return FeatureDataset(self.traffic_override / "train"), 0
         if source.is_file():
             data_cfg = replace(
                 self.recipe.data,
