@@ -16,7 +16,8 @@ Every field and weight name below is read by ``speculators`` 0.9.0 (``config.py`
   another machine; the local folder stays in draftsmith's own record).
 - Weights are draftsmith's names unchanged (the head was written with speculators' names:
   ``layers.N.*`` for every layer) plus
-  ``embed_tokens.weight`` from the target (speculators' own checkpoints carry it). ``d2t`` (int64,
+  ``embed_tokens.weight`` from the target (speculators' own checkpoints carry it; as the target's
+  embedding module computes it, e.g. Gemma's scaled by ``embed_scale``). ``d2t`` (int64,
   target id = draft id + d2t[draft id]) and ``t2d`` (bool over the target vocabulary) are written
   only for a reduced draft vocabulary: with a full one neither library registers them.
 
@@ -31,6 +32,8 @@ heads serve through ``--format sglang``.
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
 
 from draftsmith.export.common import (
     Source,
@@ -69,6 +72,17 @@ def check_aux_layers(source: Source) -> None:
             f"final norm, which vLLM captures before the norm; train with aux layers "
             f"below {num_layers} (default [2, N/2, N-3])",
         )
+
+
+def embedding_table(model) -> torch.Tensor:
+    """``model``'s token embeddings as its embedding module gives them, one row per token: the
+    table itself, or for a module that scales its lookups (Gemma's ``embed_scale``) the scaled
+    rows, since the engines' EAGLE-3 layers look ``embed_tokens`` up plainly."""
+    module = model.get_input_embeddings()
+    if type(module) is torch.nn.Embedding:
+        return module.weight
+    with torch.no_grad():
+        return module(torch.arange(module.weight.shape[0], device=module.weight.device))
 
 
 def speculators_config(source: Source, target: Target, tokens: int) -> dict:
@@ -115,7 +129,7 @@ def export_eagle3(
             tensors.pop(name)
     # P-EAGLE's table is the head's own, trained (mask row included); EAGLE-3's is the target's.
     own = tensors.get(SPECULATORS_EMBED)
-    tensors[SPECULATORS_EMBED] = (own if own is not None else target.model.get_input_embeddings().weight).detach()
+    tensors[SPECULATORS_EMBED] = (own if own is not None else embedding_table(target.model)).detach()
     tensors[SPECULATORS_EMBED] = tensors[SPECULATORS_EMBED].to(target.dtype)
     if parallel and "mask_embedding" in tensors:  # a checkpoint from before the table trained: its mask row
         tensors[SPECULATORS_EMBED] = tensors[SPECULATORS_EMBED].clone()

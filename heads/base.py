@@ -152,8 +152,26 @@ class Head(nn.Module, ABC):
         it first scores as the target would."""
         self.lm_head.weight.copy_(target_lm_rows(target, self.draft_vocab))
         final_norm = getattr(target.get_decoder(), "norm", None)
-        if final_norm is not None and getattr(final_norm, "weight", None) is not None:
-            self.norm.weight.copy_(final_norm.weight.float())
+        if final_norm is None or getattr(final_norm, "weight", None) is None:
+            return
+        self.norm.weight.copy_(final_norm.weight.float())
+        if type(final_norm) is type(self.norm):
+            return
+        # A norm of another class: the copy stands where it computes what the target's does (Llama's
+        # and Qwen3's RMSNorm); else (Gemma's scales by 1 + weight, a Llama-layer head's by weight)
+        # the weight that makes the head's norm give the target's output on a unit-RMS input.
+        device = self.norm.weight.device
+        probe = torch.randn(2, self.norm.weight.numel(), generator=torch.Generator().manual_seed(0)).to(device)
+
+        def target_norm(x: torch.Tensor) -> torch.Tensor:
+            weight = final_norm.weight
+            return final_norm(x.to(weight.device, weight.dtype)).float().to(device)
+
+        if torch.allclose(self.norm(probe.to(self.norm.weight.dtype)).float(), target_norm(probe), rtol=1e-3, atol=1e-5):
+            return
+        ones = torch.ones_like(probe[:1])
+        self.norm.weight.fill_(1.0)
+        self.norm.weight.copy_((target_norm(ones) / self.norm(ones.to(self.norm.weight.dtype)).float())[0])
 
     # -- checkpoints -----------------------------------------------------------------------------
     @abstractmethod

@@ -113,12 +113,16 @@ def save_head(module: torch.nn.Module, path: str | Path, kind: str, config: dict
 def load_head_parts(path: str | Path, kind: str, target: PreTrainedModel | None) -> tuple[dict, dict, tuple]:
     """``(config, state, (layer_class, rotary_class))`` of a head checkpoint (or export) of ``kind``;
     with ``target`` it is first checked against the recorded target, whose classes build the layers
-    (None, None without one: the head derives them from its recorded target config)."""
+    when they are of its architecture (None, None without a target, or for layers of another
+    architecture, e.g. an EAGLE-3 head's dense Llama layer over a MoE target: the head derives them
+    from its recorded layer config)."""
     config = read_config(path, kind)
     classes = (None, None)
     if target is not None:
         check_target(config["target"], target, path)
-        classes = decoder_classes(target)
+        recorded = (config.get("target_config") or {}).get("model_type")
+        if recorded in (None, target.config.model_type):
+            classes = decoder_classes(target)
     return config, read_state(path), classes
 
 

@@ -12,6 +12,16 @@ vocabulary) score the next token from the last layer's output, which is also wha
 step reads back. There is no feature regression: training unrolls the head on its own outputs
 (training-time test, see :mod:`draftsmith.train.unroll`).
 
+The head's layers are the target's own architecture when that is one the serving engines build
+EAGLE-3 layers of (Llama, Qwen3: :data:`OWN_LAYER_TYPES`); any other target (MoE ones: Qwen3-MoE,
+Mixtral, gpt-oss, DeepSeek-V3; and dense ones whose layers differ: Gemma 3, Phi-3's fused qkv)
+gets one dense Llama layer shaped from its config (:func:`draft_layer_config`), as the references
+build them: speculators 0.9.0's trainer makes every EAGLE-3 draft a dense ``llama`` (or ``qwen3``)
+decoder from the verifier's config (``train/cli.py`` ``create_transformer_layer_config``, its MLP
+width from ``models/utils.py`` ``resolve_draft_intermediate_size``: "the draft is an independent
+small *dense* decoder"), and SpecForge's Qwen3-30B-A3B config is a one-layer
+``LlamaForCausalLMEagle3`` (``configs/qwen3-30B-eagle3.json``; its MoE draft is an opt-in variant).
+
 That layer layout is the one vLLM 0.32 and speculators 0.9.0 build from ``num_hidden_layers``:
 vLLM's ``llama_eagle3.py`` / ``qwen3_eagle3.py`` give layer 0 ``2 * hidden`` q/k/v inputs and
 layers 1.. ``hidden`` ones, fed the hidden state and residual only; speculators' ``Eagle3DraftModel``
@@ -24,9 +34,11 @@ in a KV cache). The token embedding is the target's, used by reference and never
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.heads.aux_layers import resolve_aux_layers
@@ -43,6 +55,53 @@ from draftsmith.heads.vocab import d2t_for
 from draftsmith.target import target_record
 
 KIND = "eagle3"
+# Targets of these architectures lend the head their own decoder layer: the EAGLE-3 layers
+# speculators 0.9.0 builds (models/eagle3/model_definitions.py model_classes) and vLLM serves
+# (llama_eagle3.py, qwen3_eagle3.py). Any other target gets a dense Llama layer of its shape.
+OWN_LAYER_TYPES = ("llama", "qwen3")
+
+
+def draft_layer_config(target_config: PretrainedConfig) -> PretrainedConfig:
+    """The config the head's decoder layers are built from: ``target_config`` itself for a target in
+    :data:`OWN_LAYER_TYPES`, else a dense :class:`LlamaConfig` of the target's shape, derived as
+    speculators 0.9.0 derives its drafts' (``train/cli.py`` ``create_transformer_layer_config``):
+    the target's width, attention heads, KV heads and head size, its dense ``intermediate_size``
+    (a MoE config without one: 3 x hidden, ``resolve_draft_intermediate_size``), activation, norm
+    epsilon and RoPE (per-layer-type RoPE collapsed to the sliding layers', else the full ones';
+    a partial rotary factor dropped), no attention bias, untied LM head."""
+    if target_config.model_type in OWN_LAYER_TYPES:
+        return target_config
+    hidden, heads = target_config.hidden_size, target_config.num_attention_heads
+    rope = copy.deepcopy(getattr(target_config, "rope_parameters", None) or {})
+    if "rope_theta" not in rope:  # {"sliding_attention": {...}, "full_attention": {...}}
+        rope = dict(rope.get("sliding_attention") or rope.get("full_attention") or {})
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", 10000.0)
+    for key in ("type", "mrope_interleaved") + (() if "mrope_section" in rope else ("partial_rotary_factor",)):
+        rope.pop(key, None)
+    config = LlamaConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=getattr(target_config, "intermediate_size", None) or 3 * hidden,
+        num_hidden_layers=target_config.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
+        hidden_act=getattr(target_config, "hidden_act", None)
+        or getattr(target_config, "hidden_activation", None)
+        or "silu",
+        max_position_embeddings=target_config.max_position_embeddings,
+        initializer_range=getattr(target_config, "initializer_range", 0.02),
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", None) or 1e-6,
+        rope_parameters=rope,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=getattr(target_config, "bos_token_id", None),
+        eos_token_id=getattr(target_config, "eos_token_id", None),
+        pad_token_id=getattr(target_config, "pad_token_id", None),
+    )
+    config.dtype = getattr(target_config, "dtype", None)
+    return config
 
 
 class Eagle3Layer(nn.Module):
@@ -99,9 +158,11 @@ class Eagle3Head(Fp32RotaryMixin, Head):
         super().__init__(target_config.vocab_size, target_info)
         if num_layers < 1:
             raise ValueError(f"an EAGLE-3 head needs at least one decoder layer, got num_layers={num_layers}")
-        self.config = config = head_config(target_config, num_layers)
+        layer_config = draft_layer_config(target_config)
+        self.config = config = head_config(layer_config, num_layers)
         self.aux_layers = list(aux_layers)
-        if layer_class is None or rotary_class is None:
+        # The target's classes build the layers only where the layers are the target's own.
+        if layer_class is None or rotary_class is None or layer_config is not target_config:
             layer_class, rotary_class = architecture_classes(config)
         hidden = config.hidden_size
         self.fc = nn.Linear(len(self.aux_layers) * hidden, hidden, bias=False)

@@ -8,6 +8,10 @@ and the mask cover the context, not the capacity, unlike transformers' ``StaticC
 :meth:`SlotCache.compact` keeps the accepted rows of all layers with one gather and one copy.
 The capacity grows by doubling when a sequence outgrows it.
 
+Keys and values may differ in size (DeepSeek-V3's multi-head latent attention caches its
+compressed ``kv_lora_rank`` latent as keys and its ``qk_rope_head_dim`` rotary part as values):
+the buffer's last dimension is the larger, and each reads its own leading part.
+
 Every layer keeps its full history, sliding-window ones included: the runner puts the window in
 their masks, since a window-sized cache would already have evicted keys a rejected tree row
 needs rolled back.
@@ -30,7 +34,7 @@ class SlotLayer(CacheLayerMixin):
         self.cache, self.index, self.length = cache, index, 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.cache.allocate(key_states)
+        self.cache.allocate(key_states, value_states)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -40,14 +44,15 @@ class SlotLayer(CacheLayerMixin):
         n = key_states.shape[-2]
         self.cache.ensure(self.length + n)
         buffer = self.cache.buffer[self.index]
-        buffer[0, :, :, self.length : self.length + n].copy_(key_states)
-        buffer[1, :, :, self.length : self.length + n].copy_(value_states)
+        keys, values = self.cache.key_dim, self.cache.value_dim
+        buffer[0, :, :, self.length : self.length + n, :keys].copy_(key_states)
+        buffer[1, :, :, self.length : self.length + n, :values].copy_(value_states)
         self.length += n
-        return buffer[0, :, :, : self.length], buffer[1, :, :, : self.length]
+        return buffer[0, :, :, : self.length, :keys], buffer[1, :, :, : self.length, :values]
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if self.cache.buffer is None else self.cache.buffer[self.index, 0, :, :, : self.length]
+        return None if self.cache.buffer is None else self.cache.buffer[self.index, 0, :, :, : self.length, : self.cache.key_dim]
 
     @keys.setter
     def keys(self, value) -> None:  # the base class initialises it; the buffer is the storage
@@ -55,7 +60,7 @@ class SlotLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:
-        return None if self.cache.buffer is None else self.cache.buffer[self.index, 1, :, :, : self.length]
+        return None if self.cache.buffer is None else self.cache.buffer[self.index, 1, :, :, : self.length, : self.cache.value_dim]
 
     @values.setter
     def values(self, value) -> None:
@@ -86,16 +91,20 @@ class SlotCache(Cache):
         self.layers = [SlotLayer(self, i) for i in range(num_layers)]
         self.capacity = capacity
         self.buffer: torch.Tensor | None = None
+        self.key_dim = self.value_dim = 0  # the sizes of a key and of a value (the buffer holds the larger)
 
-    def allocate(self, key_states: torch.Tensor) -> None:
-        """Create the buffer from the first layer's key shape (every layer must share it)."""
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        """Create the buffer from the first layer's key and value shapes (every layer must share them)."""
+        value_states = key_states if value_states is None else value_states
+        dims = (key_states.shape[-1], value_states.shape[-1])
         if self.buffer is None:
-            batch, heads, _, dim = key_states.shape
-            self.buffer = key_states.new_empty(len(self.layers), 2, batch, heads, self.capacity, dim)
-        elif self.buffer.shape[2:4] + self.buffer.shape[-1:] != key_states.shape[:2] + key_states.shape[-1:]:
+            batch, heads, _, _ = key_states.shape
+            self.key_dim, self.value_dim = dims
+            self.buffer = key_states.new_empty(len(self.layers), 2, batch, heads, self.capacity, max(dims))
+        elif self.buffer.shape[2:4] != key_states.shape[:2] or dims != (self.key_dim, self.value_dim):
             raise ValueError(
-                f"SlotCache needs one KV shape for all layers; got {tuple(key_states.shape)} "
-                f"after {tuple(self.buffer.shape)}"
+                f"SlotCache needs one KV shape for all layers; got keys {tuple(key_states.shape)} and values "
+                f"{tuple(value_states.shape)} after {tuple(self.buffer.shape)}"
             )
 
     def ensure(self, rows: int) -> None:
