@@ -2,8 +2,8 @@
 drafting with the confidence cut is lossless (greedy identical, sampling distributed as the
 target), the export loads in speculators' own DSparkDraftModel with the same weights and logits,
 a training step is speculators' whole DSparkDraftModel.forward (logits, confidences, loss and
-gradients on the same weights, features and anchors), training learns and its confidence head predicts acceptance better than a constant, and bad
-recipes are refused before any model loads.
+gradients on the same weights, features and anchors), training learns and its confidence head
+predicts acceptance better than a constant, and bad recipes are refused before any model loads.
 
 Tiny random-weight targets (built from a config) keep these fast.
 """
