@@ -168,9 +168,17 @@ def _tokenizer_from(source: str, chat_template: str | None) -> PreTrainedTokeniz
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if chat_template:
-        path = Path(chat_template)
-        tokenizer.chat_template = path.read_text() if path.suffix == ".jinja" or path.is_file() else chat_template
+        tokenizer.chat_template = Path(chat_template).read_text() if _is_file(chat_template) else chat_template
     return tokenizer
+
+
+def _is_file(name: str) -> bool:
+    """Whether ``name`` (a path, or template text) names a Jinja file: template text longer than a
+    file name may be makes ``is_file`` raise."""
+    try:
+        return Path(name).suffix == ".jinja" or Path(name).is_file()
+    except OSError:
+        return False
 
 
 @functools.lru_cache(maxsize=8)

@@ -16,7 +16,14 @@ class TemplateError(ValueError):
 
 
 def assistant_char_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The fully rendered conversation and the ``[start, end)`` character span of each assistant turn."""
+    """The fully rendered conversation and the ``[start, end)`` character span of each assistant turn.
+
+    A turn starts where the conversation before it plus the generation prompt ends. It ends where the
+    conversation through it ends, unless the template renders a conversation's last assistant turn
+    otherwise than the same turn followed by more (Qwen3 gives the last turn a ``<think>`` block and
+    drops earlier turns' reasoning; gpt-oss's harmony format ends the last turn with ``<|return|>``,
+    earlier ones with ``<|end|>`` and drops their analysis channel): then it ends where the next
+    message starts, found as the conversation through that message less that message's own text."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, message in enumerate(messages):
@@ -24,13 +31,29 @@ def assistant_char_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict
             continue
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
         through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        if not text.startswith(before) or not text.startswith(through) or len(through) <= len(before):
+        end = len(through) if text.startswith(through) else _next_message_start(tokenizer, messages, i, text)
+        if not text.startswith(before) or end is None or end <= len(before):
             raise TemplateError(
                 "the chat template does not render conversations prefix-stably, so assistant "
                 f"spans cannot be located (turn {i}); pass a template with {{% generation %}} markers"
             )
-        spans.append((len(before), len(through)))
+        spans.append((len(before), end))
     return text, spans
+
+
+def _next_message_start(tokenizer: PreTrainedTokenizerBase, messages: list[dict], i: int, text: str) -> int | None:
+    """Where message ``i + 1`` starts in ``text`` (the whole conversation rendered), or None: the
+    rendering through it, which must be a prefix of ``text``, less its own text (what it adds when
+    rendered right after ``messages[:i]``)."""
+    if i + 1 >= len(messages) or messages[i + 1]["role"] == "assistant":
+        return None
+    render = lambda part: tokenizer.apply_chat_template(part, tokenize=False)  # noqa: E731
+    through_next = render(messages[: i + 2])
+    alone_before, alone = render(messages[:i]) if i else "", render(messages[:i] + [messages[i + 1]])
+    if not text.startswith(through_next) or not alone.startswith(alone_before):
+        return None
+    own = alone[len(alone_before) :]
+    return len(through_next) - len(own) if own and through_next.endswith(own) else None
 
 
 def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int) -> dict:
@@ -72,10 +95,13 @@ def _splice_generated(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) 
     """Ids and mask with generated replies' own ids in place of their re-encoded text.
 
     The text around the replies is rendered by the template and tokenised piece by piece (the
-    pieces meet at the template's role markers); a reply's end-of-turn text is what the template
-    writes after an empty reply.
+    pieces meet at the template's role markers), the generated replies rendered empty: their ids
+    stand in for them, and their decoded text need not be content the template takes (gpt-oss's
+    refuses harmony channel tags in a content field). A reply's end-of-turn text is what the
+    template writes after a reply.
     """
-    text, spans = assistant_char_spans(tokenizer, messages)
+    rendered = [{"role": "assistant", "content": ""} if "token_ids" in m else m for m in messages]
+    text, spans = assistant_char_spans(tokenizer, rendered)
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     ids: list[int] = []
     mask: list[int] = []
@@ -88,21 +114,26 @@ def _splice_generated(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) 
     for index, (start, end) in zip(assistants, spans):
         add(tokenizer(text[position:start], add_special_tokens=False)["input_ids"], 0)
         message = messages[index]
-        if "token_ids" not in message:
+        if "token_ids" not in message:  # a reply of the data's own among regenerated ones: its text
             add(tokenizer(text[start:end], add_special_tokens=False)["input_ids"], 1)
             position = end
             continue
         add(list(message["token_ids"]), 1)
         if not message.get("finished", True):  # cut off at max_new_tokens: nothing follows it
             return ids, mask
-        before = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-        closing = tokenizer.apply_chat_template(
-            messages[:index] + [{"role": "assistant", "content": ""}], tokenize=False
-        )[len(before) :]
-        add(tokenizer(closing, add_special_tokens=False)["input_ids"], 1)
+        add(tokenizer(_closing(tokenizer, rendered[:index]), add_special_tokens=False)["input_ids"], 1)
         position = end
     add(tokenizer(text[position:], add_special_tokens=False)["input_ids"], 0)
     return ids, mask
+
+
+def _closing(tokenizer: PreTrainedTokenizerBase, history: list[dict]) -> str:
+    """The end-of-turn text the template writes after a reply to ``history`` (the reply the last
+    turn): what follows a sentinel reply, so a template that wraps the reply (Qwen3's empty
+    ``<think>`` block before it) adds nothing of its wrapping."""
+    sentinel = "\u2063draftsmith-reply\u2063"
+    rendered = tokenizer.apply_chat_template(history + [{"role": "assistant", "content": sentinel}], tokenize=False)
+    return rendered[rendered.rindex(sentinel) + len(sentinel) :]
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:

@@ -80,7 +80,9 @@ FAMILIES = {
         },
     ),
     "mixtral": lambda: MixtralConfig(**{**SHAPE, "intermediate_size": 32}, **HEAD_DIM, **EXPERTS, num_local_experts=4),
-    "gemma3": lambda: Gemma3TextConfig(**SHAPE, **HEAD_DIM, sliding_window=8, layer_types=MIXED, query_pre_attn_scalar=16),
+    "gemma3": lambda: Gemma3TextConfig(
+        **SHAPE, **HEAD_DIM, sliding_window=8, layer_types=MIXED, query_pre_attn_scalar=16
+    ),
     "phi3": lambda: Phi3Config(**SHAPE),
     # Multi-head latent attention: every head reads the one compressed latent (num_key_value_heads
     # = num_attention_heads, as in the real config).

@@ -116,9 +116,9 @@ def test_features_are_the_decoders_own_states_and_the_target_loads_head_only(fam
     assert row["loss_mask"].sum() == LENGTH - 8
     head_only = family.head_only
     assert is_head_only(head_only)
-    for mine, theirs in ((head_only, family.model),):
-        torch.testing.assert_close(mine.get_input_embeddings()(row["input_ids"]), theirs.get_input_embeddings()(row["input_ids"]))
-        assert torch.equal(mine.get_output_embeddings().weight, theirs.get_output_embeddings().weight)
+    embeds = head_only.get_input_embeddings()(row["input_ids"])
+    torch.testing.assert_close(embeds, family.model.get_input_embeddings()(row["input_ids"]))
+    assert torch.equal(head_only.get_output_embeddings().weight, family.model.get_output_embeddings().weight)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -208,7 +208,9 @@ def test_speculators_export_loads_in_speculators_and_drafts_our_logits(families,
     assert len(logits) == steps
     for step in range(steps):
         valid = n - step
-        torch.testing.assert_close(logits[step][0, :valid], head.draft_logits(ours[step])[0, :valid], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            logits[step][0, :valid], head.draft_logits(ours[step])[0, :valid], atol=1e-4, rtol=1e-4
+        )
 
 
 def test_every_family_stops_on_its_eos():
