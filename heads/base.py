@@ -167,7 +167,9 @@ class Head(nn.Module, ABC):
             weight = final_norm.weight
             return final_norm(x.to(weight.device, weight.dtype)).float().to(device)
 
-        if torch.allclose(self.norm(probe.to(self.norm.weight.dtype)).float(), target_norm(probe), rtol=1e-3, atol=1e-5):
+        if torch.allclose(
+            self.norm(probe.to(self.norm.weight.dtype)).float(), target_norm(probe), rtol=1e-3, atol=1e-5
+        ):
             return
         ones = torch.ones_like(probe[:1])
         self.norm.weight.fill_(1.0)

@@ -52,7 +52,11 @@ class SlotLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if self.cache.buffer is None else self.cache.buffer[self.index, 0, :, :, : self.length, : self.cache.key_dim]
+        return (
+            None
+            if self.cache.buffer is None
+            else self.cache.buffer[self.index, 0, :, :, : self.length, : self.cache.key_dim]
+        )
 
     @keys.setter
     def keys(self, value) -> None:  # the base class initialises it; the buffer is the storage
@@ -60,7 +64,11 @@ class SlotLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:
-        return None if self.cache.buffer is None else self.cache.buffer[self.index, 1, :, :, : self.length, : self.cache.value_dim]
+        return (
+            None
+            if self.cache.buffer is None
+            else self.cache.buffer[self.index, 1, :, :, : self.length, : self.cache.value_dim]
+        )
 
     @values.setter
     def values(self, value) -> None:
