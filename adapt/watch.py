@@ -311,9 +311,8 @@ def serve_and_watch(job: dict) -> dict:
     from draftsmith.data_prep.chat import render_prompt
     from draftsmith.export.serve_check import export_metadata, served_as, speculative_config
     from draftsmith.export.vllm_reload import ENGINE_ARGS
-    from draftsmith.target import load_tokenizer
-
     from draftsmith.plugins import register_builtin
+    from draftsmith.target import load_tokenizer
 
     register_builtin()
     Path(job["adapt"]["traffic"]).touch()  # the gateway's log, empty until requests are served
@@ -337,7 +336,11 @@ def serve_and_watch(job: dict) -> dict:
     with Path(adapter.cfg.traffic).open("a") as log:
         for i, (messages, output) in enumerate(zip(job["traffic"], served)):
             reply = tokenizer.decode(output["tokens"], skip_special_tokens=True)
-            choice = {"message": {"role": "assistant", "content": reply}, "finish_reason": output["finish_reason"]}
+            choice = {
+                "message": {"role": "assistant", "content": reply},
+                "finish_reason": output["finish_reason"],
+                "token_ids": output["tokens"],  # as vLLM's choices carry them with return_token_ids
+            }
             line = {
                 "request": {"model": "served", "messages": messages},
                 "response": {"id": f"r{i}", "choices": [choice]},
