@@ -223,3 +223,46 @@ def test_a_hybrid_from_its_spec_prices_nodes_with_the_targets_measured_pass_cost
     assert build_drafter(parse_spec("hybrid:prompt_lookup+suffix?nodes=budget"), model).costs is None
     with pytest.raises(UsageError, match="nodes=all is not allowed"):
         build_drafter(parse_spec("hybrid:prompt_lookup+suffix?nodes=all"), model)
+
+
+def _hybrid_run(make_tiny_llama, wrong_learned: set[int], mode: str = "switch", steps: int = 120):
+    """A generation with a learned part wrong in ``wrong_learned``'s steps and a scored lookup that
+    is always right, both claiming 0.9 per token; returns (hybrid, learned, lookup, generation)."""
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=3)
+    prompt = [5, 9, 3, 17, 22, 8, 41, 2]
+    reference = SpeculativeDecoder(model, None, eos_ids=set()).generate(prompt, steps).tokens
+    learned = _ScriptedDrafter(prompt + reference, wrong=wrong_learned)
+    lookup = _ScriptedDrafter(prompt + reference, wrong=set(), depth=2)
+    costs = {n: 1.0 + 0.2 * (n - 1) for n in range(1, 10)}
+    drafter = HybridDrafter([learned, lookup], learned=[True, False], budget=8, mode=mode, costs=costs)
+    gen = SpeculativeDecoder(model, drafter, eos_ids=set()).generate(prompt, steps)
+    assert gen.tokens == reference
+    return drafter, learned, lookup, gen
+
+
+def test_a_scored_part_is_calibrated_by_the_acceptance_its_verified_nodes_had(make_tiny_llama):
+    """A learned part that claims 0.9 a token and is never right: its depth's measured ratio falls
+    far below 1 and its calibrated estimates with it, so pricing stops verifying its nodes; a part
+    that is always right keeps its claims (negative control)."""
+    drafter, learned, lookup, gen = _hybrid_run(make_tiny_llama, wrong_learned=set(range(1000)), mode="merge")
+    weak, strong = drafter.calibration
+    assert weak.ratio(1) < 0.5, weak.ratio(1)
+    assert strong.ratio(1) >= 1.0 and strong.ratio(2) >= 1.0
+    scores = [math.log(0.9), 2 * math.log(0.9)]
+    assert weak.apply(scores, [1, 2])[0] < math.log(0.45)
+    assert strong.apply(scores, [1, 2]) == pytest.approx([0.0, 0.0], abs=0.11)  # capped at certainty
+    # Once calibrated, the weak part's nodes are seldom verified: uncalibrated, its claims would buy
+    # a place every step (it drafts every step in merge mode).
+    verified = weak.claimed[0] / 0.9
+    assert learned.calls[0] == len(gen.accepted) and verified <= len(gen.accepted) / 4, (verified, len(gen.accepted))
+
+
+def test_the_learned_part_is_skipped_before_it_drafts_where_the_lookup_alone_yields_more(make_tiny_llama):
+    """Switch mode (the default): a learned part that never yields drafts in few steps (its first,
+    then once per ``probe`` skips), not every step as merge mode has it."""
+    drafter, learned, _, gen = _hybrid_run(make_tiny_llama, wrong_learned=set(range(1000)))
+    steps = len(gen.accepted)
+    assert drafter.mode == "switch" and drafter.skipped >= steps // 2
+    assert learned.calls[0] <= 2 + steps // (drafter.probe + 1), (learned.calls, steps)
+    merged, learned_merged, _, merged_gen = _hybrid_run(make_tiny_llama, wrong_learned=set(range(1000)), mode="merge")
+    assert learned_merged.calls[0] == len(merged_gen.accepted)  # merge: every step

@@ -4,10 +4,13 @@ and Arctic Inference picks suffix or its learned drafter per step.
 
 Every part proposes its own tree below the same root; the trees merge into one trie (a path both
 propose is one path). Nodes are ranked by their estimated probability of acceptance with their
-ancestors, the learned drafter's cumulative draft probability and the lookup's frequency
-estimate (SuffixDecoding's path probability; a lookup without one, such as prompt lookup, gets
-its measured per-token acceptance to the power of the depth), and the best ``budget`` form the
-tree: the budget goes to whichever part's nodes are likelier to be accepted, node by node.
+ancestors, and the best ``budget`` form the tree: the budget goes to whichever part's nodes are
+likelier to be accepted, node by node. A part that scores its nodes (a learned drafter's
+cumulative draft probability, SuffixDecoding's path probability) has its scores calibrated by
+what this decoder measured: at each depth, the acceptance its verified nodes had over the
+acceptance they claimed (a weak head's confidence overstates it several times over). A lookup
+without scores, such as prompt lookup, gets its measured per-token acceptance to the power of
+the depth.
 
 Every node is priced (``nodes=priced``, the default): the tree keeps the number of best nodes
 with the most expected tokens per second of the step, from the verification pass's cost per tree
@@ -16,12 +19,13 @@ planner's table) and the seconds the parts just spent drafting. A weak part's no
 places or none, and a step whose nodes do not pay for their place in the pass decodes plainly
 (``nodes=budget`` fills the budget regardless, as before pricing).
 
-``mode=merge`` (the default) runs every part every step. ``mode=switch`` (Arctic's per-step
-choice) runs the lookup parts first and skips the learned ones in a step where the lookup's tree
-alone is expected to yield at least the tokens per second that steps with the learned parts have
-measured in this generation; the estimate starts afresh with each generation, and after
-``probe`` skipped steps in a row the learned parts draft once to measure again, so one bad step
-cannot switch them off for good.
+Whether the learned parts draft at all is decided before they draft (``mode=switch``, the
+default; Arctic's per-step choice): the lookup parts draft first, and the learned ones are
+skipped in a step where the lookup's tree alone is expected to yield at least the tokens per
+second that steps with the learned parts have measured in this generation; the estimate starts
+afresh with each generation, and after ``probe`` skipped steps in a row the learned parts draft
+once to measure again, so one bad step cannot switch them off for good. A learned part's
+drafting time is then spent only where it has paid. ``mode=merge`` runs every part every step.
 
 Lossless: greedy verification takes any tree. For sampling, each parent keeps the candidates of
 one part only (the first part in the spec that proposes there; the others' candidates and their
@@ -43,11 +47,14 @@ from draftsmith.eval.engine.tree_plan import pass_costs
 from draftsmith.kinds import get
 from draftsmith.timing import clock
 
-MODES = ("merge", "switch")
+MODES = ("switch", "merge")
 NODES = ("priced", "budget")
 BUDGET = 16  # most tree nodes verified per step
 UNSCORED_ACCEPTANCE = 0.5  # a scoreless lookup's per-token acceptance before any is measured
 _MOMENTUM = 0.9  # running means over steps
+# Calibration starts as if each depth had seen this many nodes accepted as often as they claimed:
+# the first steps move it, one step cannot.
+CALIBRATION_PRIOR = 4.0
 
 
 def _keyed(tree: TokenTree) -> dict[tuple[int, ...], int]:
@@ -116,7 +123,7 @@ class HybridDrafter(Drafter):
         parts: list[Drafter],
         learned: list[bool],
         budget: int = BUDGET,
-        mode: str = "merge",
+        mode: str = "switch",
         probe: int = 8,
         costs: dict[int, float] | None = None,
         device=None,
@@ -137,8 +144,10 @@ class HybridDrafter(Drafter):
         # acceptance; per generation, the tokens and seconds of steps where the learned parts drafted.
         self.draft_seconds = [RunningMean() for _ in parts]
         self.lookup_rate = [UNSCORED_ACCEPTANCE] * len(parts)
+        self.calibration = [Calibration() for _ in parts]  # scored parts: measured / claimed acceptance per depth
         self.learned_tokens, self.learned_step_seconds = RunningMean(), RunningMean()
         self._last: list[TokenTree | None] | None = None  # the parts' trees of the pending step
+        self._verified: set[tuple[int, ...]] = set()  # the pending step's verified nodes, by token path
         self._pending_seconds = 0.0  # what the pending step costs: its pass and its drafting
         self._streak = 0  # learned drafts skipped in a row
         self.skipped = 0  # steps the learned parts did not draft (switch mode)
@@ -156,7 +165,7 @@ class HybridDrafter(Drafter):
 
     def _estimates(self, index: int, tree: TokenTree) -> list[float]:
         if tree.scores:
-            return list(tree.scores)
+            return self.calibration[index].apply(tree.scores, tree.depths)
         return [d * math.log(self.lookup_rate[index]) for d in tree.depths]
 
     def _draft(self, index: int, context: DraftContext) -> tuple[TokenTree, float]:
@@ -211,6 +220,7 @@ class HybridDrafter(Drafter):
             spent,
         )
         self._last, self._pending_seconds = trees, self._pass_seconds(merged) + spent
+        self._verified = set(_keyed(merged))
         return merged
 
     def accept(self, result: StepResult) -> None:
@@ -227,7 +237,10 @@ class HybridDrafter(Drafter):
             self.learned_step_seconds.add(self._pending_seconds)
         drafts = accepted[:-1]
         for i, tree in enumerate(trees):
-            if tree is None or tree.scores or not len(tree):
+            if tree is None or not len(tree):
+                continue
+            if tree.scores:
+                self.calibration[i].observe(tree, _keyed(tree), self._verified, tuple(drafts))
                 continue
             # How deep this part's tree followed the accepted path: per-token acceptance = kept / tried.
             keys, kept = _keyed(tree), 0
@@ -239,6 +252,41 @@ class HybridDrafter(Drafter):
 
 def _mix(old: float, new: float) -> float:
     return _MOMENTUM * old + (1 - _MOMENTUM) * new
+
+
+class Calibration:
+    """Per draft depth, the acceptance a scored part's verified nodes had against what their scores
+    claimed: ``(accepted + prior) / (claimed + prior)``, across generations (it is the part's, not
+    the prompt's). A node's calibrated log-estimate is its score plus the log of its depth's ratio,
+    capped at certainty; the order of the part's nodes at one depth is its own."""
+
+    def __init__(self) -> None:
+        self.accepted: list[float] = []
+        self.claimed: list[float] = []
+
+    def ratio(self, depth: int) -> float:
+        if depth > len(self.claimed):
+            return 1.0
+        prior = CALIBRATION_PRIOR
+        return (self.accepted[depth - 1] + prior) / (self.claimed[depth - 1] + prior)
+
+    def apply(self, scores: list[float], depths: list[int]) -> list[float]:
+        """``scores`` (log-probabilities of acceptance with their ancestors) calibrated."""
+        logs = {d: math.log(self.ratio(d)) for d in set(depths)}
+        return [min(0.0, score + logs[d]) for score, d in zip(scores, depths)]
+
+    def observe(self, tree: TokenTree, keys: dict, verified: set, drafts: tuple[int, ...]) -> None:
+        """Count one step: each node of ``tree`` that was verified (its path in ``verified``)
+        claimed ``exp(score)`` and was accepted if its path starts the accepted ``drafts``."""
+        for key, node in keys.items():
+            if key not in verified:
+                continue
+            depth = tree.depths[node]
+            while len(self.claimed) < depth:
+                self.claimed.append(0.0)
+                self.accepted.append(0.0)
+            self.claimed[depth - 1] += math.exp(tree.scores[node])
+            self.accepted[depth - 1] += float(drafts[: len(key)] == key)
 
 
 class RunningMean:
@@ -257,7 +305,7 @@ class RunningMean:
 
 
 def build(spec: DrafterSpec, target) -> HybridDrafter:
-    """The drafter of ``hybrid:SPEC+SPEC[?budget=..&mode=..&nodes=..]``: each part built by its own
+    """The drafter of ``hybrid:SPEC+SPEC[?budget=..&mode=..&nodes=..&probe=..]``: each part built by its own
     kind; its nodes priced with the pass costs measured on ``target`` (``nodes=priced``)."""
     specs = [parse_spec(part) for part in split_parts(spec.path or "")]
     if any(s.kind == spec.kind for s in specs):
