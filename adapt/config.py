@@ -24,14 +24,14 @@ class AdaptConfig:
     round_steps: int = 60  # optimiser steps per round
     round_minutes: float | None = None  # wall-clock budget per round (whichever comes first)
     learning_rate: float = 3e-4  # peak; warm-up-free linear decay over the round
-    batch_size: int = 4
+    batch_size: int = 4  # feature rows per optimiser step
     max_length: int = 1024  # tokens of a request trained on (longer ones are cut)
     judge_max_new_tokens: int = 64  # tokens generated per held-out request when judging
     judge_drafter: str = "depth=3&top_k=1&budget=3"  # both heads' tree: drafter options (vLLM's chain of 3), or planned
     margin: float = 0.05  # promote when the acceptance-length gain is at least this (at the confidence below)
     confidence: float = 0.9  # one-sided, paired bootstrap over the held-out requests
     export_format: str = "speculators"  # the format a promoted head is exported in ("none": the checkpoint alone)
-    seed: int = 0
+    seed: int = 0  # replay sampling and the judge's bootstrap (round n uses seed + n)
 
     def validate(self) -> None:
         if not self.head:

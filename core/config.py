@@ -265,8 +265,9 @@ __all__ = [
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """One-line docs of a config dataclass's fields: the trailing ``# comment`` of each field's line
-    in the class body (the schema is documented once, where it is defined), inherited ones included."""
+    """One-line docs of a config dataclass's fields, inherited ones included, from the class body
+    (the schema is documented once, where it is defined): each field line's trailing ``# comment``,
+    else the block of ``#`` lines right above it (a blank line or code ends the block)."""
     import inspect
 
     docs: dict[str, str] = {}
@@ -275,10 +276,16 @@ def field_docs(cls: type) -> dict[str, str]:
             lines, _ = inspect.getsourcelines(klass)
         except (OSError, TypeError):
             continue
+        above: list[str] = []
         for line in lines:
-            match = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.+)$", line)
-            if match:
-                docs[match.group(1)] = match.group(2).strip()
+            if comment := re.match(r"\s+#\s?(.*)$", line):
+                above.append(comment.group(1).strip())
+                continue
+            if match := re.match(r"\s+(\w+)\s*:[^#]*?(?:#\s*(.+))?$", line.rstrip("\n")):
+                doc = (match.group(2) or " ".join(above)).strip()
+                if doc:
+                    docs[match.group(1)] = doc
+            above = []
     return docs
 
 

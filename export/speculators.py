@@ -31,6 +31,7 @@ heads serve through ``--format sglang``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -134,27 +135,43 @@ def export_eagle3(
     if parallel and "mask_embedding" in tensors:  # a checkpoint from before the table trained: its mask row
         tensors[SPECULATORS_EMBED] = tensors[SPECULATORS_EMBED].clone()
         tensors[SPECULATORS_EMBED][config["mask_token_id"]] = tensors.pop("mask_embedding").to(target.dtype)
+    fields = {
+        "architectures": [architecture],
+        "speculators_model_type": source.kind,
+        **({"mask_token_id": config["mask_token_id"]} if parallel else {}),
+        "norm_before_residual": bool(config.get("norm_before_residual", False)),
+        "eagle_aux_hidden_state_layer_ids": list(config["aux_layers"]),
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+    }
+    write_folder(source, target, out, tree, config, layer, fields, tensors)
+    return [vllm_command(target, out, "eagle3", tree["depth"], {"parallel_drafting": True} if parallel else {})]
+
+
+def write_folder(
+    source: Source, target: Target, out: Path, tree: dict, config: dict, layer: dict, fields: dict, tensors: dict
+) -> None:
+    """A speculators folder: ``config.json`` with a model's own ``fields`` and what every speculators
+    drafter config holds (version, ``transformer_layer_config`` ``layer``, draft vocabulary size, the
+    proposal and verifier, draftsmith's export record), and ``model.safetensors`` with ``tensors``."""
     write_config(
         out,
         {
-            "architectures": [architecture],
-            "speculators_model_type": source.kind,
-            **({"mask_token_id": config["mask_token_id"]} if parallel else {}),
+            **fields,
             "speculators_version": VERSION,
             "transformer_layer_config": layer,
             "draft_vocab_size": config["draft_vocab_size"],
-            "norm_before_residual": bool(config.get("norm_before_residual", False)),
             "target_hidden_size": None,
-            "eagle_aux_hidden_state_layer_ids": list(config["aux_layers"]),
-            "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
-            "embed_requires_grad": False,
             "speculators_config": speculators_config(source, target, tree["depth"]),
             **export_block(source, NAME, config),
         },
     )
     write_weights(out, tensors, NAME)
-    extra = ', "parallel_drafting": true' if parallel else ""
-    spec = f'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {tree["depth"]}{extra}}}'
-    return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
+
+
+def vllm_command(target: Target, out: Path, method: str, depth: int, extra: dict) -> str:
+    """The ``vllm serve`` line that serves the folder ``out`` as ``method`` drafting ``depth`` tokens."""
+    spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": depth, **extra})
+    return f"vllm serve {target.folder} --speculative-config '{spec}'"

@@ -25,10 +25,7 @@ from draftsmith.export.common import (
     Source,
     Target,
     ascending_aux_layers,
-    export_block,
     refuse,
-    write_config,
-    write_weights,
 )
 from draftsmith.heads.dflash import draft_config, weak_mask_row
 from draftsmith.heads.exported import DFLASH_MASK_EMBEDDING
@@ -76,30 +73,20 @@ def write_block_drafter(
     layer = draft_config(AutoConfig.for_model(**config["target_config"]), config["num_layers"]).to_dict()
     layer = {key: value for key, value in layer.items() if key not in ("torch_dtype", "_attn_implementation_autoset")}
     layer.update(dtype=target.dtype_name, layer_types=["full_attention"] * config["num_layers"])
-    write_config(
-        out,
-        {
-            **fields,
-            "speculators_version": speculators.VERSION,
-            "transformer_layer_config": layer,
-            "draft_vocab_size": config["draft_vocab_size"],
-            "block_size": config["block_size"],
-            "target_hidden_size": None,
-            "aux_hidden_state_layer_ids": list(config["aux_layers"]),
-            "mask_token_id": config["mask_token_id"],
-            "sliding_window_non_causal": True,
-            "speculators_config": speculators.speculators_config(source, target, tree["depth"]),
-            **export_block(source, speculators.NAME, config),
-        },
-    )
-    write_weights(out, tensors, speculators.NAME)
+    fields = {
+        **fields,
+        "block_size": config["block_size"],
+        "aux_hidden_state_layer_ids": list(config["aux_layers"]),
+        "mask_token_id": config["mask_token_id"],
+        "sliding_window_non_causal": True,
+    }
+    speculators.write_folder(source, target, out, tree, config, layer, fields, tensors)
     if mask_row is not None:
         torch.save(
             {"embedding": mask_row.detach().to(target.dtype).cpu(), "mask_token_id": config["mask_token_id"]},
             out / DFLASH_MASK_EMBEDDING,
         )
-    spec = f'{{"method": "{method}", "model": "{out}", "num_speculative_tokens": {tree["depth"]}}}'
-    return [f"vllm serve {target.folder} --speculative-config '{spec}'"]
+    return [speculators.vllm_command(target, out, method, tree["depth"], {})]
 
 
 # How much of a drafted chain the target verifies, for DFlash-family drafters with a confidence head.

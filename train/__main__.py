@@ -7,6 +7,7 @@ recipe schema of that kind) and the run are exactly those of ``python train/<kin
 
 from __future__ import annotations
 
+import inspect
 import os
 import shlex
 import sys
@@ -59,6 +60,10 @@ def features(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--serve" in argv:
         _serve([w for w in argv if w != "--serve"])
+        return
+    if {"-h", "--help"} & set(argv):  # the recipe's fields follow, from the kind's trainer
+        print(inspect.cleandoc(features.__doc__) + "\n")
+        main(argv)
         return
     _, train_set, _ = main([*argv, "--prepare-only", "--drafter.features", "offline"])
     print(f"feature store: {Path(train_set.files[0]).parent.parent}")

@@ -68,6 +68,17 @@ def run_training(recipe_class, build, argv: list[str] | None = None, description
     return report_user_errors(_train)(argv, recipe_class, build, description)
 
 
+def entry_point(recipe_class, build, description: str):
+    """A kind's ``main(argv=None)``: :func:`run_training` of ``recipe_class`` with ``build``, its
+    ``--help`` opening with ``description`` (the kind's module docstring)."""
+
+    def main(argv: list[str] | None = None):
+        return run_training(recipe_class, build, argv, description)
+
+    main.__doc__ = "Train as the command line says; returns the finished trainer (``.history``, ``.task``)."
+    return main
+
+
 def _train(argv: list[str] | None, recipe_class, build, description: str):
     recipe, args = parse_training_args(recipe_class, argv, description)
     # Under `accelerate launch` the main process prepares the data (regeneration, tokenised

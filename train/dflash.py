@@ -20,6 +20,7 @@ features and the out-of-vocabulary mask are EAGLE-3's (:mod:`draftsmith.train.fu
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Literal
 
 import torch
@@ -33,9 +34,8 @@ from draftsmith.heads.aux_layers import resolve_aux_layers
 from draftsmith.heads.dflash import DFlashHead, weak_mask_row
 from draftsmith.heads.vocab import mask_token_for
 from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
-from draftsmith.train.cli import run_training
-from draftsmith.train.fused import build_fused, fused_target_features, regenerated_data
-from draftsmith.train.loop import Trainer
+from draftsmith.train.cli import entry_point
+from draftsmith.train.fused import build_task, fused_target_features, regenerated_data
 from draftsmith.train.objectives import parse_objective, token_loss
 from draftsmith.train.unroll import (
     UnrollLoss,
@@ -68,8 +68,8 @@ class DFlashDrafterConfig(DrafterConfig):
     learn_mask_embedding: bool = False
     out_of_vocab_targets: Literal["mask", "renormalise"] = "mask"  # as EAGLE-3's
     objective: str | dict[str, float] = "kl_div"  # kl_div, rkl, jsd, ce, tv, nla, lk_hybrid or a mix {ce: 0.1, tv: 0.9}
-    features: Literal["online", "offline", "served"] = "online"
-    features_dir: str | None = None
+    features: Literal["online", "offline", "served"] = "online"  # target features: per step, on disk first, or served
+    features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
     # A per-position acceptance predictor (the engine's cut=priced/threshold), trained with the
     # drafter by binary cross-entropy against each slot's analytic acceptance rate (DSpark's).
     confidence_head: bool = False
@@ -437,15 +437,8 @@ class DFlashTask:
         model.save_pretrained(path)
 
 
-def build(recipe: DFlashRecipe):
-    """Target, tokenised data (or features), drafter and task for ``recipe``."""
-    target, head, train_set, eval_set = build_fused(recipe, DFlashTask.new_head)
-    return DFlashTask(recipe, target, head), train_set, eval_set
-
-
-def main(argv: list[str] | None = None) -> Trainer:
-    """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
-    return run_training(DFlashRecipe, build, argv, __doc__)
+build = partial(build_task, task_class=DFlashTask)
+main = entry_point(DFlashRecipe, build, __doc__)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,7 @@ from draftsmith.heads.draft_lm import save_draft_lm, student_for
 from draftsmith.heads.vocab import token_counts
 from draftsmith.recipe import DrafterConfig, LoraConfig, Recipe
 from draftsmith.target import eos_token_ids, target_record
-from draftsmith.train.cli import run_training
-from draftsmith.train.loop import Trainer
+from draftsmith.train.cli import entry_point
 from draftsmith.train.objectives import acceptance_rate, objective_rows, parse_objective
 from draftsmith.train.prepare import target_and_data
 
@@ -321,9 +320,7 @@ def build(recipe: DistillRecipe):
     return DistillTask(recipe, target, student, tokenizer, counts), splits["train"], splits["held_out"]
 
 
-def main(argv: list[str] | None = None) -> Trainer:
-    """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
-    return run_training(DistillRecipe, build, argv, __doc__)
+main = entry_point(DistillRecipe, build, __doc__)
 
 
 if __name__ == "__main__":

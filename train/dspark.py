@@ -26,16 +26,16 @@ speculators' default ``kl_div``), weighted per depth as DFlash's (decay or D-PAC
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import torch
 
 from draftsmith.heads.dspark import DSparkHead
 from draftsmith.recipe import DataConfig, Recipe
-from draftsmith.train.cli import run_training
+from draftsmith.train.cli import entry_point
 from draftsmith.train.dflash import DFlashDrafterConfig, DFlashTask
-from draftsmith.train.fused import build_fused, regenerated_data
-from draftsmith.train.loop import Trainer
+from draftsmith.train.fused import build_task, regenerated_data
 
 MAX_MARKOV_RANK = 4096
 MAX_BLOCK_SIZE = 64
@@ -106,15 +106,8 @@ class DSparkTask(DFlashTask):
         return logits, confidence
 
 
-def build(recipe: DSparkRecipe):
-    """Target, tokenised data (or features), drafter and task for ``recipe``."""
-    target, head, train_set, eval_set = build_fused(recipe, DSparkTask.new_head)
-    return DSparkTask(recipe, target, head), train_set, eval_set
-
-
-def main(argv: list[str] | None = None) -> Trainer:
-    """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
-    return run_training(DSparkRecipe, build, argv, __doc__)
+build = partial(build_task, task_class=DSparkTask)
+main = entry_point(DSparkRecipe, build, __doc__)
 
 
 if __name__ == "__main__":

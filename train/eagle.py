@@ -25,11 +25,10 @@ from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, Recipe
 from draftsmith.timing import stage
-from draftsmith.train.cli import run_training
-from draftsmith.train.loop import Trainer
+from draftsmith.train.cli import entry_point
 from draftsmith.train.objectives import parse_objective
 from draftsmith.train.prepare import feature_source, target_and_data
-from draftsmith.train.unroll import UnrollLoss, depth_rates, record_depth_accuracy, unroll, unrolled_loss
+from draftsmith.train.unroll import depth_rates, loss_settings, record_depth_accuracy, unroll, unrolled_loss
 
 
 @dataclass
@@ -78,14 +77,8 @@ class EagleTask:
         self.cfg = recipe.drafter
         self.target = target
         self.model = head
-        self.loss_config = UnrollLoss(
-            steps=self.cfg.ttt_steps,
-            decay=self.cfg.ttt_step_loss_decay,
-            top_k=self.cfg.top_k_loss,
-            ce_weight=self.cfg.ce_weight,
-            top_k_weight=self.cfg.top_k_weight,
-            regression_weight=self.cfg.regression_weight,
-            objective=parse_objective(self.cfg.objective),
+        self.loss_config = loss_settings(
+            self.cfg, ce_weight=self.cfg.ce_weight, regression_weight=self.cfg.regression_weight
         )
 
     collate = staticmethod(pad_batch)
@@ -137,9 +130,7 @@ def build(recipe: EagleRecipe):
     return EagleTask(recipe, target, head), train_set, eval_set
 
 
-def main(argv: list[str] | None = None) -> Trainer:
-    """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
-    return run_training(EagleRecipe, build, argv, __doc__)
+main = entry_point(EagleRecipe, build, __doc__)
 
 
 if __name__ == "__main__":

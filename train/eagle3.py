@@ -13,6 +13,7 @@ and the draft vocabulary is their most frequent tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import torch
@@ -20,15 +21,14 @@ import torch
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
-from draftsmith.train.cli import run_training
-from draftsmith.train.fused import build_fused, fused_target_features, regenerated_data
-from draftsmith.train.loop import Trainer
+from draftsmith.train.cli import entry_point
+from draftsmith.train.fused import build_task, fused_target_features, regenerated_data
 from draftsmith.train.objectives import parse_objective
 from draftsmith.train.unroll import (
     Chains,
-    UnrollLoss,
     chain_sample,
     depth_rates,
+    loss_settings,
     record_depth_accuracy,
     supervised_next,
     unroll,
@@ -59,7 +59,7 @@ class Eagle3DrafterConfig(DrafterConfig):
     # nested (each sampled draft's ancestors are trained too) and runs on those rows only; 1: every position.
     # 0.7 beat every position at equal wall time (BENCHMARKS.md, issue 33 round 2).
     down_sample_ratio: float = 0.7
-    down_sample_ratio_min: float = 0.2
+    down_sample_ratio_min: float = 0.2  # the least share of positions a pass trains (the ratio's floor)
     # mask: no token loss where the target's next token (full-vocabulary argmax) is outside the draft
     # vocabulary, as the EAGLE-3 and SpecForge trainers do (one full LM-head pass over the batch a step);
     # renormalise: fit the target's distribution renormalised over the draft vocabulary there too.
@@ -121,14 +121,7 @@ class Eagle3Task:
         self.cfg = recipe.drafter
         self.target = target
         self.model = head
-        self.loss_config = UnrollLoss(
-            steps=self.cfg.ttt_steps,
-            decay=self.cfg.ttt_step_loss_decay,
-            top_k=self.cfg.top_k_loss,
-            top_k_weight=self.cfg.top_k_weight,
-            mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask",
-            objective=parse_objective(self.cfg.objective),
-        )
+        self.loss_config = loss_settings(self.cfg, mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask")
 
     collate = staticmethod(pad_batch)
 
@@ -176,15 +169,8 @@ class Eagle3Task:
         model.save_pretrained(path)
 
 
-def build(recipe: Eagle3Recipe, task_class: type = Eagle3Task):
-    """Target, tokenised data (or features), head and task (a ``task_class``) for ``recipe``."""
-    target, head, train_set, eval_set = build_fused(recipe, task_class.new_head)
-    return task_class(recipe, target, head), train_set, eval_set
-
-
-def main(argv: list[str] | None = None) -> Trainer:
-    """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
-    return run_training(Eagle3Recipe, build, argv, __doc__)
+build = partial(build_task, task_class=Eagle3Task)
+main = entry_point(Eagle3Recipe, build, __doc__)
 
 
 if __name__ == "__main__":

@@ -50,3 +50,10 @@ def build_fused(recipe: Recipe, new_head: Callable) -> tuple:
     with stage(f"train: {source.mode} feature sets"):
         train_set, eval_set = training_sets(source, target, tokenizer, data, head.aux_layers, full_target)
     return target, head, train_set, eval_set
+
+
+def build_task(recipe: Recipe, task_class: type) -> tuple:
+    """``(task, train_set, eval_set)`` for a kind whose ``task_class`` reads the fused layers:
+    :func:`build_fused` with the task's ``new_head``, then the task over the target and head."""
+    target, head, train_set, eval_set = build_fused(recipe, task_class.new_head)
+    return task_class(recipe, target, head), train_set, eval_set

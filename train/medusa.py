@@ -30,8 +30,7 @@ from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, head_positions,
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DrafterConfig, LoraConfig, Recipe
 from draftsmith.target import final_logits
-from draftsmith.train.cli import run_training
-from draftsmith.train.loop import Trainer
+from draftsmith.train.cli import entry_point
 from draftsmith.train.objectives import objective_rows, parse_objective
 from draftsmith.train.prepare import feature_source, target_and_data
 
@@ -247,9 +246,7 @@ def build(recipe: MedusaRecipe):
     return MedusaTask(recipe, target, heads), train_set, eval_set
 
 
-def main(argv: list[str] | None = None) -> Trainer:
-    """Train as the command line says; returns the finished trainer (``.history``, ``.task.heads``)."""
-    return run_training(MedusaRecipe, build, argv, __doc__)
+main = entry_point(MedusaRecipe, build, __doc__)
 
 
 if __name__ == "__main__":

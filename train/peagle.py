@@ -18,13 +18,13 @@ regenerated replies, draft vocabulary, online or offline features, the out-of-vo
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.heads.vocab import mask_token_for
-from draftsmith.train.cli import run_training
+from draftsmith.train.cli import entry_point
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
-from draftsmith.train.eagle3 import build as build_eagle3
-from draftsmith.train.loop import Trainer
+from draftsmith.train.fused import build_task
 
 
 @dataclass
@@ -61,14 +61,8 @@ class PEagleTask(Eagle3Task):
         return {"mask_token_id": mask, "num_depths": recipe.drafter.ttt_steps}
 
 
-def build(recipe: PEagleRecipe):
-    """Target, tokenised data (or features), head and task for ``recipe``."""
-    return build_eagle3(recipe, PEagleTask)
-
-
-def main(argv: list[str] | None = None) -> Trainer:
-    """Train as the command line says; returns the finished trainer (``.history``, ``.task.model``)."""
-    return run_training(PEagleRecipe, build, argv, __doc__)
+build = partial(build_task, task_class=PEagleTask)
+main = entry_point(PEagleRecipe, build, __doc__)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from draftsmith.data_prep.packing import block_causal_mask, head_segments, same_segment, segment_positions
-from draftsmith.train.objectives import is_soft_cross_entropy, token_loss
+from draftsmith.train.objectives import is_soft_cross_entropy, parse_objective, token_loss
 
 
 @dataclass
@@ -47,6 +47,19 @@ class UnrollLoss:
     pool_depths: bool = False
     # The token term over the target's whole distribution (weighted ce_weight): train/objectives.py's mix.
     objective: dict[str, float] = field(default_factory=lambda: {"kl_div": 1.0})
+
+
+def loss_settings(drafter, **extra) -> UnrollLoss:
+    """The :class:`UnrollLoss` a feature-level head's ``drafter`` recipe section gives (its passes
+    and their decay, HASS's top-K term, the token objective), with ``extra`` fields of the kind's own."""
+    return UnrollLoss(
+        steps=drafter.ttt_steps,
+        decay=drafter.ttt_step_loss_decay,
+        top_k=drafter.top_k_loss,
+        top_k_weight=drafter.top_k_weight,
+        objective=parse_objective(drafter.objective),
+        **extra,
+    )
 
 
 UNROLLED_ATTENTION = "draftsmith_unrolled"
