@@ -14,6 +14,7 @@ import argparse
 import json
 import platform
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from draftsmith.adapt.config import AdaptConfig
 from draftsmith.adapt.online import adapt_stream, window_table
 from draftsmith.adapt.rounds import adaptable_kind
+from draftsmith.config import from_dict, read_recipe_file
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
 from draftsmith.data_prep.traffic import TrafficStore
@@ -35,6 +37,7 @@ from draftsmith.eval.report import captions, depth_table, markdown_table, summar
 from draftsmith.kinds import registered
 from draftsmith.plugins import register_builtin
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
+from draftsmith.recipe import EvalConfig, TargetConfig
 from draftsmith.target import load_target
 from draftsmith.timing import stage
 
@@ -43,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, its ``--help`` listing every registered drafter kind."""
     register_builtin()
     parser = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=kinds_help())
+    parser.add_argument(
+        "--recipe",
+        default=None,
+        help="a training recipe: its target (name, dtype, chat template) and eval section (bench or prompt file, "
+        "limit, max_new_tokens, temperature) are the defaults; flags given here win",
+    )
     parser.add_argument(
         "--target", default="default", help="'default' (bundled SmolLM2-135M-Instruct), hub id, folder or .gguf"
     )
@@ -148,6 +157,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the table says how many prompts ran",
     )
     parser.add_argument("--out", default="results", help="output folder")
+    known, _ = parser.parse_known_args(argv)
+    if known.recipe is not None:
+        parser.set_defaults(**recipe_defaults(known.recipe))
     args = parser.parse_args(argv)
     if args.max_minutes is not None and args.max_minutes <= 0:
         parser.error(f"--max-minutes must be > 0, got {args.max_minutes}")
@@ -168,6 +180,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(f"--{str(err).replace('_', '-')}")
     return args
+
+
+@dataclass
+class RecipeSections:
+    """What this command reads of a training recipe (the trainer reads the rest)."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def recipe_defaults(path: str) -> dict:
+    """The flags a training recipe's ``target`` and ``eval`` sections stand for, each validated as
+    training validates it."""
+    sections = read_recipe_file(path)
+    recipe = from_dict(RecipeSections, {key: sections[key] for key in ("target", "eval") if key in sections}, path)
+    target, evaluation = recipe.target, recipe.eval
+    prompts = {"bench": evaluation.bench} if evaluation.bench == MT_BENCH else {"prompts": evaluation.bench}
+    return {
+        "target": target.name,
+        "dtype": target.dtype,
+        "chat_template": target.chat_template,
+        "limit": evaluation.limit,
+        "max_new_tokens": evaluation.max_new_tokens,
+        "temperature": evaluation.temperature,
+        **prompts,
+    }
 
 
 @report_user_errors

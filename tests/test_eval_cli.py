@@ -236,3 +236,37 @@ def test_a_request_past_the_targets_context_exits_2_with_one_line(tmp_path, caps
         ],
     )
     assert "max_position_embeddings=80" in line and "max_new_tokens=8" in line
+
+
+def test_a_recipe_gives_the_target_and_its_eval_section_and_flags_win(tmp_path, capsys):
+    """``--recipe``: the recipe's target and eval section are the defaults (no section is parsed and
+    left unread); a flag given wins; a bad eval key is one line naming it, exit 2."""
+    import yaml
+
+    from draftsmith.eval.run import parse_args
+
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    recipe = tmp_path / "r.yaml"
+    sections = {
+        "target": {"name": "some/folder", "dtype": "float32"},
+        "drafter": {"kind": "eagle3", "ttt_steps": 3},
+        "eval": {"bench": str(prompts), "limit": 3, "max_new_tokens": 40, "temperature": 0.7},
+    }
+    recipe.write_text(yaml.safe_dump(sections))
+    args = parse_args(["--recipe", str(recipe), "--drafter", "prompt_lookup"])
+    assert (args.target, args.dtype, args.prompts, args.limit, args.max_new_tokens, args.temperature) == (
+        "some/folder",
+        "float32",
+        str(prompts),
+        3,
+        40,
+        0.7,
+    )
+    args = parse_args(["--recipe", str(recipe), "--drafter", "suffix", "--max-new-tokens", "9", "--target", "default"])
+    assert (args.target, args.max_new_tokens, args.limit) == ("default", 9, 3)
+    assert parse_args(["--drafter", "suffix"]).max_new_tokens == 256  # no recipe: the command's own defaults
+    sections["eval"] = {"max_tokens": 5}
+    recipe.write_text(yaml.safe_dump(sections))
+    line = user_error(capsys, main, ["--recipe", str(recipe), "--drafter", "suffix"])
+    assert "r.yaml" in line and "eval.max_tokens" in line and "eval.max_new_tokens" in line, line
