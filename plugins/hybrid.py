@@ -27,6 +27,11 @@ KIND = DrafterKind(
             "priced: verify as many of the best nodes as pay for their place in the pass (pass costs measured "
             "on the target's device); budget: always fill the budget",
         ),
+        "estimates": Option(
+            "measured",
+            "measured: a scored part's node estimates calibrated per depth by the acceptance measured so far; "
+            "claimed: the parts' own scores",
+        ),
         "probe": Option(8, "switch mode: the learned parts draft again after this many skipped steps in a row", COUNT),
     },
 )

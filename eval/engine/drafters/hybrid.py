@@ -49,6 +49,7 @@ from draftsmith.timing import clock
 
 MODES = ("switch", "merge")
 NODES = ("priced", "budget")
+ESTIMATES = ("measured", "claimed")
 BUDGET = 16  # most tree nodes verified per step
 UNSCORED_ACCEPTANCE = 0.5  # a scoreless lookup's per-token acceptance before any is measured
 _MOMENTUM = 0.9  # running means over steps
@@ -127,16 +128,19 @@ class HybridDrafter(Drafter):
         probe: int = 8,
         costs: dict[int, float] | None = None,
         device=None,
+        estimates: str = "measured",
     ):
         if mode not in MODES:
             raise UsageError(f"hybrid: mode={mode} is not allowed: choose from {', '.join(MODES)}")
         hidden = [p for p in parts if p.needs_hidden]
         if len({tuple(p.feature_layers or ()) for p in hidden}) > 1:
             raise UsageError("hybrid: at most one part may read the target's features (or all the same layers)")
+        if estimates not in ESTIMATES:
+            raise UsageError(f"hybrid: estimates={estimates} is not allowed: choose from {', '.join(ESTIMATES)}")
         if any(p.verifier is not None for p in parts):
             raise UsageError("hybrid: a part verified by its own model (Medusa-2) cannot share a tree")
         self.parts, self.learned, self.budget, self.mode, self.probe = parts, learned, budget, mode, probe
-        self.costs, self.device = costs, device
+        self.costs, self.device, self.calibrated = costs, device, estimates == "measured"
         self.needs_hidden = bool(hidden)
         self.feature_layers = hidden[0].feature_layers if hidden else None
         self.name = "hybrid"
@@ -165,7 +169,7 @@ class HybridDrafter(Drafter):
 
     def _estimates(self, index: int, tree: TokenTree) -> list[float]:
         if tree.scores:
-            return self.calibration[index].apply(tree.scores, tree.depths)
+            return self.calibration[index].apply(tree.scores, tree.depths) if self.calibrated else list(tree.scores)
         return [d * math.log(self.lookup_rate[index]) for d in tree.depths]
 
     def _draft(self, index: int, context: DraftContext) -> tuple[TokenTree, float]:
