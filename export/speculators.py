@@ -34,8 +34,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from draftsmith.export.common import (
     Source,
     Target,
@@ -45,6 +43,7 @@ from draftsmith.export.common import (
     write_config,
     write_weights,
 )
+from draftsmith.heads.base import embedding_table
 from draftsmith.heads.exported import SPECULATORS_EMBED
 from draftsmith.kinds import registered
 
@@ -73,17 +72,6 @@ def check_aux_layers(source: Source) -> None:
             f"final norm, which vLLM captures before the norm; train with aux layers "
             f"below {num_layers} (default [2, N/2, N-3])",
         )
-
-
-def embedding_table(model) -> torch.Tensor:
-    """``model``'s token embeddings as its embedding module gives them, one row per token: the
-    table itself, or for a module that scales its lookups (Gemma's ``embed_scale``) the scaled
-    rows, since the engines' EAGLE-3 layers look ``embed_tokens`` up plainly."""
-    module = model.get_input_embeddings()
-    if type(module) is torch.nn.Embedding:
-        return module.weight
-    with torch.no_grad():
-        return module(torch.arange(module.weight.shape[0], device=module.weight.device))
 
 
 def speculators_config(source: Source, target: Target, tokens: int) -> dict:

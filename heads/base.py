@@ -38,6 +38,17 @@ def target_lm_rows(target: PreTrainedModel, token_ids: torch.Tensor) -> torch.Te
     return target.get_output_embeddings().weight.detach()[token_ids].float() * logit_scale(target.config)
 
 
+def embedding_table(model: PreTrainedModel) -> torch.Tensor:
+    """``model``'s token embeddings as its embedding module gives them, one row per token: the
+    table itself, or for a module that scales its lookups (Gemma's ``embed_scale``) the scaled
+    rows, for a plain ``nn.Embedding`` (a head's own table, the engines' EAGLE-3 layers) to hold."""
+    module = model.get_input_embeddings()
+    if type(module) is torch.nn.Embedding:
+        return module.weight
+    with torch.no_grad():
+        return module(torch.arange(module.weight.shape[0], device=module.weight.device))
+
+
 class Head(nn.Module, ABC):
     """A drafter head over one target.
 

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from draftsmith.errors import CheckpointError
+from draftsmith.heads.base import embedding_table
 from draftsmith.heads.common import load_head_parts
 from draftsmith.heads.eagle3 import Eagle3Head
 
@@ -96,7 +97,7 @@ class PEagleHead(Eagle3Head):
             num_depths=num_depths,
         )
         with torch.no_grad():
-            head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+            head.embed_tokens.weight.copy_(embedding_table(target))
             head.mask_hidden.normal_(std=0.02)
         return head
 
@@ -114,7 +115,7 @@ class PEagleHead(Eagle3Head):
                 raise CheckpointError(
                     f"{path}: this P-EAGLE checkpoint keeps only its mask row: load it with its target"
                 )
-            table = target.get_input_embeddings().weight.detach().float().cpu().clone()
+            table = embedding_table(target).detach().float().cpu().clone()
             table[config["mask_token_id"]] = state.pop("mask_embedding").float()
             state["embed_tokens.weight"] = table
         head = cls.from_checkpoint(config, state, layer_classes)

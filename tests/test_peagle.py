@@ -406,3 +406,19 @@ def test_training_a_head_of_two_layers_trains_both_and_saves_them(tiny_recipe, t
         [str(tiny_recipe), "--output_dir", str(tmp_path / "never"), "--drafter.num_layers", "0"],
     )
     assert not (tmp_path / "never").exists()
+
+
+def test_the_heads_own_table_starts_as_the_targets_module_embeds_gemmas_scale_included():
+    """A P-EAGLE head's table is a plain embedding: it starts as the rows the target's embedding
+    module gives (Gemma 3 scales its lookups by sqrt(hidden)), not the raw weights, or every
+    token would enter the head at the wrong size."""
+    from family_targets import tiny_family
+
+    target = tiny_family("gemma3")
+    head = PEagleHead.for_target(target, "tiny", [0, 1, 2], mask_token_id=3, num_depths=2)
+    ids = torch.tensor([[5, 9, 17, 40]])
+    with torch.no_grad():
+        expected = target.get_input_embeddings()(ids)
+        raw = target.get_input_embeddings().weight[ids]
+    torch.testing.assert_close(head.embed(ids), expected)
+    assert not torch.allclose(raw, expected)  # the scale is there to be missed
