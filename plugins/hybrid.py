@@ -10,17 +10,18 @@ KIND = DrafterKind(
     name="hybrid",
     summary="one tree from several drafters, e.g. a trained head and suffix lookup: nodes ranked by their "
     "estimated acceptance (calibrated by the acceptance measured per depth), as many as pay for their "
-    "verification cost; the learned drafter skipped, before it drafts, where the lookup alone is expected to be faster",
+    "verification cost; mode=switch skips the learned drafter, before it drafts, where the lookup alone "
+    "is expected to be faster",
     build=hybrid.build,
     path="SPEC+SPEC[+...]: the parts, each a drafter spec; put a part with options in parentheses, "
     "e.g. hybrid:(eagle3:PATH?depth=4)+suffix?budget=12",
     options={
         "budget": Option(hybrid.BUDGET, "most tree nodes verified per step, shared by the parts", COUNT),
         "mode": Option(
-            "switch",
-            "switch: the learned parts draft only in steps where the lookup's tree alone is not expected to yield "
-            "the tokens per second their steps measured in this generation (Arctic's per-step choice); merge: "
-            "every part drafts every step",
+            "merge",
+            "merge: every part drafts every step; switch: decided before they draft, the learned parts draft only "
+            "in steps where the lookup's tree alone is not expected to yield the tokens per second their steps "
+            "measured in this generation (Arctic's per-step choice)",
         ),
         "nodes": Option(
             "priced",

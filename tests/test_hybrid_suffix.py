@@ -258,7 +258,7 @@ def test_a_scored_part_is_calibrated_by_the_acceptance_its_verified_nodes_had(ma
 
 
 def test_the_learned_part_is_skipped_before_it_drafts_where_the_lookup_alone_yields_more(make_tiny_llama):
-    """Switch mode (the default): a learned part that never yields drafts in few steps (its first,
+    """Switch mode: a learned part that never yields drafts in few steps (its first,
     then once per ``probe`` skips), not every step as merge mode has it."""
     drafter, learned, _, gen = _hybrid_run(make_tiny_llama, wrong_learned=set(range(1000)))
     steps = len(gen.accepted)

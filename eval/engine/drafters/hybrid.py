@@ -19,13 +19,14 @@ planner's table) and the seconds the parts just spent drafting. A weak part's no
 places or none, and a step whose nodes do not pay for their place in the pass decodes plainly
 (``nodes=budget`` fills the budget regardless, as before pricing).
 
-Whether the learned parts draft at all is decided before they draft (``mode=switch``, the
-default; Arctic's per-step choice): the lookup parts draft first, and the learned ones are
-skipped in a step where the lookup's tree alone is expected to yield at least the tokens per
-second that steps with the learned parts have measured in this generation; the estimate starts
-afresh with each generation, and after ``probe`` skipped steps in a row the learned parts draft
-once to measure again, so one bad step cannot switch them off for good. A learned part's
-drafting time is then spent only where it has paid. ``mode=merge`` runs every part every step.
+``mode=merge`` (the default) runs every part every step. ``mode=switch`` (Arctic's per-step
+choice) decides before the learned parts draft whether they do: the lookup parts draft first, and
+the learned ones are skipped in a step where the lookup's tree alone is expected to yield at least
+the tokens per second that steps with the learned parts have measured in this generation; the
+estimate starts afresh with each generation, and after ``probe`` skipped steps in a row the learned
+parts draft once to measure again, so one bad step cannot switch them off for good. Measured on
+MT-bench (BENCHMARKS.md, issues 34 and 59) merge was ahead with a 20-minute head and with a
+150-step one: a skipped step saves the head's drafting but loses the tokens it would have added.
 
 Lossless: greedy verification takes any tree. For sampling, each parent keeps the candidates of
 one part only (the first part in the spec that proposes there; the others' candidates and their
@@ -47,7 +48,7 @@ from draftsmith.eval.engine.tree_plan import pass_costs
 from draftsmith.kinds import get
 from draftsmith.timing import clock
 
-MODES = ("switch", "merge")
+MODES = ("merge", "switch")
 NODES = ("priced", "budget")
 ESTIMATES = ("measured", "claimed")
 BUDGET = 16  # most tree nodes verified per step
@@ -124,7 +125,7 @@ class HybridDrafter(Drafter):
         parts: list[Drafter],
         learned: list[bool],
         budget: int = BUDGET,
-        mode: str = "switch",
+        mode: str = "merge",
         probe: int = 8,
         costs: dict[int, float] | None = None,
         device=None,
