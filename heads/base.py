@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from draftsmith.heads.common import load_head_parts, save_head
 from draftsmith.heads.vocab import scatter_to_vocab
@@ -198,6 +198,28 @@ class Head(nn.Module, ABC):
         """A head shaped as checkpoint ``config`` says (its weights are loaded after), from the
         checkpoint's ``state`` (buffers such as the draft vocabulary) and the target's
         ``(layer_class, rotary_class)`` (``(None, None)`` without a target)."""
+
+    def recorded(self, target_config: PretrainedConfig, **fields) -> dict:
+        """A checkpoint config of a head that plans its trees: a kind's own ``fields``, then its draft
+        vocabulary's size, its held-out top-1 per depth (``depth_accuracy``, the planner's input),
+        its target and the target config it was built from."""
+        return {
+            **fields,
+            "draft_vocab_size": int(self.draft_vocab.numel()),
+            "depth_accuracy": getattr(self, "depth_accuracy", None),
+            "target": self.target_info,
+            "target_config": target_config.to_dict(),
+        }
+
+    @staticmethod
+    def recorded_target_config(config: dict) -> PretrainedConfig:
+        """The target config a :meth:`recorded` checkpoint ``config`` was built from."""
+        return AutoConfig.for_model(**config["target_config"])
+
+    def restored(self, config: dict):
+        """This head with the held-out record of a :meth:`recorded` checkpoint ``config``."""
+        self.depth_accuracy = config.get("depth_accuracy")
+        return self
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head only, never the target's weights)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, Qwen3Config
+from transformers import PretrainedConfig, PreTrainedModel, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from draftsmith.heads.aux_layers import resolve_aux_layers
@@ -249,18 +249,15 @@ class DFlashHead(Fp32RotaryMixin, Head):
         return head.bound_to(target)
 
     def checkpoint_config(self) -> dict:
-        return {
-            "aux_layers": self.aux_layers,
-            "num_layers": len(self.layers),
-            "block_size": self.block_size,
-            "mask_token_id": self.mask_token_id,
-            "learn_mask_embedding": self.mask_embedding is not None,
-            "confidence_head": self.confidence_head is not None,
-            "draft_vocab_size": int(self.d2t.numel()),
-            "depth_accuracy": self.depth_accuracy,
-            "target": self.target_info,
-            "target_config": self.target_config.to_dict(),
-        }
+        return self.recorded(
+            self.target_config,
+            aux_layers=self.aux_layers,
+            num_layers=len(self.layers),
+            block_size=self.block_size,
+            mask_token_id=self.mask_token_id,
+            learn_mask_embedding=self.mask_embedding is not None,
+            confidence_head=self.confidence_head is not None,
+        )
 
     @staticmethod
     def checkpoint_options(config: dict) -> dict:
@@ -273,8 +270,8 @@ class DFlashHead(Fp32RotaryMixin, Head):
     @classmethod
     def from_checkpoint(cls, config: dict, state: dict, layer_classes: tuple) -> DFlashHead:
         # Qwen3 layers whatever the target: the target's layer classes are not used.
-        head = cls(
-            AutoConfig.for_model(**config["target_config"]),
+        return cls(
+            cls.recorded_target_config(config),
             config["aux_layers"],
             config["num_layers"],
             config["block_size"],
@@ -282,6 +279,4 @@ class DFlashHead(Fp32RotaryMixin, Head):
             state["d2t"],
             config["target"],
             **cls.checkpoint_options(config),
-        )
-        head.depth_accuracy = config.get("depth_accuracy")
-        return head
+        ).restored(config)

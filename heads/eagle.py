@@ -14,7 +14,7 @@ import inspect
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.heads.base import Head
@@ -118,25 +118,14 @@ class EagleHead(Fp32RotaryMixin, Head):
         return head.bound_to(target)
 
     def checkpoint_config(self) -> dict:
-        return {
-            "num_layers": len(self.layers),
-            "draft_vocab_size": int(self.draft_vocab.numel()),
-            "depth_accuracy": self.depth_accuracy,
-            "target": self.target_info,
-            "target_config": self.config.to_dict(),
-        }
+        return self.recorded(self.config, num_layers=len(self.layers))
 
     @classmethod
     def from_checkpoint(cls, config: dict, state: dict, layer_classes: tuple) -> EagleHead:
-        head = cls(
-            AutoConfig.for_model(**config["target_config"]),
-            config["num_layers"],
-            state["draft_vocab"],
-            config["target"],
-            *layer_classes,
-        )
-        head.depth_accuracy = config.get("depth_accuracy")
-        return head
+        target_config = cls.recorded_target_config(config)
+        return cls(
+            target_config, config["num_layers"], state["draft_vocab"], config["target"], *layer_classes
+        ).restored(config)
 
 
 def head_config(target_config: PretrainedConfig, num_layers: int) -> PretrainedConfig:

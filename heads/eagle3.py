@@ -38,7 +38,7 @@ import copy
 
 import torch
 from torch import nn
-from transformers import AutoConfig, LlamaConfig, PretrainedConfig, PreTrainedModel
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.heads.aux_layers import resolve_aux_layers
@@ -271,21 +271,18 @@ class Eagle3Head(Fp32RotaryMixin, Head):
         return head.bound_to(target)
 
     def checkpoint_config(self) -> dict:
-        return {
-            "num_layers": len(self.layers),
-            "aux_layers": self.aux_layers,
-            "draft_vocab_size": int(self.d2t.numel()),
-            "norm_before_residual": self.layers[0].norm_before_residual,
-            "depth_accuracy": self.depth_accuracy,
-            "target": self.target_info,
-            "target_config": self.config.to_dict(),
+        return self.recorded(
+            self.config,
+            num_layers=len(self.layers),
+            aux_layers=self.aux_layers,
+            norm_before_residual=self.layers[0].norm_before_residual,
             **{key: getattr(self, key) for key in self.extra_config},
-        }
+        )
 
     @classmethod
     def from_checkpoint(cls, config: dict, state: dict, layer_classes: tuple) -> Eagle3Head:
-        head = cls(
-            AutoConfig.for_model(**config["target_config"]),
+        return cls(
+            cls.recorded_target_config(config),
             config["aux_layers"],
             state["d2t"],
             config["target"],
@@ -293,6 +290,4 @@ class Eagle3Head(Fp32RotaryMixin, Head):
             config.get("norm_before_residual", False),
             num_layers=config.get("num_layers", 1),  # checkpoints from before several layers: 1
             **{key: config[key] for key in cls.extra_config},
-        )
-        head.depth_accuracy = config.get("depth_accuracy")
-        return head
+        ).restored(config)
