@@ -19,9 +19,10 @@ def tokenizer():
     return load_tokenizer("default")
 
 
-def _masked_runs(ids, mask):
+def masked_runs(tokenizer, encoded: dict) -> list[str]:
+    """The decoded runs of masked tokens of a tokenised conversation, in order."""
     runs, current = [], []
-    for token, keep in zip(ids, mask):
+    for token, keep in zip(encoded["input_ids"], encoded["loss_mask"]):
         if keep:
             current.append(token)
         elif current:
@@ -29,12 +30,12 @@ def _masked_runs(ids, mask):
             current = []
     if current:
         runs.append(current)
-    return runs
+    return [tokenizer.decode(run) for run in runs]
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
     encoded = tokenize_conversation(tokenizer, MESSAGES, max_length=4096)
-    runs = [tokenizer.decode(run) for run in _masked_runs(encoded["input_ids"], encoded["loss_mask"])]
+    runs = masked_runs(tokenizer, encoded)
     # Each assistant reply plus the template's end-of-turn text, nothing from the user or system.
     assert runs == ["2 + 2 = 4.<|im_end|>\n", "That makes 12, since 4 x 3 = 12.<|im_end|>\n"]
     full = tokenizer.decode(encoded["input_ids"])

@@ -22,6 +22,7 @@ import pytest
 import torch
 from cli_helpers import assert_user_error
 from safetensors.torch import load_file, save_file
+from speculators_helpers import speculators_draft_logits
 from training_helpers import save_tiny_target
 from transformers import AutoModelForCausalLM
 
@@ -150,19 +151,10 @@ def _assert_same_logits(head, theirs, target, ids: list[int], steps: int = 2) ->
             steps,
             head.feedback_input,
         )
-        logits: list[torch.Tensor] = []
-        hook = theirs.lm_head.register_forward_hook(lambda module, args, out: logits.append(out))
         n = len(ids) - 1
         # The engine concatenates the aux states in the exported (ascending) layer order.
         served = _features(target, ids, theirs.config.eagle_aux_hidden_state_layer_ids)
-        theirs(
-            hidden_states=served[:, :-1],
-            input_ids=torch.tensor([ids[1:]]),
-            document_ids=torch.zeros(1, n, dtype=torch.long),
-            position_ids=torch.arange(n)[None],
-            ttt_steps=steps,
-        )
-        hook.remove()
+    logits = speculators_draft_logits(theirs, served, ids, steps)
     assert len(logits) == steps
     for step in range(steps):
         valid = n - step  # pass j's last j positions read padding tokens

@@ -17,6 +17,7 @@ import json
 
 import pytest
 from reasoning_templates import GPT_OSS, HARMONY_TOKENS, QWEN3
+from test_chat_masks import masked_runs
 
 from draftsmith.data_prep.chat import render_prompt, tokenize_conversation
 from draftsmith.data_prep.regenerate import Reply, regenerate
@@ -34,20 +35,6 @@ def gpt_oss():
     tokenizer = load_tokenizer("default", chat_template=GPT_OSS)
     tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
     return tokenizer
-
-
-def masked_runs(tokenizer, encoded: dict) -> list[str]:
-    """The decoded runs of masked tokens, in order."""
-    runs, current = [], []
-    for token, keep in zip(encoded["input_ids"], encoded["loss_mask"]):
-        if keep:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tokenizer.decode(run) for run in runs]
 
 
 QWEN3_TALK = [

@@ -25,6 +25,7 @@ import pytest
 import torch
 from datasets import Dataset
 from family_targets import AUX, EOS, FAMILIES, MOE, VOCAB, save_family
+from speculators_helpers import speculators_draft_logits
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from tree_drafters import GreedyPrefixDrafter
 
@@ -195,16 +196,7 @@ def test_speculators_export_loads_in_speculators_and_drafts_our_logits(families,
         features = torch.cat([states[layer] for layer in AUX], dim=-1)
         ones = torch.ones(1, len(ids), dtype=torch.long)
         ours = unroll(head, torch.tensor([ids]), features[:, :-1], ones, steps, head.feedback_input)
-        logits: list[torch.Tensor] = []
-        hook = theirs.lm_head.register_forward_hook(lambda module, args, out: logits.append(out))
-        theirs(
-            hidden_states=features[:, :-1],
-            input_ids=torch.tensor([ids[1:]]),
-            document_ids=torch.zeros(1, n, dtype=torch.long),
-            position_ids=torch.arange(n)[None],
-            ttt_steps=steps,
-        )
-        hook.remove()
+    logits = speculators_draft_logits(theirs, features, ids, steps)
     assert len(logits) == steps
     for step in range(steps):
         valid = n - step
