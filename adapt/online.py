@@ -87,8 +87,7 @@ def adapt_stream(
                 None,
                 folder / f"round-{rounds + 1}",
             )
-            if optimizer is not None:
-                carry_optimizer(trainer, optimizer)
+            carry_optimizer(trainer, optimizer)
             trainer.train()
             optimizer = trainer.optimizer.state_dict()
             if master is not head:

@@ -319,7 +319,8 @@ class Adapter:
         if self.out.exists() and not self.out.is_dir():
             raise UserError(f"adapt.out_dir {self.out} is a file: give a folder (it holds the rounds and `current`)")
         private_folder(self.out)  # round folders hold heads trained on users' requests
-        self._lock = hold_lock(self.out, "adapt.out_dir")  # a second adapter on it is refused
+        if getattr(self, "_lock", None) is None:  # held once for this adapter's life: a watcher runs it again
+            self._lock = hold_lock(self.out, "adapt.out_dir")  # a second adapter on it is refused
         self._start()
         done = []
         for _ in range(rounds):
@@ -437,8 +438,7 @@ class Adapter:
             self.kind, Path(self.cfg.head), self.cfg, self.target, head, train_rows, eval_rows, output_dir
         )
         optimizer = saved_optimizer(serving)
-        if optimizer is not None:
-            carry_optimizer(trainer, optimizer)
+        carry_optimizer(trainer, optimizer)
         trainer.last_checkpoint = trainer.train()
         return trainer.task.model, trainer
 
@@ -449,9 +449,12 @@ def saved_optimizer(checkpoint: str | Path) -> dict | None:
     return load_torch(file) if file.is_file() else None
 
 
-def carry_optimizer(trainer, state: dict) -> None:
-    """Continue ``trainer`` from an earlier round's optimiser ``state``: Adam's moments carry over (a
-    fresh AdamW would restart them at zero every round); the round's own learning rate replaces the saved one."""
+def carry_optimizer(trainer, state: dict | None) -> None:
+    """Continue ``trainer`` from an earlier round's optimiser ``state`` (None: there is none yet):
+    Adam's moments carry over (a fresh AdamW would restart them at zero every round); the round's own
+    learning rate replaces the saved one."""
+    if state is None:
+        return
     trainer.optimizer.load_state_dict(state)
     for group, lr in zip(trainer.optimizer.param_groups, trainer.scheduler.get_last_lr()):
         group["lr"] = lr

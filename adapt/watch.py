@@ -10,7 +10,7 @@ log, or a capture store); once ``adapt.held_out`` have arrived since the last ju
    (:func:`draftsmith.export.vllm_reload.reload_draft`: vLLM's native weight update with our transfer
    engine, else our ``collective_rpc`` extension) and probes it: the worker's digests of the drafter it
    serves must equal the export's (:func:`~draftsmith.export.vllm_reload.check_probe`), and the probe
-   prompts' draft counters are recorded (``probe_counters``).
+   prompts' draft counters are recorded (``Server.counters``).
 
 The server is a ``vllm serve`` at ``--vllm-url`` (:class:`HttpServer`; started with
 ``VLLM_SERVER_DEV_MODE=1`` and :data:`~draftsmith.export.vllm_reload.ENGINE_ARGS` as flags) or a
@@ -32,7 +32,7 @@ from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.features import FeatureDataset, check_identity, write_shard
 from draftsmith.data_prep.traffic import read_traffic
 from draftsmith.errors import CheckpointError, UserError
-from draftsmith.export.vllm_reload import LAST, METHOD, NATIVE, PROBE, check_probe, reload_draft
+from draftsmith.export.vllm_reload import LAST, METHOD, NATIVE, check_probe, reload_draft
 from draftsmith.recipe import RegenerateConfig
 from draftsmith.timing import clock
 from draftsmith.vllm_engine import EngineError, engine_args, generate_with, run_job
@@ -50,9 +50,6 @@ class LLMServer:
 
     def push(self, folder: Path) -> dict:
         return reload_draft(self.llm, folder)
-
-    def probe(self, names: list[str]) -> dict:
-        return self.llm.collective_rpc(PROBE, args=(names,))[0]
 
     def counters(self, prompts: list[list[int]], max_new_tokens: int, stops: list[int]) -> dict:
         job = {"engine": {"model": ""}, "prompts": prompts, "max_new_tokens": max_new_tokens, "stop_token_ids": stops}
@@ -105,14 +102,11 @@ class HttpServer:
             self._post("/resume")
         return {**results[0], "via": "native weight update" if native else "collective_rpc"}
 
-    def probe(self, names: list[str]) -> dict:
-        return self._rpc(PROBE, names)[0]
-
     def counters(self, prompts: list[list[int]], max_new_tokens: int, stops: list[int]) -> dict:
-        before = self._metrics()
+        before, model = self._metrics(), self._model()
         for ids in prompts:
             body = {"prompt": ids, "max_tokens": max_new_tokens, "temperature": 0.0, "stop_token_ids": stops}
-            self._post("/v1/completions", {"model": self._model(), **body})
+            self._post("/v1/completions", {"model": model, **body})
         after = self._metrics()
         return {name: after.get(name, 0) - before.get(name, 0) for name in after}
 
@@ -213,9 +207,16 @@ def extract_rows(job: dict) -> dict:
 class Watcher:
     """Rounds of ``adapter`` as traffic arrives, each promotion pushed into ``server`` and probed."""
 
-    def __init__(self, adapter: Adapter, server, probe_prompts: list[list[int]] | None = None, probe_tokens: int = 32):
+    def __init__(
+        self,
+        adapter: Adapter,
+        server,
+        probe_prompts: list[list[int]] | None = None,
+        probe_tokens: int = 32,
+        stops: list[int] | None = None,
+    ):
         self.adapter, self.server = adapter, server
-        self.probe_prompts, self.probe_tokens = probe_prompts, probe_tokens
+        self.probe_prompts, self.probe_tokens, self.stops = probe_prompts, probe_tokens, stops
         self.log_source = Path(adapter.cfg.traffic).is_file()
         if self.log_source:  # the rounds read the features the watcher appends
             adapter.traffic_override = adapter.out / FEATURES
@@ -273,6 +274,9 @@ class Watcher:
         return out
 
     def _stops(self) -> list[int]:
+        """The probe's stop tokens: as given, else the target's."""
+        if self.stops is not None:
+            return self.stops
         from draftsmith.target import stop_token_ids
 
         return list(stop_token_ids(self.adapter.recipe.target.name))
@@ -285,17 +289,12 @@ class Watcher:
             if record is not None and record.get("round") is not None:
                 done.append(record)
                 print(json.dumps(record))
-            elif record is None:
+            else:  # nothing new, or too little to judge: wait for more traffic
                 time.sleep(poll_seconds)
         return done
 
 
-def probe_counters(server, prompts: list[list[int]], max_new_tokens: int, stops: list[int]) -> dict:
-    """The draft counters of ``prompts`` served greedily by ``server``."""
-    return server.counters(prompts, max_new_tokens, stops)
-
-
-__all__ = ["HttpServer", "LLMServer", "Watcher", "extend_features", "extract_rows", "log_rows", "probe_counters"]
+__all__ = ["HttpServer", "LLMServer", "Watcher", "extend_features", "extract_rows", "log_rows"]
 
 
 def serve_and_watch(job: dict) -> dict:
@@ -347,7 +346,6 @@ def serve_and_watch(job: dict) -> dict:
             }
             log.write(json.dumps(line) + "\n")
     adapter._lock.close()  # the watcher's adapter takes the out_dir
-    watcher = Watcher(Adapter(adapter.cfg), server, job["probe"], tokens)
-    watcher._stops = lambda: stops
+    watcher = Watcher(Adapter(adapter.cfg), server, job["probe"], tokens, stops)
     result["step"] = watcher.step()
     return result

@@ -30,7 +30,7 @@ which the CPU runner subclasses: ``drafter.model``; the v2 GPU runner: ``specula
 serves that carry an export tensor's name and shape (norms, and on GPUs the unfused linear weights; the
 CPU's prepacked linears cannot be read back) and :func:`check_probe` compares them with the export's own
 digests, and says whether one of them differs between the old export and the new one (else the digests
-cannot tell them apart and only served counters can: :func:`draftsmith.adapt.watch.probe_counters`).
+cannot tell them apart and only served counters can: :meth:`draftsmith.adapt.watch.HttpServer.counters`).
 
 ``vllm serve`` takes the same over HTTP only with ``VLLM_SERVER_DEV_MODE=1`` (dev and RL routers: keep
 that port private), ``--worker-extension-cls draftsmith.export.vllm_reload.DraftReloader`` and
@@ -61,7 +61,6 @@ WEIGHTS = "model.safetensors"
 METHOD = "draftsmith_reload_draft"  # the collective_rpc path
 LAST = "draftsmith_last_reload"  # what the native path's engine loaded (or why it refused)
 NATIVE = "draftsmith_native"  # whether this worker's weight-transfer engine is ours
-PROBE = "draftsmith_probe"
 ENGINE = "draftsmith_export"  # our weight-transfer backend's name in vLLM's factory
 SHOWN = 3  # differing tensor names quoted in a refusal
 # Drafter methods that build buffers from loaded weights (vLLM 0.32's DFlash and DSpark: fused context K/V).
@@ -96,10 +95,6 @@ class DraftReloader:
     def draftsmith_last_reload(self) -> dict:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "last", None) or {"error": "no export was loaded through the weight update"})
-
-    def draftsmith_probe(self, names: list[str]) -> dict[str, str]:
-        """Digests of the served drafter's tensors named ``names`` (see :func:`probe_digests`)."""
-        return probe_digests(draft_model(self)[0], names)
 
 
 def _register_engine() -> None:

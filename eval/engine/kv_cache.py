@@ -101,9 +101,8 @@ class SlotCache(Cache):
         self.buffer: torch.Tensor | None = None
         self.key_dim = self.value_dim = 0  # the sizes of a key and of a value (the buffer holds the larger)
 
-    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Create the buffer from the first layer's key and value shapes (every layer must share them)."""
-        value_states = key_states if value_states is None else value_states
         dims = (key_states.shape[-1], value_states.shape[-1])
         if self.buffer is None:
             batch, heads, _, _ = key_states.shape
