@@ -20,14 +20,12 @@ from draftsmith.adapt.config import AdaptRecipe
 from draftsmith.adapt.rounds import Adapter, serving_head
 from draftsmith.config import load_recipe, schema_help
 from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
-from draftsmith.plugins import register_builtin
 from draftsmith.train.cli import split_recipe
 
 
 @report_user_errors
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the rounds the command line asks for; returns their records."""
-    register_builtin()
     parser = ArgumentParser(
         prog="draftsmith-adapt",
         usage="draftsmith-adapt [RECIPE.yaml] [--rounds N] [--watch --vllm-url URL] [--adapt.field VALUE ...]",

@@ -24,6 +24,13 @@ class AdaptConfig:
     round_steps: int = 60  # optimiser steps per round
     round_minutes: float | None = None  # wall-clock budget per round (whichever comes first)
     learning_rate: float = 3e-4  # peak; warm-up-free linear decay over the round
+    # Loss weight of the reply positions where the served draft was rejected (the target's correction
+    # tokens, recorded by the capture store): w there, 1 at every other supervised token, and each depth's
+    # loss the weighted mean sum(w_t * loss_t) / sum(w_t) over its scored tokens, so the loss keeps its
+    # scale. 1: uniform (exactly the unweighted loss); a large w nears Online Speculative Decoding's loss
+    # on the rejected positions alone. Traffic without the record (request logs, older stores) and
+    # replayed rows weigh 1. EAGLE-3 and P-EAGLE heads (the kinds that adapt).
+    rejected_weight: float = 1.0
     batch_size: int = 4  # feature rows per optimiser step
     max_length: int = 1024  # tokens of a request trained on (longer ones are cut)
     judge_max_new_tokens: int = 64  # tokens generated per held-out request when judging
@@ -53,6 +60,8 @@ class AdaptConfig:
             raise ValueError(
                 f'adapt.judge_drafter is empty: give drafter options (e.g. "depth=3&top_k=1&budget=3") or "{PLANNED}"'
             )
+        if not self.rejected_weight >= 1:  # also refuses NaN
+            raise ValueError(f"adapt.rejected_weight must be >= 1 (1: uniform), got {self.rejected_weight}")
         if self.replay_limit < 0:
             raise ValueError(f"adapt.replay_limit must be >= 0, got {self.replay_limit}")
         if self.round_minutes is not None and self.round_minutes <= 0:

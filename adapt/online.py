@@ -5,7 +5,8 @@ default; request ``i`` seeded ``seed + i``), and its tokens and the target's sta
 engine as it decodes, go into a traffic store. After every ``EVERY`` requests the head trains for a
 bounded number of steps on the requests captured so far (its own task and loop, the learning rate
 of ``adapt``, one optimiser whose moments carry from round to round, starting from the checkpoint's
-own), and the next requests are drafted by the updated weights. The acceptance length per window
+own; ``adapt.rejected_weight`` weighs the positions where the head's drafts were rejected), and the
+next requests are drafted by the updated weights. The acceptance length per window
 of the stream is the learning curve. On a GPU the rounds could overlap decoding; here they run
 between requests, and their wall time is reported.
 """
@@ -20,6 +21,7 @@ import torch
 
 from draftsmith.adapt.config import AdaptConfig
 from draftsmith.adapt.rounds import adaptable_kind, carry_optimizer, round_trainer, saved_optimizer
+from draftsmith.adapt.weights import weighted
 from draftsmith.data_prep.features import FeatureDataset, RowSelection
 from draftsmith.data_prep.traffic import TrafficStore
 from draftsmith.errors import UsageError
@@ -83,7 +85,7 @@ def adapt_stream(
                 cfg,
                 target,
                 master,
-                RowSelection([(rows, i) for i in range(len(rows))], cfg.max_length),
+                weighted(RowSelection([(rows, i) for i in range(len(rows))], cfg.max_length), cfg.rejected_weight),
                 None,
                 folder / f"round-{rounds + 1}",
             )

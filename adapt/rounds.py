@@ -34,6 +34,7 @@ import torch
 from draftsmith.adapt.config import PLANNED, AdaptConfig
 from draftsmith.adapt.judge import Verdict, judge
 from draftsmith.adapt.split import TrafficSplit, judge_prompt, split_traffic
+from draftsmith.adapt.weights import RejectedWeighted, weighted
 from draftsmith.atomic import staged
 from draftsmith.checkpoint_files import load_torch, read_json
 from draftsmith.config import load_recipe
@@ -90,7 +91,7 @@ class Round:
 class RoundData:
     """What one round trains and is judged on."""
 
-    train: RowSelection  # traffic rows of conversations not held out, then the replay share
+    train: RowSelection | RejectedWeighted  # traffic rows of conversations not held out, then the replay share
     prompts: list[list[int]]  # one judge prompt per held-out conversation
     served: int  # traffic rows among ``train``
     seen: int  # requests the traffic has had
@@ -268,7 +269,8 @@ class Adapter:
             rng = random.Random(self.cfg.seed + number)
             picks += [(replay, i) for i in rng.sample(range(len(replay)), count)]
         prompts = [judge_prompt(*rows[i]) for i in parts.judged]
-        return RoundData(RowSelection(picks, self.cfg.max_length), prompts, served, first + len(rows), parts)
+        train = weighted(RowSelection(picks, self.cfg.max_length), self.cfg.rejected_weight)
+        return RoundData(train, prompts, served, first + len(rows), parts)
 
     def _not_judged(self, since: int, data: RoundData) -> str | None:
         """Why a round is not judged on ``data`` (None: it is); ``since``: the requests the last round saw."""

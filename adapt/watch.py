@@ -310,10 +310,8 @@ def serve_and_watch(job: dict) -> dict:
     from draftsmith.data_prep.chat import render_prompt
     from draftsmith.export.serve_check import export_metadata, served_as, speculative_config
     from draftsmith.export.vllm_reload import ENGINE_ARGS
-    from draftsmith.plugins import register_builtin
     from draftsmith.target import load_tokenizer
 
-    register_builtin()
     Path(job["adapt"]["traffic"]).touch()  # the gateway's log, empty until requests are served
     adapter = Adapter(from_dict(AdaptConfig, job["adapt"], "job"))
     adapter.run(0)  # round 0: the deployed head, exported, `current` pointing at it

@@ -40,7 +40,6 @@ from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.heads.peagle import PEagleHead
-from draftsmith.plugins import register_builtin
 from draftsmith.train.dflash import DFlashDrafterConfig, DFlashRecipe, DFlashTask
 from draftsmith.train.dspark import DSparkDrafterConfig, DSparkRecipe, DSparkTask
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
@@ -256,7 +255,6 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    register_builtin()
     target = tiny_target(args.device)
     result: dict = {"device": args.device, "torch": torch.__version__}
     if args.device.startswith("cuda"):

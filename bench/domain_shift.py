@@ -21,18 +21,49 @@
 first user turns of ``--stream`` code conversations of at most ``--max-chars``, in a fixed shuffled
 order), ``code-held-out.jsonl`` (``--held-out`` more, never in the stream) and
 ``mt-bench-coding.jsonl`` (MT-bench's coding questions).
+
+``rejected`` runs issue 56's measurement in one process, every head judged with one drafter
+configuration (vLLM's chain of 3, the judge's default) and greedy decoding:
+
+    python bench/domain_shift.py rejected --head runs/objectives/kl_div/checkpoint-final --out runs/domain56
+
+1. the stream (the split above, leaving out the conversations the head trained on) is served by the
+   frozen head and captured with what it drafted (``runs/domain56/traffic``);
+2. one ``draftsmith-adapt`` round per weighting on that same traffic with the same seed: uniform
+   (``adapt.rejected_weight: 1``) and rejected-weighted (``--weight``), each judged by the honest judge
+   on the stream's newest conversations (its verdict recorded); the challengers are kept, promoted or not;
+3. the frozen head and both challengers decode the unseen held-out prompts of the domain
+   (``code-held-out.jsonl``); each gain's two-sided 95% paired bootstrap interval over the prompts.
+
+Writes ``OUT/rejected.json`` and prints a Markdown table. Acceptance lengths are counts: a busy CPU
+slows the run, it does not bias them.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
+import sys
+import time
 from pathlib import Path
 
+import torch
+
+from draftsmith.adapt.config import AdaptConfig
+from draftsmith.adapt.judge import acceptance_counts, paired_gain
+from draftsmith.adapt.rounds import Adapter, adaptable_kind
+from draftsmith.config import load_recipe
+from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.domains import has_code, write_jsonl
+from draftsmith.data_prep.features import FeatureDataset
 from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
 from draftsmith.data_prep.sharegpt import load_conversations
+from draftsmith.data_prep.traffic import ACCEPTED, REJECTED, SERVED_DRAFT, TrafficStore
 from draftsmith.errors import ArgumentParser, at_least, report_user_errors
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter, parse_spec
+from draftsmith.target import load_target
 
 
 def _first_turn(conversation: dict) -> str:
@@ -46,10 +77,11 @@ def _prompts(conversations: list[dict], path: Path) -> None:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def split(out: Path, stream: int, held_out: int, seed: int, max_chars: int) -> None:
-    """Write the benchmark's data files under ``out`` (see the module docstring)."""
+def split(out: Path, stream: int, held_out: int, seed: int, max_chars: int, exclude: frozenset = frozenset()) -> None:
+    """Write the benchmark's data files under ``out`` (see the module docstring); conversations whose
+    id is in ``exclude`` (a head's training data) are in neither the stream nor the held-out prompts."""
     conversations, _ = load_conversations(verbose=False)
-    code = [c for c in conversations if has_code(c)]
+    code = [c for c in conversations if has_code(c) and c["id"] not in exclude]
     general = [c for c in conversations if not has_code(c)]
     write_jsonl(general, out / "general.jsonl")
     write_jsonl(code, out / "code.jsonl")
@@ -64,6 +96,158 @@ def split(out: Path, stream: int, held_out: int, seed: int, max_chars: int) -> N
     print(f"{out}: {len(general)} general and {len(code)} code conversations; stream {stream}, held-out {held_out}")
 
 
+JUDGE = AdaptConfig.judge_drafter  # vLLM's chain of 3: how the stream is served and every head judged
+INTERVAL = 0.975  # one side of a two-sided 95% interval
+
+
+class KeepingAdapter(Adapter):
+    """An :class:`Adapter` that also copies each round's challenger to ``keep`` (promoted or not)."""
+
+    def __init__(self, cfg: AdaptConfig, keep: Path):
+        super().__init__(cfg)
+        self.keep = keep
+
+    def _train(self, serving, train_rows, eval_rows, output_dir):
+        head, trainer = super()._train(serving, train_rows, eval_rows, output_dir)
+        shutil.rmtree(self.keep, ignore_errors=True)
+        shutil.copytree(trainer.last_checkpoint, self.keep)
+        return head, trainer
+
+
+def _read_prompts(path: Path) -> list[str]:
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def _trained_on(recipe) -> frozenset:
+    """Ids of the bundled ShareGPT conversations a head's recipe trained on (none for other data)."""
+    if recipe.data.path != "sharegpt":
+        return frozenset()
+    conversations, _ = load_conversations(limit=recipe.data.limit, verbose=False)
+    return frozenset(c["id"] for c in conversations)
+
+
+def _capture_stream(target, tokenizer, recipe, head: str, prompts: list[list[int]], root: Path, tokens: int) -> dict:
+    """Serve ``prompts`` with the frozen ``head`` (a chain of 3), capturing them and its draft outcomes."""
+    drafter = build_drafter(parse_spec(f"eagle3:{head}?{JUDGE}"), target)
+    store = TrafficStore.for_target(
+        root, target, tokenizer, recipe.target.name, drafter.feature_layers, recipe.data.features.storage_dtype
+    )
+    decoder = SpeculativeDecoder(target, drafter, tokenizer, capture=store)
+    produced = passes = 0
+    began = time.monotonic()
+    for prompt in prompts:
+        gen = decoder.generate(prompt, tokens)
+        produced, passes = produced + sum(gen.accepted), passes + gen.steps
+    store.flush()
+    store._lock.close()  # the rounds read it next
+    data = FeatureDataset(root / "train")
+    outcomes = [
+        o for row, (_, mask) in zip(data.per_token(SERVED_DRAFT), data.token_rows()) for o, m in zip(row, mask) if m
+    ]
+    return {
+        "requests": len(prompts),
+        "tau": round(produced / max(passes, 1), 4),
+        "seconds": round(time.monotonic() - began, 1),
+        "reply_tokens": len(outcomes),
+        "accepted": outcomes.count(ACCEPTED),
+        "rejected": outcomes.count(REJECTED),
+    }
+
+
+def _interval(base: list[tuple[int, int]], other: list[tuple[int, int]]) -> dict:
+    tau_a, tau_b, gain, low = paired_gain(base, other, INTERVAL)
+    high = paired_gain(base, other, 1 - INTERVAL)[3]
+    return {
+        "tau_base": round(tau_a, 4),
+        "tau_other": round(tau_b, 4),
+        "gain": round(gain, 4),
+        "low": round(low, 4),
+        "high": round(high, 4),
+    }
+
+
+def rejected(args) -> dict:
+    """Issue 56's measurement (see the module docstring); returns what it writes to ``OUT/rejected.json``."""
+    out = Path(args.out)
+    kind, _ = adaptable_kind(args.head, "--head")
+    recipe = load_recipe(kind.training.recipe, Path(args.head) / "recipe.yaml")
+    if not (out / "stream.jsonl").is_file():
+        split(out, args.stream, args.held_out, args.seed, args.max_chars, _trained_on(recipe))
+    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
+    torch.manual_seed(args.seed)
+
+    def ids(path: Path) -> list[list[int]]:
+        return [render_prompt(tokenizer, [{"role": "user", "content": p}]) for p in _read_prompts(path)]
+
+    record: dict = {"argv": sys.argv, "head": args.head, "judge_drafter": JUDGE, "max_new_tokens": args.max_new_tokens}
+    traffic = out / "traffic"
+    if not (traffic / "train").is_dir():
+        record["stream"] = _capture_stream(
+            target, tokenizer, recipe, args.head, ids(out / "stream.jsonl"), traffic, args.max_new_tokens
+        )
+        print(f"stream: {record['stream']}")
+    heads = {"frozen": args.head}
+    record["rounds"] = {}
+    for weight in (1.0, args.weight):
+        name = "uniform" if weight == 1 else f"rejected x{weight:g}"
+        cfg = AdaptConfig(
+            head=args.head,
+            traffic=str(traffic),
+            out_dir=str(out / f"adapt-w{weight:g}"),
+            replay_limit=args.replay_limit,
+            held_out=args.judged,
+            min_held_out=min(8, args.judged),
+            general_held_out=args.general_held_out,
+            round_steps=args.steps,
+            learning_rate=args.lr,
+            max_length=args.max_length,
+            judge_max_new_tokens=args.max_new_tokens,
+            export_format="none",
+            seed=args.seed,
+            rejected_weight=weight,
+        )
+        cfg.validate()
+        first = out / "adapt-w1" / "general"
+        if weight != 1 and first.is_dir() and not (Path(cfg.out_dir) / "general").exists():
+            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            shutil.copytree(first, Path(cfg.out_dir) / "general")  # the same replay and forgetting rows, extracted once
+        keep = out / f"challenger-w{weight:g}"
+        adapter = KeepingAdapter(cfg, keep)
+        rounds = adapter.run(1)
+        if not rounds:
+            raise SystemExit(f"the {name} round did not run (see the line above)")
+        record["rounds"][name] = rounds[0].record()
+        heads[name] = str(keep)
+        del adapter
+    prompts = ids(out / "code-held-out.jsonl")
+    counts, seconds = {}, {}
+    for name, folder in heads.items():
+        began = time.monotonic()
+        counts[name] = acceptance_counts(target, f"eagle3:{folder}?{JUDGE}", prompts, args.max_new_tokens)
+        seconds[name] = round(time.monotonic() - began, 1)
+    record["unseen"] = {"prompts": len(prompts), "counts": counts, "seconds": seconds}
+    names = list(heads)
+    record["gains"] = {
+        f"{b} vs {a}": _interval(counts[a], counts[b])
+        for a, b in [(names[0], names[1]), (names[0], names[2]), (names[1], names[2])]
+    }
+    (out / "rejected.json").write_text(json.dumps(record, indent=1))
+    print("\n| heads | unseen prompts | tau base | tau other | gain | 95% paired bootstrap interval |")
+    print("|---|---|---|---|---|---|")
+    for pair, g in record["gains"].items():
+        print(
+            f"| {pair} | {len(prompts)} | {g['tau_base']:.3f} | {g['tau_other']:.3f} | {g['gain']:+.3f} | "
+            f"[{g['low']:+.3f}, {g['high']:+.3f}] |"
+        )
+    for name, r in record["rounds"].items():
+        v = r["verdict"]
+        print(
+            f"{name} round: {'promoted' if v['promoted'] else 'kept out'}: {v['reason']}; forgetting "
+            f"{v['forgetting']}; train {r['train_seconds']} s, judge {r['judge_seconds']} s"
+        )
+    return record
+
+
 @report_user_errors
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -74,7 +258,29 @@ def main(argv: list[str] | None = None) -> None:
     cut.add_argument("--held-out", type=at_least(1), default=16)
     cut.add_argument("--seed", type=int, default=0)
     cut.add_argument("--max-chars", type=at_least(1), default=1200, help="longest prompt of the stream and held-out")
+    run = commands.add_parser("rejected", help="frozen vs uniform vs rejected-weighted adaptation on one stream")
+    run.add_argument("--head", required=True, help="the deployed head's training checkpoint (EAGLE-3 or P-EAGLE)")
+    run.add_argument("--out", default="runs/domain56")
+    run.add_argument("--stream", type=at_least(2), default=48, help="requests served and captured")
+    run.add_argument(
+        "--held-out", type=at_least(1), default=24, help="unseen prompts of the domain, never in the stream"
+    )
+    run.add_argument(
+        "--judged", type=at_least(2), default=12, help="the stream's newest conversations the round judges on"
+    )
+    run.add_argument("--weight", type=float, default=4.0, help="adapt.rejected_weight of the weighted round")
+    run.add_argument("--steps", type=at_least(1), default=40, help="optimiser steps per round")
+    run.add_argument("--lr", type=float, default=AdaptConfig.learning_rate)
+    run.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    run.add_argument("--max-length", type=at_least(1), default=768)
+    run.add_argument("--replay-limit", type=at_least(0), default=48)
+    run.add_argument("--general-held-out", type=at_least(0), default=16)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--max-chars", type=at_least(1), default=1200)
     args = parser.parse_args(argv)
+    if args.command == "rejected":
+        rejected(args)
+        return
     split(Path(args.out), args.stream, args.held_out, args.seed, args.max_chars)
 
 

@@ -318,9 +318,6 @@ def main(argv: list[str] | None = None) -> dict:
         args.per_category, args.max_new_tokens = 1, 16
         args.train_overrides = [*TINY_TRAINING, *args.train_overrides]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from draftsmith.plugins import register_builtin
-
-    register_builtin()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     saved = work / "suite.json"

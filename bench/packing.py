@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.plugins import register_builtin
 from draftsmith.train import eagle3
 
 
@@ -69,7 +68,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="optimiser steps of each run")
     parser.add_argument("--out", help="folder for packing.json")
     args, extra = parser.parse_known_args()
-    register_builtin()
     with tempfile.TemporaryDirectory() as tmp:
         grouped = run(args.recipe, args.steps, False, Path(tmp) / "grouped", extra)
         packed = run(args.recipe, args.steps, True, Path(tmp) / "packed", extra)

@@ -535,9 +535,6 @@ def main(argv: list[str] | None = None) -> dict:
     from draftsmith.vllm_engine import PRELOAD_ENV
 
     os.environ.setdefault(PRELOAD_ENV, "1")  # up to seven vLLM jobs: vLLM imported once
-    from draftsmith.plugins import register_builtin
-
-    register_builtin()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     first = recipe_for(args.kinds[0], overrides)

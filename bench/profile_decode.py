@@ -16,7 +16,6 @@ from draftsmith.data_prep.prompts import load_prompts
 from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
-from draftsmith.plugins import register_builtin
 from draftsmith.precision import DTYPE_CHOICES
 from draftsmith.target import load_target
 
@@ -55,7 +54,6 @@ def step_phases(decoder: SpeculativeDecoder, ids: list[int], max_new_tokens: int
 
 @report_user_errors
 def main(argv: list[str] | None = None) -> None:
-    register_builtin()
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafter", default="prompt_lookup")
     parser.add_argument(

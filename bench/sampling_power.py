@@ -42,7 +42,6 @@ from draftsmith.eval.engine.drafters.medusa import MedusaDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.peagle import PEagleDrafter  # noqa: E402
 from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
 from draftsmith.eval.engine.sampling import SamplingConfig  # noqa: E402
-from draftsmith.plugins import register_builtin  # noqa: E402
 from draftsmith.timing import clock  # noqa: E402
 
 REJECT = verify_module._reject
@@ -137,7 +136,6 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    register_builtin()
     rows = []
     for name, (target, make, prompt, sampling) in end_to_end_cases().items():
         rows.append(

@@ -27,7 +27,6 @@ import yaml
 
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.kinds import for_recipe
-from draftsmith.plugins import register_builtin
 from draftsmith.timing import clock
 from draftsmith.train.cli import parse_training_args
 from draftsmith.train.eagle3 import Eagle3Recipe
@@ -61,7 +60,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args, overrides = parser.parse_known_args()
     kind = yaml.safe_load(Path(args.recipe).read_text())["drafter"]["kind"]
-    register_builtin()
     training = for_recipe(kind).training
     if not issubclass(training.recipe, Eagle3Recipe):
         parser.error(f"{args.recipe}: drafter.kind {kind!r}: this bench times EAGLE-3 recipes and their kin")

@@ -33,7 +33,6 @@ from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.eval.engine.pass_cost import measure_pass_cost
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.export.serve_check import export_metadata, prompt_ids, served_as, speculative_config
-from draftsmith.plugins import register_builtin
 from draftsmith.timing import clock
 from draftsmith.vllm_engine import engine_args, run_job
 
@@ -198,7 +197,6 @@ def regenerate(args) -> dict:
 
 
 def main() -> None:
-    register_builtin()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     s = sub.add_parser("serve")

@@ -27,7 +27,6 @@ from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.eval.engine.prepack import prepack_linears, unpack_linears
 from draftsmith.export.serve_check import export_metadata, prompt_ids, served_as, speculative_config
-from draftsmith.plugins import register_builtin
 from draftsmith.target import load_target
 from draftsmith.vllm_engine import engine_args, run_job
 
@@ -93,7 +92,6 @@ def our_rows(target: str, dtype: str, ids, max_new_tokens: int, methods: dict, a
 
 @report_user_errors
 def main(argv: list[str] | None = None) -> dict:
-    register_builtin()
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("export", help="a speculators export of the head (draftsmith-export --format speculators)")
     parser.add_argument("--checkpoint", required=True, help="the checkpoint the export was made from")

@@ -20,6 +20,40 @@ from draftsmith.errors import UserError
 T = TypeVar("T")
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a number allows (a drafter spec's option, a recipe field): ``low`` / ``high``
+    bounds (None: unbounded), each closed unless ``open_low`` / ``open_high``; ``integer`` for counts."""
+
+    low: float | None = None
+    high: float | None = None
+    integer: bool = False
+    open_low: bool = False
+    open_high: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        # Written so that NaN is outside every range.
+        above = self.low is None or (value > self.low if self.open_low else value >= self.low)
+        below = self.high is None or (value < self.high if self.open_high else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        what = "an integer" if self.integer else "a number"
+        if self.low is not None and self.high is not None:
+            return (
+                f"{what} in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+            )
+        if self.low is not None:
+            return f"{what} {'>' if self.open_low else '>='} {self.low:g}"
+        return f"{what} {'<' if self.open_high else '<='} {self.high:g}" if self.high is not None else what
+
+
+COUNT = Range(1, integer=True)
+POSITIVE = Range(0, open_low=True)
+
+
 class RecipeError(UserError, ValueError):
     """A recipe (or an override) that does not match its schema."""
 

@@ -2,53 +2,24 @@
 
 A :class:`DrafterKind` holds everything draftsmith knows about one kind: its spec options (with
 defaults and allowed ranges), how the engine builds its drafter, how it trains, how it exports and
-how vLLM serves the export. Each kind is declared in its own module of :mod:`draftsmith.plugins`,
-which registers the built-in kinds; the engine, training, export and the gate look kinds up here by
-name, so none of them holds a table of kinds. This module sits at the bottom of the layers and
-imports nothing of draftsmith's: a kind's parts are plain callables and classes of the layers above.
+how vLLM serves the export. Each kind is declared in its own module of :mod:`draftsmith.plugins`
+(``KIND``) and named by one entry point of the group :data:`ENTRY_POINTS` (pyproject.toml), which
+the registry loads on its first lookup: complete on import, with nothing for callers to fill. The
+engine, training, export and the gate look kinds up here by name, so none of them holds a table of
+kinds. This module sits at the bottom of the layers and
+imports nothing of draftsmith's but its errors and :class:`~draftsmith.config.Range` (an option's
+values): a kind's parts are plain callables and classes of the layers above.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any
 
+from draftsmith.config import Range
 from draftsmith.errors import UsageError
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric option allows: ``low`` / ``high`` bounds (None: unbounded), each closed
-    unless ``open_low`` / ``open_high``; ``integer`` for counts."""
-
-    low: float | None = None
-    high: float | None = None
-    integer: bool = False
-    open_low: bool = False
-    open_high: bool = False
-
-    def __contains__(self, value: object) -> bool:
-        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
-            return False
-        # Written so that NaN is outside every range.
-        above = self.low is None or (value > self.low if self.open_low else value >= self.low)
-        below = self.high is None or (value < self.high if self.open_high else value <= self.high)
-        return above and below
-
-    def __str__(self) -> str:
-        what = "an integer" if self.integer else "a number"
-        if self.low is not None and self.high is not None:
-            return (
-                f"{what} in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
-            )
-        if self.low is not None:
-            return f"{what} {'>' if self.open_low else '>='} {self.low:g}"
-        return f"{what} {'<' if self.open_high else '<='} {self.high:g}" if self.high is not None else what
-
-
-COUNT = Range(1, integer=True)
-POSITIVE = Range(0, open_low=True)
 
 
 @dataclass(frozen=True)
@@ -135,33 +106,62 @@ class DrafterKind:
     chain: Callable[[int], dict] | None = None
 
 
+# The entry-point group every kind is declared in: ``NAME = "module:KIND"`` (draftsmith's own in its
+# pyproject.toml; another installed package adds kinds in its own metadata).
+ENTRY_POINTS = "draftsmith.kinds"
+
 _KINDS: dict[str, DrafterKind] = {}
+_loaded = False
+
+
+def _load() -> None:
+    """Register every kind declared under :data:`ENTRY_POINTS`, once, on the first lookup (a kind's
+    declaration imports its modules from the layers above, which this module never imports)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True  # first: a declaration that looks kinds up while it loads sees those loaded so far
+    try:
+        for point in entry_points(group=ENTRY_POINTS):
+            kind = point.load()
+            if not isinstance(kind, DrafterKind) or kind.name != point.name:
+                raise TypeError(
+                    f"entry point {point.name} = {point.value} (group {ENTRY_POINTS}) must name the "
+                    f"DrafterKind called {point.name!r}, not {kind!r}"
+                )
+            register(kind)
+    except BaseException:
+        _loaded = False  # the next lookup tries again (and fails the same way) rather than see a part
+        raise
 
 
 def register(kind: DrafterKind) -> None:
-    """Add ``kind`` to the registry (again is a no-op; another kind of the same name is an error)."""
+    """Add ``kind`` to the registry (again is a no-op; another kind of the same name is an error).
+    Kinds are declared as entry points; this adds one at run time (a notebook's, a test's)."""
     if _KINDS.setdefault(kind.name, kind) is not kind:
         raise ValueError(f"drafter kind {kind.name!r} is registered twice")
 
 
 def registered() -> dict[str, DrafterKind]:
-    """Every registered kind by name, in registration order."""
-    return dict(_KINDS)
+    """Every kind by name, in alphabetical order (the entry points' and those :func:`register` added)."""
+    _load()
+    return dict(sorted(_KINDS.items()))
 
 
 def get(name: str, what: str = "drafter kind") -> DrafterKind:
     """The kind called ``name``, or a one-line error naming the registered ones (``what``: how the
     caller's user gave the name)."""
-    if name not in _KINDS:
+    kinds = registered()
+    if name not in kinds:
         raise UsageError(
-            f"{what} {name!r} is not a drafter kind: choose from {', '.join(_KINDS) or '(none registered)'}"
+            f"{what} {name!r} is not a drafter kind: choose from {', '.join(kinds) or '(none registered)'}"
         )
-    return _KINDS[name]
+    return kinds[name]
 
 
 def for_recipe(recipe_kind: str, what: str = "drafter.kind") -> DrafterKind:
     """The kind a recipe's ``drafter.kind`` trains, or a one-line error naming the trainable ones."""
-    trainable = {kind.training.recipe_kind: kind for kind in _KINDS.values() if kind.training}
+    trainable = {kind.training.recipe_kind: kind for kind in registered().values() if kind.training}
     if recipe_kind not in trainable:
         raise UsageError(f"{what} {recipe_kind!r}: choose from {', '.join(trainable)}")
     return trainable[recipe_kind]

@@ -62,8 +62,11 @@ class FeaturesConfig:
     # who writes an offline store: vllm (the serving engine's extract_hidden_states in a child process; with
     # data.regenerate, regeneration and extraction in one job), hf (the target in the trainer); auto: vllm if importable
     engine: Literal["auto", "vllm", "hf"] = "auto"
-    # auto: the target's dtype; float8: e4m3 with a scale per token and layer (half of bf16)
-    storage_dtype: Literal["auto", "float8"] = "auto"
+    # auto: the target's dtype; bfloat16 (half of float32); float8: e4m3 with a scale per token and layer (half of bf16)
+    storage_dtype: Literal["auto", "bfloat16", "float8"] = "auto"
+    # an offline store larger than this many GiB is refused before anything is written (its size is stated
+    # first, from the data's token count); null: no bound
+    max_gb: float | None = None
     tensor_parallel_size: int = 1  # vLLM: GPUs per model replica
     data_parallel_size: int = 1  # vLLM: model replicas
     # served: base URL of a running `vllm serve` extracting hidden states (`draftsmith-features --serve` starts one)
@@ -75,6 +78,8 @@ class FeaturesConfig:
             raise ValueError("data.features.tensor_parallel_size and data_parallel_size must be >= 1")
         if self.window < 1:
             raise ValueError(f"data.features.window must be >= 1, got {self.window}")
+        if self.max_gb is not None and self.max_gb <= 0:
+            raise ValueError(f"data.features.max_gb must be positive or null, got {self.max_gb}")
 
 
 @dataclass

@@ -256,10 +256,14 @@ def _load(folder: Path, cfg: DataConfig, verbose: bool) -> datasets.DatasetDict:
     return dataset
 
 
+LOSS_WEIGHT = "loss_weight"  # a row's per-token loss weights, where it has them (draftsmith.adapt.weights)
+
+
 def pad_batch(rows: list[dict] | list[list[dict]]) -> dict:
     """Right-pad tokenised rows (``input_ids``, ``loss_mask`` and, when present, cached features
     ``hidden`` and ``aux``) into a batch with an ``attention_mask``; packed rows (lists of such
-    rows, ``training.packing``) into a packed batch (:func:`~draftsmith.data_prep.packing.pack_batch`)."""
+    rows, ``training.packing``) into a packed batch (:func:`~draftsmith.data_prep.packing.pack_batch`).
+    Rows with a per-token ``loss_weight`` (``adapt.rejected_weight``) give the batch one, 1 where a row has none."""
     if isinstance(rows[0], list):
         return pack_batch(rows)
     longest = max(len(r["input_ids"]) for r in rows)
@@ -271,6 +275,8 @@ def pad_batch(rows: list[dict] | list[list[dict]]) -> dict:
     features = [key for key in ("hidden", "aux") if key in rows[0]]
     for key in features:
         batch[key] = torch.zeros(len(rows), longest, rows[0][key].shape[-1], dtype=rows[0][key].dtype)
+    if any(LOSS_WEIGHT in row for row in rows):
+        batch[LOSS_WEIGHT] = torch.ones(len(rows), longest)
     for i, row in enumerate(rows):
         n = len(row["input_ids"])
         batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
@@ -278,4 +284,6 @@ def pad_batch(rows: list[dict] | list[list[dict]]) -> dict:
         batch["attention_mask"][i, :n] = 1
         for key in features:
             batch[key][i, :n] = row[key]
+        if LOSS_WEIGHT in row:
+            batch[LOSS_WEIGHT][i, :n] = torch.as_tensor(row[LOSS_WEIGHT], dtype=torch.float32)
     return batch

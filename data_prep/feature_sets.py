@@ -44,7 +44,7 @@ def training_sets(
     identity = store_identity(source.target.name, target, tokenizer, layers, source.data.features.storage_dtype, data)
     if not is_complete(root, data):
         model = full_target() if full_target is not None else target
-        extract_features(model, data, root, layers=layers, identity=identity)
+        extract_features(model, data, root, layers=layers, identity=identity, max_gb=source.data.features.max_gb)
     else:
         check_identity(root, identity)
     # No held-out conversation (a small data.limit): no shards to read, and nothing to evaluate on.

@@ -8,10 +8,15 @@ written for, checked before a store is resumed or read. Shards are written atomi
 when present and readable (a truncated one is written again), so an interrupted extraction resumes
 where it stopped; ``manifest.json``, written last, records the sizes and marks the store complete.
 
-Two engines fill a store: ``hf`` (the target in this process, one conversation at a time) and
-``vllm`` (the serving engine's ``extract_hidden_states``; :mod:`draftsmith.data_prep.vllm_features`).
-Storage is the target's dtype, or ``float8`` (e4m3 with a scale per token and layer: half of bf16).
-ShareGPT features of an 8B model fill hundreds of GB: compute them ``online`` or ``served`` there.
+Two engines fill a store: ``hf`` (the target in this process, one conversation at a time, prefilled
+:data:`PREFILL_TOKENS` at a time against its KV cache, only the head's layers kept) and ``vllm``
+(the serving engine's ``extract_hidden_states``; :mod:`draftsmith.data_prep.vllm_features`).
+Storage is the target's dtype, ``bfloat16``, or ``float8`` (e4m3 with a scale per token and layer:
+half of bf16). A shard closes at :data:`SHARD_SIZE` conversations or :data:`SHARD_TOKENS` tokens, so
+what is held before a write is bounded by tokens, not by how long the conversations are. The store
+states its size before it is written (:func:`store_bytes`) and refuses one past
+``data.features.max_gb``. ShareGPT features of an 8B model fill hundreds of GB: compute them
+``online`` or ``served`` there.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from draftsmith.assets import cache_root
 from draftsmith.atomic import staged
@@ -39,6 +45,12 @@ from draftsmith.target import target_record
 from draftsmith.timing import clock
 
 SHARD_SIZE = 64  # conversations per shard
+# tokens per shard at most (a longer conversation gets a shard of its own): a shard's states are held until
+# it is written. Above 64 conversations of 4K tokens, so stores of shorter conversations shard as they did.
+SHARD_TOKENS = 1 << 18
+PREFILL_TOKENS = 2048  # hf: tokens of a conversation prefilled at a time (its KV cache holds the rest)
+SAFETENSORS_ENTRY = 96  # bytes of a shard's JSON header per tensor (name, dtype, shape, offsets), about
+STORAGE = {"bfloat16": torch.bfloat16}  # storage dtypes other than the target's own (float8 is quantised apart)
 SHARD_KEYS = ("hidden", "input_ids", "loss_mask", "offsets")
 FLOAT8 = torch.float8_e4m3fn
 # Which recipe field to change when a store's identity does not match the recipe's.
@@ -181,18 +193,26 @@ def write_shard(
     loss_mask: list[list[int]],
     states: list[tuple[torch.Tensor, torch.Tensor | None]],
     identity: dict,
+    per_token: dict[str, list[list[int]]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One shard file (written atomically) of conversations' token ids, loss masks and features
     (per conversation ``(hidden, aux)`` host tensors, :data:`Compute`'s), stored as the store's
-    ``identity`` says (its layers and storage dtype); returns the tensors written."""
+    ``identity`` says (its layers and storage dtype); returns the tensors written. ``per_token``:
+    further int8 values, one per token of each conversation, under their names (a traffic store's
+    ``served_draft``); :class:`FeatureDataset` hands them back in its rows."""
     lengths = torch.tensor([len(ids) for ids in input_ids])
     tensors = {
         "input_ids": torch.tensor([t for ids in input_ids for t in ids], dtype=torch.int32),
         "loss_mask": torch.tensor([m for mask in loss_mask for m in mask], dtype=torch.int8),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
     }
-    hidden = torch.cat([h for h, _ in states]).contiguous()
-    aux = torch.cat([a for _, a in states]).contiguous() if identity["layers"] else None
+    for name, values in (per_token or {}).items():
+        if [len(v) for v in values] != lengths.tolist():
+            raise ValueError(f"{name}: one value per token of each conversation")
+        tensors[name] = torch.tensor([x for row in values for x in row], dtype=torch.int8)
+    kept = STORAGE.get(identity["storage"])  # cast per conversation: no copy of the shard in the compute dtype
+    hidden = torch.cat([h if kept is None else h.to(kept) for h, _ in states]).contiguous()
+    aux = torch.cat([a if kept is None else a.to(kept) for _, a in states]).contiguous() if identity["layers"] else None
     if identity["storage"] == "float8":
         tensors["hidden"], tensors["hidden_scale"] = quantize(hidden, 1)
         if aux is not None:
@@ -206,6 +226,64 @@ def write_shard(
     return tensors
 
 
+def shard_bounds(lengths: list[int], shard_size: int = SHARD_SIZE, shard_tokens: int = SHARD_TOKENS) -> list[range]:
+    """The conversations of each shard of a split whose conversations have ``lengths`` tokens: in
+    order, at most ``shard_size`` of them and ``shard_tokens`` tokens a shard (a longer conversation
+    alone). A function of the lengths alone, so a resumed store's shards line up with the first run's."""
+    bounds, start, tokens = [], 0, 0
+    for index, length in enumerate(lengths):
+        if index > start and (index - start == shard_size or tokens + length > shard_tokens):
+            bounds.append(range(start, index))
+            start, tokens = index, 0
+        tokens += length
+    return bounds + [range(start, len(lengths))] if start < len(lengths) else bounds
+
+
+@dataclass(frozen=True)
+class StoreSize:
+    """What a store's size follows from beyond its data and identity: the target's ``hidden_size``
+    and the ``dtype`` it computes in; and the bound it may not pass (``max_gb``,
+    ``data.features.max_gb``; None: none)."""
+
+    hidden_size: int
+    dtype: torch.dtype
+    max_gb: float | None = None
+
+
+def store_bytes(data, identity: dict, size: StoreSize, shard_size: int = SHARD_SIZE) -> int:
+    """The bytes the store of ``identity`` (its layers and storage) over every split of ``data`` will
+    take on disk: per token the last hidden state and each layer's in the storage dtype (float8: and
+    a float32 scale each), its token id and loss-mask byte; per conversation an offset; per shard
+    the safetensors header."""
+    states = 1 + len(identity["layers"])  # the last hidden state, then each of the head's layers
+    float8 = identity["storage"] == "float8"
+    itemsize = FLOAT8.itemsize if float8 else STORAGE.get(identity["storage"], size.dtype).itemsize
+    per_token = states * size.hidden_size * itemsize + (4 * states if float8 else 0) + 4 + 1
+    # input_ids, loss_mask, offsets; hidden and aux (float8: each with its scales)
+    tensors = 3 + (1 + bool(identity["layers"])) * (2 if float8 else 1)
+    total = 0
+    for split in data:
+        lengths = [len(ids) for ids in data[split]["input_ids"]]
+        shards = shard_bounds(lengths, shard_size)
+        total += sum(lengths) * per_token + 8 * (len(lengths) + len(shards))
+        total += len(shards) * (8 + tensors * SAFETENSORS_ENTRY)
+    return total
+
+
+def check_size(root: Path, data, identity: dict, size: StoreSize, shard_size: int = SHARD_SIZE, show: bool = True):
+    """State the size the store at ``root`` will take (:func:`store_bytes`) and refuse it, in one
+    line naming ``data.features.max_gb``, past ``size.max_gb``."""
+    expected = store_bytes(data, identity, size, shard_size) / 2**30
+    if size.max_gb is not None and expected > size.max_gb:
+        raise UserError(
+            f"the features store {root} would take {expected:.2f} GiB, above data.features.max_gb = {size.max_gb:g}: "
+            "raise it, store bfloat16 or float8 (data.features.storage_dtype), lower data.max_length or data.limit, "
+            "or compute the features online or served (drafter.features)"
+        )
+    if show:
+        print(f"features: the store {root} will take {expected:.2f} GiB")
+
+
 def write_store(
     data,
     root: Path,
@@ -213,26 +291,31 @@ def write_store(
     identity: dict,
     shard_size: int = SHARD_SIZE,
     show: bool = True,
+    size: StoreSize | None = None,
 ) -> dict:
     """Write the features ``compute`` gives for every split of ``data`` under ``root``; resumable.
 
     ``identity`` (:func:`store_identity`) is checked against the store's (a mismatch is refused)
-    and decides the storage dtype. Returns the manifest (conversations, tokens, shards, bytes; and
-    ``written_tokens`` and ``seconds``: what this call computed and wrote, and how long it took).
+    and decides the storage dtype. With ``size`` the store's size is stated before anything is
+    written, and refused past its bound (:func:`check_size`). Returns the manifest (conversations,
+    tokens, shards, bytes; and ``written_tokens`` and ``seconds``: what this call computed and
+    wrote, and how long it took).
     """
     root = Path(root)
     check_identity(root, identity)
+    if size is not None:
+        check_size(root, data, identity, size, shard_size, show)
     manifest = {"splits": {}, "bytes": 0, "tokens": 0, "written_tokens": 0, "seconds": 0.0}
     for split in data:
         rows = data[split]
         out = root / split
         out.mkdir(parents=True, exist_ok=True)
-        shards = range(0, len(rows), shard_size)
-        for number, start in enumerate(tqdm(shards, desc=f"features {split}", disable=not show)):
+        shards = shard_bounds([len(ids) for ids in rows["input_ids"]], shard_size)
+        for number, members in enumerate(tqdm(shards, desc=f"features {split}", disable=not show)):
             path = out / f"shard-{number:05d}.safetensors"
             if path.is_file() and _readable(path):
                 continue
-            chunk = rows[start : start + shard_size]
+            chunk = rows[members.start : members.stop]
             began = clock("cpu")  # compute() hands back host tensors: nothing left queued on a device
             states = compute(chunk["input_ids"])
             tensors = write_shard(path, chunk["input_ids"], chunk["loss_mask"], states, identity)
@@ -257,18 +340,36 @@ def write_store(
     return manifest
 
 
-def hf_compute(target, layers: list[int] | None) -> Compute:
-    """:data:`Compute` by the target in this process, one conversation per forward pass."""
+def hf_compute(
+    target, layers: list[int] | None, keep: torch.dtype | None = None, prefill: int = PREFILL_TOKENS
+) -> Compute:
+    """:data:`Compute` by the target in this process, one conversation at a time, prefilled
+    ``prefill`` tokens at a time against its KV cache: the decoder returns the outputs of the layers
+    before ``layers`` only (transformers' ``output_hidden_states`` as a list of layer indices; layer
+    0, the embeddings, is embedded apart), and each piece's states go to the host in ``keep`` (None:
+    the target's dtype) at once. What a conversation holds at a time is its KV cache, one piece's
+    activations and its kept states, not every layer's states of the whole conversation."""
     decoder = target.get_decoder()
     device = next(target.parameters()).device
+    outputs = sorted({layer - 1 for layer in layers or [] if layer > 0})  # hidden_states[L] is layer L - 1's output
+
+    def host(x: torch.Tensor) -> torch.Tensor:
+        return x[0].to("cpu", keep or x.dtype)
 
     @torch.no_grad()
     def compute(chunk: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         out = []
         for ids in chunk:
-            states = decoder(input_ids=torch.tensor([ids], device=device), output_hidden_states=bool(layers))
-            aux = torch.cat([states.hidden_states[layer][0] for layer in layers], dim=-1).cpu() if layers else None
-            out.append((states.last_hidden_state[0].cpu(), aux))
+            cache = DynamicCache(config=target.config)
+            hidden, aux = [], []
+            for start in range(0, len(ids), prefill):
+                piece = torch.tensor([ids[start : start + prefill]], device=device)
+                states = decoder(input_ids=piece, past_key_values=cache, use_cache=True, output_hidden_states=outputs)
+                hidden.append(host(states.last_hidden_state))
+                if layers:
+                    fused = [decoder.embed_tokens(piece) if L == 0 else states.hidden_states[L - 1] for L in layers]
+                    aux.append(host(torch.cat(fused, dim=-1)))
+            out.append((torch.cat(hidden), torch.cat(aux) if layers else None))
         return out
 
     return compute
@@ -282,18 +383,27 @@ def extract_features(
     show: bool = True,
     layers: list[int] | None = None,
     identity: dict | None = None,
+    max_gb: float | None = None,
 ) -> dict:
     """Write ``target``'s features (last hidden states and, with ``layers``, those layers' states
     fused as ``aux``) for every split of ``data`` under ``root`` in this process; resumable.
-    ``identity``: the store's (:func:`store_identity`; default: ``target`` by its config's name)."""
+    ``identity``: the store's (:func:`store_identity`; default: ``target`` by its config's name).
+    The store's size is stated first, and refused past ``max_gb`` (``data.features.max_gb``)."""
     if identity is None:
         identity = store_identity(str(target.config.name_or_path), target, None, layers, data=data)
-    return write_store(data, root, hf_compute(target, layers), identity, shard_size, show)
+    dtype = next(target.parameters()).dtype
+    size = StoreSize(target.config.hidden_size, dtype, max_gb)
+    compute = hf_compute(target, layers, STORAGE.get(identity["storage"]))
+    return write_store(data, root, compute, identity, shard_size, show, size)
+
+
+PER_TOKEN = ("served_draft",)  # int8 per-token keys a shard may hold beside its features (write_shard)
 
 
 class FeatureDataset(Dataset):
-    """Rows ``{input_ids, loss_mask, hidden[, aux]}`` read lazily from one split's feature shards
-    (float8 stores come back in float32)."""
+    """Rows ``{input_ids, loss_mask, hidden[, aux][, served_draft]}`` read lazily from one split's
+    feature shards (float8 stores come back in float32; ``served_draft`` where the shard holds it: a
+    traffic store's, :mod:`draftsmith.data_prep.traffic`)."""
 
     def __init__(self, folder: str | Path, files: list[Path] | None = None):
         self.files = sorted(Path(folder).glob("shard-*.safetensors")) if files is None else list(files)
@@ -330,6 +440,20 @@ class FeatureDataset(Dataset):
             rows += [(ids[lo:hi], mask[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
         return rows
 
+    def per_token(self, name: str) -> list[list[int] | None]:
+        """The per-token values ``name`` (:data:`PER_TOKEN`) of every row, None for the rows of a
+        shard without them, the features left unread."""
+        rows: list[list[int] | None] = []
+        for file, offsets in zip(self.files, self.offsets):
+            bounds = offsets.tolist()
+            with open_tensors(file, self._fix) as handle:
+                if name not in set(handle.keys()):
+                    rows += [None] * (len(bounds) - 1)
+                    continue
+                values = handle.get_tensor(name).tolist()
+            rows += [values[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+        return rows
+
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < len(self):
             raise IndexError(index)
@@ -348,6 +472,9 @@ class FeatureDataset(Dataset):
                 values = handle.get_slice(name)[lo:hi]
                 scale = f"{name}_scale"
                 row[name] = dequantize(values, handle.get_slice(scale)[lo:hi]) if scale in keys else values
+            for name in PER_TOKEN:
+                if name in keys:
+                    row[name] = handle.get_slice(name)[lo:hi]
             return row
 
 

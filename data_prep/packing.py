@@ -70,9 +70,9 @@ def packed_order(order: list[int], lengths: list[int], capacity: int, batch: int
 
 def pack_batch(rows: list[list[dict]]) -> dict:
     """Packed rows (each a list of tokenised conversations: ``input_ids``, ``loss_mask`` and, when
-    present, cached features ``hidden`` and ``aux``) into a batch: the conversations of a row end
-    to end, right-padded to the longest row, ``attention_mask`` their segment ids and
-    ``position_ids`` restarting at 0 with each."""
+    present, cached features ``hidden`` and ``aux`` and per-token ``loss_weight``) into a batch: the
+    conversations of a row end to end, right-padded to the longest row, ``attention_mask`` their
+    segment ids and ``position_ids`` restarting at 0 with each."""
     longest = max(sum(len(c["input_ids"]) for c in row) for row in rows)
     first = rows[0][0]
     batch = {
@@ -84,6 +84,9 @@ def pack_batch(rows: list[list[dict]]) -> dict:
     features = [key for key in ("hidden", "aux") if key in first]
     for key in features:
         batch[key] = torch.zeros(len(rows), longest, first[key].shape[-1], dtype=first[key].dtype)
+    weighted = any("loss_weight" in c for row in rows for c in row)  # adapt.rejected_weight's; 1 where absent
+    if weighted:
+        batch["loss_weight"] = torch.ones(len(rows), longest)
     for i, row in enumerate(rows):
         at = 0
         for segment, conversation in enumerate(row, start=1):
@@ -94,6 +97,8 @@ def pack_batch(rows: list[list[dict]]) -> dict:
             batch["position_ids"][i, at : at + n] = torch.arange(n)
             for key in features:
                 batch[key][i, at : at + n] = conversation[key]
+            if weighted and "loss_weight" in conversation:
+                batch["loss_weight"][i, at : at + n] = torch.as_tensor(conversation["loss_weight"], dtype=torch.float32)
             at += n
     return batch
 

@@ -14,6 +14,14 @@ at most the requests not yet flushed (``shard_size`` of them).
 
 The engine records into it (``SpeculativeDecoder(..., capture=store)``, ``eval/run.py --capture``);
 a user's own loop calls :meth:`TrafficStore.add` with the tokens and the states it computed.
+
+What the served drafter did at each reply token goes beside them (shard key :data:`SERVED_DRAFT`, one
+int8 per token, :func:`draft_outcomes`): :data:`ACCEPTED` (it drafted this token and the target kept
+it), :data:`REJECTED` (it drafted this position and the target rejected every draft there: the token
+is the target's correction) or :data:`NOT_DRAFTED` (prompt tokens, the reply's first token, which
+prefill makes, the target's bonus token after a wholly accepted draft, steps that drafted nothing).
+``adapt.rejected_weight`` trains harder where drafts failed from it. Stores written before it was
+recorded (and requests added without it) read as :data:`NOT_DRAFTED` throughout: uniform weights.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from draftsmith.timing import age_seconds
 
 SPLIT = "train"
 LOCK = ".lock"
+SERVED_DRAFT = "served_draft"  # shard key: the served drafter's outcome at each token (int8)
+NOT_DRAFTED, ACCEPTED, REJECTED = 0, 1, 2  # its values
 _SHARD = re.compile(r"shard-(\d+)\.safetensors$")
 
 
@@ -67,6 +77,7 @@ class TrafficStore:
         self.empty = previous.get("empty_replies", 0)  # requests with no reply token: nothing kept
         self._ids: list[list[int]] = []
         self._masks: list[list[int]] = []
+        self._drafts: list[list[int]] = []
         self._states: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._bound()  # an idle store's requests past max_age go now, not at its next write
 
@@ -88,12 +99,21 @@ class TrafficStore:
         identity = store_identity(target_name, target, tokenizer, layers, storage)
         return cls(root, identity, max_bytes, shard_size, max_age)
 
-    def add(self, tokens: list[int], reply_start: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+    def add(
+        self,
+        tokens: list[int],
+        reply_start: int,
+        hidden: torch.Tensor,
+        aux: torch.Tensor | None,
+        drafts: list[int] | None = None,
+    ) -> None:
         """One finished request: ``tokens`` (prompt then reply, the reply from ``reply_start``) and
         the target's states for the tokens it read (``hidden`` ``[n, H]`` the last hidden states,
         ``aux`` ``[n, layers * H]`` the head's layers); ``n`` is ``len(tokens)``, or one less when
         the last token (the reply's end of turn, or its last token at the length limit) was never fed
-        back. The whole reply is supervised, its last token included."""
+        back. The whole reply is supervised, its last token included. ``drafts``: the served drafter's
+        outcome at each reply token (:data:`ACCEPTED`, :data:`REJECTED` or :data:`NOT_DRAFTED`; see the
+        module docstring), ``len(tokens) - reply_start`` of them; None: not known (all :data:`NOT_DRAFTED`)."""
         n = hidden.shape[0]
         if n not in (len(tokens) - 1, len(tokens)) or reply_start > len(tokens):
             raise ValueError(
@@ -103,6 +123,12 @@ class TrafficStore:
         if reply_start == len(tokens):  # no reply token: nothing to learn
             self.empty += 1
             return
+        reply = len(tokens) - reply_start
+        if drafts is not None and (len(drafts) != reply or not set(drafts) <= {NOT_DRAFTED, ACCEPTED, REJECTED}):
+            raise ValueError(
+                f"drafts: give one outcome (0, 1 or 2) per reply token ({reply}), got {len(drafts)}: "
+                f"{sorted(set(drafts))}"
+            )
         if (aux is None) != (self.layers is None):
             given = "without" if aux is None else "with"
             raise ValueError(f"the store keeps layers {self.layers}; the request came {given} layer states")
@@ -111,7 +137,10 @@ class TrafficStore:
         # gets a row of zeros, as padding does, and is supervised like every other reply token.
         missing = len(tokens) - n
         self._ids.append(list(tokens))
-        self._masks.append([0] * reply_start + [1] * (len(tokens) - reply_start))
+        self._masks.append([0] * reply_start + [1] * reply)
+        self._drafts.append(
+            [NOT_DRAFTED] * reply_start + (list(drafts) if drafts is not None else [NOT_DRAFTED] * reply)
+        )
         self._states.append(
             (_on_host(hidden, missing), _on_host(aux.to(hidden.dtype), missing) if aux is not None else None)
         )
@@ -129,8 +158,8 @@ class TrafficStore:
         shards = self.shards()
         number = _number(shards[-1]) + 1 if shards else 0
         path = self.root / SPLIT / f"shard-{number:06d}.safetensors"
-        write_shard(path, self._ids, self._masks, self._states, self.identity)
-        self._ids, self._masks, self._states = [], [], []
+        write_shard(path, self._ids, self._masks, self._states, self.identity, {SERVED_DRAFT: self._drafts})
+        self._ids, self._masks, self._drafts, self._states = [], [], [], []
         self._bound()
 
     def _bound(self) -> None:
@@ -192,6 +221,17 @@ def read_traffic(root: str | Path) -> TrafficRows:
         expired += len(FeatureDataset.from_files([shards.pop(0)]))
     rows = FeatureDataset.from_files(shards) if shards else None
     return TrafficRows(rows, recorded.get("dropped_conversations", 0) + expired, expired)
+
+
+def draft_outcomes(tree_parents: list[int] | None, path: list[int]) -> list[int]:
+    """The outcomes of one decoding step's tokens (its accepted ``path`` of tree nodes, then the target's
+    own token): :data:`ACCEPTED` for each node of the path; for the last token, :data:`REJECTED` when the
+    tree drafted below the last accepted node (or below the root, with nothing accepted) and the target
+    took none of those drafts, else :data:`NOT_DRAFTED` (a bonus token past the tree's end, or no tree)."""
+    if not tree_parents:
+        return [NOT_DRAFTED]
+    below = path[-1] if path else -1  # the tree's root is parent -1
+    return [ACCEPTED] * len(path) + [REJECTED if below in tree_parents else NOT_DRAFTED]
 
 
 def _past_age(shard: Path, max_age: float | None) -> bool:

@@ -30,6 +30,7 @@ from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.features import (
     Compute,
     FeatureSource,
+    StoreSize,
     features_dir,
     is_complete,
     store_identity,
@@ -264,4 +265,5 @@ def run_vllm_features(job: dict) -> dict:
         root = features_dir(target_cfg, data, layers, features.storage_dtype, job["features_dir"])
         identity = store_identity(target_cfg.name, head, tokenizer, layers, features.storage_dtype, data)
         norm = head.get_decoder().norm
-        return write_store(data, root, vllm_compute(llm, layers, num_layers, norm), identity)
+        size = StoreSize(head.config.hidden_size, head.dtype, features.max_gb)
+        return write_store(data, root, vllm_compute(llm, layers, num_layers, norm), identity, size=size)

@@ -25,7 +25,6 @@ from draftsmith.config import RecipeError
 from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.eval.run import main as eval_main
 from draftsmith.kinds import for_recipe
-from draftsmith.plugins import register_builtin
 from draftsmith.timing import stage_table
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-eagle-demo.yaml"
@@ -46,7 +45,6 @@ def main(argv: list[str] | None = None) -> dict:
     overrides = ["--output_dir", args.out_dir, "--target.dtype", args.dtype, *train_overrides]
     if args.train_minutes is not None:
         overrides += ["--training.max_minutes", str(args.train_minutes)]
-    register_builtin()
     kind = for_recipe(_recipe_kind(args.recipe), f"{args.recipe}: drafter.kind")
     trainer = kind.training.main([args.recipe, *overrides])
     summary = eval_main(

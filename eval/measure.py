@@ -127,19 +127,33 @@ def run_bench(
     and ``hf_assisted_dynamic`` (HF's dynamic draft length) as ``{name: (model, draft length)}``,
     one row per assistant (``hf_assisted`` alone, ``hf_assisted:NAME`` for several).
     ``time_drafting``: record each generation's drafting time (for the cost model). ``capture``: the
-    baseline's generations go into this traffic store with the target's states (training data).
+    generations of the first drafter that reads the store's layers (the served head; verified by the
+    target itself) go into this traffic store with the target's states and what it drafted at each
+    token (accepted or rejected: ``adapt.rejected_weight``); without one, plain decoding's (no draft record).
     ``max_seconds``: start no prompt after this much wall-clock time (each prompt runs every method,
     so the prompts run are compared alike); the prompts that ran are those in the returned runs.
     """
     eos = eos_token_ids(target, tokenizer)
-    decoders = {BASELINE: SpeculativeDecoder(target, None, tokenizer, sampling, eos, capture=capture)}
+    served = BASELINE
+    if capture is not None and capture.layers:
+        served = next(
+            (d.name for d in drafters if d.verifier is None and list(d.feature_layers or []) == capture.layers),
+            BASELINE,
+        )
+    decoders = {
+        BASELINE: SpeculativeDecoder(
+            target, None, tokenizer, sampling, eos, capture=capture if served == BASELINE else None
+        )
+    }
     for drafter in drafters:
         if drafter.name in decoders or drafter.name in HF_BASELINES:
             raise UsageError(f"two methods are named {drafter.name!r}; give one a name= option")
         # A drafter trained jointly with a tuned target (Medusa-2: the target plus a LoRA adapter,
         # on only while it decodes) is verified by it; plain decoding stays the baseline.
         verifier = drafter.verifier or target
-        decoders[drafter.name] = SpeculativeDecoder(verifier, drafter, tokenizer, sampling, eos, time_drafting)
+        decoders[drafter.name] = SpeculativeDecoder(
+            verifier, drafter, tokenizer, sampling, eos, time_drafting, capture if drafter.name == served else None
+        )
     hf_kwargs = {
         name: kwargs
         for name, kwargs in (("hf_plain", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10}))

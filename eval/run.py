@@ -35,7 +35,6 @@ from draftsmith.eval.engine.target_runner import CausalLMRunner, compile_decoder
 from draftsmith.eval.measure import HF_BASELINES, run_bench
 from draftsmith.eval.report import captions, depth_table, markdown_table, summarise, write_results
 from draftsmith.kinds import registered
-from draftsmith.plugins import register_builtin
 from draftsmith.precision import DTYPE_CHOICES, dtype_name
 from draftsmith.recipe import EvalConfig, TargetConfig
 from draftsmith.target import load_target
@@ -44,7 +43,6 @@ from draftsmith.timing import stage
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, its ``--help`` listing every registered drafter kind."""
-    register_builtin()
     parser = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=kinds_help())
     parser.add_argument(
         "--recipe",
@@ -121,8 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--capture",
         default=None,
         metavar="DIR",
-        help="record every prompt's plain generation with the target's states into a traffic store at DIR "
-        "(training data for draftsmith-adapt), at the layers of the first --drafter that reads them",
+        help="record every prompt's generation with the target's states into a traffic store at DIR "
+        "(training data for draftsmith-adapt), at the layers of the first --drafter that reads them: that "
+        "drafter's generations, with which of its drafts the target rejected (adapt.rejected_weight)",
     )
     parser.add_argument(
         "--capture-max-gb", type=float, default=None, help="--capture: keep the store under this size (oldest go)"
@@ -150,6 +149,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--adapt-lr", type=float, default=AdaptConfig.learning_rate, help="--adapt: learning rate")
     parser.add_argument(
+        "--adapt-rejected-weight",
+        type=float,
+        default=AdaptConfig.rejected_weight,
+        help="--adapt: loss weight of the positions where the head's draft was rejected "
+        "(adapt.rejected_weight; 1: uniform)",
+    )
+    parser.add_argument(
         "--max-minutes",
         type=float,
         default=None,
@@ -171,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} bounds the --capture store: give --capture DIR too")
     if args.capture and Path(args.capture).exists() and not Path(args.capture).is_dir():  # before a model load
         parser.error(f"--capture {args.capture} is a file: give a folder (it holds the captured requests)")
+    if not args.adapt_rejected_weight >= 1:
+        parser.error(f"--adapt-rejected-weight must be >= 1 (1: uniform), got {args.adapt_rejected_weight}")
     if args.adapt and (len(args.drafter) != 1 or args.hf_baseline):
         parser.error("--adapt runs one --drafter (a trained head) and no --hf-baseline")
     if not args.drafter:
@@ -334,7 +342,12 @@ def main(argv: list[str] | None = None) -> dict:
 def _stream(args, target, tokenizer, drafter, spec, prompts) -> dict:
     """``--adapt``: the prompts' first turns as a stream with the head learning between requests."""
     cfg = AdaptConfig(
-        head=spec.path or "", traffic="-", learning_rate=args.adapt_lr, round_steps=args.adapt_steps, seed=args.seed
+        head=spec.path or "",
+        traffic="-",
+        learning_rate=args.adapt_lr,
+        round_steps=args.adapt_steps,
+        seed=args.seed,
+        rejected_weight=args.adapt_rejected_weight,
     )
     ids = [render_prompt(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in prompts]
     with stage(f"eval: stream of {len(ids)} requests, the head adapting every {args.adapt}"):

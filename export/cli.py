@@ -14,12 +14,10 @@ from draftsmith.errors import ArgumentParser, at_least, report_user_errors
 from draftsmith.export import FORMATS, export_checkpoint
 from draftsmith.export.common import read_source
 from draftsmith.export.serve_check import ENGINES, add_check_arguments, report, serve_check, served_as
-from draftsmith.plugins import register_builtin
 
 
 @report_user_errors
 def main(argv: list[str] | None = None) -> None:
-    register_builtin()  # --format's choices and every kind's converters
     parser = ArgumentParser(prog="draftsmith-export", description=__doc__)
     parser.add_argument("checkpoint", help="a drafter checkpoint folder (checkpoint-N or checkpoint-final)")
     parser.add_argument("--format", required=True, choices=list(FORMATS))

@@ -32,7 +32,6 @@ from draftsmith.export.common import EXPORT_SIDECAR
 from draftsmith.export.gate_stats import ALPHA, FAILED, INCONCLUSIVE, PASSED, PositionCounts, judge, overall
 from draftsmith.heads.exported import EXPORT_KEY
 from draftsmith.kinds import Served, get
-from draftsmith.plugins import register_builtin
 from draftsmith.target import eos_token_ids, load_tokenizer
 from draftsmith.vllm_engine import EngineError, engine_args, run_job, vllm_version
 
@@ -353,7 +352,6 @@ def main(argv: list[str] | None = None) -> None:
         "--draft-tokens", type=at_least(1), default=None, help="tokens drafted per step (default: the export's own)"
     )
     args = parser.parse_args(argv)
-    register_builtin()
     report(
         serve_check(
             args.export, args.engine, args.prompts, args.limit, args.max_new_tokens, args.source, args.draft_tokens

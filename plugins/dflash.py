@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from draftsmith.config import COUNT, Range
 from draftsmith.eval.engine.drafters import dflash
 from draftsmith.export import speculators
 from draftsmith.export.common import (
@@ -29,7 +30,7 @@ from draftsmith.export.common import (
 )
 from draftsmith.heads.dflash import draft_config, weak_mask_row
 from draftsmith.heads.exported import DFLASH_MASK_EMBEDDING
-from draftsmith.kinds import COUNT, DrafterKind, Option, Range, Served, Training
+from draftsmith.kinds import DrafterKind, Option, Served, Training
 from draftsmith.train import dflash as training
 
 

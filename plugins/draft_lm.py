@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftsmith.config import COUNT
 from draftsmith.eval.engine.drafters import draft_lm
 from draftsmith.export import hf
 from draftsmith.heads.draft_lm import TARGET_RECORD
-from draftsmith.kinds import COUNT, DrafterKind, Option, Served, Training
+from draftsmith.kinds import DrafterKind, Option, Served, Training
 from draftsmith.train import distill
 
 

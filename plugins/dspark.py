@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 
 from draftsmith.checkpoint_files import read_json
+from draftsmith.config import COUNT
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters import dspark
 from draftsmith.export import speculators
 from draftsmith.export.common import Source, Target, refuse
-from draftsmith.kinds import COUNT, DrafterKind, Option, Served, Training
+from draftsmith.kinds import DrafterKind, Option, Served, Training
 from draftsmith.plugins.dflash import CUT_OPTIONS, write_block_drafter
 from draftsmith.train import dspark as training
 

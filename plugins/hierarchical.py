@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from draftsmith.config import COUNT, POSITIVE
 from draftsmith.eval.engine.drafters import hierarchical
 from draftsmith.eval.engine.policies import DEFAULT_ENTROPY_TAU
-from draftsmith.kinds import COUNT, POSITIVE, DrafterKind, Option
+from draftsmith.kinds import DrafterKind, Option
 
 LAYERS = "evenly spaced target layers, or indices like 0,1,2,29"
 

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from draftsmith.config import COUNT
 from draftsmith.eval.engine.drafters import hybrid
-from draftsmith.kinds import COUNT, DrafterKind, Option
+from draftsmith.kinds import DrafterKind, Option
 
 KIND = DrafterKind(
     name="hybrid",

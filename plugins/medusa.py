@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from draftsmith.config import COUNT
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters import medusa
 from draftsmith.export import medusa as official
 from draftsmith.export import vllm_medusa
-from draftsmith.kinds import COUNT, DrafterKind, Option, Served, Training
+from draftsmith.kinds import DrafterKind, Option, Served, Training
 from draftsmith.train import medusa as training
 
 ADAPTER = "adapter"  # a Medusa-2 checkpoint's LoRA adapter on the target (a peft adapter folder)

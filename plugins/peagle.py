@@ -14,9 +14,10 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+from draftsmith.config import COUNT
 from draftsmith.eval.engine.drafters import peagle
 from draftsmith.export import speculators
-from draftsmith.kinds import COUNT, DrafterKind, Option, Served, Training
+from draftsmith.kinds import DrafterKind, Option, Served, Training
 from draftsmith.train import peagle as training
 
 

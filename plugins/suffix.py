@@ -3,8 +3,9 @@ through arctic-inference as vLLM's ``suffix`` method); nothing to export."""
 
 from __future__ import annotations
 
+from draftsmith.config import COUNT, Range
 from draftsmith.eval.engine.drafters import suffix
-from draftsmith.kinds import COUNT, DrafterKind, Option, Range
+from draftsmith.kinds import DrafterKind, Option
 
 KIND = DrafterKind(
     name="suffix",

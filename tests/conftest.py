@@ -15,12 +15,8 @@ import torch
 from filelock import FileLock
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.plugins import register_builtin
 from draftsmith.target import load_target
 from draftsmith.vllm_engine import PRELOAD_ENV
-
-# Tests build drafters and export through the registry as the entry points do.
-register_builtin()
 
 # Every vLLM job already runs in a child process of its own (core/vllm_engine.py): its engine core
 # can run in that process rather than in a third one, which saves the third's start (imports, a

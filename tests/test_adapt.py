@@ -26,7 +26,6 @@ from draftsmith.data_prep.traffic import TrafficStore
 from draftsmith.errors import UserError
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.heads.eagle3 import Eagle3Head
-from draftsmith.plugins import register_builtin
 from draftsmith.target import load_target, load_tokenizer
 from draftsmith.train.checkpoints import state_dir
 from draftsmith.train.eagle3 import main as train_eagle3
@@ -46,7 +45,6 @@ def deploy(root: Path, seed: int = 0) -> dict:
     (runs and recurring phrases; at 8 it is near random over the 49k tokens), and the head drafts
     over the full vocabulary (a reduced one, picked from replies, missed most served tokens: no
     head could accept them). Three draft depths trained at every position, as the judge's chain."""
-    register_builtin()
     target_dir = save_tiny_target(root / "target", load_tokenizer("default"), seed=seed, scale=5.0, layers=3)
     drafter = {"aux_layers": LAYERS, "ttt_steps": 3, "draft_vocab_size": None, "down_sample_ratio": 1.0}
     data = {"regenerate": {"enabled": True, "max_new_tokens": 24}}

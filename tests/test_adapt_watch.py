@@ -21,7 +21,6 @@ from training_helpers import save_tiny_target, write_recipe
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.errors import CheckpointError
 from draftsmith.export.vllm_reload import WEIGHTS, check_probe, load_export, probe_digests, started_export
-from draftsmith.plugins import register_builtin
 from draftsmith.target import load_tokenizer
 from draftsmith.vllm_engine import run_job, why_unavailable
 
@@ -42,7 +41,6 @@ def deployed(tmp_path_factory):
         pytest.skip(reason)
     from draftsmith.train.eagle3 import main as train_eagle3
 
-    register_builtin()
     root = tmp_path_factory.mktemp("watch")
     target = save_tiny_target(root / "target", load_tokenizer("default"), hidden_size=128, scale=5.0, layers=3)
     drafter = {"aux_layers": LAYERS, "ttt_steps": 3, "draft_vocab_size": None, "down_sample_ratio": 1.0}

@@ -20,7 +20,6 @@ from draftsmith.eval.engine.pass_cost import priced_size
 from draftsmith.eval.engine.prepack import PackedForward, available, packed, prepack_linears, unpack_linears
 from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.eval.engine.tree import ROOT, TreeBuilder
-from draftsmith.plugins import register_builtin
 
 GREEDY = SamplingConfig()
 
@@ -94,7 +93,6 @@ def test_merge_for_sampling_keeps_one_proposal_per_parent():
 
 
 def test_hybrid_specs_parse_with_parenthesised_parts():
-    register_builtin()
     assert split_parts("(eagle3:a?depth=4)+suffix+(prompt_lookup?num_tokens=3&branches=2)") == [
         "eagle3:a?depth=4",
         "suffix",
@@ -216,7 +214,6 @@ def test_switch_mode_drafts_again_after_a_learned_step_that_accepted_nothing(mak
 
 
 def test_a_hybrid_from_its_spec_prices_nodes_with_the_targets_measured_pass_costs(make_tiny_llama):
-    register_builtin()
     model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=3)
     priced = build_drafter(parse_spec("hybrid:prompt_lookup+suffix?budget=6"), model)
     assert sorted(priced.costs) == list(range(1, 8)) and all(c > 0 for c in priced.costs.values())

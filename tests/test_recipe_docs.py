@@ -9,7 +9,6 @@ import typing
 from draftsmith.adapt.config import AdaptRecipe
 from draftsmith.config import field_docs, schema_help
 from draftsmith.kinds import registered
-from draftsmith.plugins import register_builtin
 
 
 def undocumented(cls: type, prefix: str = "") -> list[str]:
@@ -24,7 +23,6 @@ def undocumented(cls: type, prefix: str = "") -> list[str]:
 
 
 def recipe_classes() -> dict[str, type]:
-    register_builtin()
     classes = {name: kind.training.recipe for name, kind in registered().items() if kind.training is not None}
     return {**classes, "adapt": AdaptRecipe}
 

@@ -20,7 +20,6 @@ from draftsmith.config import read_recipe_file
 from draftsmith.data_prep.served_features import serve_command
 from draftsmith.errors import ArgumentParser, UsageError, report_user_errors
 from draftsmith.kinds import for_recipe, registered
-from draftsmith.plugins import register_builtin
 from draftsmith.precision import dtype_name, resolve_dtype
 from draftsmith.target import default_device, resolve_target
 from draftsmith.train.cli import OWN_FLAGS, parse_training_args, split_recipe
@@ -32,7 +31,6 @@ USAGE = "usage: draftsmith-train RECIPE.yaml [--resume] [--section.field VALUE .
 @report_user_errors
 def main(argv: list[str] | None = None):
     """Dispatch to the recipe's kind; returns what its entry point returns (the finished trainer)."""
-    register_builtin()
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe, _ = split_recipe([w for w in argv if w not in OWN_FLAGS])
     trainable = ", ".join(kind.training.recipe_kind for kind in registered().values() if kind.training)
@@ -76,7 +74,6 @@ def _serve(argv: list[str]) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--storage", default=None, help="where the server writes hidden states (default: a temp dir)")
     own, rest = parser.parse_known_args(argv)
-    register_builtin()
     recipe_path, _ = split_recipe([w for w in rest if w not in OWN_FLAGS])
     if recipe_path is None:
         raise UsageError("give a recipe: draftsmith-features RECIPE.yaml --serve [--port P]")

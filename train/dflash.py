@@ -329,6 +329,15 @@ class DFlashTask:
         normed = self.model.norm(hidden[:, :, hidden.shape[2] - supervised.shape[2] :][supervised])
         return self.model.lm_head(normed), self.model.confidence_logits(normed)
 
+    def token_terms(self, head, hidden, previous, supervised, coeff, target_probs, kept) -> tuple:
+        """``(per-slot loss, log-normaliser, logits, confidence logits or None)`` of the scored
+        slots: :meth:`score`'s logits under the recipe's objective against the target's terms
+        (``coeff``, ``target_probs``, ``kept``: :func:`~draftsmith.train.unroll.target_terms`'s). A
+        kind whose loss mixes several sets of logits (Domino's backbone and corrected ones) overrides it."""
+        logits, confidence = self.score(head, hidden, previous, supervised)
+        ce, lse = token_loss(logits, coeff, target_probs, self.loss_config.objective, kept)
+        return ce, lse, logits, confidence
+
     def confidence_loss(self, confidence, accept, weights, sums: dict) -> torch.Tensor:
         """The confidence head's loss as speculators 0.9 computes DSpark's (models/dspark/metrics.py,
         ``_masked_decayed_mean``): binary cross-entropy of its logits against each scored slot's
@@ -395,8 +404,7 @@ class DFlashTask:
             )
             draft_ids = model.to_draft_ids(best)
         previous = ids.gather(1, (clamped - 1).flatten(1)).view_as(labels)
-        logits, confidence = self.score(head, hidden, previous, supervised)
-        ce, lse = token_loss(logits, coeff, target_probs, self.loss_config.objective, kept)
+        ce, lse, logits, confidence = self.token_terms(head, hidden, previous, supervised, coeff, target_probs, kept)
         with torch.no_grad():
             # D-PACE's per-slot acceptance: the draft's probability of the target's token (0 where
             # the draft vocabulary lacks it), not exp(-soft cross-entropy), which entropy caps.

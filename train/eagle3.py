@@ -145,7 +145,15 @@ class Eagle3Task:
             chains=chains,
         )
         return unrolled_loss(
-            self.model, outputs, last, batch["loss_mask"], batch["attention_mask"], self.loss_config, training, chains
+            self.model,
+            outputs,
+            last,
+            batch["loss_mask"],
+            batch["attention_mask"],
+            self.loss_config,
+            training,
+            chains,
+            batch.get("loss_weight"),  # adapt.rejected_weight's, where a round set them
         )
 
     def sample_chains(self, batch: dict) -> list[Chains] | None:

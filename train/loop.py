@@ -63,6 +63,8 @@ class TrainTask(Protocol):
     #   adapters wait for the heads to warm up). Without it every trainable parameter is one group.
     # - ``on_evaluate(metrics)``: the held-out metrics, summed over processes, after each evaluation.
     # - ``finalise_metrics(logs)``: derived values (e.g. perplexity) from the token-weighted means.
+    # - ``on_progress(fraction)``: the share of the run done (:meth:`Trainer.progress`), before each
+    #   training micro-batch, for losses on a schedule of their own (Domino's base-loss weight).
 
 
 @dataclass
@@ -257,6 +259,8 @@ class Trainer:
             if self.state.batches_in_epoch:
                 loader = acc.skip_first_batches(loader, self.state.batches_in_epoch)
             for batch in loader:
+                if hasattr(self.task, "on_progress"):
+                    self.task.on_progress(self.progress())
                 with acc.accumulate(self.model):
                     loss, metrics = self.task.loss(self.model, batch, training=True)
                     acc.backward(loss * self._group_scale(self.state.batches_in_epoch, micro_batches))
@@ -305,6 +309,14 @@ class Trainer:
             last_saved = self.save(f"checkpoint-{self.state.step}")
         acc.end_training()
         return last_saved
+
+    def progress(self) -> float:
+        """The share of the run done, as the learning-rate schedule counts it: the later of the
+        optimiser steps' share of ``max_steps`` and of ``training.max_minutes`` used."""
+        done = self.state.step / max(self.max_steps, 1)
+        if self.budget:
+            done = max(done, self._elapsed() / self.budget)
+        return min(done, 1.0)
 
     def _elapsed(self) -> float:
         """Seconds in the training loop so far, earlier (resumed) runs included."""

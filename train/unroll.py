@@ -332,6 +332,7 @@ def unrolled_loss(
     cfg: UnrollLoss,
     training: bool,
     chains: list[Chains] | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted loss over the passes and metrics: ``top1``/``top3`` (pass 0, as without unrolling)
     and ``top1@d`` with ``rows@d`` for every draft depth d (hits and scored positions: the task's
@@ -344,6 +345,11 @@ def unrolled_loss(
     With ``chains`` pass j > 0 scores its sampled positions only. The loss is the sum over passes of
     ``decay ** j`` x each pass's mean over its scored rows, or with ``cfg.pool_depths`` one mean: the
     sum of ``decay ** j`` x every pass's row losses over the rows all passes score.
+
+    ``weights`` ``[b, L]`` (None: uniform): a loss weight per token, applied wherever that token is
+    scored, at every depth; each mean above becomes the weighted mean ``sum(w * loss) / sum(w)`` over
+    its rows (``adapt.rejected_weight``: heavier where the served draft was rejected). Metrics stay
+    unweighted counts. Weights of 1 give the unweighted loss exactly.
     """
     total = outputs[0].new_zeros((), dtype=torch.float32)
     # pool_depths: the passes' weighted row sums and row counts (token loss, regression), divided at the end.
@@ -352,6 +358,8 @@ def unrolled_loss(
     # that token is supervised, by pass j at position i - j. Computed once for all passes, only there.
     needed = supervised_next(loss_mask, padding)
     row_of = torch.cumsum(needed.flatten(), 0).view_as(needed) - 1  # row of each needed index in `coeff`
+    # Index i of `needed` stands for token i + 2 (its last index is never needed): the needed tokens' weights.
+    row_weight = weights[:, 2:][needed[:, :-1]].float() if weights is not None else None
     with torch.no_grad():
         target_probs, best, coeff, keep = target_terms(
             head, target_hidden[:, 1:][needed].to(outputs[0].dtype), cfg, training
@@ -376,17 +384,21 @@ def unrolled_loss(
         kept = keep.index_select(0, rows)
         probs_t = target_probs.index_select(0, rows)
         ce, lse = token_loss(logits, coeff.index_select(0, rows), probs_t, cfg.objective, cfg.ce_weight * kept)
+        counted = kept  # each row's share of the mean's denominator
+        if row_weight is not None:
+            weight_t = row_weight.index_select(0, rows)
+            ce, counted = ce * weight_t, kept * weight_t
         if cfg.regression_weight:
             target_t = next_feature.index_select(0, rows)
             regression = F.smooth_l1_loss(pred_t.float(), target_t.float(), reduction="none").mean(-1)
         if cfg.pool_depths:
             pooled["token"] = pooled["token"] + cfg.decay**step * ce.sum()
-            pooled["token_rows"] = pooled["token_rows"] + kept.sum()
+            pooled["token_rows"] = pooled["token_rows"] + counted.sum()
             if cfg.regression_weight:
                 pooled["regression"] = pooled["regression"] + cfg.decay**step * regression.sum()
                 pooled["regression_rows"] = pooled["regression_rows"] + regression.shape[0]
         else:
-            loss = ce.sum() / kept.sum().clamp(min=1)
+            loss = ce.sum() / counted.sum().clamp(min=1)
             if cfg.regression_weight:
                 loss = loss + cfg.regression_weight * regression.mean()
             total = total + cfg.decay**step * loss

@@ -25,7 +25,7 @@ import torch
 from torch.profiler import record_function
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.data_prep.traffic import TrafficStore
+from draftsmith.data_prep.traffic import NOT_DRAFTED, TrafficStore, draft_outcomes
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, StepResult
 from draftsmith.eval.engine.policies import DraftPolicy, PolicyConfig
 from draftsmith.eval.engine.prepack import packed
@@ -193,6 +193,8 @@ class SpeculativeDecoder:
         if drafter is not None:
             drafter.begin(tokens, self._features(hidden) if drafter.needs_hidden else None)
         states = [self._captured(hidden, None)] if self.capture is not None else None
+        # The served drafter's outcome at each reply token (data_prep/traffic.py), for the capture store.
+        outcomes = [NOT_DRAFTED] if self.capture is not None else None
         result.prefill_seconds = clock(device) - start
         start = clock(device)
         if streamer:
@@ -233,6 +235,7 @@ class SpeculativeDecoder:
                 kept = kept[order[: len(path) + 1]] if kept is not None else None
             if states is not None:
                 states.append(self._captured(hidden, order[: len(path) + 1] if order is not None else None))
+                outcomes += draft_outcomes(tree.parents if order is not None else None, path)
             policy.observe(tree, path, confident)
             scanned = len(tokens) - base
             tokens += accepted_tokens
@@ -249,6 +252,8 @@ class SpeculativeDecoder:
             if streamer:
                 streamer(tokens[base + scanned : base + end])
             del tokens[base + end :]
+            if outcomes is not None:
+                del outcomes[end:]
         result.decode_seconds = clock(device) - start
         result.tokens = tokens[base : base + (cut or max_new_tokens)]
         result.stop_reason = reason if cut is not None else "length"
@@ -257,7 +262,7 @@ class SpeculativeDecoder:
             rows = min(len(full), sum(h.shape[0] for h, _ in states))  # rows past a stop are cut
             hidden = torch.cat([h for h, _ in states])[:rows]
             aux = torch.cat([a for _, a in states])[:rows] if self.capture.layers else None
-            self.capture.add(full, len(prompt), hidden, aux)
+            self.capture.add(full, len(prompt), hidden, aux, outcomes[: len(result.tokens)])
         return result
 
 

@@ -16,11 +16,12 @@ from urllib.parse import parse_qsl
 
 from transformers import PreTrainedModel
 
+from draftsmith.config import POSITIVE, Range
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult
 from draftsmith.eval.engine.policies import DEFAULT_CONFIDENCE, DEFAULT_ENTROPY_TAU, POLICIES, PolicyConfig
 from draftsmith.heads.common import read_config
-from draftsmith.kinds import POSITIVE, Option, Range, registered
+from draftsmith.kinds import Option, registered
 
 # Options every kind takes: how the engine drafts and verifies with it (draftsmith.eval.engine.policies).
 POLICY_OPTIONS: dict[str, Option] = {

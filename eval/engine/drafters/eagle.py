@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.config import COUNT
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult, load_head
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.eval.engine.tree import ROOT, TokenTree, TreeBuilder, grow_tree
 from draftsmith.eval.engine.tree_plan import plan_head_tree
-from draftsmith.kinds import COUNT, Option
+from draftsmith.kinds import Option
 
 AUTO = "auto"
 
