@@ -53,7 +53,7 @@ def test_chunked_prefill_equals_one_pass_and_a_fresh_cache_per_chunk_does_not(ta
     # Kept in bf16 as they come: the fp32 states rounded once.
     [(h16, a16)] = hf_compute(target, LAYERS, keep=torch.bfloat16, prefill=64)([ids])
     assert h16.dtype == a16.dtype == torch.bfloat16
-    assert torch.equal(a16, aux.to(torch.bfloat16)) or (a16.float() - aux).abs().max() < 2e-2
+    assert torch.equal(a16, aux.to(torch.bfloat16)) and torch.equal(h16, hidden.to(torch.bfloat16))
 
 
 def _data(lengths: list[int]) -> datasets.DatasetDict:
@@ -83,7 +83,7 @@ def test_the_stated_size_is_the_written_size(target, tmp_path, storage, capsys):
     expected = store_bytes(data, identity, size, shard_size=2)
     manifest = extract_features(target, data, tmp_path / "store", shard_size=2, layers=LAYERS, identity=identity)
     assert f"will take {expected / 2**30:.2f} GiB" in capsys.readouterr().out
-    assert abs(expected - manifest["bytes"]) / manifest["bytes"] < 0.03
+    assert abs(expected - manifest["bytes"]) / manifest["bytes"] < 0.01
     # The estimate follows what is stored: without the layers it is a quarter of the states.
     bare = store_bytes(data, {**identity, "layers": []}, size, shard_size=2)
     assert abs(bare - manifest["bytes"]) / manifest["bytes"] > 0.5
@@ -105,5 +105,6 @@ def test_a_store_past_max_gb_is_refused_in_one_line_before_anything_is_written(t
     assert "\n" not in message and "data.features.max_gb" in message and f"{expected:.2f} GiB" in message
     assert not list(root.glob("*/shard-*"))
     # Just above the estimate it is written.
-    manifest = extract_features(target, data, root, show=False, layers=LAYERS, identity=identity, max_gb=expected * 1.05)
-    assert manifest["bytes"] / 2**30 <= expected * 1.05
+    bound = expected * 1.05
+    manifest = extract_features(target, data, root, show=False, layers=LAYERS, identity=identity, max_gb=bound)
+    assert manifest["bytes"] / 2**30 <= bound
