@@ -1,0 +1,99 @@
+"""The drafter-kind registry: complete on import (its kinds are entry points, loaded on the first
+lookup), and a new kind is its own files plus one line: a toy kind (tests/toy_kind.py) registered by
+one entry-point line is listed, parsed, built, decoded with, hybridised and trained by the shared
+code, none of which names it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from draftsmith.kinds import ENTRY_POINTS
+
+HERE = Path(__file__).resolve().parent
+
+# Run in a fresh interpreter that sees the toy distribution: every check goes through shared code.
+TOY_CHECKS = textwrap.dedent(
+    """
+    import contextlib, io, json
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from draftsmith import kinds
+    from draftsmith.errors import UsageError
+    from draftsmith.eval.engine.decode import SpeculativeDecoder
+    from draftsmith.eval.engine.drafters import build_drafter, parse_spec
+    from draftsmith.eval.run import parse_args
+    from draftsmith.train.__main__ import main as train_main
+
+    found = {"toy": kinds.get("toy").summary, "builtin": kinds.get("eagle3").name}
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
+        parse_args(["--help"])
+    lines = [" ".join(line.split()) for line in help_text.getvalue().splitlines()]
+    found["help"] = lines[lines.index("toy") : lines.index("toy") + 3]
+    try:
+        parse_spec("toy?depth=2")
+    except UsageError as err:
+        found["refused"] = str(err)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    target = LlamaForCausalLM(config).eval()
+    plain = SpeculativeDecoder(target, None, eos_ids=set()).generate([1, 2, 3], 12).tokens
+    drafter = build_drafter("toy?num_tokens=4", target)
+    toy = SpeculativeDecoder(target, drafter, eos_ids=set()).generate([1, 2, 3], 12)
+    found["decoded"] = {"same": toy.tokens == plain, "drafter": type(drafter).__name__, "tokens": drafter.num_tokens}
+    found["hybrid"] = type(build_drafter("hybrid:toy+prompt_lookup", target)).__name__
+    train_help = io.StringIO()
+    with contextlib.redirect_stdout(train_help):
+        train_main(["--help"])
+    found["trainable"] = train_help.getvalue().strip().splitlines()[-1]
+    found["trained"] = train_main([RECIPE])
+    print(json.dumps(found))
+    """
+)
+
+
+def test_the_registry_is_complete_on_import():
+    """A fresh interpreter's first lookup finds every kind its entry points declare: nothing to call first."""
+    code = (
+        "from importlib.metadata import entry_points; from draftsmith import kinds; "
+        "print(kinds.get('eagle3').title); print(' '.join(kinds.registered())); "
+        f"print(' '.join(sorted(point.name for point in entry_points(group={ENTRY_POINTS!r}))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "EAGLE-3 head"
+    assert out[1] == out[2]
+    assert {"prompt_lookup", "eagle", "eagle3", "dflash", "dspark", "medusa"} <= set(out[1].split())
+
+
+def test_a_new_kind_is_its_own_file_and_one_entry_point_line(tmp_path):
+    """What a package adding a kind ships: its module and, in its metadata, one line naming the
+    declaration. Shared code (the spec parser, eval/run.py --help, build_drafter, the engine, the
+    hybrid, draftsmith-train) takes the kind from the registry unchanged."""
+    dist = tmp_path / "toy_kind-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-kind\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINTS}]\ntoy = toy_kind:KIND\n")  # the one line
+    recipe = tmp_path / "toy.yaml"
+    recipe.write_text("drafter:\n  kind: toy\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    script = f"RECIPE = {str(recipe)!r}\n{TOY_CHECKS}"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["toy"] == "a toy: the last token again, num_tokens times" and found["builtin"] == "eagle3"
+    assert found["help"] == [
+        "toy",
+        "a toy: the last token again, num_tokens times",
+        "num_tokens=3 tokens drafted per step",
+    ]
+    assert "unknown option(s) depth for toy" in found["refused"]
+    assert found["decoded"] == {"same": True, "drafter": "RepeatDrafter", "tokens": 4}
+    assert found["hybrid"] == "HybridDrafter"
+    assert "toy" in found["trainable"].split(": ")[-1].rstrip(".").split(", ")
+    assert found["trained"] == f"toy trained on {recipe}"
