@@ -1,0 +1,293 @@
+"""Domino: the drafter's sequential chain is what the teacher-forced training pass scores (and the
+correction head is really in it), drafting is lossless (greedy identical, sampling distributed as
+the target), the head round-trips through its checkpoint and another kind's checkpoint is refused
+in one line, training lowers the loss on a fixed batch with the references' base-loss schedule and
+a frozen LM head, the export holds the reference's names and fields and loads in ModelOpt's own
+``DominoModule`` with the same forward, and vLLM's gate declines it with its reason.
+
+Tiny random-weight Llama targets (built from a config) keep these fast.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cli_helpers import user_error
+from stats_helpers import SAMPLES, assert_distributed_as_target
+from training_helpers import save_tiny_target, write_recipe
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from draftsmith.errors import CheckpointError, UsageError
+from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter
+from draftsmith.eval.engine.drafters.base import DraftContext
+from draftsmith.eval.engine.drafters.domino import DominoDrafter
+from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.heads.domino import DominoHead
+from draftsmith.target import load_tokenizer
+from draftsmith.train.domino import DominoDrafterConfig, DominoRecipe, DominoTask, base_loss_weight
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT = [3, 5, 2, 7, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(make_tiny_llama):
+    """8 tokens, peaked (weights x 15), 3 layers for the 3 aux layers; token 7 is also the mask."""
+    return make_tiny_llama(vocab_size=8, hidden_size=32, layers=3, seed=0, scale=15.0)
+
+
+def _head(target, mask: int, block: int = 4, seed: int = 1, **options) -> DominoHead:
+    torch.manual_seed(seed)
+    options.setdefault("gru_hidden_dim", 16)
+    options.setdefault("emb_dim", 8)
+    head = DominoHead.for_target(target, "tiny", [1, 2, 3], 2, block, mask, None, **options)
+    with torch.no_grad():  # norms start at 1: move every weight so the test sees them all
+        for param in head.parameters():
+            param.add_(torch.randn_like(param) * 0.3)
+        head.lm_head.weight.copy_(target.lm_head.weight)  # the target's, as training keeps it
+        head.embed_proj[2].weight.mul_(20.0)  # a correction as large as the logits, so that it changes choices
+    return head.eval()
+
+
+def _features(target, ids: list[int]) -> torch.Tensor:
+    out = target.get_decoder()(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    return torch.cat([out.hidden_states[layer] for layer in (1, 2, 3)], dim=-1)
+
+
+def _training_logits(head: DominoHead, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """The corrected logits :meth:`DominoTask.token_terms` scores, for one block's every drafting slot."""
+    task = DominoTask(DominoRecipe(drafter=DominoDrafterConfig(block_size=head.block_size)), None, head)
+    supervised = torch.ones(1, 1, len(previous), dtype=torch.bool)
+    vocab = head.lm_head.out_features
+    probs = torch.full((len(previous), vocab), 1.0 / vocab)
+    _, _, logits, _ = task.token_terms(head, hidden[None, None], previous[None, None], supervised, probs, probs, 1.0)
+    return logits
+
+
+@pytest.mark.parametrize("shift_label", [True, False], ids=["shift-label", "dflash-layout"])
+def test_the_drafted_chain_is_the_argmax_of_the_teacher_forced_block(make_tiny_llama, shift_label):
+    """Through the engine's protocol the drafter's greedy chain is, at every depth, the argmax of the
+    corrected logits the training pass computes for the whole block at once (its GRU teacher-forced
+    with that chain): the sequential loop and the training pass are one model. Negative controls:
+    the backbone's logits alone draft another chain, and so does the drafter with its correction
+    zeroed; depth 1 (pure_draft_prefix_len 1) is the backbone's choice either way."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = _head(target, mask=47, block=5, shift_label=shift_label)
+    ids = [3, 9, 4, 17, 6, 11, 2, 30]
+    a = 6
+    depth = head.draft_slots
+    assert depth == (5 if shift_label else 4)
+    with torch.no_grad():
+        features = _features(target, ids)
+        drafter = DominoDrafter(head)
+        drafter.begin(ids[: a + 1], features[0, :a])
+        chain = drafter.propose(DraftContext(ids[: a + 1], SamplingConfig(), None, max_tokens=10)).tokens
+        assert len(chain) == depth
+        cache = DynamicCache()
+        head.add_context(cache, features[:, :a], torch.arange(a)[None])
+        slots = depth + 1 - head.shift
+        block = torch.tensor([[ids[a]] + [47] * (slots - 1)])
+        everything = torch.ones(1, 1, slots, a + slots, dtype=torch.bool)
+        hidden = head(block, a + torch.arange(slots)[None], cache, everything)[0]
+        previous = torch.tensor([ids[a], *chain[:-1]])
+        logits = _training_logits(head, hidden, previous)
+        assert logits.argmax(-1).tolist() == chain
+        base = head.lm_head(head.norm(hidden[1 - head.shift :])).argmax(-1).tolist()
+        assert base[0] == chain[0] and base != chain
+        head.embed_proj[2].weight.zero_()
+        drafter.begin(ids[: a + 1], features[0, :a])
+        assert drafter.propose(DraftContext(ids[: a + 1], SamplingConfig(), None, max_tokens=10)).tokens != chain
+
+
+def test_greedy_domino_is_lossless(tiny_target, tmp_path):
+    """Greedy output equals plain decoding, every step drafting the block's tokens in one pass of the
+    layers; a depth beyond the block is refused before any drafting."""
+    head = _head(tiny_target, mask=7, block=4)
+    head.save_pretrained(tmp_path / "ckpt")
+    drafter = build_drafter(f"domino:{tmp_path / 'ckpt'}", tiny_target)
+    assert isinstance(drafter, DominoDrafter) and drafter.depth == 4
+    calls = []
+    drafter.head.register_forward_hook(lambda *args: calls.append(1))
+    plain = SpeculativeDecoder(tiny_target, None, None, eos_ids=set())
+    spec = SpeculativeDecoder(tiny_target, drafter, None, eos_ids=set())
+    sizes, accepted = [], 0
+    for prompt in (PROMPT, [1, 1, 6], list(range(8)) * 3):
+        want = plain.generate(prompt, 40)
+        got = spec.generate(prompt, 40)
+        assert got.tokens == want.tokens
+        sizes += got.drafted
+        accepted += sum(got.accepted)
+    assert len(calls) == sum(1 for n in sizes if n) and max(sizes) == 4
+    assert accepted > 0
+    with pytest.raises(UsageError, match="depth"):
+        build_drafter(f"domino:{tmp_path / 'ckpt'}?depth=5", tiny_target)
+
+
+def test_sampling_matches_the_exact_distribution(tiny_target):
+    """The correction depends on the drafted tokens alone, never on the target: recursive rejection
+    sampling over the chain stays exact."""
+    head = _head(tiny_target, mask=7, block=3, seed=2)
+    accepted = assert_distributed_as_target(tiny_target, DominoDrafter(head), PROMPT, 4, SAMPLES)
+    assert sum(n for a, n in accepted.items() if max(a) > 1) > 100, accepted
+
+
+def test_the_checkpoint_round_trips_and_another_kinds_is_refused(tiny_target, tmp_path):
+    """Saved and loaded, the head has the same weights and settings; a DFlash checkpoint given as
+    ``domino:`` is refused with one line naming both kinds."""
+    from draftsmith.heads.dflash import DFlashHead
+
+    head = _head(tiny_target, mask=7, block=4, shift_label=False, pure_draft_prefix_len=2)
+    head.save_pretrained(tmp_path / "ckpt")
+    back = DominoHead.from_pretrained(tmp_path / "ckpt", tiny_target)
+    assert (back.shift_label, back.pure_draft_prefix_len, back.draft_slots) == (False, 2, 3)
+    assert (back.prefix_gru.hidden_size, back.embed_proj[0].out_features) == (16, 8)
+    want = head.state_dict()
+    assert set(back.state_dict()) == set(want)
+    for name, value in back.state_dict().items():
+        assert torch.equal(value, want[name]), name
+    DFlashHead.for_target(tiny_target, "tiny", [1, 2, 3], 1, 4, 7).save_pretrained(tmp_path / "dflash")
+    with pytest.raises(CheckpointError) as refused:
+        build_drafter(f"domino:{tmp_path / 'dflash'}", tiny_target)
+    line = str(refused.value)
+    assert "dflash" in line and "domino" in line and "\n" not in line, line
+
+
+def test_the_base_loss_weight_falls_linearly_to_zero():
+    """lambda: ``start`` at the run's start, 0 from ``decay`` of it on (the references' schedule)."""
+    assert [base_loss_weight(p, 1.0, 1.0) for p in (0.0, 0.25, 1.0)] == [1.0, 0.75, 0.0]
+    assert [base_loss_weight(p, 0.8, 0.5) for p in (0.0, 0.25, 0.5, 0.9)] == pytest.approx([0.8, 0.4, 0.0, 0.0])
+
+
+def test_training_steps_lower_the_loss_on_a_fixed_batch(tmp_path):
+    """A few optimiser steps on one batch lower DominoTask's loss; while lambda is 1 the loss is the
+    backbone's alone (the correction's gradient is 0), once it reaches 0 the correction's is the
+    loss; the LM head stays the target's (frozen)."""
+    folder = save_tiny_target(tmp_path / "target", load_tokenizer("default"), scale=8.0, layers=3)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    head = DominoHead.for_target(target, str(folder), [1, 2, 3], 1, 4, 16, None, gru_hidden_dim=16, emb_dim=8)
+    head.lm_head.weight.requires_grad_(False)
+    drafter = DominoDrafterConfig(block_size=4, anchors_per_sequence=8)
+    task = DominoTask(DominoRecipe(drafter=drafter), target, head)
+    ids = torch.randint(100, 400, (2, 40), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": (torch.arange(40) >= 4)[None]}
+    batch["loss_mask"] = batch["loss_mask"].expand(2, -1).long()
+
+    def loss(progress: float) -> torch.Tensor:
+        task.on_progress(progress)
+        torch.manual_seed(7)  # the same anchors every call: one fixed batch
+        return task.loss(head, batch, True)[0]
+
+    loss(0.0).backward()
+    assert float(head.embed_proj[0].weight.grad.abs().sum()) == 0 and float(head.fc.weight.grad.abs().sum()) > 0
+    head.zero_grad(set_to_none=True)
+    loss(1.0).backward()
+    assert float(head.embed_proj[0].weight.grad.abs().sum()) > 0
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    lm_head = head.lm_head.weight.clone()
+    with torch.no_grad():
+        first = float(loss(0.5))
+    for _ in range(12):
+        optimizer.zero_grad()
+        loss(0.5).backward()
+        optimizer.step()
+    with torch.no_grad():
+        last = float(loss(0.5))
+    assert last < first - 0.3, (first, last)
+    assert torch.equal(head.lm_head.weight, lm_head)
+
+
+@pytest.fixture(scope="module")
+def domino_run(tmp_path_factory):
+    """A tiny Domino drafter trained 8 steps through draftsmith-train's path (the recipe, the trainer
+    and its progress hook), ShareGPT text without regeneration."""
+    from draftsmith.train.domino import main
+
+    root = tmp_path_factory.mktemp("domino")
+    target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0, layers=3)
+    drafter = {
+        "kind": "domino",
+        "aux_layers": [1, 2, 3],
+        "num_layers": 1,
+        "block_size": 4,
+        "anchors_per_sequence": 8,
+        "gru_hidden_dim": 16,
+        "emb_dim": 8,
+    }
+    data = {"regenerate": {"enabled": False}, "limit": 8, "held_out_fraction": 0.25}
+    recipe = write_recipe(root, target, drafter, data=data, learning_rate=1e-2, max_steps=8, log_every=2)
+    return main([str(recipe), "--output_dir", str(root / "run")]), recipe
+
+
+def test_a_recipe_run_trains_the_correction_with_the_target_lm_head(domino_run):
+    """The run's checkpoint is a Domino drafter of the recipe's settings whose LM head is the target's
+    (frozen), with the correction trained off its zero-gradient start."""
+    trainer, recipe = domino_run
+    target = AutoModelForCausalLM.from_pretrained(recipe.parent / "target", dtype=torch.float32)
+    head = DominoHead.from_pretrained(trainer.last_checkpoint, target)
+    assert (head.block_size, head.draft_slots, head.shift_label, head.pure_draft_prefix_len) == (4, 4, True, 1)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight)
+    torch.manual_seed(0)  # the run's seed: the head's initial weights
+    fresh = DominoHead.for_target(target, "t", [1, 2, 3], 1, 4, 16, None, gru_hidden_dim=16, emb_dim=8)
+    assert not torch.equal(head.embed_proj[2].weight, fresh.embed_proj[2].weight)
+    assert len([h for h in trainer.history if "train/loss" in h]) == 4
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        (["--drafter.draft_vocab_size", "512"], "drafter.draft_vocab_size"),
+        (["--drafter.pure_draft_prefix_len", "4"], "drafter.pure_draft_prefix_len"),
+        (["--drafter.base_loss_decay", "0"], "drafter.base_loss_decay"),
+        (["--drafter.confidence_head", "true"], "drafter.learn_mask_embedding / confidence_head"),
+    ],
+)
+def test_a_recipe_out_of_range_is_one_line_before_any_model_loads(domino_run, capsys, override, field):
+    from draftsmith.train.domino import main
+
+    _, recipe = domino_run
+    assert field in user_error(capsys, main, [str(recipe), *override])
+
+
+REFERENCE_HEAD = {"mask_token_id", "target_layer_ids", "projector_type", "pure_draft_prefix_len", "emb_dim"}
+REFERENCE_HEAD |= {"gru_hidden_dim", "shift_label"}  # SpecForge's configs/qwen3-8b-domino.json dflash_config
+
+
+def test_the_export_is_the_reference_folder_and_vllm_declines_it(domino_run, tmp_path, capsys):
+    """``--format sglang`` writes the reference's folder: ``DFlashDraftModel`` with a Domino
+    ``dflash_config`` (SpecForge's field set; ``target_layer_ids`` one less than our aux layers),
+    ``emb_dim`` at the top too, the weights under the reference's flat names with no embedding and
+    no LM head, and the SGLang command. ``--format speculators`` and vLLM's gate are refused in one
+    line each, with the reason."""
+    from draftsmith.export import export_checkpoint
+    from draftsmith.export.cli import main as export_main
+    from draftsmith.export.serve_check import main as gate_main
+
+    trainer, recipe = domino_run
+    serve = export_checkpoint(trainer.last_checkpoint, "sglang", tmp_path / "out")
+    assert "--speculative-algorithm DFLASH" in serve[0] and "--speculative-num-draft-tokens 4" in serve[0]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    head = config["dflash_config"]
+    assert set(head) == REFERENCE_HEAD and head["projector_type"] == "domino"
+    assert head["target_layer_ids"] == [0, 1, 2] and (head["gru_hidden_dim"], head["emb_dim"]) == (16, 8)
+    assert head["shift_label"] is True and head["pure_draft_prefix_len"] == 1 and config["emb_dim"] == 8
+    assert (config["block_size"], config["num_target_layers"], config["num_hidden_layers"]) == (4, 3, 1)
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    hidden = config["hidden_size"]
+    assert weights["prefix_gru.weight_ih_l0"].shape == (3 * 16, hidden)
+    assert weights["prefix_gru.weight_hh_l0"].shape == (3 * 16, 16)
+    assert weights["embed_proj.0.weight"].shape == (8, hidden + 16)
+    assert weights["embed_proj.2.weight"].shape == (config["vocab_size"], 8)
+    assert not any(name.startswith(("lm_head", "embed_tokens", "d2t", "t2d")) for name in weights)
+    ckpt = str(trainer.last_checkpoint)
+    line = user_error(capsys, export_main, [ckpt, "--format", "speculators", "--out", str(tmp_path / "s")])
+    assert "speculators 0.9 has no Domino model" in line, line
+    line = user_error(capsys, gate_main, [str(tmp_path / "out")])
+    assert "vLLM 0.32 cannot serve Domino drafters" in line, line
