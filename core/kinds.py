@@ -84,6 +84,11 @@ class DrafterKind:
     (how vLLM serves an export of that format, None when it cannot, or a
     :class:`~draftsmith.errors.UsageError` saying why);
     ``chain(depth)`` (the spec options that make the engine draft the chain vLLM drafts, for the gate).
+
+    Its modules: ``builds_on`` (the kinds whose own modules this kind's import: DSpark's drafter is
+    DFlash's with a Markov head; followed through, so P-EAGLE's reach EAGLE-1's) and ``modules``
+    (its own modules besides those named after it in :data:`KIND_PACKAGES`, e.g. the draft LM's
+    trainer ``draftsmith.train.distill``). No other module imports them (:mod:`draftsmith.kind_contract`).
     """
 
     name: str
@@ -104,6 +109,19 @@ class DrafterKind:
     target_file: str = ""
     serve: Callable[[str, Any, int], Served | None] | None = None
     chain: Callable[[int], dict] | None = None
+    builds_on: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
+
+    def own_modules(self) -> set[str]:
+        """The modules that are this kind's alone: those named after it in :data:`KIND_PACKAGES`
+        (where they exist) and :attr:`modules`."""
+        return {f"{package}.{self.name}" for package in KIND_PACKAGES} | set(self.modules)
+
+
+# Where a kind's own modules live, each named after the kind: heads/<kind>.py (its model),
+# train/<kind>.py (its recipe and trainer), eval/engine/drafters/<kind>.py (its drafter) and
+# plugins/<kind>.py (its declaration).
+KIND_PACKAGES = ("draftsmith.heads", "draftsmith.train", "draftsmith.eval.engine.drafters", "draftsmith.plugins")
 
 
 # The entry-point group every kind is declared in: ``NAME = "module:KIND"`` (draftsmith's own in its

@@ -151,4 +151,5 @@ KIND = DrafterKind(
     refused={"speculators": "speculators 0.9 has no Domino model (its DFlash models have no correction head)"},
     serve=serve,
     chain=lambda depth: {"depth": depth},
+    builds_on=("dflash",),  # DFlash's block drafter with a correction head
 )

@@ -42,4 +42,5 @@ KIND = DrafterKind(
     target_file=TARGET_RECORD,
     serve=serve,
     chain=lambda depth: {"depth": depth, "top_k": 1},
+    modules=("draftsmith.train.distill",),  # its trainer (recipes say drafter.kind: distill)
 )

@@ -85,4 +85,5 @@ KIND = DrafterKind(
     formats={speculators.NAME: to_speculators},
     serve=serve,
     chain=lambda depth: {"depth": depth, "cut": "fixed"},  # vLLM drafts the whole chain without adaptive verification
+    builds_on=("dflash",),  # DFlash's block drafter with a Markov head
 )

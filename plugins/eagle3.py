@@ -43,4 +43,5 @@ KIND = DrafterKind(
     },
     serve=serve,
     chain=chain,
+    builds_on=("eagle",),  # its drafter and chain are EAGLE-1's (eval/engine/drafters/eagle.py), over fused layers
 )

@@ -44,4 +44,5 @@ KIND = DrafterKind(
         ),
     },
     entropy_note="the hierarchical drafter has its own entropy rules; set m1_tau= and m2_tau=",
+    builds_on=("draft_lm",),  # M1 and M2 are draft LMs
 )

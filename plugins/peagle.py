@@ -43,4 +43,5 @@ KIND = DrafterKind(
     formats={speculators.NAME: partial(speculators.export_eagle3, architecture="PEagleSpeculator", parallel=True)},
     serve=serve,
     chain=lambda depth: {"depth": depth},  # a chain already
+    builds_on=("eagle3",),  # an EAGLE-3 head drafting its chain in one pass
 )

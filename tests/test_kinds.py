@@ -1,7 +1,7 @@
 """The drafter-kind registry: complete on import (its kinds are entry points, loaded on the first
 lookup), and a new kind is its own files plus one line: a toy kind (tests/toy_kind.py) registered by
 one entry-point line is listed, parsed, built, decoded with, hybridised and trained by the shared
-code, none of which names it."""
+code, none of which names it. And the one import rule, "shared code imports no kind" (core/kind_contract.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from draftsmith.kinds import ENTRY_POINTS
+import grimp
+
+from draftsmith.kind_contract import KindsContract, broken
+from draftsmith.kinds import ENTRY_POINTS, registered
 
 HERE = Path(__file__).resolve().parent
 
@@ -97,3 +100,50 @@ def test_a_new_kind_is_its_own_file_and_one_entry_point_line(tmp_path):
     assert found["hybrid"] == "HybridDrafter"
     assert "toy" in found["trainable"].split(": ")[-1].rstrip(".").split(", ")
     assert found["trained"] == f"toy trained on {recipe}"
+
+
+def test_the_kinds_rule_refuses_shared_code_importing_a_kind_and_kinds_importing_those_they_do_not_build_on():
+    """The rule on a made-up graph: a kind's own modules import their own and those of the kinds
+    they build on (followed through); shared code, the hybrid and a kind reaching sideways import
+    none; a declaration module without a kind is refused too."""
+    modules = [
+        "draftsmith.export.speculators",
+        "draftsmith.heads.eagle",
+        "draftsmith.heads.eagle3",
+        "draftsmith.heads.peagle",
+        "draftsmith.eval.engine.drafters.eagle",
+        "draftsmith.eval.engine.drafters.hybrid",
+        "draftsmith.train.distill",
+        "draftsmith.heads.draft_lm",
+        "draftsmith.plugins.orphan",
+    ]
+    allowed = [
+        ("draftsmith.heads.peagle", "draftsmith.heads.eagle3"),  # builds on eagle3
+        ("draftsmith.heads.peagle", "draftsmith.heads.eagle"),  # and through it on eagle
+        ("draftsmith.train.distill", "draftsmith.heads.draft_lm"),  # the draft LM's own (declared) trainer
+        ("draftsmith.heads.eagle3", "draftsmith.export.speculators"),  # a kind imports shared code
+    ]
+    refused = [
+        ("draftsmith.export.speculators", "draftsmith.heads.eagle3"),  # shared code
+        ("draftsmith.eval.engine.drafters.hybrid", "draftsmith.eval.engine.drafters.eagle"),  # builds on none
+        ("draftsmith.heads.eagle", "draftsmith.heads.eagle3"),  # eagle does not build on eagle3
+    ]
+    found = broken(modules, allowed + refused, registered())
+    assert [(importer, imported) for importer, imported, _ in found] == sorted(refused) + [
+        ("draftsmith.plugins.orphan", "")
+    ]
+    assert "shared code imports no kind" in found[1][2] and "builds_on=('eagle3',)" in found[2][2]
+
+
+def test_the_kinds_contract_breaks_on_the_real_graph_when_shared_code_imports_a_kind():
+    """import-linter's check of the installed package: one import of a kind's head added to a shared
+    module is the one new problem."""
+    graph = grimp.build_graph("draftsmith")
+    contract = KindsContract("kinds", {"root_packages": ["draftsmith"]}, {})
+    before = contract.check(graph, verbose=False).metadata["problems"]
+    graph.add_import(importer="draftsmith.export.common", imported="draftsmith.heads.medusa")
+    after = contract.check(graph, verbose=False)
+    assert not after.kept
+    assert [p.split(":")[0] for p in after.metadata["problems"] if p not in before] == [
+        "draftsmith.export.common -> draftsmith.heads.medusa"
+    ]
