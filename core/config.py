@@ -1,5 +1,9 @@
 """Typed recipes: YAML parsed into dataclasses, validated once, with command-line overrides.
 
+Each section is checked as it is built: its keys and their types, each number against the
+:class:`Range` declared on its field (``Annotated[int, COUNT]``), then the section's own
+``validate()`` for what spans several fields.
+
 Every error names the file and the full key path (``training.learning_rate``) so a typo in a
 recipe fails at start-up instead of hours into a run.
 """
@@ -11,7 +15,7 @@ import difflib
 import re
 import types
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -50,8 +54,14 @@ class Range:
         return f"{what} {'<' if self.open_high else '<='} {self.high:g}" if self.high is not None else what
 
 
+# The ranges most fields take. A recipe field declares its range on itself, where it is defined:
+# ``batch_size: Annotated[int, COUNT] = 1`` (``Annotated[int, COUNT] | None`` keeps null allowed; the
+# range of a list field bounds each of its numbers). :func:`from_dict` checks it and ``--help`` prints it.
 COUNT = Range(1, integer=True)
+NON_NEGATIVE_INT = Range(0, integer=True)
 POSITIVE = Range(0, open_low=True)
+NON_NEGATIVE = Range(0)
+FRACTION = Range(0, 1, open_high=True)  # a share that leaves some of the whole out
 
 
 class RecipeError(UserError, ValueError):
@@ -177,6 +187,7 @@ def _build(cls: type[T], data: dict, where: str) -> T:
     if missing:
         raise RecipeError(f"missing required key(s): {', '.join(prefix + m for m in missing)}")
     obj = cls(**kwargs)
+    check_ranges(obj, where)
     validate = getattr(obj, "validate", None)
     if validate is not None:
         try:
@@ -184,6 +195,36 @@ def _build(cls: type[T], data: dict, where: str) -> T:
         except ValueError as err:
             raise RecipeError(f"{where or cls.__name__}: {err}") from None
     return obj
+
+
+def _declared_range(tp: Any) -> Range | None:
+    """The :class:`Range` annotated on a field type: ``Annotated[T, range]``, alone or in a union with None."""
+    if get_origin(tp) is Annotated:
+        return next((meta for meta in tp.__metadata__ if isinstance(meta, Range)), None)
+    if get_origin(tp) in (Union, types.UnionType):
+        return next(filter(None, (_declared_range(arg) for arg in get_args(tp))), None)
+    return None
+
+
+def field_ranges(cls: type) -> dict[str, Range]:
+    """The declared range of each field of config dataclass ``cls`` that has one (inherited ones included)."""
+    hints = get_type_hints(cls, include_extras=True)
+    ranges = {f.name: _declared_range(hints[f.name]) for f in dataclasses.fields(cls)}
+    return {name: allowed for name, allowed in ranges.items() if allowed is not None}
+
+
+def check_ranges(obj: Any, where: str = "") -> None:
+    """Refuse a field of config dataclass ``obj`` (the section at key path ``where``) whose value is
+    outside its declared range, in one line naming the key, the range and the value (null, where the
+    type allows it, is outside no range). Nested sections are not walked: each is checked as it is built."""
+    prefix = f"{where}." if where else ""
+    for name, allowed in field_ranges(type(obj)).items():
+        value = getattr(obj, name)
+        values = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for index, number in values:
+            if number is not None and number not in allowed:
+                key = f"{prefix}{name}" if index is None else f"{prefix}{name}[{index}]"
+                raise RecipeError(f"{key} must be {allowed}, got {number!r}")
 
 
 def from_dict(cls: type[T], data: dict, source: str = "<dict>") -> T:
@@ -288,7 +329,10 @@ def dump_recipe(obj: Any, path: str | Path) -> None:
 
 
 __all__ = [
+    "Range",
     "RecipeError",
+    "check_ranges",
+    "field_ranges",
     "from_dict",
     "to_dict",
     "parse_overrides",
@@ -340,9 +384,9 @@ def _default_text(f: dataclasses.Field) -> str:
 
 
 def schema_help(cls: type, prefix: str = "") -> str:
-    """Every field of config dataclass ``cls`` as ``section.field  type  default  doc`` lines."""
+    """Every field of config dataclass ``cls`` as ``section.field = default  [type]  doc (range)`` lines."""
     hints = get_type_hints(cls)
-    docs = field_docs(cls)
+    docs, ranges = field_docs(cls), field_ranges(cls)
     lines = []
     for f in dataclasses.fields(cls):
         key, tp = f"{prefix}{f.name}", hints[f.name]
@@ -351,5 +395,7 @@ def schema_help(cls: type, prefix: str = "") -> str:
             lines.append(f"\n{key}:  {title}")
             lines.append(schema_help(tp, f"{key}."))
             continue
-        lines.append(f"  {key} = {_default_text(f)}  [{_describe(tp)}]  {docs.get(f.name, '')}".rstrip())
+        each = "each " if list in {get_origin(t) for t in (tp, *get_args(tp))} else ""  # a list, or a list | None
+        allowed = f" ({each}{ranges[f.name]})" if f.name in ranges else ""
+        lines.append(f"  {key} = {_default_text(f)}  [{_describe(tp)}]  {docs.get(f.name, '')}{allowed}".rstrip())
     return "\n".join(lines)

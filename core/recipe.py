@@ -7,7 +7,13 @@ Defaults live here and nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+from draftsmith.config import COUNT, FRACTION, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, Range
+
+# Ranges of the drafter sections' fields (the general ones are draftsmith.config's).
+DECAY = Range(0, 1, open_low=True)  # a factor that weighs each later step (a draft depth, a head) less, or alike
+DRAFT_VOCAB = Range(2, integer=True)  # a draft vocabulary's size: at least two tokens to choose from
 
 
 @dataclass
@@ -25,34 +31,24 @@ class RegenerateConfig:
     """Self-distillation: the target rewrites the assistant turns before tokenising (resumable)."""
 
     enabled: bool = False  # rewrite the data's assistant replies with the target before training
-    max_new_tokens: int = 512  # longest rewritten reply, in tokens
-    max_turns: int | None = 1  # assistant turns rewritten per conversation (None: all; later ones are dropped)
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0  # nucleus sampling when temperature > 0 (1.0: off)
-    batch_size: int = 16  # conversations per generate call
-    max_prompt_tokens: int | None = None  # longer first prompts are left out (counted); None: data.max_length
-    seed: int | None = 0  # sampling seed (null: unseeded)
+    max_new_tokens: Annotated[int, COUNT] = 512  # longest rewritten reply, in tokens
+    # assistant turns rewritten per conversation (None: all; later ones are dropped)
+    max_turns: Annotated[int, COUNT] | None = 1
+    temperature: Annotated[float, NON_NEGATIVE] = 0.0  # 0: greedy
+    top_p: Annotated[float, Range(0, 1, open_low=True)] = 1.0  # nucleus sampling when temperature > 0 (1.0: off)
+    batch_size: Annotated[int, COUNT] = 16  # conversations per generate call
+    # longer first prompts are left out (counted); None: data.max_length
+    max_prompt_tokens: Annotated[int, COUNT] | None = None
+    seed: Annotated[int, NON_NEGATIVE_INT] | None = 0  # sampling seed (null: unseeded)
     output: str | None = None  # JSONL file; default: under the draftsmith cache, keyed by its inputs
     # vllm: the serving engine (child process); hf: transformers generate; auto: vllm where importable
     engine: Literal["auto", "vllm", "hf"] = "auto"
     # a reply cut off at max_new_tokens: keep it open (no end-of-turn token; the conversation ends there) or drop it
     on_length: Literal["keep", "drop"] = "keep"
-    tensor_parallel_size: int = 1  # vLLM: GPUs per model replica
-    data_parallel_size: int = 1  # vLLM: model replicas
+    tensor_parallel_size: Annotated[int, COUNT] = 1  # vLLM: GPUs per model replica
+    data_parallel_size: Annotated[int, COUNT] = 1  # vLLM: model replicas
     # rewrite the first N conversations only and keep the others' own replies (a mix; null: rewrite all)
-    conversations: int | None = None
-
-    def validate(self) -> None:
-        if self.conversations is not None and self.conversations < 0:
-            raise ValueError(f"data.regenerate.conversations must be >= 0 or null, got {self.conversations}")
-        if self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError("data.regenerate.max_new_tokens and batch_size must be >= 1")
-        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
-            raise ValueError("data.regenerate.tensor_parallel_size and data_parallel_size must be >= 1")
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ValueError(f"data.regenerate.max_turns must be >= 1 or null, got {self.max_turns}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("data.regenerate.temperature must be >= 0 and top_p in (0, 1]")
+    conversations: Annotated[int, NON_NEGATIVE_INT] | None = None
 
 
 @dataclass
@@ -66,20 +62,13 @@ class FeaturesConfig:
     storage_dtype: Literal["auto", "bfloat16", "float8"] = "auto"
     # an offline store larger than this many GiB is refused before anything is written (its size is stated
     # first, from the data's token count); null: no bound
-    max_gb: float | None = None
-    tensor_parallel_size: int = 1  # vLLM: GPUs per model replica
-    data_parallel_size: int = 1  # vLLM: model replicas
+    max_gb: Annotated[float, POSITIVE] | None = None
+    tensor_parallel_size: Annotated[int, COUNT] = 1  # vLLM: GPUs per model replica
+    data_parallel_size: Annotated[int, COUNT] = 1  # vLLM: model replicas
     # served: base URL of a running `vllm serve` extracting hidden states (`draftsmith-features --serve` starts one)
     server: str | None = None
-    window: int = 16  # served: conversations requested ahead of the training step (the bound on what is held)
-
-    def validate(self) -> None:
-        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
-            raise ValueError("data.features.tensor_parallel_size and data_parallel_size must be >= 1")
-        if self.window < 1:
-            raise ValueError(f"data.features.window must be >= 1, got {self.window}")
-        if self.max_gb is not None and self.max_gb <= 0:
-            raise ValueError(f"data.features.max_gb must be positive or null, got {self.max_gb}")
+    # served: conversations requested ahead of the training step (the bound on what is held)
+    window: Annotated[int, COUNT] = 16
 
 
 @dataclass
@@ -88,24 +77,17 @@ class DataConfig:
 
     path: str = "sharegpt"  # "sharegpt" (bundled file), local .json/.jsonl, or a datasets hub id
     split: str = "train"  # split name when `path` is a hub id
-    max_length: int = 2048  # tokens per rendered conversation; longer ones are truncated
-    held_out_fraction: float = 0.02  # deterministic by conversation id
+    # tokens per rendered conversation; longer ones are truncated
+    max_length: Annotated[int, Range(8, integer=True)] = 2048
+    held_out_fraction: Annotated[float, FRACTION] = 0.02  # deterministic by conversation id
     # a fixed held-out set instead (conversations in any format `path` takes; training conversations with one of
     # its prompts leave training), e.g. to compare runs on different training data; it is used as it is
     # (data.regenerate rewrites `path` only)
     held_out_path: str | None = None
-    limit: int | None = None  # use only the first N valid conversations
+    limit: Annotated[int, COUNT] | None = None  # use only the first N valid conversations
     cache_dir: str | None = None  # tokenised-set cache; defaults to the draftsmith cache
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
-
-    def validate(self) -> None:
-        if self.max_length < 8:
-            raise ValueError(f"data.max_length must be >= 8, got {self.max_length}")
-        if not 0.0 <= self.held_out_fraction < 1.0:
-            raise ValueError(f"data.held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"data.limit must be positive, got {self.limit}")
 
 
 # Every attention and MLP projection of Llama-style decoder layers.
@@ -119,17 +101,14 @@ class LoraConfig:
     One spelling for every drafter kind that trains adapters (a distilled student, Medusa-2's
     target); a kind extends it with its own settings or other defaults."""
 
-    r: int = 8  # LoRA rank
-    alpha: int = 16  # LoRA alpha (adapter updates are scaled by alpha / r)
-    dropout: float = 0.05  # LoRA dropout
+    r: Annotated[int, COUNT] = 8  # LoRA rank
+    alpha: Annotated[int, COUNT] = 16  # LoRA alpha (adapter updates are scaled by alpha / r)
+    dropout: Annotated[float, FRACTION] = 0.05  # LoRA dropout
     target_modules: list[str] = field(default_factory=lambda: list(LORA_MODULES))  # modules that get adapters
 
     def validate(self) -> None:
-        if self.r < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.target_modules:
-            raise ValueError(
-                f"need r >= 1, alpha > 0, dropout in [0, 1) and target_modules, got r={self.r}, "
-                f"alpha={self.alpha}, dropout={self.dropout}, target_modules={self.target_modules}"
-            )
+        if not self.target_modules:
+            raise ValueError("target_modules is empty: name the modules that get adapters")
 
     def peft_config(self):
         """This configuration as ``peft``'s ``LoraConfig`` (no bias adapters)."""
@@ -160,44 +139,38 @@ class TrainingConfig:
     """Optimisation, schedule, checkpointing."""
 
     output_dir: str = "runs/default"  # checkpoints, recipe copy and W&B files (--output_dir for short)
-    seed: int = 0  # data order, initialisation and sampling
-    learning_rate: float = 3e-5  # peak AdamW learning rate
-    weight_decay: float = 0.0  # AdamW weight decay
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
-    max_grad_norm: float = 0.5  # gradient clipping norm
-    warmup_steps: int = 0  # linear warm-up, in optimiser steps
-    max_steps: int | None = None  # optimiser steps; None means num_epochs over the data
-    num_epochs: int = 1  # passes over the training set when max_steps is null
-    batch_size: int = 1  # per device, in sequences
-    gradient_accumulation_steps: int = 1  # micro-batches per optimiser step
+    seed: Annotated[int, NON_NEGATIVE_INT] = 0  # data order, initialisation and sampling
+    learning_rate: Annotated[float, POSITIVE] = 3e-5  # peak AdamW learning rate
+    weight_decay: Annotated[float, NON_NEGATIVE] = 0.0  # AdamW weight decay
+    # AdamW (beta1, beta2)
+    adam_betas: Annotated[list[float], FRACTION] = field(default_factory=lambda: [0.9, 0.95])
+    max_grad_norm: Annotated[float, POSITIVE] = 0.5  # gradient clipping norm
+    warmup_steps: Annotated[int, NON_NEGATIVE_INT] = 0  # linear warm-up, in optimiser steps
+    max_steps: Annotated[int, COUNT] | None = None  # optimiser steps; None means num_epochs over the data
+    num_epochs: Annotated[int, COUNT] = 1  # passes over the training set when max_steps is null
+    batch_size: Annotated[int, COUNT] = 1  # per device, in sequences
+    gradient_accumulation_steps: Annotated[int, COUNT] = 1  # micro-batches per optimiser step
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"  # after warm-up
     # Accelerate autocast; auto: bf16 when target.dtype resolves to bf16
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    num_workers: int = 0  # DataLoader workers
+    num_workers: Annotated[int, NON_NEGATIVE_INT] = 0  # DataLoader workers
     group_by_length: bool = True  # batch sequences of similar length (less padding); the batches' order stays random
     # pack whole conversations into batch_size rows of data.max_length tokens, attention stopping at each one's
     # boundary (no padding but each row's tail; group_by_length is then moot); the batches' order stays random
     packing: bool = False
     # wall-clock budget of the training loop: the schedule runs to its end by then (null: none)
-    max_minutes: float | None = None
-    stop_after_steps: int | None = None  # end this invocation early (time-sliced jobs); resume later
-    log_every: int = 10  # optimiser steps between logged training metrics
-    eval_every: int = 0  # 0: only at the end
-    save_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2  # numbered checkpoints kept (older ones are deleted; 0: keep all)
+    max_minutes: Annotated[float, POSITIVE] | None = None
+    # end this invocation early (time-sliced jobs); resume later
+    stop_after_steps: Annotated[int, COUNT] | None = None
+    log_every: Annotated[int, COUNT] = 10  # optimiser steps between logged training metrics
+    eval_every: Annotated[int, NON_NEGATIVE_INT] = 0  # 0: only at the end
+    save_every: Annotated[int, NON_NEGATIVE_INT] = 0  # 0: only at the end
+    # numbered checkpoints kept (older ones are deleted; 0: keep all)
+    keep_checkpoints: Annotated[int, NON_NEGATIVE_INT] = 2
 
     def validate(self) -> None:
-        if self.learning_rate <= 0:
-            raise ValueError(f"training.learning_rate must be positive, got {self.learning_rate}")
-        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
-            raise ValueError(f"training.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
-        for name in ("batch_size", "gradient_accumulation_steps", "num_epochs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_minutes is not None and self.max_minutes <= 0:
-            raise ValueError(f"training.max_minutes must be positive, got {self.max_minutes}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"training.max_steps must be >= 1, got {self.max_steps}")
+        if len(self.adam_betas) != 2:
+            raise ValueError(f"training.adam_betas must be two numbers (beta1, beta2), got {self.adam_betas}")
 
 
 @dataclass
@@ -225,15 +198,9 @@ class EvalConfig:
     """Acceptance measurement with the shared decoding engine."""
 
     bench: str = "mt_bench"  # "mt_bench" or a .jsonl prompt file
-    limit: int | None = None  # first N prompts (null: all)
-    max_new_tokens: int = 256  # tokens generated per prompt
-    temperature: float = 0.0  # 0: greedy
-
-    def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")
+    limit: Annotated[int, COUNT] | None = None  # first N prompts (null: all)
+    max_new_tokens: Annotated[int, COUNT] = 256  # tokens generated per prompt
+    temperature: Annotated[float, NON_NEGATIVE] = 0.0  # 0: greedy
 
 
 @dataclass

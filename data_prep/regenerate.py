@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from draftsmith.assets import cache_root
-from draftsmith.config import from_dict
+from draftsmith.config import check_ranges, from_dict
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.dataset import source_identity, tokenizer_identity
 from draftsmith.data_prep.sharegpt import load_conversations
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
         data_parallel_size=args.data_parallel_size,
     )
     try:
-        cfg.validate()
+        check_ranges(cfg, "data.regenerate")
     except ValueError as err:
         raise UsageError(str(err)) from None
     if cfg.engine == "vllm":

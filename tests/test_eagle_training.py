@@ -272,7 +272,13 @@ def test_misspelled_override_names_the_key(recipe, tmp_path, capsys):
         "two",
     )
     assert_user_error(
-        capsys, r"drafter\.num_layers must be >= 1", train, recipe, tmp_path / "run", "--drafter.num_layers", "0"
+        capsys,
+        r"drafter\.num_layers must be an integer >= 1, got 0$",
+        train,
+        recipe,
+        tmp_path / "run",
+        "--drafter.num_layers",
+        "0",
     )
     assert not (tmp_path / "run").exists()
 

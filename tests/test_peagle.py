@@ -401,7 +401,7 @@ def test_training_a_head_of_two_layers_trains_both_and_saves_them(tiny_recipe, t
         assert head.layers[1].get_submodule(name.rsplit(".", 1)[0]).weight.abs().max() > 0, name
     assert_user_error(
         capsys,
-        r"drafter\.num_layers must be >= 1, got 0",
+        r"drafter\.num_layers must be an integer >= 1, got 0$",
         main,
         [str(tiny_recipe), "--output_dir", str(tmp_path / "never"), "--drafter.num_layers", "0"],
     )

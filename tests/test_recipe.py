@@ -54,7 +54,7 @@ def test_wrong_type_names_key_path(tmp_path):
     with pytest.raises(RecipeError, match=r"distributed.zero_stage: expected one of 0 \| 1 \| 2 \| 3, got 5"):
         load_recipe(Recipe, path)
     path.write_text(RECIPE.replace("max_length: 512", "max_length: 2"))
-    with pytest.raises(RecipeError, match=r"data.max_length must be >= 8"):
+    with pytest.raises(RecipeError, match=r"type\.yaml: data\.max_length must be an integer >= 8, got 2$"):
         load_recipe(Recipe, path)
 
 

@@ -21,19 +21,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
-from draftsmith.config import RecipeError
+from draftsmith.config import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, Range, RecipeError
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.data_prep.packing import same_segment, segment_positions
 from draftsmith.heads.aux_layers import resolve_aux_layers
 from draftsmith.heads.dflash import DFlashHead, weak_mask_row
 from draftsmith.heads.vocab import mask_token_for
-from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
+from draftsmith.recipe import DRAFT_VOCAB, DataConfig, DrafterConfig, Recipe
 from draftsmith.train.cli import entry_point
 from draftsmith.train.fused import build_task, fused_target_features, regenerated_data
 from draftsmith.train.objectives import parse_objective, token_loss
@@ -52,17 +52,22 @@ class DFlashDrafterConfig(DrafterConfig):
 
     kind: str = "dflash"
     # target layers fused as the context (HF hidden_states ids); null: [2, N/2, N-3]
-    aux_layers: list[int] | None = None
-    num_layers: int = 2  # Qwen3 decoder layers (speculators' default: 5)
-    block_size: int = 8  # anchor + block_size - 1 drafted tokens (speculators' default: 16)
-    anchors_per_sequence: int = 64  # blocks trained per batch row and step (a packed row's conversations share them)
+    aux_layers: Annotated[list[int], NON_NEGATIVE_INT] | None = None
+    num_layers: Annotated[int, COUNT] = 2  # Qwen3 decoder layers (speculators' default: 5)
+    # anchor + block_size - 1 drafted tokens (speculators' default: 16); at least an anchor and a drafted token
+    block_size: Annotated[int, Range(2, integer=True)] = 8
+    # blocks trained per batch row and step (a packed row's conversations share them)
+    anchors_per_sequence: Annotated[int, COUNT] = 64
     # The token term's slot weights: exp(-(k-1)/decay_gamma), or D-PACE. A confidence head's BCE
     # stays on the decay either way, as speculators 0.9 weighs DSpark's (models/dspark/metrics.py).
     weighting: Literal["decay", "dpace"] = "decay"
-    decay_gamma: float = 4.0  # DFlash's gamma (speculators' default)
-    dpace_alpha: float = 0.5  # D-PACE: a slot's survival is (1 - alpha) exp(-loss) + alpha
-    draft_vocab_size: int | None = 8192  # the N most frequent tokens of the training replies; null: all
-    mask_token_id: int | None = None  # null: the tokenizer's mask token, else a special token absent from the data
+    decay_gamma: Annotated[float, POSITIVE] = 4.0  # DFlash's gamma (speculators' default)
+    # D-PACE: a slot's survival is (1 - alpha) exp(-loss) + alpha
+    dpace_alpha: Annotated[float, Range(0, 1)] = 0.5
+    # the N most frequent tokens of the training replies; null: all
+    draft_vocab_size: Annotated[int, DRAFT_VOCAB] | None = 8192
+    # null: the tokenizer's mask token, else a special token absent from the data
+    mask_token_id: Annotated[int, NON_NEGATIVE_INT] | None = None
     # Learn the mask slots' input row (exported as mask_embedding.pt, which vLLM 0.32 reads) instead of
     # reading the target's frozen row, which training refuses where it is near zero (never trained).
     learn_mask_embedding: bool = False
@@ -73,27 +78,16 @@ class DFlashDrafterConfig(DrafterConfig):
     # A per-position acceptance predictor (the engine's cut=priced/threshold), trained with the
     # drafter by binary cross-entropy against each slot's analytic acceptance rate (DSpark's).
     confidence_head: bool = False
-    confidence_alpha: float = 1.0  # weight of the confidence head's loss (speculators' confidence_head_alpha)
+    # weight of the confidence head's loss (speculators' confidence_head_alpha)
+    confidence_alpha: Annotated[float, NON_NEGATIVE] = 1.0
     # A trained drafter's checkpoint: train only a confidence head for it, its other weights frozen
     # (the recipe's data and loop; the drafter's own settings are read from the checkpoint).
     confidence_for: str | None = None
 
     def validate(self) -> None:
         parse_objective(self.objective)
-        if self.confidence_alpha < 0:
-            raise ValueError(f"drafter.confidence_alpha must be >= 0, got {self.confidence_alpha}")
         if self.confidence_for is not None and not self.confidence_head:
             raise ValueError("drafter.confidence_for trains a confidence head: set drafter.confidence_head: true")
-        if self.num_layers < 1:
-            raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
-        if self.block_size < 2:
-            raise ValueError(f"drafter.block_size must be >= 2 (an anchor and a drafted token), got {self.block_size}")
-        if self.anchors_per_sequence < 1:
-            raise ValueError(f"drafter.anchors_per_sequence must be >= 1, got {self.anchors_per_sequence}")
-        if self.decay_gamma <= 0:
-            raise ValueError(f"drafter.decay_gamma must be > 0, got {self.decay_gamma}")
-        if not 0 <= self.dpace_alpha <= 1:
-            raise ValueError(f"drafter.dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
 
 
 @dataclass

@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
+from draftsmith.config import COUNT, FRACTION, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, Range
 from draftsmith.heads.draft_lm import save_draft_lm, student_for
 from draftsmith.heads.vocab import token_counts
 from draftsmith.recipe import DrafterConfig, LoraConfig, Recipe
@@ -39,23 +40,23 @@ from draftsmith.train.prepare import target_and_data
 class MixtureConfig:
     """Weights of the response sources (normalised): the data's replies, target samples, student samples."""
 
-    fixed: float = 0.0  # the data's replies (the target's own with data.regenerate)
-    target: float = 0.0  # replies sampled from the target
-    student: float = 1.0  # replies sampled on-policy from the student
+    fixed: Annotated[float, NON_NEGATIVE] = 0.0  # the data's replies (the target's own with data.regenerate)
+    target: Annotated[float, NON_NEGATIVE] = 0.0  # replies sampled from the target
+    student: Annotated[float, NON_NEGATIVE] = 1.0  # replies sampled on-policy from the student
 
     def validate(self) -> None:
         weights = [self.fixed, self.target, self.student]
-        if min(weights) < 0 or sum(weights) <= 0:
-            raise ValueError(f"drafter.mixture weights must be >= 0 with a positive sum, got {weights}")
+        if sum(weights) <= 0:
+            raise ValueError(f"drafter.mixture weights must have a positive sum, got {weights}")
 
 
 @dataclass
 class DistillLora(LoraConfig):
     """The student's LoRA adapters (``drafter.finetune: lora``), merged into it on export."""
 
-    r: int = 16  # LoRA rank
-    alpha: int = 32  # LoRA alpha (adapter updates are scaled by alpha / r)
-    dropout: float = 0.0  # LoRA dropout
+    r: Annotated[int, COUNT] = 16  # LoRA rank
+    alpha: Annotated[int, COUNT] = 32  # LoRA alpha (adapter updates are scaled by alpha / r)
+    dropout: Annotated[float, FRACTION] = 0.0  # LoRA dropout
 
 
 @dataclass
@@ -68,26 +69,21 @@ class DistillDrafterConfig(DrafterConfig):
         "divergence": "objective"  # DistillSpec's name; its fkl and tvd are objective aliases
     }
     student: str | None = None  # hub id or folder of a causal LM with the target's tokenizer; None: derive
-    num_layers: int = 4  # derived student: this many of the target's layers, evenly spaced
-    layers: list[int] | None = None  # or exactly these layer indices
+    num_layers: Annotated[int, COUNT] = 4  # derived student: this many of the target's layers, evenly spaced
+    layers: Annotated[list[int], NON_NEGATIVE_INT] | None = None  # or exactly these layer indices
     finetune: Literal["full", "lora"] = "full"  # train every student weight, or LoRA adapters (merged on export)
     lora: DistillLora = field(default_factory=DistillLora)  # with finetune: lora
     objective: str | dict[str, float] = "kl_div"  # kl_div, rkl, jsd, ce, tv, nla, lk_hybrid or a mix {ce: 0.1, tv: 0.9}
-    jsd_beta: float = 0.5  # generalised JSD mixing weight
-    temperature: float = 1.0  # both distributions are taken at this temperature
+    jsd_beta: Annotated[float, Range(0, 1, open_low=True, open_high=True)] = 0.5  # generalised JSD mixing weight
+    temperature: Annotated[float, POSITIVE] = 1.0  # both distributions are taken at this temperature
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
-    sample_temperature: float = 1.0  # generating target and student responses (0: greedy)
-    max_new_tokens: int = 128  # response length (fixed replies are cut to it too)
-    max_prompt_tokens: int = 512  # longer prompts are left out (counted)
+    # generating target and student responses (0: greedy)
+    sample_temperature: Annotated[float, NON_NEGATIVE] = 1.0
+    max_new_tokens: Annotated[int, COUNT] = 128  # response length (fixed replies are cut to it too)
+    max_prompt_tokens: Annotated[int, COUNT] = 512  # longer prompts are left out (counted)
 
     def validate(self) -> None:
         parse_objective(self.objective)
-        if self.num_layers < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
-            raise ValueError("drafter.num_layers, max_new_tokens and max_prompt_tokens must be >= 1")
-        if self.temperature <= 0 or self.sample_temperature < 0:
-            raise ValueError("drafter.temperature must be > 0 and sample_temperature >= 0")
-        if not 0 < self.jsd_beta < 1:
-            raise ValueError(f"drafter.jsd_beta must be in (0, 1), got {self.jsd_beta}")
 
 
 @dataclass

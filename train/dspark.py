@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
+from draftsmith.config import Range
 from draftsmith.heads.dspark import DSparkHead
 from draftsmith.recipe import DataConfig, Recipe
 from draftsmith.train.cli import entry_point
@@ -46,23 +47,19 @@ class DSparkDrafterConfig(DFlashDrafterConfig):
     """The DSpark drafter: DFlash's backbone and blocks, the Markov and confidence heads, and their losses."""
 
     kind: str = "dspark"
-    block_size: int = 7  # slots a block (DeepSeek's released drafters: 7); drafts as many with sample_from_anchor
+    # slots a block (DeepSeek's released drafters: 7); drafts as many with sample_from_anchor
+    block_size: Annotated[int, Range(2, MAX_BLOCK_SIZE, integer=True)] = 7
     # Every slot drafts the token after its position, the anchor's too (DeepSeek's convention; vLLM
     # then runs K slots for K tokens); false: DFlash's layout (the anchor's slot drafts nothing).
     sample_from_anchor: bool = True
-    markov_rank: int = 256  # rank r of the Markov bias W1 @ W2 (0: no Markov head, plain DFlash drafting)
+    # rank r of the Markov bias W1 @ W2 (0: no Markov head, plain DFlash drafting)
+    markov_rank: Annotated[int, Range(0, MAX_MARKOV_RANK, integer=True)] = 256
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # vLLM 0.32 serves vanilla only
     confidence_head: bool = True  # the per-position acceptance predictor (the engine's cut=priced/threshold)
     confidence_head_with_markov: bool = True  # it also reads the previous token's Markov embedding
 
     def validate(self) -> None:
         super().validate()
-        if self.block_size > MAX_BLOCK_SIZE:
-            raise ValueError(f"drafter.block_size must be in [2, {MAX_BLOCK_SIZE}], got {self.block_size}")
-        if not 0 <= self.markov_rank <= MAX_MARKOV_RANK:
-            raise ValueError(
-                f"drafter.markov_rank must be in [0, {MAX_MARKOV_RANK}] (0: no Markov head), got {self.markov_rank}"
-            )
         if self.confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
             raise ValueError(
                 "drafter.confidence_head_with_markov needs a Markov head (drafter.markov_rank >= 1); "

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
+from draftsmith.config import COUNT, NON_NEGATIVE
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.data_prep.feature_sets import training_sets
 from draftsmith.data_prep.packing import target_inputs
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.vocab import draft_vocab_for
-from draftsmith.recipe import DrafterConfig, Recipe
+from draftsmith.recipe import DECAY, DRAFT_VOCAB, DrafterConfig, Recipe
 from draftsmith.timing import stage
 from draftsmith.train.cli import entry_point
 from draftsmith.train.objectives import parse_objective
@@ -36,33 +37,31 @@ class EagleDrafterConfig(DrafterConfig):
     """The EAGLE head and its loss."""
 
     kind: str = "eagle"
-    num_layers: int = 1  # decoder layers of the target's architecture in the head
+    num_layers: Annotated[int, COUNT] = 1  # decoder layers of the target's architecture in the head
     # identity: the head starts as f_{i+1} = f_i; random: the paper's init
     init: Literal["identity", "random"] = "identity"
-    draft_vocab_size: int | None = None  # None: the full vocabulary; N: the N most frequent assistant tokens
+    # None: the full vocabulary; N: the N most frequent assistant tokens
+    draft_vocab_size: Annotated[int, DRAFT_VOCAB] | None = None
     # amplitude a of the U(-a, a) noise added to input features while training (the paper: 0.1)
-    feature_noise: float = 0.1
-    regression_weight: float = 1.0  # weight of the Smooth-L1 loss on the next feature
-    ce_weight: float = 0.1  # weight of the soft cross-entropy against the target's next-token distribution
+    feature_noise: Annotated[float, NON_NEGATIVE] = 0.1
+    regression_weight: Annotated[float, NON_NEGATIVE] = 1.0  # weight of the Smooth-L1 loss on the next feature
+    # weight of the soft cross-entropy against the target's next-token distribution
+    ce_weight: Annotated[float, NON_NEGATIVE] = 0.1
     features: Literal["online", "offline", "served"] = "online"  # target features: per step, on disk first, or served
     features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
-    ttt_steps: int = 1  # HASS context alignment: passes over the head's own predicted features (1: off; HASS uses 3)
-    ttt_step_loss_decay: float = 1.0  # the loss of pass j is weighted decay ** j (HASS weighs the passes equally)
+    # HASS context alignment: passes over the head's own predicted features (1: off; HASS uses 3)
+    ttt_steps: Annotated[int, COUNT] = 1
+    # the loss of pass j is weighted decay ** j (HASS weighs the passes equally)
+    ttt_step_loss_decay: Annotated[float, DECAY] = 1.0
     detach_feedback: bool = True  # HASS: no gradient through the predicted features fed back to later passes
-    top_k_loss: int | None = None  # HASS distillation: add a term over the target's K most likely tokens (null: off)
-    top_k_weight: float = 1.0  # weight of the top-K term (HASS: 1.0, beside ce_weight x the full distribution)
+    # HASS distillation: add a term over the target's K most likely tokens (null: off)
+    top_k_loss: Annotated[int, COUNT] | None = None
+    # weight of the top-K term (HASS: 1.0, beside ce_weight x the full distribution)
+    top_k_weight: Annotated[float, NON_NEGATIVE] = 1.0
     objective: str | dict[str, float] = "kl_div"  # kl_div, rkl, jsd, ce, tv, nla, lk_hybrid or a mix {ce: 0.1, tv: 0.9}
 
     def validate(self) -> None:
         parse_objective(self.objective)
-        if self.num_layers < 1:
-            raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
-        if self.ttt_steps < 1:
-            raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
-        if self.top_k_loss is not None and self.top_k_loss < 1:
-            raise ValueError(f"drafter.top_k_loss must be >= 1 or null, got {self.top_k_loss}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
-            raise ValueError(f"drafter.draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
 
 
 @dataclass

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
+from draftsmith.config import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.heads.eagle3 import Eagle3Head
-from draftsmith.recipe import DataConfig, DrafterConfig, Recipe
+from draftsmith.recipe import DECAY, DRAFT_VOCAB, DataConfig, DrafterConfig, Recipe
 from draftsmith.train.cli import entry_point
 from draftsmith.train.fused import build_task, fused_target_features, regenerated_data
 from draftsmith.train.objectives import parse_objective
@@ -42,24 +43,27 @@ class Eagle3DrafterConfig(DrafterConfig):
 
     kind: str = "eagle3"
     # target layers fused as the head's input (HF hidden_states ids); null: [2, N/2, N-3]
-    aux_layers: list[int] | None = None
+    aux_layers: Annotated[list[int], NON_NEGATIVE_INT] | None = None
     # identity: fc passes the highest aux layer through and the layer starts as a no-op
     init: Literal["identity", "random"] = "identity"
     # the N most frequent tokens of the training replies (d2t/t2d); null: the full vocabulary
-    draft_vocab_size: int | None = 8192
+    draft_vocab_size: Annotated[int, DRAFT_VOCAB] | None = 8192
     norm_before_residual: bool = False  # residual from the normed hidden state (speculators' option of the same name)
     # The first layer reads [embedding ; hidden], the rest the hidden state only (vLLM's and speculators' layout).
-    num_layers: int = 1  # decoder layers of the target's architecture in the head (upstream P-EAGLE drafters: 4)
-    ttt_steps: int = 7  # passes of the training-time test (draft depths trained)
-    ttt_step_loss_decay: float = 0.8  # the loss of pass j is weighted decay ** j
-    top_k_loss: int | None = None  # HASS: add a distillation term over the target's K most likely tokens (null: off)
-    top_k_weight: float = 1.0  # weight of the top-K term
+    # decoder layers of the target's architecture in the head (upstream P-EAGLE drafters: 4)
+    num_layers: Annotated[int, COUNT] = 1
+    ttt_steps: Annotated[int, COUNT] = 7  # passes of the training-time test (draft depths trained)
+    ttt_step_loss_decay: Annotated[float, DECAY] = 0.8  # the loss of pass j is weighted decay ** j
+    # HASS: add a distillation term over the target's K most likely tokens (null: off)
+    top_k_loss: Annotated[int, COUNT] | None = None
+    top_k_weight: Annotated[float, NON_NEGATIVE] = 1.0  # weight of the top-K term
     objective: str | dict[str, float] = "kl_div"  # kl_div, rkl, jsd, ce, tv, nla, lk_hybrid or a mix {ce: 0.1, tv: 0.9}
     # Chain sampling (P-EAGLE's COD): pass d >= 2 trains max(ratio ** (d - 1), ratio_min) of the positions,
     # nested (each sampled draft's ancestors are trained too) and runs on those rows only; 1: every position.
     # 0.7 beat every position at equal wall time (BENCHMARKS.md, issue 33 round 2).
-    down_sample_ratio: float = 0.7
-    down_sample_ratio_min: float = 0.2  # the least share of positions a pass trains (the ratio's floor)
+    down_sample_ratio: Annotated[float, DECAY] = 0.7
+    # the least share of positions a pass trains (the ratio's floor)
+    down_sample_ratio_min: Annotated[float, DECAY] = 0.2
     # mask: no token loss where the target's next token (full-vocabulary argmax) is outside the draft
     # vocabulary, as the EAGLE-3 and SpecForge trainers do (one full LM-head pass over the batch a step);
     # renormalise: fit the target's distribution renormalised over the draft vocabulary there too.
@@ -69,19 +73,6 @@ class Eagle3DrafterConfig(DrafterConfig):
 
     def validate(self) -> None:
         parse_objective(self.objective)
-        if self.num_layers < 1:
-            raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
-        if self.ttt_steps < 1:
-            raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
-        if not 0 < self.ttt_step_loss_decay <= 1:
-            raise ValueError(f"drafter.ttt_step_loss_decay must be in (0, 1], got {self.ttt_step_loss_decay}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
-            raise ValueError(f"drafter.draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
-        if self.top_k_loss is not None and self.top_k_loss < 1:
-            raise ValueError(f"drafter.top_k_loss must be >= 1 or null, got {self.top_k_loss}")
-        for name in ("down_sample_ratio", "down_sample_ratio_min"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"drafter.{name} must be in (0, 1], got {getattr(self, name)}")
 
 
 @dataclass

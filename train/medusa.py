@@ -17,18 +17,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.config import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.data_prep.feature_sets import training_sets
 from draftsmith.data_prep.packing import same_segment, target_inputs
 from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, head_positions, top_k_hits
 from draftsmith.heads.vocab import draft_vocab_for
-from draftsmith.recipe import DrafterConfig, LoraConfig, Recipe
+from draftsmith.recipe import DECAY, DRAFT_VOCAB, DrafterConfig, LoraConfig, Recipe
 from draftsmith.target import final_logits
 from draftsmith.train.cli import entry_point
 from draftsmith.train.objectives import objective_rows, parse_objective
@@ -40,16 +41,11 @@ class LoraSettings(LoraConfig):
     """Medusa-2: LoRA on the target, trained with the heads."""
 
     enabled: bool = False  # Medusa-2: train LoRA adapters on the target with the heads
-    learning_rate: float = 5e-5  # the heads use training.learning_rate
-    start_step: int = 0  # optimiser steps the heads train alone before the adapters join
+    learning_rate: Annotated[float, POSITIVE] = 5e-5  # the heads use training.learning_rate
+    start_step: Annotated[int, NON_NEGATIVE_INT] = 0  # optimiser steps the heads train alone before the adapters join
     # keeps the tuned target faithful: KL from the frozen target, or LM loss
     target_loss: Literal["distill", "lm"] = "distill"
-    target_loss_weight: float = 1.0  # weight of that loss
-
-    def validate(self) -> None:
-        super().validate()
-        if self.learning_rate <= 0 or self.start_step < 0 or self.target_loss_weight < 0:
-            raise ValueError("need learning_rate > 0, start_step >= 0, target_loss_weight >= 0")
+    target_loss_weight: Annotated[float, NON_NEGATIVE] = 1.0  # weight of that loss
 
 
 @dataclass
@@ -57,11 +53,12 @@ class MedusaDrafterConfig(DrafterConfig):
     """The Medusa heads and their loss."""
 
     kind: str = "medusa"
-    num_heads: int = 4  # heads; head k predicts the token k+2 positions ahead
-    num_layers: int = 1  # residual blocks per head
+    num_heads: Annotated[int, COUNT] = 4  # heads; head k predicts the token k+2 positions ahead
+    num_layers: Annotated[int, NON_NEGATIVE_INT] = 1  # residual blocks per head
     lm_head: Literal["shared", "copy"] = "shared"  # the target's LM head by reference, or a trainable copy per head
-    draft_vocab_size: int | None = None  # None: the full vocabulary; N: the N most frequent assistant tokens
-    head_decay: float = 0.8  # head k's loss weight is head_decay ** k
+    # None: the full vocabulary; N: the N most frequent assistant tokens
+    draft_vocab_size: Annotated[int, DRAFT_VOCAB] | None = None
+    head_decay: Annotated[float, DECAY] = 0.8  # head k's loss weight is head_decay ** k
     objective: str | dict[str, float] | None = None  # null: CE on the data's tokens (Medusa's); else as EAGLE's
     # target hidden states computed in each step, cached on disk first, or served (data.features.server)
     features: Literal["online", "offline", "served"] = "online"
@@ -71,14 +68,6 @@ class MedusaDrafterConfig(DrafterConfig):
     def validate(self) -> None:
         if self.objective is not None:
             parse_objective(self.objective)
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise ValueError(
-                f"drafter.num_heads must be >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}"
-            )
-        if not 0 < self.head_decay <= 1:
-            raise ValueError(f"drafter.head_decay must be in (0, 1], got {self.head_decay}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
-            raise ValueError(f"drafter.draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
         if self.lora.enabled and self.features != "online":
             raise ValueError(
                 "drafter.features must be 'online' with drafter.lora.enabled: the tuned target's "

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Annotated
 
+from draftsmith.config import COUNT, NON_NEGATIVE_INT
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.heads.vocab import mask_token_for
+from draftsmith.recipe import DECAY
 from draftsmith.train.cli import entry_point
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
 from draftsmith.train.fused import build_task
@@ -32,9 +35,10 @@ class PEagleDrafterConfig(Eagle3DrafterConfig):
     """The P-EAGLE head: EAGLE-3's options, its drafted block and its mask token."""
 
     kind: str = "peagle"
-    ttt_steps: int = 7  # tokens drafted in one pass (draft depths trained, a pass each)
-    ttt_step_loss_decay: float = 1.0  # a depth-(j + 1) draft weighs decay ** j (1: as upstream)
-    mask_token_id: int | None = None  # null: the tokenizer's mask token, else a special token absent from the data
+    ttt_steps: Annotated[int, COUNT] = 7  # tokens drafted in one pass (draft depths trained, a pass each)
+    ttt_step_loss_decay: Annotated[float, DECAY] = 1.0  # a depth-(j + 1) draft weighs decay ** j (1: as upstream)
+    # null: the tokenizer's mask token, else a special token absent from the data
+    mask_token_id: Annotated[int, NON_NEGATIVE_INT] | None = None
 
 
 @dataclass
