@@ -18,6 +18,9 @@ from draftsmith.data_prep.features import (
     store_identity,
 )
 from draftsmith.errors import UserError
+from draftsmith.heads.eagle3 import Eagle3Head
+from draftsmith.train import unroll as unroll_module
+from draftsmith.train.unroll import UnrollLoss, chain_sample, supervised_next, unroll, unrolled_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,3 +111,62 @@ def test_a_store_past_max_gb_is_refused_in_one_line_before_anything_is_written(t
     bound = expected * 1.05
     manifest = extract_features(target, data, root, show=False, layers=LAYERS, identity=identity, max_gb=bound)
     assert manifest["bytes"] / 2**30 <= bound
+
+
+# ---------------------------------------------------------------------------------------------
+# Training on rows too long for dense masks
+
+
+def _unrolled(head, batch, features, hidden, chains, dense_rows, cfg):
+    """Outputs, loss and the head's gradients of one unroll (``dense_rows``: the long-row threshold)."""
+    head.zero_grad()
+    outputs = unroll(
+        head, batch["input_ids"], features, batch["attention_mask"], cfg.steps, head.feedback_input,
+        chains=chains, dense_rows=dense_rows,
+    )  # fmt: skip
+    loss, metrics = unrolled_loss(head, outputs, hidden, batch["loss_mask"], batch["attention_mask"], cfg, True, chains)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in head.named_parameters() if p.grad is not None}
+    return outputs, loss.detach(), metrics, grads
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_long_row_trains_as_a_short_one_without_dense_masks(target, monkeypatch, sampled):
+    """Two packed rows (three conversations and padding), 4 passes: segment-id masks in query chunks
+    of 5 and the loss in chunks of 7 rows give the dense path's outputs, loss, metrics and gradients
+    (with chain sampling: its sampled passes' too); the same masks without the boundaries do not."""
+    torch.manual_seed(0)
+    # Random, not identity, initialisation: an identity head's layer is a no-op that attends to nothing.
+    vocab = torch.arange(0, 64, 2)
+    head = Eagle3Head.for_target(target, "tiny", aux_layers=[0, 2, 4], draft_vocab=vocab, init="random")
+    gen = torch.Generator().manual_seed(3)
+    length = 48
+    segments = torch.tensor([[1] * 20 + [2] * 28, [1] * 30 + [2] * 10 + [0] * 8])
+    batch = {
+        "input_ids": torch.randint(2, 64, (2, length), generator=gen),
+        "attention_mask": segments,
+        "loss_mask": (torch.rand(2, length, generator=gen) > 0.3) & segments.bool(),
+    }
+    features = torch.randn(2, length - 1, 3 * 32, generator=gen)
+    hidden = torch.randn(2, length, 32, generator=gen)
+    cfg = UnrollLoss(steps=4)
+    chains = None
+    if sampled:
+        chains = chain_sample(supervised_next(batch["loss_mask"], segments), cfg.steps, 0.6, 0.3, segments)
+    dense = _unrolled(head, batch, features, hidden, chains, 10**6, cfg)
+    monkeypatch.setattr(unroll_module, "ATTENTION_CHUNK", 5 * 2 * 4 * (length - 1))  # 5 queries a chunk
+    monkeypatch.setattr(unroll_module, "LOSS_CHUNK", 7 * 32)  # 7 rows of the 32-token draft vocabulary
+    long = _unrolled(head, batch, features, hidden, chains, 0, cfg)
+    for a, b in zip(dense[0], long[0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dense[1], long[1], atol=1e-6, rtol=1e-5)
+    assert dense[2].keys() == long[2].keys()
+    for key in dense[2]:
+        assert dense[2][key] == pytest.approx(long[2][key], rel=1e-5, abs=1e-5), key
+    assert dense[3].keys() == long[3].keys()
+    for key in dense[3]:
+        torch.testing.assert_close(dense[3][key], long[3][key], atol=1e-5, rtol=1e-4)
+    # Negative control: one segment a row (the packing boundaries lost).
+    crossed = _unrolled(head, {**batch, "attention_mask": segments.bool().long()}, features, hidden, chains, 0, cfg)
+    assert (crossed[0][0][0, 20:] - long[0][0][0, 20:]).abs().max() > 1e-3
+    assert (crossed[0][0][0, :19] - long[0][0][0, :19]).abs().max() < 1e-5  # the first conversation sees the same

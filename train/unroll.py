@@ -15,6 +15,14 @@ dot product per position for each earlier pass, not ``n x (j+1) n`` scores of wh
 
 Shapes: a batch of ``L`` tokens gives ``n = L - 1`` positions; position t of pass j predicts
 token ``t + j + 2`` from the target's distribution at position ``t + j + 1``.
+
+Rows longer than :data:`DENSE_MASK_ROWS` positions (16K-32K-token conversations) hold no ``n x n``
+tensor: their masks are the positions' segment ids, and :func:`segment_attention` builds each query
+chunk's scores, uses them and (under autograd) recomputes them in the backward pass. Every pass then
+runs over all positions (chain sampling still chooses the rows each pass scores, which the outputs
+keep, zeros elsewhere, as sampled passes give them), and the loss scores a pass's rows a chunk at a
+time, each chunk's logits recomputed in the backward pass (:func:`draft_scores`), so memory grows
+with the row's length, not its square.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -63,6 +72,9 @@ def loss_settings(drafter, **extra) -> UnrollLoss:
 
 
 UNROLLED_ATTENTION = "draftsmith_unrolled"
+DENSE_MASK_ROWS = 4096  # head positions up to which a pass's mask is built whole (n x n); longer rows: segment ids
+ATTENTION_CHUNK = 1 << 24  # score elements of one query chunk of a long row (heads x queries x keys): 64 MiB fp32
+LOSS_CHUNK = 1 << 25  # scored rows x draft vocabulary above which a pass's logits are taken a chunk at a time
 
 
 def pass_mask(padding: torch.Tensor, step: int) -> torch.Tensor:
@@ -92,8 +104,12 @@ def unrolled_attention(
     ``query`` ``[b, heads, n, d]``; ``key``/``value`` ``[b, kv_heads, (j+1) n, d]``: the cached keys
     of passes 0..j. Query t attends to pass 0's keys under ``attention_mask`` (``[b, 1, n, n]``,
     additive: causal over the real tokens) and to key t of each later pass, and to nothing else,
-    which is what :func:`pass_mask` allows, computed without the masked-out scores.
+    which is what :func:`pass_mask` allows, computed without the masked-out scores. An integer
+    ``attention_mask`` ``[b, 1, 1, n]`` holds the positions' segment ids instead (a long row's,
+    :func:`segment_attention`).
     """
+    if attention_mask is not None and not attention_mask.is_floating_point():
+        return segment_attention(module, query, key, value, attention_mask[:, 0, 0], scaling, dropout)
     heads, n = query.shape[1], query.shape[2]
     kv_heads, passes = key.shape[1], key.shape[2] // n
     if passes == 1:  # pass 0 is plain causal attention: the fused kernel
@@ -117,6 +133,45 @@ def unrolled_attention(
 AttentionInterface.register(UNROLLED_ATTENTION, unrolled_attention)
 
 
+def segment_attention(
+    module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: torch.Tensor, scaling: float, dropout
+) -> tuple[torch.Tensor, None]:
+    """:func:`unrolled_attention` with pass 0's mask given as the positions' ``segments`` ``[b, n]``
+    (:func:`pass_mask`'s first block: causal within a segment, padding's 0 seeing earlier padding),
+    computed :data:`ATTENTION_CHUNK` score elements of queries at a time, each chunk under activation
+    checkpointing where gradients flow: no ``n x n`` tensor is built or saved."""
+    batch, heads, n = query.shape[:3]
+    rows = max(1, ATTENTION_CHUNK // (batch * heads * n))
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    parts = []
+    for start in range(0, n, rows):
+        args = (query, key, value, segments, start, min(n, start + rows), scaling, dropout, module.training)
+        parts.append(checkpoint(_attention_rows, *args, use_reentrant=False) if grad else _attention_rows(*args))
+    return torch.cat(parts, dim=3).flatten(1, 2).transpose(1, 2).contiguous(), None
+
+
+def _attention_rows(query, key, value, segments, start: int, stop: int, scaling: float, dropout: float, training: bool):
+    """Queries ``start:stop`` of :func:`segment_attention`, ``[b, kv_heads, group, stop - start, d]``:
+    scores over pass 0's keys up to ``stop`` (none later is visible) and the diagonals of later passes."""
+    heads, n = query.shape[1], query.shape[2]
+    kv_heads, passes = key.shape[1], key.shape[2] // n
+    q = query[:, :, start:stop].unflatten(1, (kv_heads, heads // kv_heads))  # [b, kv, g, c, d]
+    scores = q @ key[:, :, None, :stop].transpose(-1, -2) * scaling  # [b, kv, g, c, stop]
+    causal = torch.arange(stop, device=q.device)[None, :] <= torch.arange(start, stop, device=q.device)[:, None]
+    allowed = causal & (segments[:, start:stop, None] == segments[:, None, :stop])  # [b, c, stop]
+    scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(scores.dtype).min)
+    if passes > 1:
+        ancestors_k = key[:, :, None, n:].unflatten(3, (passes - 1, n))[..., start:stop, :]  # [b, kv, 1, j, c, d]
+        ancestors_v = value[:, :, None, n:].unflatten(3, (passes - 1, n))[..., start:stop, :]
+        diagonal = (q.unsqueeze(3) * ancestors_k).sum(-1) * scaling  # [b, kv, g, j, c]
+        scores = torch.cat([scores, diagonal.transpose(-1, -2)], dim=-1)
+    probs = F.dropout(scores.softmax(-1, dtype=torch.float32).to(q.dtype), p=dropout, training=training)
+    out = probs[..., :stop] @ value[:, :, None, :stop]
+    if passes > 1:
+        out = out + (probs[..., stop:].transpose(-1, -2).unsqueeze(-1) * ancestors_v).sum(3)
+    return out
+
+
 @contextmanager
 def attention_implementation(config, name: str):
     """Run the head's attention layers (which read their shared config at call time) with ``name``."""
@@ -138,6 +193,7 @@ def unroll(
     detach: bool = False,
     parallel: bool = False,
     chains: list[Chains] | None = None,
+    dense_rows: int = DENSE_MASK_ROWS,
 ) -> list[torch.Tensor]:
     """The head's outputs ``[b, n, h]`` for passes ``0..steps-1``.
 
@@ -153,6 +209,9 @@ def unroll(
     depends on another's output: the layout one drafting pass sees. ``chains`` (chain sampling,
     :func:`chain_sample`) runs pass j>0 on pass j's sampled positions only, fed (sequential unroll) the
     previous pass's outputs there; the other rows of its output are zeros (no loss may read them).
+    Rows of more than ``dense_rows`` positions run every pass over all positions with segment-id masks
+    (:func:`segment_attention`), their outputs zeroed where ``chains`` did not sample: the same
+    outputs without an ``n x n`` tensor.
     """
     # Head position t reads token t's feature and token t + 1: a pair of one conversation (packed
     # rows hold several; ``padding`` holds their segment ids), at token t's position within it.
@@ -162,12 +221,14 @@ def unroll(
     outputs: list[torch.Tensor] = []
     inputs = {"features": features}
     config = getattr(head, "module", head).config
+    softcapped = getattr(config, "attn_logit_softcapping", None)
+    long = n > dense_rows and not softcapped  # soft-capped heads (Gemma-2) attend eagerly over dense masks
     # Sampled passes hold fewer keys than n: their masks are dense (a chain's ancestors are not on a diagonal).
-    blockwise = not getattr(config, "attn_logit_softcapping", None) and chains is None
+    blockwise = not softcapped and (chains is None or long)
     implementation = UNROLLED_ATTENTION if blockwise else config._attn_implementation
     with attention_implementation(config, implementation):
         for step in range(steps):
-            if chains is not None and step:
+            if chains is not None and step and not long:
                 own = chains[step - 1].positions
                 if parallel:
                     ids, fed = torch.full_like(own, getattr(head, "module", head).mask_token_id), {}
@@ -189,9 +250,11 @@ def unroll(
                 position_ids=positions + step,
                 past_key_values=cache,
                 use_cache=True,
-                attention_mask=pass_mask(padding, 0 if blockwise else step),
+                attention_mask=padding[:, None, None, :] if long else pass_mask(padding, 0 if blockwise else step),
                 **inputs,
             ).last_hidden_state
+            if chains is not None and step:
+                out = out * chains[step - 1].rows(n)[:, :, None]
             outputs.append(out)
             inputs = {feedback: out.detach() if detach else out}
     return outputs
@@ -380,10 +443,11 @@ def unrolled_loss(
         if pred_t.shape[0] == 0:
             total = total + pred.sum() * 0.0
             continue
-        logits = head.draft_logits(pred_t)
         kept = keep.index_select(0, rows)
         probs_t = target_probs.index_select(0, rows)
-        ce, lse = token_loss(logits, coeff.index_select(0, rows), probs_t, cfg.objective, cfg.ce_weight * kept)
+        ce, lse, top3, dot = draft_scores(
+            head, pred_t, coeff.index_select(0, rows), probs_t, cfg.objective, cfg.ce_weight * kept
+        )
         counted = kept  # each row's share of the mean's denominator
         if row_weight is not None:
             weight_t = row_weight.index_select(0, rows)
@@ -404,7 +468,7 @@ def unrolled_loss(
             total = total + cfg.decay**step * loss
         with torch.no_grad():
             best_t = best.index_select(0, rows)
-            top3 = head.draft_vocab[logits.topk(min(3, logits.shape[-1]), dim=-1).indices]
+            top3 = head.draft_vocab[top3]
             hits = (top3[:, 0] == best_t).sum()
             sums[f"top1@{step + 1}"] = hits
             sums[f"rows@{step + 1}"] = mask.sum()
@@ -412,7 +476,7 @@ def unrolled_loss(
                 sums["top1"] = hits
                 sums["top3"] = (top3 == best_t[:, None]).any(-1).sum()
                 # The plain soft cross-entropy, whatever the loss's terms: lse - p.z (p sums to 1).
-                sums["ce_loss"] = (lse - torch.bmm(probs_t.unsqueeze(1), logits.float().unsqueeze(2)).view(-1)).sum()
+                sums["ce_loss"] = (lse - dot).sum()
                 if cfg.regression_weight:
                     sums["regression_loss"] = regression.detach().sum()
     if cfg.pool_depths:
@@ -422,6 +486,42 @@ def unrolled_loss(
     sums["loss"] = total.detach() * sums["tokens"]
     metrics = dict(zip(sums, torch.stack([v.float() for v in sums.values()]).tolist()))
     return total, metrics
+
+
+def draft_scores(
+    head,
+    pred: torch.Tensor,
+    coeff: torch.Tensor,
+    probs: torch.Tensor,
+    objective: dict[str, float],
+    weight: torch.Tensor,
+    chunk: int = LOSS_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, lse, top3, dot)`` per scored row of the head's outputs ``pred`` ``[rows, h]``: the
+    token loss of its draft logits ``z`` (:func:`~draftsmith.train.objectives.token_loss` with the
+    weights ``coeff``, the target's ``probs`` and the per-row ``weight``), their log-sum-exp, the
+    3 most likely draft ids and ``p.z``. Past ``chunk`` logits (rows x vocabulary) the rows are taken
+    a chunk at a time under activation checkpointing: only ``pred`` is kept for the backward pass,
+    never the ``[rows, vocab]`` logits of a whole long row."""
+    rows = max(1, chunk // coeff.shape[-1])
+    if pred.shape[0] <= rows:
+        return _scores(head, pred, coeff, probs, objective, weight)
+    grad = torch.is_grad_enabled() and pred.requires_grad
+    parts = []
+    for start in range(0, pred.shape[0], rows):
+        part = slice(start, start + rows)
+        args = (head, pred[part], coeff[part], probs[part], objective, weight[part])
+        parts.append(checkpoint(_scores, *args, use_reentrant=False) if grad else _scores(*args))
+    return tuple(torch.cat(values) for values in zip(*parts))
+
+
+def _scores(head, pred, coeff, probs, objective, weight):
+    logits = head.draft_logits(pred)
+    loss, lse = token_loss(logits, coeff, probs, objective, weight)
+    with torch.no_grad():
+        top3 = logits.topk(min(3, logits.shape[-1]), dim=-1).indices
+        dot = torch.bmm(probs.unsqueeze(1), logits.float().unsqueeze(2)).view(-1)
+    return loss, lse, top3, dot
 
 
 @torch.no_grad()
