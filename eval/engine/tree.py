@@ -249,7 +249,7 @@ def device_tree(tree: TokenTree, device: torch.device) -> DeviceTree:
     return result
 
 
-def _choose_packed(
+def choose_packed(
     logits: torch.Tensor,
     k: int,
     sampling,
@@ -274,7 +274,7 @@ def _choose_packed(
 
 
 def _add_candidates(builder: TreeBuilder, parent: int, row: list[float], k: int, probs, max_entropy: float | None):
-    """Add one read-back ``row`` of :func:`_choose_packed` (``k`` candidates) under ``parent``; None
+    """Add one read-back ``row`` of :func:`choose_packed` (``k`` candidates) under ``parent``; None
     when the node is less certain than ``max_entropy`` (it keeps its entropy, which hierarchical
     drafting learns from, and gets no children)."""
     spread = row[2 * k] if max_entropy is not None else None
@@ -314,7 +314,7 @@ def grow_tree(
     for level in range(depth):
         if level:
             logits = expand(frontier, builder)
-        packed, probs, k = _choose_packed(logits, top_k, sampling, generator, max_entropy, vocab, vocab_size)
+        packed, probs, k = choose_packed(logits, top_k, sampling, generator, max_entropy, vocab, vocab_size)
         rows = packed.tolist()  # one read-back per level: scores, tokens and entropies together
         added: list[int] = []
         for i, parent in enumerate(frontier):
@@ -341,47 +341,14 @@ def grow_chain(
     level). ``vocab``/``vocab_size`` and ``max_entropy`` as in :func:`grow_tree`: the chain ends
     above the first depth less certain than ``max_entropy``.
     """
-    packed, probs, k = _choose_packed(logits, 1, sampling, generator, max_entropy, vocab, vocab_size)
-    return _chain(packed.tolist(), probs, k, max_entropy, len(logits))
+    packed, probs, k = choose_packed(logits, 1, sampling, generator, max_entropy, vocab, vocab_size)
+    return packed_chain(packed.tolist(), probs, k, max_entropy, len(logits))
 
 
-def grow_markov_chain(
-    logits: torch.Tensor,
-    step,
-    first: torch.Tensor,
-    sampling,
-    generator: torch.Generator | None = None,
-    max_entropy: float | None = None,
-    vocab: torch.Tensor | None = None,
-    vocab_size: int | None = None,
-    cut=None,
-) -> TokenTree:
-    """A chain drafted in one pass whose depth d + 1 distribution is ``logits[d]`` plus a bias of
-    the token chosen at depth d (DSpark's Markov head): ``step(d, previous)`` returns ``(bias
-    [1, V] or None, confidence [1] or None)`` for the target ids ``previous`` ``[1]`` (``first``,
-    the root's token, at depth 0). The tokens are chosen one depth after another on the device and
-    read back together with the confidences (one host sync); ``cut(confidences)`` (each depth's
-    predicted acceptance probability) returns how many depths to keep (None: all).
-    ``vocab``/``vocab_size`` and ``max_entropy`` as in :func:`grow_tree`."""
-    previous, rows, spread, confidences = first.view(1), [], [], []
-    for depth in range(len(logits)):
-        bias, confidence = step(depth, previous)
-        row = logits[depth : depth + 1] if bias is None else logits[depth : depth + 1] + bias
-        packed, probs, k = _choose_packed(row.float(), 1, sampling, generator, max_entropy, vocab, vocab_size)
-        previous = packed[:, k].long()  # the chosen target id (exact in float64)
-        rows.append(packed)
-        spread.append(probs)
-        if confidence is not None:
-            confidences.append(confidence.float().sigmoid().view(1, 1).double())
-    values = torch.cat([torch.cat(rows), torch.cat(confidences)], 1) if confidences else torch.cat(rows)
-    values = values.tolist()
-    keep = len(values) if cut is None or not confidences else cut([row[-1] for row in values])
-    probs = torch.cat(spread) if spread[0] is not None else None
-    return _chain(values, probs, k, max_entropy, keep)
-
-
-def _chain(rows: list[list[float]], probs, k: int, max_entropy: float | None, length: int) -> TokenTree:
-    """The chain of the first ``length`` read-back ``rows`` of :func:`_choose_packed`, one a depth."""
+def packed_chain(rows: list[list[float]], probs, k: int, max_entropy: float | None, length: int) -> TokenTree:
+    """The chain of the first ``length`` read-back ``rows`` of :func:`choose_packed`, one a depth
+    (``probs``: the rows' sampled distributions, None when greedy): how a drafter choosing each depth
+    on the device (a Markov head's, :mod:`draftsmith.eval.engine.drafters.dflash`) makes its tree."""
     builder, parent = TreeBuilder(), ROOT
     for depth, row in enumerate(rows[:length]):
         added = _add_candidates(builder, parent, row, k, probs[depth] if probs is not None else None, max_entropy)

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult, load_head
 from draftsmith.eval.engine.pass_cost import priced_size
-from draftsmith.eval.engine.tree import TokenTree, grow_chain, grow_markov_chain
+from draftsmith.eval.engine.tree import TokenTree, choose_packed, grow_chain, packed_chain
 from draftsmith.eval.engine.tree_plan import pass_costs
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.timing import clock
@@ -32,6 +32,41 @@ CUTS = ("priced", "threshold", "fixed")
 def survival(confidences: list[float]) -> list[float]:
     """Each depth's predicted probability of being accepted with every depth above it."""
     return [math.prod(confidences[: d + 1]) for d in range(len(confidences))]
+
+
+def grow_markov_chain(
+    logits: torch.Tensor,
+    step,
+    first: torch.Tensor,
+    sampling,
+    generator: torch.Generator | None = None,
+    max_entropy: float | None = None,
+    vocab: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    cut=None,
+) -> TokenTree:
+    """A chain drafted in one pass whose depth d + 1 distribution is ``logits[d]`` plus a bias of
+    the token chosen at depth d (DSpark's Markov head): ``step(d, previous)`` returns ``(bias
+    [1, V] or None, confidence [1] or None)`` for the target ids ``previous`` ``[1]`` (``first``,
+    the root's token, at depth 0). The tokens are chosen one depth after another on the device and
+    read back together with the confidences (one host sync); ``cut(confidences)`` (each depth's
+    predicted acceptance probability) returns how many depths to keep (None: all).
+    ``vocab``/``vocab_size`` and ``max_entropy`` as in :func:`~draftsmith.eval.engine.tree.grow_tree`."""
+    previous, rows, spread, confidences = first.view(1), [], [], []
+    for depth in range(len(logits)):
+        bias, confidence = step(depth, previous)
+        row = logits[depth : depth + 1] if bias is None else logits[depth : depth + 1] + bias
+        packed, probs, k = choose_packed(row.float(), 1, sampling, generator, max_entropy, vocab, vocab_size)
+        previous = packed[:, k].long()  # the chosen target id (exact in float64)
+        rows.append(packed)
+        spread.append(probs)
+        if confidence is not None:
+            confidences.append(confidence.float().sigmoid().view(1, 1).double())
+    values = torch.cat([torch.cat(rows), torch.cat(confidences)], 1) if confidences else torch.cat(rows)
+    values = values.tolist()
+    keep = len(values) if cut is None or not confidences else cut([row[-1] for row in values])
+    probs = torch.cat(spread) if spread[0] is not None else None
+    return packed_chain(values, probs, k, max_entropy, keep)
 
 
 class DFlashDrafter(Drafter):

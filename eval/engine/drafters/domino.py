@@ -6,7 +6,7 @@ correction per drafted token).
 The block is the trained one: with ``shift_label`` K drafted tokens take K slots ``[anchor, MASK x
 (K - 1)]``, every slot drafting the token after its position; without it DFlash's ``1 + K``. The
 GRU steps and the corrections stay on the device and are read back once with the chosen tokens
-(:func:`~draftsmith.eval.engine.tree.grow_markov_chain`).
+(:func:`~draftsmith.eval.engine.drafters.dflash.grow_markov_chain`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ DFlash-family drafter with a confidence head: :class:`~draftsmith.eval.engine.dr
 The block is vLLM's (v1/worker/gpu/spec_decode/dspark/speculator.py): with ``sample_from_anchor``
 K drafted tokens take K slots ``[anchor, MASK x (K - 1)]``, every slot drafting the token after its
 position; without it DFlash's ``1 + K`` slots. The Markov steps and the confidences stay on the
-device and are read back once with the chosen tokens (:func:`~draftsmith.eval.engine.tree.grow_markov_chain`).
+device and are read back once with the chosen tokens
+(:func:`~draftsmith.eval.engine.drafters.dflash.grow_markov_chain`).
 """
 
 from __future__ import annotations
