@@ -26,11 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Annotated
 
 import torch
 
+from draftsmith.config import COUNT, NON_NEGATIVE_INT, Range
 from draftsmith.heads.domino import DominoHead
-from draftsmith.recipe import DataConfig, Recipe
+from draftsmith.recipe import DECAY, DRAFT_VOCAB, DataConfig, Recipe
 from draftsmith.train.cli import entry_point
 from draftsmith.train.dflash import DFlashDrafterConfig, DFlashTask
 from draftsmith.train.fused import build_task, regenerated_data
@@ -45,14 +47,17 @@ class DominoDrafterConfig(DFlashDrafterConfig):
     # Every slot drafts the token after its position, the anchor's too (the references' default:
     # b slots draft b tokens); false: DFlash's layout (the anchor's slot drafts nothing).
     shift_label: bool = True
-    pure_draft_prefix_len: int = 1  # depths 1..this keep the backbone's logits (the references': 1)
-    gru_hidden_dim: int = 256  # the GRU's state size (Qwen3-8B's reference: 1024)
-    emb_dim: int = 128  # the correction MLP's inner width (Qwen3-8B's reference: 256)
-    base_loss_start: float = 1.0  # the backbone loss's weight lambda at the start (lambda_base_start)
+    # depths 1..this keep the backbone's logits (the references': 1); fewer than the block drafts
+    pure_draft_prefix_len: Annotated[int, NON_NEGATIVE_INT] = 1
+    gru_hidden_dim: Annotated[int, COUNT] = 256  # the GRU's state size (Qwen3-8B's reference: 1024)
+    emb_dim: Annotated[int, COUNT] = 128  # the correction MLP's inner width (Qwen3-8B's reference: 256)
+    # the backbone loss's weight lambda at the start (lambda_base_start)
+    base_loss_start: Annotated[float, Range(0, 1)] = 1.0
     # The share of the run over which lambda falls to 0 (lambda_base_decay_ratio; ModelOpt's and
     # SpecForge's recipes: 1.0, SpecForge's default when none is given: 0.5).
-    base_loss_decay: float = 1.0
-    draft_vocab_size: int | None = None  # must stay null: the target's LM head scores the full vocabulary
+    base_loss_decay: Annotated[float, DECAY] = 1.0
+    # must stay null: the target's LM head scores the full vocabulary
+    draft_vocab_size: Annotated[int, DRAFT_VOCAB] | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -67,19 +72,11 @@ class DominoDrafterConfig(DFlashDrafterConfig):
                 "learned mask row nor a confidence head (its serving engines read the target's mask row)"
             )
         slots = self.block_size - 1 + int(self.shift_label)
-        if not 0 <= self.pure_draft_prefix_len < slots:
+        if self.pure_draft_prefix_len >= slots:
             raise ValueError(
                 f"drafter.pure_draft_prefix_len must be in [0, {slots - 1}] (the block drafts {slots} tokens), "
                 f"got {self.pure_draft_prefix_len}"
             )
-        if self.gru_hidden_dim < 1 or self.emb_dim < 1:
-            raise ValueError(
-                f"drafter.gru_hidden_dim and drafter.emb_dim must be >= 1, got {self.gru_hidden_dim}, {self.emb_dim}"
-            )
-        if not 0 <= self.base_loss_start <= 1:
-            raise ValueError(f"drafter.base_loss_start must be in [0, 1], got {self.base_loss_start}")
-        if not 0 < self.base_loss_decay <= 1:
-            raise ValueError(f"drafter.base_loss_decay must be in (0, 1], got {self.base_loss_decay}")
 
 
 @dataclass
