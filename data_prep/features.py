@@ -340,18 +340,31 @@ def write_store(
     return manifest
 
 
+def layer_states(decoder, layers: list[int] | None, input_ids: torch.Tensor, **inputs):
+    """``(aux, last)`` of a forward pass of the target's ``decoder`` over ``input_ids`` (with further
+    ``inputs``: masks, positions, a KV cache): the states of ``layers`` (HF ``hidden_states`` ids)
+    concatenated (None without layers) and the last hidden states. The decoder returns the outputs
+    of the layers before ``layers`` only (transformers' ``output_hidden_states`` as a list of layer
+    indices: ``hidden_states[L]`` is layer ``L - 1``'s output, N's the final norm's); layer 0, the
+    embeddings, is embedded apart. Every other layer's states are dropped as the pass goes."""
+    outputs = sorted({layer - 1 for layer in layers or [] if layer > 0})
+    out = decoder(input_ids=input_ids, output_hidden_states=outputs, **inputs)
+    if not layers:
+        return None, out.last_hidden_state
+    fused = [decoder.embed_tokens(input_ids) if layer == 0 else out.hidden_states[layer - 1] for layer in layers]
+    return torch.cat(fused, dim=-1), out.last_hidden_state
+
+
 def hf_compute(
     target, layers: list[int] | None, keep: torch.dtype | None = None, prefill: int = PREFILL_TOKENS
 ) -> Compute:
     """:data:`Compute` by the target in this process, one conversation at a time, prefilled
-    ``prefill`` tokens at a time against its KV cache: the decoder returns the outputs of the layers
-    before ``layers`` only (transformers' ``output_hidden_states`` as a list of layer indices; layer
-    0, the embeddings, is embedded apart), and each piece's states go to the host in ``keep`` (None:
-    the target's dtype) at once. What a conversation holds at a time is its KV cache, one piece's
-    activations and its kept states, not every layer's states of the whole conversation."""
+    ``prefill`` tokens at a time against its KV cache, only ``layers``' states kept
+    (:func:`layer_states`), each piece's moved to the host in ``keep`` (None: the target's dtype) at
+    once. What a conversation holds at a time is its KV cache, one piece's activations and its kept
+    states, not every layer's states of the whole conversation."""
     decoder = target.get_decoder()
     device = next(target.parameters()).device
-    outputs = sorted({layer - 1 for layer in layers or [] if layer > 0})  # hidden_states[L] is layer L - 1's output
 
     def host(x: torch.Tensor) -> torch.Tensor:
         return x[0].to("cpu", keep or x.dtype)
@@ -364,11 +377,10 @@ def hf_compute(
             hidden, aux = [], []
             for start in range(0, len(ids), prefill):
                 piece = torch.tensor([ids[start : start + prefill]], device=device)
-                states = decoder(input_ids=piece, past_key_values=cache, use_cache=True, output_hidden_states=outputs)
-                hidden.append(host(states.last_hidden_state))
+                fused, last = layer_states(decoder, layers, piece, past_key_values=cache, use_cache=True)
+                hidden.append(host(last))
                 if layers:
-                    fused = [decoder.embed_tokens(piece) if L == 0 else states.hidden_states[L - 1] for L in layers]
-                    aux.append(host(torch.cat(fused, dim=-1)))
+                    aux.append(host(fused))
             out.append((torch.cat(hidden), torch.cat(aux) if layers else None))
         return out
 

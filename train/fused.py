@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from draftsmith.data_prep.feature_sets import training_sets
+from draftsmith.data_prep.features import layer_states
 from draftsmith.data_prep.packing import target_inputs
 from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DataConfig, Recipe, RegenerateConfig
@@ -31,9 +32,7 @@ def fused_target_features(target, aux_layers: list[int], batch: dict) -> tuple[t
     if "aux" in batch:
         return batch["aux"], batch["hidden"]
     decoder = target.get_decoder()
-    out = decoder(**target_inputs(batch, decoder), output_hidden_states=True)
-    aux = torch.cat([out.hidden_states[layer] for layer in aux_layers], dim=-1)
-    return aux, out.last_hidden_state
+    return layer_states(decoder, aux_layers, **target_inputs(batch, decoder))
 
 
 def build_fused(recipe: Recipe, new_head: Callable) -> tuple:
