@@ -52,3 +52,9 @@ fi
 # torchvision and torchaudio (the CUDA-built wheels above), which its EAGLE-3 model code never
 # imports, so it goes in without dependencies; the ones it does import are the `speculators` extra.
 "$PYTHON" -m pip install --quiet --no-deps "speculators==0.9.0"
+# The Domino export test loads exports in NVIDIA ModelOpt's own DominoModule (nvidia-modelopt, whose
+# exporter writes that folder). Its requirements would also upgrade setuptools and add nvidia-ml-py,
+# which that path never imports; it goes in without dependencies, with the two it imports besides
+# what is installed above (omegaconf, with its parser runtime, and pulp).
+"$PYTHON" -m pip install --quiet --no-deps "nvidia-modelopt==0.47.0" "omegaconf==2.3.0" \
+    "antlr4-python3-runtime==4.9.3" "pulp==3.3.2"

@@ -291,3 +291,68 @@ def test_the_export_is_the_reference_folder_and_vllm_declines_it(domino_run, tmp
     assert "speculators 0.9 has no Domino model" in line, line
     line = user_error(capsys, gate_main, [str(tmp_path / "out")])
     assert "vLLM 0.32 cannot serve Domino drafters" in line, line
+
+
+def test_the_export_loads_in_modelopts_domino_module_with_the_same_forward(domino_run, tmp_path):
+    """ModelOpt's own ``DominoModule`` (nvidia-modelopt 0.47, the trainer whose exporter writes this
+    folder), built from the export's config.json, loads its weights strictly (every name and shape,
+    nothing missing or left over) and gives our drafter's forward on the same block: the backbone's
+    normed states over the injected context, and the corrected logits of ``HFDominoModel._apply_domino_head``
+    (the GRU over the block's tokens, ``embed_proj`` of ``[state ; GRU output]`` added past
+    ``pure_draft_prefix_len``) equal to our drafter's chain logits. Negative control: the
+    correction with the GRU's weights swapped differs."""
+    pytest.importorskip("modelopt.torch.speculative.plugins.modeling_domino", reason="scripts/install.sh installs it")
+    from modelopt.torch.speculative.plugins.modeling_domino import DominoModule
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from draftsmith.export import export_checkpoint
+
+    trainer, recipe = domino_run
+    target = AutoModelForCausalLM.from_pretrained(recipe.parent / "target", dtype=torch.float32).eval()
+    head = DominoHead.from_pretrained(trainer.last_checkpoint, target).eval()
+    export_checkpoint(trainer.last_checkpoint, "sglang", tmp_path / "out")
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    config = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("dflash_config", "draftsmith")})
+    for key, value in {**raw["dflash_config"], "block_size": raw["block_size"]}.items():
+        setattr(config, key, value)
+    config._attn_implementation = "sdpa"
+    theirs = DominoModule(config).eval()
+    theirs.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"), strict=True)
+    # The class its lazy init builds (_ROTARY_CLS), made here: its call passes a device keyword that
+    # transformers 5.19's Qwen3RotaryEmbedding no longer takes.
+    theirs.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    ids = torch.randint(100, 400, (1, 20), generator=torch.Generator().manual_seed(2))
+    a, slots = 12, head.block_size
+    with torch.no_grad():
+        out = target.get_decoder()(input_ids=ids, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[layer] for layer in head.aux_layers], dim=-1)
+        block = torch.full((1, slots), head.mask_token_id)
+        block[0, 0] = ids[0, a]
+        embed = target.get_input_embeddings()
+        want = theirs(embed(block), aux[:, :a], torch.arange(a + slots)[None])
+        cache = DynamicCache()
+        head.add_context(cache, aux[:, :a], torch.arange(a)[None])
+        everything = torch.ones(1, 1, slots, a + slots, dtype=torch.bool)
+        hidden = head(block, a + torch.arange(slots)[None], cache, everything)
+        torch.testing.assert_close(head.norm(hidden), want, rtol=1e-4, atol=1e-4)
+
+        drafter = DominoDrafter(head)
+        drafter.begin(ids[0, : a + 1].tolist(), aux[0, :a])
+        chain = drafter.propose(DraftContext(ids[0, : a + 1].tolist(), SamplingConfig(), None, max_tokens=10)).tokens
+        previous = torch.tensor([[ids[0, a].item(), *chain[:-1]]])  # shift_label: the block's tokens a..a+b-1
+
+        def reference_logits(gru) -> torch.Tensor:
+            start = theirs.pure_draft_prefix_len
+            states, _ = gru(embed(previous))
+            correction = theirs.embed_proj(torch.cat([want[:, start:], states[:, start:]], dim=-1))
+            base = target.lm_head(want)
+            return torch.cat([base[:, :start], base[:, start:] + correction], dim=1)[0]
+
+        logits = reference_logits(theirs.prefix_gru)
+        assert logits.argmax(-1).tolist() == chain
+        torch.testing.assert_close(_training_logits(head, hidden[0], previous[0]), logits, rtol=1e-4, atol=1e-4)
+        swapped = torch.nn.GRU(config.hidden_size, config.gru_hidden_dim, batch_first=True, bias=False)
+        assert not torch.allclose(reference_logits(swapped), logits)

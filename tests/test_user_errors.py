@@ -70,7 +70,7 @@ def test_counts_below_one_are_refused(capsys, flag, value):
         (
             "foo",
             r"unknown drafter kind 'foo'; choose from prompt_lookup, suffix, oracle, draft_lm, eagle, eagle3, "
-            r"peagle, dflash, dspark, hierarchical, hybrid, medusa",
+            r"peagle, dflash, dspark, domino, hierarchical, hybrid, medusa",
         ),
         ("eagle", r"the eagle drafter needs a checkpoint: eagle:PATH"),
         ("eagle:/nonexistent/run?depth=3", r"/nonexistent/run is not a drafter checkpoint"),
