@@ -2,7 +2,7 @@
 
 1. Each head's top-k accuracy (k = 1..10) on held-out data (the checkpoint's own recipe's split).
 2. For every node budget n, the tree with the largest expected acceptance length E(n) under
-   those accuracies (:func:`draftsmith.eval.engine.medusa_trees.optimal_choices`).
+   those accuracies (:func:`draftsmith.eval.engine.drafters.medusa.optimal_choices`).
 3. The measured cost of one verification pass of n+1 tokens on this device and of one Medusa
    draft step, giving the estimated speedup ``E(n) * t(1) / (t(n+1) + t_draft)``; the budget that
    maximises it wins.
@@ -28,7 +28,7 @@ from draftsmith.data_prep.dataset import build_dataset, pad_batch
 from draftsmith.data_prep.regenerate import prepare_data_config
 from draftsmith.data_prep.sharegpt import DataError
 from draftsmith.errors import ArgumentParser, report_user_errors
-from draftsmith.eval.engine.medusa_trees import expected_acceptance, optimal_choices
+from draftsmith.eval.engine.drafters.medusa import expected_acceptance, optimal_choices
 from draftsmith.eval.engine.pass_cost import measure_pass_cost
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.heads.medusa import TOP_K_RECORDED, MedusaHeads, head_positions, rank_accuracy, top_k_hits

@@ -19,11 +19,10 @@ from draftsmith.data_prep.chat import render_prompt
 from draftsmith.eval.engine.decode import SpeculativeDecoder, autoregressive_greedy
 from draftsmith.eval.engine.drafters.draft_lm import DraftLMDrafter
 from draftsmith.eval.engine.drafters.hybrid import HybridDrafter
-from draftsmith.eval.engine.drafters.medusa import MedusaDrafter
+from draftsmith.eval.engine.drafters.medusa import MedusaDrafter, optimal_choices
 from draftsmith.eval.engine.drafters.oracle import OracleDrafter
 from draftsmith.eval.engine.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.eval.engine.drafters.suffix import SuffixDrafter
-from draftsmith.eval.engine.medusa_trees import optimal_choices
 from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.heads.medusa import MedusaHeads, rank_accuracy
 

@@ -21,8 +21,13 @@ from draftsmith.data_prep.chat import render_prompt
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.eval.engine.drafters.base import DraftContext
-from draftsmith.eval.engine.drafters.medusa import MedusaDrafter
-from draftsmith.eval.engine.medusa_trees import expected_acceptance, load_choices, optimal_choices, static_tree
+from draftsmith.eval.engine.drafters.medusa import (
+    MedusaDrafter,
+    expected_acceptance,
+    load_choices,
+    optimal_choices,
+    static_tree,
+)
 from draftsmith.eval.engine.sampling import SamplingConfig
 from draftsmith.eval.engine.tree import ROOT
 from draftsmith.heads.common import TargetMismatchError

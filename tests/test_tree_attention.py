@@ -23,7 +23,7 @@ import weakref
 import pytest
 import torch
 
-from draftsmith.eval.engine.medusa_trees import load_choices
+from draftsmith.eval.engine.drafters.medusa import load_choices
 from draftsmith.eval.engine.target_runner import CausalLMRunner, tree_rows
 from draftsmith.eval.engine.tree import ROOT, TreeBuilder, ancestor_mask, chain
 
