@@ -62,6 +62,23 @@ class Training:
 
 
 @dataclass(frozen=True)
+class Features:
+    """What of the target a kind's drafter reads, as SpecForge's ``FeatureContract`` declares an
+    algorithm's tensors: ``hidden`` is "" (tokens only: a draft LM), "last" (the target's last
+    hidden state: EAGLE-1, Medusa) or "aux" (the states of the target layers its recipe's
+    ``drafter.aux_layers`` names, fused, beside the last: EAGLE-3 and the parallel drafters);
+    ``rows``: its training reads those states as feature rows, computed per step, stored or served
+    (the recipe's ``drafter.features`` and ``drafter.features_dir``)."""
+
+    hidden: str = ""
+    rows: bool = False
+
+    def __post_init__(self):
+        if self.hidden not in ("", "last", "aux") or (self.rows and not self.hidden):
+            raise ValueError(f"Features({self.hidden!r}, rows={self.rows}): hidden '', 'last' or 'aux'; rows needs one")
+
+
+@dataclass(frozen=True)
 class DrafterKind:
     """One drafter kind, as every layer sees it.
 
@@ -75,15 +92,16 @@ class DrafterKind:
     and ``hf_assistant`` (its drafter's ``assistant()`` is a whole causal LM that Hugging Face
     ``generate`` takes as ``assistant_model``: ``eval/run.py --hf-baseline hf_assisted``).
 
-    The layers above: ``training``; ``title`` (the model card's); ``formats`` (export format ->
-    converter ``(source, target, out, tree) -> serve command lines``); ``copied`` (checkpoint
-    files an export carries along); ``refused`` (export format -> why it cannot hold this kind's
-    drafters, where the kind knows better than the format's own ``why_not``); ``target_file`` (a
-    checkpoint whose config.json names no ``draftsmith_kind`` is this kind's when it holds this
-    file, its target record: a plain Hugging Face model folder); ``serve(fmt, folder, depth)``
-    (how vLLM serves an export of that format, None when it cannot, or a
-    :class:`~draftsmith.errors.UsageError` saying why);
-    ``chain(depth)`` (the spec options that make the engine draft the chain vLLM drafts, for the gate).
+    The layers above: ``training``; ``features`` (what of the target it reads: :class:`Features`;
+    training reads it rather than guess from the recipe's fields); ``title`` (the model card's);
+    ``formats`` (export format -> converter ``(source, target, out, tree) -> serve command lines``);
+    ``copied`` (checkpoint files an export carries along); ``refused`` (export format -> why it
+    cannot hold this kind's drafters, where the kind knows better than the format's own
+    ``why_not``); ``target_file`` (a checkpoint whose config.json names no ``draftsmith_kind`` is
+    this kind's when it holds this file, its target record: a plain Hugging Face model folder);
+    ``serve(fmt, folder, depth)`` (how vLLM serves an export of that format, None when it cannot, or
+    a :class:`~draftsmith.errors.UsageError` saying why); ``chain(depth)`` (the spec options that
+    make the engine draft the chain vLLM drafts, for the gate).
 
     Its modules: ``builds_on`` (the kinds whose own modules this kind's import: DSpark's drafter is
     DFlash's with a Markov head; followed through, so P-EAGLE's reach EAGLE-1's) and ``modules``
@@ -102,6 +120,7 @@ class DrafterKind:
     max_depth: Callable[[dict], int] | None = None
     hf_assistant: bool = False
     training: Training | None = None
+    features: Features = Features()
     title: str = ""
     formats: Mapping[str, Callable[..., list[str]]] = field(default_factory=dict)
     copied: tuple[str, ...] = ()

@@ -30,7 +30,7 @@ from draftsmith.export.common import (
 )
 from draftsmith.heads.dflash import draft_config, weak_mask_row
 from draftsmith.heads.exported import DFLASH_MASK_EMBEDDING
-from draftsmith.kinds import DrafterKind, Option, Served, Training
+from draftsmith.kinds import DrafterKind, Features, Option, Served, Training
 from draftsmith.train import dflash as training
 
 
@@ -125,6 +125,7 @@ KIND = DrafterKind(
     has_distribution=True,
     max_depth=lambda config: config["block_size"] - 1,  # the anchor takes the block's first slot
     training=Training("dflash", training.DFlashRecipe, training.main, training.build),
+    features=Features("aux", rows=True),
     title="DFlash drafter",
     formats={speculators.NAME: to_speculators},
     serve=serve,

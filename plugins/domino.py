@@ -37,7 +37,7 @@ from draftsmith.export.common import (
     write_weights,
 )
 from draftsmith.heads.dflash import draft_config, weak_mask_row
-from draftsmith.kinds import DrafterKind, Option, Served, Training
+from draftsmith.kinds import DrafterKind, Features, Option, Served, Training
 from draftsmith.train import domino as training
 
 ARCHITECTURE = "DFlashDraftModel"  # SGLang's entry class for the DFlash family, Domino included
@@ -146,6 +146,7 @@ KIND = DrafterKind(
     has_distribution=True,
     max_depth=lambda config: config["block_size"] - 1 + int(config["shift_label"]),
     training=Training("domino", training.DominoRecipe, training.main, training.build),
+    features=Features("aux", rows=True),
     title="Domino drafter",
     formats={sglang.NAME: to_sglang},
     refused={"speculators": "speculators 0.9 has no Domino model (its DFlash models have no correction head)"},

@@ -21,7 +21,7 @@ from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters import dspark
 from draftsmith.export import speculators
 from draftsmith.export.common import Source, Target, refuse
-from draftsmith.kinds import DrafterKind, Option, Served, Training
+from draftsmith.kinds import DrafterKind, Features, Option, Served, Training
 from draftsmith.plugins.dflash import CUT_OPTIONS, write_block_drafter
 from draftsmith.train import dspark as training
 
@@ -81,6 +81,7 @@ KIND = DrafterKind(
     has_distribution=True,
     max_depth=lambda config: config["block_size"] - 1 + int(config["sample_from_anchor"]),
     training=Training("dspark", training.DSparkRecipe, training.main, training.build),
+    features=Features("aux", rows=True),
     title="DSpark drafter",
     formats={speculators.NAME: to_speculators},
     serve=serve,

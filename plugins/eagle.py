@@ -12,7 +12,7 @@ from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters.eagle import build_planned, tree_options
 from draftsmith.export import sglang, speculators
 from draftsmith.heads.eagle import EagleHead
-from draftsmith.kinds import DrafterKind, Served, Training
+from draftsmith.kinds import DrafterKind, Features, Served, Training
 from draftsmith.train import eagle
 
 # The tree of a head that records no held-out accuracy (trained without held-out data) under depth=auto.
@@ -44,6 +44,7 @@ KIND = DrafterKind(
     has_distribution=True,
     plan_fallback=PLAN_FALLBACK,
     training=Training("eagle", eagle.EagleRecipe, eagle.main, eagle.build),
+    features=Features("last", rows=True),
     title="EAGLE-1 head",
     formats={sglang.NAME: partial(sglang.export, algorithm=sglang.SGLANG_EAGLE)},
     refused={

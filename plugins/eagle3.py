@@ -10,7 +10,7 @@ from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters.eagle import build_planned, tree_options
 from draftsmith.export import sglang, speculators
 from draftsmith.heads.eagle3 import Eagle3Head
-from draftsmith.kinds import DrafterKind, Served, Training
+from draftsmith.kinds import DrafterKind, Features, Served, Training
 from draftsmith.plugins.eagle import chain
 from draftsmith.train import eagle3
 
@@ -36,6 +36,7 @@ KIND = DrafterKind(
     has_distribution=True,
     plan_fallback=PLAN_FALLBACK,
     training=Training("eagle3", eagle3.Eagle3Recipe, eagle3.main, eagle3.build, eagle3.Eagle3Task),
+    features=Features("aux", rows=True),
     title="EAGLE-3 head",
     formats={
         speculators.NAME: speculators.export_eagle3,

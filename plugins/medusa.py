@@ -11,7 +11,7 @@ from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters import medusa
 from draftsmith.export import medusa as official
 from draftsmith.export import vllm_medusa
-from draftsmith.kinds import DrafterKind, Option, Served, Training
+from draftsmith.kinds import DrafterKind, Features, Option, Served, Training
 from draftsmith.train import medusa as training
 
 ADAPTER = "adapter"  # a Medusa-2 checkpoint's LoRA adapter on the target (a peft adapter folder)
@@ -52,6 +52,7 @@ KIND = DrafterKind(
     },
     max_depth=lambda config: config["num_heads"],  # a head per drafted token
     training=Training("medusa", training.MedusaRecipe, training.main, training.build),
+    features=Features("last", rows=True),
     title="Medusa heads",
     formats={vllm_medusa.NAME: vllm_medusa.export, official.NAME: official.export},
     copied=("tree.yaml", ADAPTER),  # the calibrated tree and a Medusa-2 LoRA adapter travel along

@@ -17,7 +17,7 @@ from pathlib import Path
 from draftsmith.config import COUNT
 from draftsmith.eval.engine.drafters import peagle
 from draftsmith.export import speculators
-from draftsmith.kinds import DrafterKind, Option, Served, Training
+from draftsmith.kinds import DrafterKind, Features, Option, Served, Training
 from draftsmith.train import peagle as training
 
 
@@ -39,6 +39,7 @@ KIND = DrafterKind(
     has_distribution=True,
     max_depth=lambda config: config["num_depths"],  # deeper mask positions were never trained
     training=Training("peagle", training.PEagleRecipe, training.main, training.build, training.PEagleTask),
+    features=Features("aux", rows=True),
     title="P-EAGLE head (parallel drafting)",
     formats={speculators.NAME: partial(speculators.export_eagle3, architecture="PEagleSpeculator", parallel=True)},
     serve=serve,

@@ -5,17 +5,20 @@ code, none of which names it. And the one import rule, "shared code imports no k
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import typing
 from pathlib import Path
 
 import grimp
 
 from draftsmith.kind_contract import KindsContract, broken
-from draftsmith.kinds import ENTRY_POINTS, registered
+from draftsmith.kinds import ENTRY_POINTS, DrafterKind, Features, Training, registered
+from draftsmith.recipe import Recipe
 
 HERE = Path(__file__).resolve().parent
 
@@ -147,3 +150,27 @@ def test_the_kinds_contract_breaks_on_the_real_graph_when_shared_code_imports_a_
     assert [p.split(":")[0] for p in after.metadata["problems"] if p not in before] == [
         "draftsmith.export.common -> draftsmith.heads.medusa"
     ]
+
+
+def disagreements(kind: DrafterKind) -> list[str]:
+    """Where a trainable kind's declared :class:`Features` and its recipe's drafter fields disagree:
+    training reads the declaration, so a recipe field it implies must exist, and one it does not
+    imply would be ignored."""
+    drafter = typing.get_type_hints(kind.training.recipe)["drafter"]
+    fields = {field.name for field in dataclasses.fields(drafter)}
+    implied = {"aux_layers": kind.features.hidden == "aux", "features": kind.features.rows}
+    implied["features_dir"] = implied["features"]
+    return [f"{kind.name}: drafter.{name}" for name, wanted in implied.items() if wanted != (name in fields)]
+
+
+def test_every_trainable_kind_declares_the_features_its_recipe_takes():
+    """The declaration (what train/prepare.py reads) and the recipe agree for every kind; a kind
+    declaring fused layers over a recipe without drafter.aux_layers is caught (negative control)."""
+    trainable = [kind for kind in registered().values() if kind.training is not None]
+    assert {kind.name for kind in trainable} >= {"eagle", "eagle3", "peagle", "dflash", "dspark", "medusa", "draft_lm"}
+    assert [problem for kind in trainable for problem in disagreements(kind)] == []
+    medusa = registered()["medusa"]
+    wrong = dataclasses.replace(medusa, features=Features("aux", rows=True))
+    assert disagreements(wrong) == ["medusa: drafter.aux_layers"]
+    none = DrafterKind("none", "", print, training=Training("none", Recipe, print, print), features=Features())
+    assert disagreements(none) == []

@@ -15,26 +15,33 @@ from draftsmith.data_prep.features import FeatureSource
 from draftsmith.data_prep.regenerate import prepare_data_config
 from draftsmith.data_prep.vllm_features import prepare_with_vllm, resolve_engine
 from draftsmith.heads.aux_layers import resolve_aux_layers
+from draftsmith.kinds import Features, for_recipe
 from draftsmith.target import load_target, resolve_target
 from draftsmith.timing import stage
+
+
+def features(recipe) -> Features:
+    """What of the target the kind ``recipe`` trains reads, as that kind declares it (:class:`Features`)."""
+    return for_recipe(recipe.drafter.kind).features
 
 
 def feature_source(recipe) -> FeatureSource:
     """What the data preparation needs of ``recipe`` to find, fill or serve its target features:
     the target and data sections, ``drafter.features`` and ``drafter.features_dir`` (online for
-    drafters that have neither)."""
+    kinds that read no feature rows)."""
+    rows = features(recipe).rows
     return FeatureSource(
         recipe.target,
         recipe.data,
-        getattr(recipe.drafter, "features", "online"),
-        getattr(recipe.drafter, "features_dir", None),
+        recipe.drafter.features if rows else "online",
+        recipe.drafter.features_dir if rows else None,
     )
 
 
 def feature_layers(recipe) -> list[int] | None:
     """The target layers whose states the recipe's head fuses (``drafter.aux_layers``, checked,
-    or the default ``[2, N/2, N-3]``), or None for heads that read the last hidden state only."""
-    if not hasattr(recipe.drafter, "aux_layers"):
+    or the default ``[2, N/2, N-3]``), or None for kinds that read no fused layers."""
+    if features(recipe).hidden != "aux":
         return None
     num_layers = AutoConfig.from_pretrained(resolve_target(recipe.target.name, "target.name")).num_hidden_layers
     return resolve_aux_layers(recipe.drafter.aux_layers, num_layers)
