@@ -193,7 +193,7 @@ def unroll(
     detach: bool = False,
     parallel: bool = False,
     chains: list[Chains] | None = None,
-    dense_rows: int = DENSE_MASK_ROWS,
+    dense_rows: int | None = None,
 ) -> list[torch.Tensor]:
     """The head's outputs ``[b, n, h]`` for passes ``0..steps-1``.
 
@@ -209,9 +209,9 @@ def unroll(
     depends on another's output: the layout one drafting pass sees. ``chains`` (chain sampling,
     :func:`chain_sample`) runs pass j>0 on pass j's sampled positions only, fed (sequential unroll) the
     previous pass's outputs there; the other rows of its output are zeros (no loss may read them).
-    Rows of more than ``dense_rows`` positions run every pass over all positions with segment-id masks
-    (:func:`segment_attention`), their outputs zeroed where ``chains`` did not sample: the same
-    outputs without an ``n x n`` tensor.
+    Rows of more than ``dense_rows`` (default :data:`DENSE_MASK_ROWS`) positions run every pass over
+    all positions with segment-id masks (:func:`segment_attention`), their outputs zeroed where
+    ``chains`` did not sample: the same outputs without an ``n x n`` tensor.
     """
     # Head position t reads token t's feature and token t + 1: a pair of one conversation (packed
     # rows hold several; ``padding`` holds their segment ids), at token t's position within it.
@@ -222,10 +222,12 @@ def unroll(
     inputs = {"features": features}
     config = getattr(head, "module", head).config
     softcapped = getattr(config, "attn_logit_softcapping", None)
-    long = n > dense_rows and not softcapped  # soft-capped heads (Gemma-2) attend eagerly over dense masks
+    # Soft-capped heads (Gemma-2) attend eagerly over dense masks, whatever the length.
+    long = n > (DENSE_MASK_ROWS if dense_rows is None else dense_rows) and not softcapped
     # Sampled passes hold fewer keys than n: their masks are dense (a chain's ancestors are not on a diagonal).
     blockwise = not softcapped and (chains is None or long)
     implementation = UNROLLED_ATTENTION if blockwise else config._attn_implementation
+    passes: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # a long row's keys and values, per pass and layer
     with attention_implementation(config, implementation):
         for step in range(steps):
             if chains is not None and step and not long:
@@ -245,19 +247,49 @@ def unroll(
                 shifted = torch.cat([tokens[:, step:], tokens.new_zeros(batch, step)], dim=1)
             else:
                 shifted = tokens
-            out = head(
-                shifted,
-                position_ids=positions + step,
-                past_key_values=cache,
-                use_cache=True,
-                attention_mask=padding[:, None, None, :] if long else pass_mask(padding, 0 if blockwise else step),
-                **inputs,
-            ).last_hidden_state
+            if long:
+                grad = torch.is_grad_enabled()
+                # A copy of the list: the recomputation must see the passes this one saw, not later ones.
+                args = (head, list(passes), shifted, positions + step, padding, inputs)
+                out, keys = checkpoint(_long_pass, *args, use_reentrant=False) if grad else _long_pass(*args)
+                passes.append(keys)
+            else:
+                out = head(
+                    shifted,
+                    position_ids=positions + step,
+                    past_key_values=cache,
+                    use_cache=True,
+                    attention_mask=pass_mask(padding, 0 if blockwise else step),
+                    **inputs,
+                ).last_hidden_state
             if chains is not None and step:
                 out = out * chains[step - 1].rows(n)[:, :, None]
             outputs.append(out)
             inputs = {feedback: out.detach() if detach else out}
     return outputs
+
+
+def _long_pass(head, passes, input_ids, position_ids, segments, inputs):
+    """One pass of a long row: ``(outputs, keys)``, the head's outputs and its layers' keys and values
+    of this pass, attending to the earlier ``passes``' keys and values (per pass, per layer) under
+    the segment-id mask. Run under activation checkpointing, it keeps nothing of the pass for the
+    backward pass but its arguments and results: the cache it fills is its own, built again when
+    it is recomputed."""
+    cache = DynamicCache()
+    for layer, pairs in enumerate(zip(*passes)):
+        cache.update(torch.cat([k for k, _ in pairs], dim=2), torch.cat([v for _, v in pairs], dim=2), layer)
+    n = input_ids.shape[1]
+    # Set here, not only by unroll: the backward pass recomputes this pass after unroll has returned.
+    with attention_implementation(getattr(head, "module", head).config, UNROLLED_ATTENTION):
+        out = head(
+            input_ids,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            attention_mask=segments[:, None, None, :],
+            **inputs,
+        ).last_hidden_state
+    return out, [(layer.keys[:, :, -n:], layer.values[:, :, -n:]) for layer in cache.layers]
 
 
 @dataclass
