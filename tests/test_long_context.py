@@ -8,6 +8,7 @@ import datasets
 import pytest
 import torch
 
+from draftsmith.config import RecipeError, from_dict
 from draftsmith.data_prep.features import (
     FeatureDataset,
     StoreSize,
@@ -19,6 +20,8 @@ from draftsmith.data_prep.features import (
 )
 from draftsmith.errors import UserError
 from draftsmith.heads.eagle3 import Eagle3Head
+from draftsmith.heads.peagle import PEagleHead
+from draftsmith.recipe import FeaturesConfig
 from draftsmith.train import unroll as unroll_module
 from draftsmith.train.unroll import UnrollLoss, chain_sample, supervised_next, unroll, unrolled_loss
 
@@ -108,6 +111,9 @@ def test_a_store_past_max_gb_is_refused_in_one_line_before_anything_is_written(t
     assert "\n" not in message and "data.features.max_gb" in message and f"{expected:.2f} GiB" in message
     assert not list(root.glob("*/shard-*"))
     # Just above the estimate it is written.
+    with pytest.raises(RecipeError, match="max_gb must be a number > 0"):
+        from_dict(FeaturesConfig, {"max_gb": 0})
+    assert from_dict(FeaturesConfig, {"max_gb": 0.5}).max_gb == 0.5
     bound = expected * 1.05
     manifest = extract_features(target, data, root, show=False, layers=LAYERS, identity=identity, max_gb=bound)
     assert manifest["bytes"] / 2**30 <= bound
@@ -117,12 +123,12 @@ def test_a_store_past_max_gb_is_refused_in_one_line_before_anything_is_written(t
 # Training on rows too long for dense masks
 
 
-def _unrolled(head, batch, features, hidden, chains, dense_rows, cfg):
+def _unrolled(head, batch, features, hidden, chains, dense_rows, cfg, parallel=False):
     """Outputs, loss and the head's gradients of one unroll (``dense_rows``: the long-row threshold)."""
     head.zero_grad()
     outputs = unroll(
         head, batch["input_ids"], features, batch["attention_mask"], cfg.steps, head.feedback_input,
-        chains=chains, dense_rows=dense_rows,
+        chains=chains, dense_rows=dense_rows, parallel=parallel,
     )  # fmt: skip
     loss, metrics = unrolled_loss(head, outputs, hidden, batch["loss_mask"], batch["attention_mask"], cfg, True, chains)
     loss.backward()
@@ -130,15 +136,19 @@ def _unrolled(head, batch, features, hidden, chains, dense_rows, cfg):
     return outputs, loss.detach(), metrics, grads
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_a_long_row_trains_as_a_short_one_without_dense_masks(target, monkeypatch, sampled):
+@pytest.mark.parametrize(("sampled", "parallel"), [(False, False), (True, False), (True, True)])
+def test_a_long_row_trains_as_a_short_one_without_dense_masks(target, monkeypatch, sampled, parallel):
     """Two packed rows (three conversations and padding), 4 passes: segment-id masks in query chunks
-    of 5 and the loss in chunks of 7 rows give the dense path's outputs, loss, metrics and gradients
-    (with chain sampling: its sampled passes' too); the same masks without the boundaries do not."""
+    of 5, checkpointed passes and the loss in chunks of 7 rows give the dense path's outputs, loss,
+    metrics and gradients (with chain sampling: its sampled passes' too; P-EAGLE's parallel passes
+    as well); the same masks without the boundaries do not."""
     torch.manual_seed(0)
     # Random, not identity, initialisation: an identity head's layer is a no-op that attends to nothing.
     vocab = torch.arange(0, 64, 2)
-    head = Eagle3Head.for_target(target, "tiny", aux_layers=[0, 2, 4], draft_vocab=vocab, init="random")
+    if parallel:
+        head = PEagleHead.for_target(target, "tiny", [0, 2, 4], vocab, "random", mask_token_id=63, num_depths=4)
+    else:
+        head = Eagle3Head.for_target(target, "tiny", aux_layers=[0, 2, 4], draft_vocab=vocab, init="random")
     gen = torch.Generator().manual_seed(3)
     length = 48
     segments = torch.tensor([[1] * 20 + [2] * 28, [1] * 30 + [2] * 10 + [0] * 8])
@@ -153,10 +163,10 @@ def test_a_long_row_trains_as_a_short_one_without_dense_masks(target, monkeypatc
     chains = None
     if sampled:
         chains = chain_sample(supervised_next(batch["loss_mask"], segments), cfg.steps, 0.6, 0.3, segments)
-    dense = _unrolled(head, batch, features, hidden, chains, 10**6, cfg)
+    dense = _unrolled(head, batch, features, hidden, chains, 10**6, cfg, parallel)
     monkeypatch.setattr(unroll_module, "ATTENTION_CHUNK", 5 * 2 * 4 * (length - 1))  # 5 queries a chunk
     monkeypatch.setattr(unroll_module, "LOSS_CHUNK", 7 * 32)  # 7 rows of the 32-token draft vocabulary
-    long = _unrolled(head, batch, features, hidden, chains, 0, cfg)
+    long = _unrolled(head, batch, features, hidden, chains, 0, cfg, parallel)
     for a, b in zip(dense[0], long[0]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(dense[1], long[1], atol=1e-6, rtol=1e-5)
@@ -167,6 +177,8 @@ def test_a_long_row_trains_as_a_short_one_without_dense_masks(target, monkeypatc
     for key in dense[3]:
         torch.testing.assert_close(dense[3][key], long[3][key], atol=1e-5, rtol=1e-4)
     # Negative control: one segment a row (the packing boundaries lost).
-    crossed = _unrolled(head, {**batch, "attention_mask": segments.bool().long()}, features, hidden, chains, 0, cfg)
+    crossed = _unrolled(
+        head, {**batch, "attention_mask": segments.bool().long()}, features, hidden, chains, 0, cfg, parallel
+    )
     assert (crossed[0][0][0, 20:] - long[0][0][0, 20:]).abs().max() > 1e-3
     assert (crossed[0][0][0, :19] - long[0][0][0, :19]).abs().max() < 1e-5  # the first conversation sees the same
