@@ -94,14 +94,16 @@ class DrafterKind:
 
     The layers above: ``training``; ``features`` (what of the target it reads: :class:`Features`;
     training reads it rather than guess from the recipe's fields); ``title`` (the model card's);
-    ``formats`` (export format -> converter ``(source, target, out, tree) -> serve command lines``);
-    ``copied`` (checkpoint files an export carries along); ``refused`` (export format -> why it
-    cannot hold this kind's drafters, where the kind knows better than the format's own
-    ``why_not``); ``target_file`` (a checkpoint whose config.json names no ``draftsmith_kind`` is
-    this kind's when it holds this file, its target record: a plain Hugging Face model folder);
-    ``serve(fmt, folder, depth)`` (how vLLM serves an export of that format, None when it cannot, or
-    a :class:`~draftsmith.errors.UsageError` saying why); ``chain(depth)`` (the spec options that
-    make the engine draft the chain vLLM drafts, for the gate).
+    ``readers`` (export format -> ``(folder, config) -> weights under draftsmith's names``: how the
+    engine loads that export back, ``KIND:EXPORT``); ``formats`` (export format -> converter
+    ``(source, target, out, tree) -> serve command lines``); ``copied`` (checkpoint files an export
+    carries along); ``refused`` (export format -> why it cannot hold this kind's drafters, where the
+    kind knows better than the format's own ``why_not``); ``target_file`` (a checkpoint whose
+    config.json names no ``draftsmith_kind`` is this kind's when it holds this file, its target
+    record: a plain Hugging Face model folder); ``serve(fmt, folder, depth)`` (how vLLM serves an
+    export of that format, None when it cannot, or a :class:`~draftsmith.errors.UsageError` saying
+    why); ``chain(depth)`` (the spec options that make the engine draft the chain vLLM drafts, for
+    the gate).
 
     Its modules: ``builds_on`` (the kinds whose own modules this kind's import: DSpark's drafter is
     DFlash's with a Markov head; followed through, so P-EAGLE's reach EAGLE-1's) and ``modules``
@@ -123,6 +125,7 @@ class DrafterKind:
     features: Features = Features()
     title: str = ""
     formats: Mapping[str, Callable[..., list[str]]] = field(default_factory=dict)
+    readers: Mapping[str, Callable[[Any, dict], dict]] = field(default_factory=dict)
     copied: tuple[str, ...] = ()
     refused: Mapping[str, str] = field(default_factory=dict)
     target_file: str = ""

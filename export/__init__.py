@@ -6,8 +6,9 @@ One module per format; each has ``NAME`` and ``why_not(kind)``, and its converte
 kinds a format holds, and with which converter (a format shared by several kinds takes their
 differences as arguments, bound in the declaration), is the kinds' declarations'
 (``DrafterKind.formats``; ``DrafterKind.refused`` says why a format cannot hold a kind where the
-kind knows better than the format). No module here names a kind.
-Reading the formats the engine loads back is :mod:`draftsmith.heads.exported`.
+kind knows better than the format). A format's reader (``read``: the engine loading an export
+back, :mod:`draftsmith.heads.exported`) sits beside its writer, the kind's part bound in its
+declaration (``DrafterKind.readers``). No module here names a kind.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from draftsmith.target import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID, resolve_tar
 # Where a plain Hugging Face export (whose config.json is the model's own) keeps draftsmith's record.
 EXPORT_SIDECAR = "draftsmith_export.json"
 WEIGHTS = "model.safetensors"
-# draftsmith's Medusa residual blocks: blocks.<head>.<block>.linear.<weight|bias>
-MEDUSA_BLOCK = re.compile(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)")
+# A fused head's weights over the concatenated aux layers (fc reads [aux_1 ; ... ; aux_n]).
+FUSED_COLUMNS = ("fc.weight",)
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 HUB_CACHE_FOLDER = re.compile(r"models--([\w.-]+?)--([\w.-]+)/snapshots/")
 
@@ -184,24 +184,39 @@ def export_block(source: Source, fmt: str, config: dict | None = None) -> dict:
     }
 
 
-def ascending_aux_layers(source: Source) -> tuple[dict, dict[str, torch.Tensor]]:
-    """An EAGLE-3 head's config and weights with its aux layers in ascending order.
+def ascending_aux_layers(
+    source: Source, columns: tuple[str, ...] = FUSED_COLUMNS
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A fused head's config and weights with its aux layers in ascending order.
 
     vLLM and SGLang capture the target's aux hidden states in ascending layer order whatever order
     the config lists them in, and concatenate them in that order before ``fc``; a head trained on
     another order would be served with its ``fc`` column blocks matched to the wrong layers. So the
-    ids are sorted and ``fc``'s column blocks permuted with them: the same function, served right.
+    ids are sorted and the column blocks of ``columns`` (the weights in the concatenated aux-layer
+    space: ``fc``'s, and whatever else a kind's part names) permuted with them: the same function,
+    served right.
     """
     aux = list(source.config["aux_layers"])
     order = sorted(range(len(aux)), key=aux.__getitem__)
     tensors = dict(source.state)
     if order != list(range(len(aux))):
-        # fc's columns and P-EAGLE's mask feature both live in the concatenated aux-layer space.
-        for name in ("fc.weight", "mask_hidden"):
+        for name in columns:
             if name in tensors:
                 blocks = tensors[name].chunk(len(aux), dim=-1)
                 tensors[name] = torch.cat([blocks[i] for i in order], dim=-1)
     return {**source.config, "aux_layers": [aux[i] for i in order]}, tensors
+
+
+def rename_blocks(tensors: dict[str, torch.Tensor], pattern: re.Pattern, template: str) -> dict[str, torch.Tensor]:
+    """The tensors whose names match ``pattern``, renamed to ``template`` filled with its groups
+    (a format's names to a kind's or back: ``{0}`` head, ``{1}`` block, ``{2}`` weight or bias);
+    the others are left out."""
+    renamed = {}
+    for name, value in tensors.items():
+        match = pattern.fullmatch(name)
+        if match:
+            renamed[template.format(*match.groups())] = value
+    return renamed
 
 
 def record_export(out: Path, source: Source, fmt: str, target: Target, tree: dict) -> None:

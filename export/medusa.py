@@ -11,15 +11,21 @@ block object, so heads with more than one residual block cannot be represented.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import torch
 
-from draftsmith.export.common import MEDUSA_BLOCK, Source, Target, export_block, refuse, write_config
-from draftsmith.heads.exported import MEDUSA_HEADS_FILE, rename_blocks
+from draftsmith.checkpoint_files import load_torch
+from draftsmith.errors import CheckpointError
+from draftsmith.export.common import Source, Target, export_block, refuse, rename_blocks, write_config
+from draftsmith.heads.exported import EXPORT_KEY
 
 NAME = "medusa"
+HEADS_FILE = "medusa_lm_head.pt"  # the layout's weights
+BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")  # its residual blocks: medusa_head.K.J
+BLOCK_NAME = "{0}.{1}.linear.{2}"
 MAX_HEADS = 5  # MedusaConfig's default head count, what the official code and its released heads use
 MIN_HEADS = 4  # the depth of its default tree, mc_sim_7b_63 (medusa_choices.py)
 BASE_MODEL_TYPES = ("llama", "mistral")  # what MedusaModel.from_pretrained dispatches on
@@ -30,8 +36,9 @@ def why_not(kind: str) -> str:
     return "the official Medusa layout holds Medusa heads only"
 
 
-def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
-    """Write the official Medusa folder (loaded with ``MedusaModel.from_pretrained``)."""
+def export(source: Source, target: Target, out: Path, tree: dict, blocks: re.Pattern) -> list[str]:
+    """Write the official Medusa folder (loaded with ``MedusaModel.from_pretrained``; ``blocks``:
+    the kind's names of its residual blocks' weights)."""
     config, state = source.config, source.state
     if target.saved_config.get("model_type") not in BASE_MODEL_TYPES:
         raise refuse(
@@ -71,15 +78,13 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
             file=sys.stderr,
         )
     layers = config["num_layers"]
-    tensors = {
-        name: value.contiguous() for name, value in rename_blocks(state, MEDUSA_BLOCK, "{0}.{1}.linear.{2}").items()
-    }
+    tensors = {name: value.contiguous() for name, value in rename_blocks(state, blocks, BLOCK_NAME).items()}
     shared = (
         target.model.get_output_embeddings().weight.detach().to(source.dtype) if config["lm_head"] == "shared" else None
     )
     for k in range(config["num_heads"]):
         tensors[f"{k}.{layers}.weight"] = (shared if shared is not None else state["lm_weight"][k]).contiguous()
-    torch.save(tensors, out / MEDUSA_HEADS_FILE)
+    torch.save(tensors, out / HEADS_FILE)
     write_config(
         out,
         {
@@ -90,3 +95,19 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         },
     )
     return [f"python -c \"from medusa.model.medusa_model import MedusaModel; MedusaModel.from_pretrained('{out}')\""]
+
+
+def read(folder: Path, config: dict, block_name: str) -> dict[str, torch.Tensor]:
+    """The weights of the official Medusa folder ``folder`` (its ``config``) under the kind's names
+    (``block_name``: its residual blocks' template), with the per-head LM heads stacked where the
+    drafter had its own and the draft vocabulary (always the whole one in this layout)."""
+    if "medusa_num_heads" not in config:
+        raise CheckpointError(f"{folder}: config.json says it is a {NAME} export but has no medusa_num_heads")
+    tensors = load_torch(folder / HEADS_FILE)
+    own = config[EXPORT_KEY]["config"]
+    layers = config["medusa_num_layers"]
+    state = rename_blocks(tensors, BLOCK, block_name)
+    if own["lm_head"] == "copy":
+        state["lm_weight"] = torch.stack([tensors[f"{k}.{layers}.weight"] for k in range(config["medusa_num_heads"])])
+    state["draft_vocab"] = torch.arange(own["vocab_size"])
+    return state

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.checkpoint_files import load_tensors, load_torch
+from draftsmith.errors import CheckpointError
 from draftsmith.export.common import (
     Source,
     Target,
@@ -35,12 +37,15 @@ from draftsmith.export.common import (
     write_config,
     write_weights,
 )
-from draftsmith.heads.exported import SGLANG_ARCHITECTURES, SGLANG_EAGLE, SGLANG_EAGLE3, SGLANG_HOT_TOKEN_MAP
 from draftsmith.kinds import registered
 
 NAME = "sglang"
 VERSION = "0.5.23"
-ALGORITHMS = (SGLANG_EAGLE, SGLANG_EAGLE3)  # SGLang's --speculative-algorithm, one per head layout
+# SGLang's --speculative-algorithm values draftsmith exports, one per head layout, and their draft model classes.
+SGLANG_EAGLE, SGLANG_EAGLE3 = "EAGLE", "EAGLE3"
+ALGORITHMS = (SGLANG_EAGLE, SGLANG_EAGLE3)
+SGLANG_ARCHITECTURES = {SGLANG_EAGLE: "LlamaForCausalLMEagle", SGLANG_EAGLE3: "LlamaForCausalLMEagle3"}
+SGLANG_HOT_TOKEN_MAP = "hot_token_map.pt"  # an EAGLE-1 head's draft vocabulary (--speculative-token-map)
 
 
 def why_not(kind: str) -> str:
@@ -143,3 +148,27 @@ def export(source: Source, target: Target, out: Path, tree: dict, algorithm: str
         *extra,
     ]
     return [" ".join(command)]
+
+
+def read(folder: Path, config: dict) -> dict[str, torch.Tensor]:
+    """The weights of the SGLang folder ``folder`` (its ``config``) under draftsmith's names: an
+    EAGLE-3 layout's identity vocabulary maps where a full draft vocabulary wrote none, an EAGLE-1
+    layout's draft vocabulary from its hot-token map (all tokens without one)."""
+    architectures = set(config.get("architectures") or [])
+    if not architectures & set(SGLANG_ARCHITECTURES.values()):
+        raise CheckpointError(
+            f"{folder}: config.json says it is a {NAME} export but names no architecture of SGLang's EAGLE "
+            f"layouts ({', '.join(SGLANG_ARCHITECTURES.values())})"
+        )
+    tensors = load_tensors(folder / "model.safetensors")
+    vocab = config["vocab_size"]
+    if SGLANG_ARCHITECTURES[SGLANG_EAGLE3] in architectures:
+        if "d2t" not in tensors:
+            tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)
+            tensors["t2d"] = torch.ones(vocab, dtype=torch.bool)
+    else:
+        hot = folder / SGLANG_HOT_TOKEN_MAP
+        tensors["draft_vocab"] = (
+            torch.tensor(load_torch(hot), dtype=torch.long) if hot.is_file() else torch.arange(vocab)
+        )
+    return tensors

@@ -21,9 +21,11 @@ Every field and weight name below is read by ``speculators`` 0.9.0 (``config.py`
   target id = draft id + d2t[draft id]) and ``t2d`` (bool over the target vocabulary) are written
   only for a reduced draft vocabulary: with a full one neither library registers them.
 
-Heads drafting the chain in one pass with a learned mask token (``parallel=True``) add a
-``mask_token_id``; vLLM serves them as ``eagle3`` with ``parallel_drafting: true``. A kind's
-declaration (:mod:`draftsmith.plugins`) picks the converter and the architecture name.
+This module is the format's one home: what every speculators folder holds (:func:`write_folder`,
+the proposal and verifier block, the serve command) and reading one back (:func:`read`). Each kind's
+own part (its model's fields, layer config and weights; its reader's extras) is the kind's:
+EAGLE-3's (and P-EAGLE's, which adds ``mask_token_id`` and ``parallel_drafting: true``) in
+``plugins/eagle3.py``, DFlash's and DSpark's in ``plugins/dflash.py`` and ``plugins/dspark.py``.
 
 speculators 0.9.0 has no EAGLE-1 or Medusa model (its EAGLE family starts at EAGLE-3), so EAGLE-1
 heads serve through ``--format sglang``.
@@ -34,23 +36,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftsmith.export.common import (
-    Source,
-    Target,
-    ascending_aux_layers,
-    export_block,
-    refuse,
-    write_config,
-    write_weights,
-)
-from draftsmith.heads.base import embedding_table
-from draftsmith.heads.exported import SPECULATORS_EMBED
+import torch
+
+from draftsmith.checkpoint_files import load_tensors
+from draftsmith.errors import CheckpointError
+from draftsmith.export.common import Source, Target, export_block, refuse, write_config, write_weights
 from draftsmith.kinds import registered
 
 NAME = "speculators"
 VERSION = "0.9.0"
-LAYER_TYPES = ("llama", "qwen3")  # speculators 0.9.0 models/eagle3/model_definitions.model_classes
-VOCAB_MAPS = ("d2t", "t2d")
+VOCAB_MAPS = ("d2t", "t2d")  # written only for a reduced draft vocabulary
+EMBEDDING = "embed_tokens.weight"  # the draft's embedding table, where its model ships one
 
 
 def why_not(kind: str) -> str:
@@ -86,58 +82,6 @@ def speculators_config(source: Source, target: Target, tokens: int) -> dict:
     }
 
 
-def export_eagle3(
-    source: Source,
-    target: Target,
-    out: Path,
-    tree: dict,
-    architecture: str = "Eagle3Speculator",
-    parallel: bool = False,
-) -> list[str]:
-    """Write the speculators folder of an EAGLE-3-family head; returns the vLLM command that serves it.
-
-    ``parallel``: the head drafts its chain in one pass over a learned mask token
-    (``mask_token_id`` in the config, ``parallel_drafting`` in the serve command)."""
-    check_aux_layers(source)
-    config, tensors = ascending_aux_layers(source)
-    layer = target.engine_layer_config(config["target_config"])
-    if layer.get("model_type") not in LAYER_TYPES:
-        raise refuse(
-            NAME,
-            source.kind,
-            f"its layer is a {layer.get('model_type')!r} layer and speculators {VERSION} "
-            f"builds EAGLE-3 layers of {' and '.join(LAYER_TYPES)} only",
-        )
-    layer["num_hidden_layers"] = config["num_layers"]
-    layer["tie_word_embeddings"] = False  # the head's LM head is its own, never the embedding
-    # vLLM builds its EAGLE-3 layer config from this dict and sizes fc from num_aux_hidden_states
-    # (else from an eagle_config, else 3): without it any other number of aux layers fails to load.
-    layer["num_aux_hidden_states"] = len(config["aux_layers"])
-    if config["draft_vocab_size"] == layer["vocab_size"]:
-        for name in VOCAB_MAPS:
-            tensors.pop(name)
-    # P-EAGLE's table is the head's own, trained (mask row included); EAGLE-3's is the target's.
-    own = tensors.get(SPECULATORS_EMBED)
-    tensors[SPECULATORS_EMBED] = (own if own is not None else embedding_table(target.model)).detach()
-    tensors[SPECULATORS_EMBED] = tensors[SPECULATORS_EMBED].to(target.dtype)
-    if parallel and "mask_embedding" in tensors:  # a checkpoint from before the table trained: its mask row
-        tensors[SPECULATORS_EMBED] = tensors[SPECULATORS_EMBED].clone()
-        tensors[SPECULATORS_EMBED][config["mask_token_id"]] = tensors.pop("mask_embedding").to(target.dtype)
-    fields = {
-        "architectures": [architecture],
-        "speculators_model_type": source.kind,
-        **({"mask_token_id": config["mask_token_id"]} if parallel else {}),
-        "norm_before_residual": bool(config.get("norm_before_residual", False)),
-        "eagle_aux_hidden_state_layer_ids": list(config["aux_layers"]),
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-        "embed_requires_grad": False,
-    }
-    write_folder(source, target, out, tree, config, layer, fields, tensors)
-    return [vllm_command(target, out, "eagle3", tree["depth"], {"parallel_drafting": True} if parallel else {})]
-
-
 def write_folder(
     source: Source, target: Target, out: Path, tree: dict, config: dict, layer: dict, fields: dict, tensors: dict
 ) -> None:
@@ -163,3 +107,20 @@ def vllm_command(target: Target, out: Path, method: str, depth: int, extra: dict
     """The ``vllm serve`` line that serves the folder ``out`` as ``method`` drafting ``depth`` tokens."""
     spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": depth, **extra})
     return f"vllm serve {target.folder} --speculative-config '{spec}'"
+
+
+def read(folder: Path, config: dict, own_embedding: bool = False) -> dict[str, torch.Tensor]:
+    """The weights of the speculators folder ``folder`` (its ``config``) under draftsmith's names:
+    the identity vocabulary maps where a full draft vocabulary wrote none, and the embedding table
+    only where it is the drafter's own (``own_embedding``, its kind's part: P-EAGLE's is trained;
+    EAGLE-3's is the target's, used by reference)."""
+    if "speculators_model_type" not in config:
+        raise CheckpointError(f"{folder}: config.json says it is a {NAME} export but has no speculators_model_type")
+    tensors = load_tensors(folder / "model.safetensors")
+    if not own_embedding:
+        tensors.pop(EMBEDDING, None)
+    if VOCAB_MAPS[0] not in tensors:
+        vocab = config["transformer_layer_config"]["vocab_size"]
+        tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)
+        tensors["t2d"] = torch.ones(vocab, dtype=torch.bool)
+    return tensors

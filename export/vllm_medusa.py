@@ -17,22 +17,28 @@ scales at run time, and 1.0 for per-head ones, which hold it in their weights.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import torch
+
+from draftsmith.checkpoint_files import load_tensors
+from draftsmith.errors import CheckpointError
 from draftsmith.export.common import (
-    MEDUSA_BLOCK,
     Source,
     Target,
     export_block,
     refuse,
+    rename_blocks,
     write_config,
     write_weights,
 )
-from draftsmith.heads.exported import rename_blocks
 from draftsmith.target import logit_scale
 
 NAME = "vllm-medusa"
 VERSION = "0.32.0"
+BLOCK = re.compile(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)")  # vLLM's residual blocks
+BLOCK_NAME = "blocks.{0}.layers.{1}.{2}"
 
 
 def why_not(kind: str) -> str:
@@ -60,8 +66,9 @@ def unservable(lm_head: str, reduced_vocab: bool) -> str | None:
     return None
 
 
-def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
-    """Write the vLLM Medusa folder; returns the vLLM command that serves it."""
+def export(source: Source, target: Target, out: Path, tree: dict, blocks: re.Pattern) -> list[str]:
+    """Write the vLLM Medusa folder; returns the vLLM command that serves it (``blocks``: the
+    kind's names of its residual blocks' weights)."""
     config, state = source.config, source.state
     shared = config["lm_head"] == "shared"
     draft_vocab = state["draft_vocab"]
@@ -69,7 +76,7 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
     why = unservable(config["lm_head"], reduced)
     if why:
         raise refuse(NAME, source.kind, why)
-    tensors = rename_blocks(state, MEDUSA_BLOCK, "blocks.{0}.layers.{1}.{2}")
+    tensors = rename_blocks(state, blocks, BLOCK_NAME)
     if shared:
         tensors["lm_head.weight"] = target.model.get_output_embeddings().weight.detach().to(source.dtype)
     else:
@@ -98,3 +105,17 @@ def export(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
         f'{{"method": "medusa", "model": "{out}", "num_speculative_tokens": {min(tree["depth"], config["num_heads"])}}}'
     )
     return [f"vllm serve {target.folder} --speculative-config '{spec}'  # vLLM <= {VERSION}"]
+
+
+def read(folder: Path, config: dict, block_name: str) -> dict[str, torch.Tensor]:
+    """The weights of the vLLM Medusa folder ``folder`` (its ``config``) under the kind's names
+    (``block_name``: its residual blocks' template), with the per-head LM heads stacked and the
+    draft vocabulary (all tokens without a ``token_map``)."""
+    if config.get("model_type") != "medusa":
+        raise CheckpointError(f"{folder}: config.json says it is a {NAME} export but its model_type is not medusa")
+    tensors = load_tensors(folder / "model.safetensors")
+    state = rename_blocks(tensors, BLOCK, block_name)
+    if not config["original_lm_head"]:
+        state["lm_weight"] = torch.stack([tensors[f"lm_heads.{k}.weight"] for k in range(config["num_heads"])])
+    state["draft_vocab"] = tensors.get("token_map", torch.arange(config["vocab_size"]))
+    return state

@@ -12,6 +12,8 @@ scoring to the N most frequent tokens (see :mod:`draftsmith.heads.vocab`).
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -23,6 +25,9 @@ KIND = "medusa"
 LM_HEAD_MODES = ("shared", "copy")
 DEFAULT_TREE_SIZE = 63  # nodes in the Medusa paper's default sparse tree
 TOP_K_RECORDED = 10  # ranks whose accuracy is measured per head
+# The residual blocks' weights, blocks.<head>.<block>.linear.<weight|bias>: what the export formats rename.
+BLOCK = re.compile(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)")
+BLOCK_NAME = "blocks.{0}.{1}.linear.{2}"
 
 
 def rank_accuracy(top_k_accuracy: list[list[float]]) -> list[list[float]]:

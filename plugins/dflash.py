@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from draftsmith.checkpoint_files import load_torch
 from draftsmith.config import COUNT, Range
 from draftsmith.eval.engine.drafters import dflash
 from draftsmith.export import speculators
@@ -29,9 +30,12 @@ from draftsmith.export.common import (
     refuse,
 )
 from draftsmith.heads.dflash import draft_config, weak_mask_row
-from draftsmith.heads.exported import DFLASH_MASK_EMBEDDING
 from draftsmith.kinds import DrafterKind, Features, Option, Served, Training
 from draftsmith.train import dflash as training
+
+# A learned mask row: vLLM 0.32 reads this file beside a dflash export
+# (qwen3_dflash.py, DFlashQwen3ForCausalLM._read_mask_embedding: {"embedding", "mask_token_id"}).
+MASK_EMBEDDING = "mask_embedding.pt"
 
 
 def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
@@ -85,9 +89,20 @@ def write_block_drafter(
     if mask_row is not None:
         torch.save(
             {"embedding": mask_row.detach().to(target.dtype).cpu(), "mask_token_id": config["mask_token_id"]},
-            out / DFLASH_MASK_EMBEDDING,
+            out / MASK_EMBEDDING,
         )
     return [speculators.vllm_command(target, out, method, tree["depth"], {})]
+
+
+def read_speculators(folder: Path, config: dict) -> dict[str, torch.Tensor]:
+    """A DFlash-family speculators folder's weights under draftsmith's names, a learned mask row
+    (:data:`MASK_EMBEDDING`) included."""
+    tensors = speculators.read(folder, config)
+    mask = folder / MASK_EMBEDDING
+    if mask.is_file():
+        row = load_torch(mask)  # vLLM takes a bare tensor too
+        tensors["mask_embedding"] = (row["embedding"] if isinstance(row, dict) else row).reshape(-1)
+    return tensors
 
 
 # How much of a drafted chain the target verifies, for DFlash-family drafters with a confidence head.
@@ -128,6 +143,7 @@ KIND = DrafterKind(
     features=Features("aux", rows=True),
     title="DFlash drafter",
     formats={speculators.NAME: to_speculators},
+    readers={speculators.NAME: read_speculators},
     serve=serve,
     chain=lambda depth: {"depth": depth},  # a chain already
 )

@@ -22,7 +22,7 @@ from draftsmith.eval.engine.drafters import dspark
 from draftsmith.export import speculators
 from draftsmith.export.common import Source, Target, refuse
 from draftsmith.kinds import DrafterKind, Features, Option, Served, Training
-from draftsmith.plugins.dflash import CUT_OPTIONS, write_block_drafter
+from draftsmith.plugins.dflash import CUT_OPTIONS, read_speculators, write_block_drafter
 from draftsmith.train import dspark as training
 
 
@@ -84,6 +84,7 @@ KIND = DrafterKind(
     features=Features("aux", rows=True),
     title="DSpark drafter",
     formats={speculators.NAME: to_speculators},
+    readers={speculators.NAME: read_speculators},
     serve=serve,
     chain=lambda depth: {"depth": depth, "cut": "fixed"},  # vLLM drafts the whole chain without adaptive verification
     builds_on=("dflash",),  # DFlash's block drafter with a Markov head

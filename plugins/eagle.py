@@ -47,6 +47,7 @@ KIND = DrafterKind(
     features=Features("last", rows=True),
     title="EAGLE-1 head",
     formats={sglang.NAME: partial(sglang.export, algorithm=sglang.SGLANG_EAGLE)},
+    readers={sglang.NAME: sglang.read},
     refused={
         speculators.NAME: f"speculators {speculators.VERSION} has no EAGLE-1 model (its EAGLE family starts at EAGLE-3)"
     },

@@ -1,5 +1,17 @@
 """EAGLE-3 heads: trained by ``train/eagle3.py`` (training-time test), drafting EAGLE-2 dynamic
-trees over the target's fused layers, exported to ``speculators`` (vLLM serves it as ``eagle3``) and SGLang."""
+trees over the target's fused layers, exported to ``speculators`` (vLLM serves it as ``eagle3``) and SGLang.
+
+Its part of the speculators format (``Eagle3SpeculatorConfig``, speculators 0.9.0
+``models/eagle3/{config,core}.py``; the frame is :mod:`draftsmith.export.speculators`):
+``transformer_layer_config`` is the draft layers' config (``num_hidden_layers`` the head's layer
+count, ``llama`` or ``qwen3`` only: speculators' ``model_classes``; layer 0 over ``[embedding ;
+hidden]``, layers 1.. the verifier's plain decoder layers), ``num_aux_hidden_states`` (vLLM sizes
+``fc`` from it, default 3), ``norm_before_residual`` (written always: vLLM defaults it to True when
+absent), ``eagle_aux_hidden_state_layer_ids`` (HF ``hidden_states[L]``, the input of decoder layer
+L, as draftsmith's ``aux_layers``); the head's weights under its own (speculators') names plus
+``embed_tokens.weight``, the target's table (as the target's embedding module computes it, e.g.
+Gemma's scaled by ``embed_scale``). P-EAGLE's (``parallel``) adds ``mask_token_id`` and ships its
+own trained table."""
 
 from __future__ import annotations
 
@@ -9,12 +21,70 @@ from pathlib import Path
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters.eagle import build_planned, tree_options
 from draftsmith.export import sglang, speculators
+from draftsmith.export.common import FUSED_COLUMNS, Source, Target, ascending_aux_layers, refuse
+from draftsmith.heads.base import embedding_table
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.kinds import DrafterKind, Features, Served, Training
 from draftsmith.plugins.eagle import chain
 from draftsmith.train import eagle3
 
 PLAN_FALLBACK = {"depth": 6, "top_k": 3, "budget": 12}  # unplanned (no held-out accuracy recorded)
+LAYER_TYPES = ("llama", "qwen3")  # speculators 0.9.0 models/eagle3/model_definitions.model_classes
+
+
+def to_speculators(
+    source: Source,
+    target: Target,
+    out: Path,
+    tree: dict,
+    architecture: str = "Eagle3Speculator",
+    parallel: bool = False,
+    columns: tuple[str, ...] = FUSED_COLUMNS,
+) -> list[str]:
+    """Write the speculators folder of an EAGLE-3-family head; returns the vLLM command that serves it.
+
+    ``parallel``: the head drafts its chain in one pass over a learned mask token
+    (``mask_token_id`` in the config, ``parallel_drafting`` in the serve command); ``columns``: its
+    weights in the space of the concatenated aux layers."""
+    speculators.check_aux_layers(source)
+    config, tensors = ascending_aux_layers(source, columns)
+    layer = target.engine_layer_config(config["target_config"])
+    if layer.get("model_type") not in LAYER_TYPES:
+        raise refuse(
+            speculators.NAME,
+            source.kind,
+            f"its layer is a {layer.get('model_type')!r} layer and speculators {speculators.VERSION} "
+            f"builds EAGLE-3 layers of {' and '.join(LAYER_TYPES)} only",
+        )
+    layer["num_hidden_layers"] = config["num_layers"]
+    layer["tie_word_embeddings"] = False  # the head's LM head is its own, never the embedding
+    # vLLM builds its EAGLE-3 layer config from this dict and sizes fc from num_aux_hidden_states
+    # (else from an eagle_config, else 3): without it any other number of aux layers fails to load.
+    layer["num_aux_hidden_states"] = len(config["aux_layers"])
+    if config["draft_vocab_size"] == layer["vocab_size"]:
+        for name in speculators.VOCAB_MAPS:
+            tensors.pop(name)
+    # P-EAGLE's table is the head's own, trained (mask row included); EAGLE-3's is the target's.
+    table = speculators.EMBEDDING
+    own = tensors.get(table)
+    tensors[table] = (own if own is not None else embedding_table(target.model)).detach().to(target.dtype)
+    if parallel and "mask_embedding" in tensors:  # a checkpoint from before the table trained: its mask row
+        tensors[table] = tensors[table].clone()
+        tensors[table][config["mask_token_id"]] = tensors.pop("mask_embedding").to(target.dtype)
+    fields = {
+        "architectures": [architecture],
+        "speculators_model_type": source.kind,
+        **({"mask_token_id": config["mask_token_id"]} if parallel else {}),
+        "norm_before_residual": bool(config.get("norm_before_residual", False)),
+        "eagle_aux_hidden_state_layer_ids": list(config["aux_layers"]),
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+    }
+    speculators.write_folder(source, target, out, tree, config, layer, fields, tensors)
+    extra = {"parallel_drafting": True} if parallel else {}
+    return [speculators.vllm_command(target, out, "eagle3", tree["depth"], extra)]
 
 
 def serve(fmt: str, folder: Path, depth: int) -> Served | None:
@@ -39,9 +109,10 @@ KIND = DrafterKind(
     features=Features("aux", rows=True),
     title="EAGLE-3 head",
     formats={
-        speculators.NAME: speculators.export_eagle3,
+        speculators.NAME: to_speculators,
         sglang.NAME: partial(sglang.export, algorithm=sglang.SGLANG_EAGLE3),
     },
+    readers={speculators.NAME: speculators.read, sglang.NAME: sglang.read},
     serve=serve,
     chain=chain,
     builds_on=("eagle",),  # its drafter and chain are EAGLE-1's (eval/engine/drafters/eagle.py), over fused layers

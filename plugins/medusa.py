@@ -4,6 +4,7 @@ target), drafting static trees, exported to vLLM's Medusa layout (vLLM 0.32) and
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 from draftsmith.config import COUNT
@@ -11,6 +12,7 @@ from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters import medusa
 from draftsmith.export import medusa as official
 from draftsmith.export import vllm_medusa
+from draftsmith.heads.medusa import BLOCK, BLOCK_NAME
 from draftsmith.kinds import DrafterKind, Features, Option, Served, Training
 from draftsmith.train import medusa as training
 
@@ -54,7 +56,14 @@ KIND = DrafterKind(
     training=Training("medusa", training.MedusaRecipe, training.main, training.build),
     features=Features("last", rows=True),
     title="Medusa heads",
-    formats={vllm_medusa.NAME: vllm_medusa.export, official.NAME: official.export},
+    formats={
+        vllm_medusa.NAME: partial(vllm_medusa.export, blocks=BLOCK),
+        official.NAME: partial(official.export, blocks=BLOCK),
+    },
+    readers={
+        vllm_medusa.NAME: partial(vllm_medusa.read, block_name=BLOCK_NAME),
+        official.NAME: partial(official.read, block_name=BLOCK_NAME),
+    },
     copied=("tree.yaml", ADAPTER),  # the calibrated tree and a Medusa-2 LoRA adapter travel along
     serve=serve,
     chain=chain,

@@ -17,7 +17,9 @@ from pathlib import Path
 from draftsmith.config import COUNT
 from draftsmith.eval.engine.drafters import peagle
 from draftsmith.export import speculators
+from draftsmith.export.common import FUSED_COLUMNS
 from draftsmith.kinds import DrafterKind, Features, Option, Served, Training
+from draftsmith.plugins.eagle3 import to_speculators as eagle3_to_speculators
 from draftsmith.train import peagle as training
 
 
@@ -41,7 +43,15 @@ KIND = DrafterKind(
     training=Training("peagle", training.PEagleRecipe, training.main, training.build, training.PEagleTask),
     features=Features("aux", rows=True),
     title="P-EAGLE head (parallel drafting)",
-    formats={speculators.NAME: partial(speculators.export_eagle3, architecture="PEagleSpeculator", parallel=True)},
+    formats={
+        speculators.NAME: partial(
+            eagle3_to_speculators,
+            architecture="PEagleSpeculator",
+            parallel=True,
+            columns=(*FUSED_COLUMNS, "mask_hidden"),  # the mask feature lives in fc's input space
+        )
+    },
+    readers={speculators.NAME: partial(speculators.read, own_embedding=True)},
     serve=serve,
     chain=lambda depth: {"depth": depth},  # a chain already
     builds_on=("eagle3",),  # an EAGLE-3 head drafting its chain in one pass

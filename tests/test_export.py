@@ -748,7 +748,11 @@ def test_heads_a_format_cannot_hold_are_one_line_errors(target, target_dir, tmp_
     _medusa(target, target_dir, tmp_path / "mc", lm_head="copy", draft_vocab=_draft_vocab(target))
     _medusa(target, target_dir, tmp_path / "ms", draft_vocab=_draft_vocab(target))
     cases = [
-        ("m", "speculators", r"cannot hold medusa drafters: speculators 0\.9\.0 has models for eagle3"),
+        (
+            "m",
+            "speculators",
+            r"cannot hold medusa drafters: speculators 0\.9\.0 has models for dflash, dspark, eagle3, peagle only",
+        ),
         ("e1", "speculators", r"cannot hold eagle drafters: speculators 0\.9\.0 has no EAGLE-1 model.*--format sglang"),
         ("e1", "vllm-medusa", r"cannot hold eagle drafters"),
         ("m", "hf", r"cannot hold medusa drafters: it is not a standalone language model"),

@@ -15,7 +15,10 @@ import typing
 from pathlib import Path
 
 import grimp
+import pytest
 
+from draftsmith.errors import CheckpointError
+from draftsmith.heads.exported import EXPORT_KEY, native_state
 from draftsmith.kind_contract import KindsContract, broken
 from draftsmith.kinds import ENTRY_POINTS, DrafterKind, Features, Training, registered
 from draftsmith.recipe import Recipe
@@ -174,3 +177,18 @@ def test_every_trainable_kind_declares_the_features_its_recipe_takes():
     assert disagreements(wrong) == ["medusa: drafter.aux_layers"]
     none = DrafterKind("none", "", print, training=Training("none", Recipe, print, print), features=Features())
     assert disagreements(none) == []
+
+
+def test_an_export_reads_back_through_the_reader_its_kind_declares(tmp_path):
+    """The engine loads an export with the reader its kind declares for its format: one a kind
+    declares none for, and one whose fields are not its recorded format's, are one-line errors."""
+    assert set(registered()["eagle3"].readers) == {"speculators", "sglang"}
+    assert set(registered()["medusa"].readers) == {"vllm-medusa", "medusa"}
+    record = {"format": "hf", "kind": "draft_lm", "source": "runs/x/checkpoint-final"}
+    (tmp_path / "config.json").write_text(json.dumps({EXPORT_KEY: record}))
+    with pytest.raises(CheckpointError, match="a 'hf' export of a draft_lm drafter, which the engine does not load"):
+        native_state(tmp_path)
+    record = {"format": "speculators", "kind": "eagle3", "source": "runs/x/checkpoint-final"}
+    (tmp_path / "config.json").write_text(json.dumps({EXPORT_KEY: record, "architectures": ["LlamaForCausalLMEagle3"]}))
+    with pytest.raises(CheckpointError, match="says it is a speculators export but has no speculators_model_type"):
+        native_state(tmp_path)
