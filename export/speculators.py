@@ -1,25 +1,15 @@
-"""EAGLE-3-family heads in the format of vLLM's ``speculators`` library (0.9.0), which vLLM loads directly.
+"""Drafters in the format of vLLM's ``speculators`` library (0.9.0), which vLLM loads directly.
 
-Every field and weight name below is read by ``speculators`` 0.9.0 (``config.py``,
-``models/eagle3/{config,core}.py``, ``model.py``) or by vLLM 0.33.0's bridge
-(``transformers_utils/configs/speculators/{base,algos}.py``, ``models/llama_eagle3.py``):
-
-- ``Eagle3SpeculatorConfig``: ``transformer_layer_config`` (the draft layers' config,
-  ``num_hidden_layers`` the head's layer count, ``llama`` or ``qwen3`` only: speculators'
-  ``model_classes``; both libraries build layer 0 over ``[embedding ; hidden]`` and layers 1.. as
-  the verifier's plain decoder layers, the head's own layout), ``draft_vocab_size``,
-  ``norm_before_residual`` (written always: vLLM defaults it to True when absent),
-  ``transformer_layer_config.num_aux_hidden_states`` (vLLM sizes ``fc`` from it, default 3),
-  ``eagle_aux_hidden_state_layer_ids`` (HF ``hidden_states[L]``, the input of decoder layer L, as
-  draftsmith's ``aux_layers``), ``speculators_config.verifier.name_or_path`` (the target's hub id:
-  ``vllm serve EXPORT`` loads the verifier from it and refuses a local path, and a path breaks on
-  another machine; the local folder stays in draftsmith's own record).
-- Weights are draftsmith's names unchanged (the head was written with speculators' names:
-  ``layers.N.*`` for every layer) plus
-  ``embed_tokens.weight`` from the target (speculators' own checkpoints carry it; as the target's
-  embedding module computes it, e.g. Gemma's scaled by ``embed_scale``). ``d2t`` (int64,
-  target id = draft id + d2t[draft id]) and ``t2d`` (bool over the target vocabulary) are written
-  only for a reduced draft vocabulary: with a full one neither library registers them.
+Every field and weight name below is read by ``speculators`` 0.9.0 (``config.py``, ``model.py``)
+or by vLLM 0.33.0's bridge (``transformers_utils/configs/speculators/{base,algos}.py``): what every
+speculators drafter config holds beside its model's own fields: ``speculators_version``,
+``transformer_layer_config`` (the draft layers' config), ``draft_vocab_size``,
+``speculators_config`` (the greedy proposal method and the verifier: ``verifier.name_or_path`` is
+the target's hub id, since ``vllm serve EXPORT`` loads the verifier from it and refuses a local
+path, and a path breaks on another machine; the local folder stays in draftsmith's own record).
+Weights keep draftsmith's names (the heads are written with speculators' names); ``d2t`` (int64,
+target id = draft id + d2t[draft id]) and ``t2d`` (bool over the target vocabulary) are written
+only for a reduced draft vocabulary: with a full one neither library registers them.
 
 This module is the format's one home: what every speculators folder holds (:func:`write_folder`,
 the proposal and verifier block, the serve command) and reading one back (:func:`read`). Each kind's
