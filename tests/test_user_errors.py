@@ -69,8 +69,8 @@ def test_counts_below_one_are_refused(capsys, flag, value):
     [
         (
             "foo",
-            r"unknown drafter kind 'foo'; choose from prompt_lookup, suffix, oracle, draft_lm, eagle, eagle3, "
-            r"peagle, dflash, dspark, domino, hierarchical, hybrid, medusa",
+            r"unknown drafter kind 'foo'; choose from dflash, domino, draft_lm, dspark, eagle, eagle3, "
+            r"hierarchical, hybrid, medusa, oracle, peagle, prompt_lookup, suffix",
         ),
         ("eagle", r"the eagle drafter needs a checkpoint: eagle:PATH"),
         ("eagle:/nonexistent/run?depth=3", r"/nonexistent/run is not a drafter checkpoint"),
@@ -455,7 +455,8 @@ def test_draftsmith_train_needs_a_recipe_of_a_trainable_kind(capsys, tmp_path):
     recipe.write_text("drafter:\n  kind: prompt_lookup\n")
     assert_user_error(
         capsys,
-        rf"{recipe}: drafter.kind 'prompt_lookup': choose from distill, eagle, eagle3, peagle, dflash, dspark, medusa",
+        rf"{recipe}: drafter.kind 'prompt_lookup': choose from dflash, domino, distill, dspark, eagle, eagle3, "
+        r"medusa, peagle",
         train_dispatch,
         [str(recipe)],
     )
