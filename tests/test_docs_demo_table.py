@@ -61,3 +61,24 @@ def test_fp16_is_labelled_as_drift_too_and_sampled_runs_get_no_column():
     ]
     rows, rest = _lines(markdown_table(summarise(sampled, {"dtype": "bfloat16"})))
     assert "same" not in rows[0] and rest == []
+
+
+def test_the_demos_longer_training_lines_quote_benchmarks_first_table():
+    """The figures the demo prints for longer training are rows of BENCHMARKS.md's first table, so
+    that a re-measured table cannot leave the demo quoting old numbers (negative control: a figure
+    that is not there is found missing)."""
+    import re
+    from pathlib import Path
+
+    from draftsmith.eval.demo import LONGER
+
+    benchmarks = (Path(__file__).resolve().parents[1] / "BENCHMARKS.md").read_text()
+    first_table = benchmarks.split("## Current best figure per drafter kind and policy")[1].split("\n## ")[0]
+    rows = [re.sub(r"\*\*", "", line) for line in first_table.splitlines() if line.startswith("|")]
+
+    def quoted(accept: str, speedup: str) -> bool:
+        return any(f"| {accept} | {speedup}x |" in row for row in rows)
+
+    pairs = re.findall(r"(\d+\.\d+), (\d+\.\d+)x", LONGER)
+    assert len(pairs) == 4 and all(quoted(*pair) for pair in pairs)
+    assert not quoted("2.87", "1.81")
