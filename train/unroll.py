@@ -289,7 +289,8 @@ def _long_pass(head, passes, input_ids, position_ids, segments, inputs):
             attention_mask=segments[:, None, None, :],
             **inputs,
         ).last_hidden_state
-    return out, [(layer.keys[:, :, -n:], layer.values[:, :, -n:]) for layer in cache.layers]
+    # Copies: a view would keep the whole concatenated cache of this pass alive until the backward pass.
+    return out, [(layer.keys[:, :, -n:].clone(), layer.values[:, :, -n:].clone()) for layer in cache.layers]
 
 
 @dataclass
@@ -476,10 +477,7 @@ def unrolled_loss(
             total = total + pred.sum() * 0.0
             continue
         kept = keep.index_select(0, rows)
-        probs_t = target_probs.index_select(0, rows)
-        ce, lse, top3, dot = draft_scores(
-            head, pred_t, coeff.index_select(0, rows), probs_t, cfg.objective, cfg.ce_weight * kept
-        )
+        ce, lse, top3, dot = draft_scores(head, pred_t, rows, coeff, target_probs, cfg.objective, cfg.ce_weight * kept)
         counted = kept  # each row's share of the mean's denominator
         if row_weight is not None:
             weight_t = row_weight.index_select(0, rows)
@@ -523,6 +521,7 @@ def unrolled_loss(
 def draft_scores(
     head,
     pred: torch.Tensor,
+    rows: torch.Tensor,
     coeff: torch.Tensor,
     probs: torch.Tensor,
     objective: dict[str, float],
@@ -531,25 +530,27 @@ def draft_scores(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, lse, top3, dot)`` per scored row of the head's outputs ``pred`` ``[rows, h]``: the
     token loss of its draft logits ``z`` (:func:`~draftsmith.train.objectives.token_loss` with the
-    weights ``coeff``, the target's ``probs`` and the per-row ``weight``), their log-sum-exp, the
-    3 most likely draft ids and ``p.z``. Past ``chunk`` logits (rows x vocabulary) the rows are taken
-    a chunk at a time under activation checkpointing: only ``pred`` is kept for the backward pass,
-    never the ``[rows, vocab]`` logits of a whole long row."""
-    rows = max(1, chunk // coeff.shape[-1])
-    if pred.shape[0] <= rows:
-        return _scores(head, pred, coeff, probs, objective, weight)
+    weights ``coeff``, the target's ``probs`` (tables ``[needed, V]`` read at ``rows``) and the
+    per-row ``weight``), their log-sum-exp, the 3 most likely draft ids and ``p.z``. Past ``chunk``
+    logits (rows x vocabulary) the rows are taken a chunk at a time under activation checkpointing:
+    only ``pred`` and ``rows`` are kept for the backward pass, never a whole long row's
+    ``[rows, vocab]`` logits or its rows of the tables."""
+    size = max(1, chunk // coeff.shape[-1])
+    if pred.shape[0] <= size:
+        return _scores(head, pred, rows, coeff, probs, objective, weight)
     grad = torch.is_grad_enabled() and pred.requires_grad
     parts = []
-    for start in range(0, pred.shape[0], rows):
-        part = slice(start, start + rows)
-        args = (head, pred[part], coeff[part], probs[part], objective, weight[part])
+    for start in range(0, pred.shape[0], size):
+        part = slice(start, start + size)
+        args = (head, pred[part], rows[part], coeff, probs, objective, weight[part])
         parts.append(checkpoint(_scores, *args, use_reentrant=False) if grad else _scores(*args))
     return tuple(torch.cat(values) for values in zip(*parts))
 
 
-def _scores(head, pred, coeff, probs, objective, weight):
+def _scores(head, pred, rows, coeff, probs, objective, weight):
     logits = head.draft_logits(pred)
-    loss, lse = token_loss(logits, coeff, probs, objective, weight)
+    probs = probs.index_select(0, rows)
+    loss, lse = token_loss(logits, coeff.index_select(0, rows), probs, objective, weight)
     with torch.no_grad():
         top3 = logits.topk(min(3, logits.shape[-1]), dim=-1).indices
         dot = torch.bmm(probs.unsqueeze(1), logits.float().unsqueeze(2)).view(-1)
