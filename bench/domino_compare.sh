@@ -1,0 +1,40 @@
+#!/bin/bash
+# DFlash vs Domino at an equal number of training steps (issue 57 item 3): the same data and stored
+# features (the target's fused layers, extracted once and read by both), the same backbone (2
+# Qwen3 layers, blocks of 8), STEPS optimiser steps each, then MT-bench (first questions of each
+# category) in draftsmith's engine: acceptance length per position and speedup against plain
+# decoding and prompt lookup in the same run, and Domino's acceptance length against DFlash's with
+# a paired bootstrap interval over the prompt turns.
+#
+#   STEPS=40 OUT=runs/domino bash bench/domino_compare.sh
+#
+# Knobs: STEPS (optimiser steps per kind), LIMIT (ShareGPT conversations), REGENERATE (true: the
+# target rewrites the replies first, as the recipes do; false: ShareGPT's own replies),
+# PER_CATEGORY and TOKENS (MT-bench prompts per category and new tokens), DTYPE (the runs' dtype:
+# auto measures this CPU). Each recipe keeps its own vocabulary: DFlash's 8192 most frequent reply
+# tokens, Domino the full one (it scores with the target's LM head). One job at a time: on a
+# 2-core machine parallel jobs skew each other.
+set -euo pipefail
+STEPS=${STEPS:-40}
+OUT=${OUT:-runs/domino}
+LIMIT=${LIMIT:-400}
+REGENERATE=${REGENERATE:-false}
+PER_CATEGORY=${PER_CATEGORY:-1}
+TOKENS=${TOKENS:-64}
+DTYPE=${DTYPE:-auto}
+COMMON="--target.dtype $DTYPE --data.limit $LIMIT --data.max_length 512 --data.held_out_fraction 0.05
+        --data.regenerate.enabled $REGENERATE --drafter.features offline --tracking.report_to none"
+mkdir -p "$OUT"
+for kind in dflash domino; do
+  if [ ! -f "$OUT/$kind/checkpoint-final/config.json" ]; then
+    # max_minutes well past the steps' time: the step count, not the clock, ends both runs.
+    python "train/$kind.py" "recipes/smollm2-$kind.yaml" $COMMON --training.max_steps "$STEPS" \
+      --training.max_minutes 600 --training.eval_every 0 --training.output_dir "$OUT/$kind" > "$OUT/train_$kind.log" 2>&1
+  fi
+done
+python eval/run.py --dtype "$DTYPE" --bench mt_bench --per-category "$PER_CATEGORY" --max-new-tokens "$TOKENS" \
+  --drafter "dflash:$OUT/dflash/checkpoint-final?name=dflash" \
+  --drafter "domino:$OUT/domino/checkpoint-final?name=domino" \
+  --drafter prompt_lookup --out "$OUT/mt_bench" > "$OUT/mt_bench.log" 2>&1
+python bench/paired_tau.py "$OUT/mt_bench/results.json" --base dflash --other domino --header > "$OUT/mt_bench-paired.md"
+echo "done: $OUT (mt_bench.log, mt_bench-paired.md, train_*.log)"
