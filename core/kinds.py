@@ -102,8 +102,9 @@ class DrafterKind:
     config.json names no ``draftsmith_kind`` is this kind's when it holds this file, its target
     record: a plain Hugging Face model folder); ``serve(fmt, folder, depth)`` (how vLLM serves an
     export of that format, None when it cannot, or a :class:`~draftsmith.errors.UsageError` saying
-    why); ``chain(depth)`` (the spec options that make the engine draft the chain vLLM drafts, for
-    the gate).
+    why); ``calibrate(argv)`` (its tree calibrated to the device: ``eval/calibrate_tree.py
+    CHECKPOINT`` for its checkpoints, with its own options); ``chain(depth)`` (the spec options that
+    make the engine draft the chain vLLM drafts, for the gate).
 
     Its modules: ``builds_on`` (the kinds whose own modules this kind's import: DSpark's drafter is
     DFlash's with a Markov head; followed through, so P-EAGLE's reach EAGLE-1's) and ``modules``
@@ -131,6 +132,7 @@ class DrafterKind:
     target_file: str = ""
     serve: Callable[[str, Any, int], Served | None] | None = None
     chain: Callable[[int], dict] | None = None
+    calibrate: Callable[[list[str]], Any] | None = None
     builds_on: tuple[str, ...] = ()
     modules: tuple[str, ...] = ()
 

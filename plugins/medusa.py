@@ -67,5 +67,5 @@ KIND = DrafterKind(
     copied=("tree.yaml", ADAPTER),  # the calibrated tree and a Medusa-2 LoRA adapter travel along
     serve=serve,
     chain=chain,
-    modules=("draftsmith.eval.calibrate_tree",),  # its trees calibrated to the device
+    calibrate=medusa.calibrate_tree,
 )

@@ -192,3 +192,18 @@ def test_an_export_reads_back_through_the_reader_its_kind_declares(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({EXPORT_KEY: record, "architectures": ["LlamaForCausalLMEagle3"]}))
     with pytest.raises(CheckpointError, match="says it is a speculators export but has no speculators_model_type"):
         native_state(tmp_path)
+
+
+def test_calibrate_tree_hands_a_checkpoint_to_its_kind_and_refuses_kinds_without_a_calibration(tmp_path, capsys):
+    """eval/calibrate_tree.py names no kind: a kind that declares a calibration (Medusa) gets the
+    command line; another kind's checkpoint is a one-line refusal naming the kinds that calibrate."""
+    from draftsmith.eval.calibrate_tree import main
+
+    assert [name for name, kind in registered().items() if kind.calibrate is not None] == ["medusa"]
+    (tmp_path / "config.json").write_text(json.dumps({"draftsmith_kind": "eagle3"}))
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path), "--dtype", "float32"])
+    assert exit_.value.code == 2
+    assert "eagle3 drafters have no tree to calibrate here (kinds that do: medusa)" in capsys.readouterr().err
+    main(["--help"])
+    assert "--max-budget" in capsys.readouterr().out  # Medusa's options, from its own parser
