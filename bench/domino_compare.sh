@@ -3,8 +3,9 @@
 # features (the target's fused layers, extracted once and read by both), the same backbone (2
 # Qwen3 layers, blocks of 8), STEPS optimiser steps each, then MT-bench (first questions of each
 # category) in draftsmith's engine: acceptance length per position and speedup against plain
-# decoding and prompt lookup in the same run, and Domino's acceptance length against DFlash's with
-# a paired bootstrap interval over the prompt turns.
+# decoding in the same run, and Domino's acceptance length against DFlash's with
+# a paired bootstrap interval over the prompt turns; Domino's backbone alone (correction=0) is the
+# correction head's ablation.
 #
 #   STEPS=40 OUT=runs/domino bash bench/domino_compare.sh
 #
@@ -35,6 +36,12 @@ done
 python eval/run.py --dtype "$DTYPE" --bench mt_bench --per-category "$PER_CATEGORY" --max-new-tokens "$TOKENS" \
   --drafter "dflash:$OUT/dflash/checkpoint-final?name=dflash" \
   --drafter "domino:$OUT/domino/checkpoint-final?name=domino" \
-  --drafter prompt_lookup --out "$OUT/mt_bench" > "$OUT/mt_bench.log" 2>&1
-python bench/paired_tau.py "$OUT/mt_bench/results.json" --base dflash --other domino --header > "$OUT/mt_bench-paired.md"
+  --drafter "domino:$OUT/domino/checkpoint-final?correction=0&name=domino-backbone" \
+  --out "$OUT/mt_bench" > "$OUT/mt_bench.log" 2>&1
+first=--header
+for pair in "dflash domino" "domino-backbone domino"; do
+  read -r base other <<< "$pair"
+  python bench/paired_tau.py "$OUT/mt_bench/results.json" --base "$base" --other "$other" $first
+  first=
+done > "$OUT/mt_bench-paired.md"
 echo "done: $OUT (mt_bench.log, mt_bench-paired.md, train_*.log)"

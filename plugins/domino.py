@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from draftsmith.config import COUNT
+from draftsmith.config import COUNT, Range
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.drafters import domino
 from draftsmith.export import sglang
@@ -141,6 +141,11 @@ KIND = DrafterKind(
             "tokens K drafted per step, in one pass over the block (default and most: the block's, "
             "block_size with shift_label, else block_size - 1)",
             COUNT,
+        ),
+        "correction": Option(
+            1,
+            "0: draft with the backbone's logits alone (the correction head's ablation; still lossless)",
+            Range(0, 1, integer=True),
         ),
     },
     has_distribution=True,

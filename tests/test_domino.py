@@ -98,6 +98,9 @@ def test_the_drafted_chain_is_the_argmax_of_the_teacher_forced_block(make_tiny_l
         assert logits.argmax(-1).tolist() == chain
         base = head.lm_head(head.norm(hidden[1 - head.shift :])).argmax(-1).tolist()
         assert base[0] == chain[0] and base != chain
+        ablated = DominoDrafter(head, correction=0)  # correction=0: the backbone's chain
+        ablated.begin(ids[: a + 1], features[0, :a])
+        assert ablated.propose(DraftContext(ids[: a + 1], SamplingConfig(), None, max_tokens=10)).tokens == base
         head.embed_proj[2].weight.zero_()
         drafter.begin(ids[: a + 1], features[0, :a])
         assert drafter.propose(DraftContext(ids[: a + 1], SamplingConfig(), None, max_tokens=10)).tokens != chain
@@ -105,7 +108,8 @@ def test_the_drafted_chain_is_the_argmax_of_the_teacher_forced_block(make_tiny_l
 
 def test_greedy_domino_is_lossless(tiny_target, tmp_path):
     """Greedy output equals plain decoding, every step drafting the block's tokens in one pass of the
-    layers; a depth beyond the block is refused before any drafting."""
+    layers, with the correction and without it (``correction=0``); a depth beyond the block and a
+    correction other than 0 or 1 are refused before any drafting."""
     head = _head(tiny_target, mask=7, block=4)
     head.save_pretrained(tmp_path / "ckpt")
     drafter = build_drafter(f"domino:{tmp_path / 'ckpt'}", tiny_target)
@@ -123,6 +127,11 @@ def test_greedy_domino_is_lossless(tiny_target, tmp_path):
         accepted += sum(got.accepted)
     assert len(calls) == sum(1 for n in sizes if n) and max(sizes) == 4
     assert accepted > 0
+    backbone = build_drafter(f"domino:{tmp_path / 'ckpt'}?correction=0", tiny_target)
+    ablated = SpeculativeDecoder(tiny_target, backbone, None, eos_ids=set())
+    assert ablated.generate(PROMPT, 40).tokens == plain.generate(PROMPT, 40).tokens
+    with pytest.raises(UsageError, match="correction"):
+        build_drafter(f"domino:{tmp_path / 'ckpt'}?correction=2", tiny_target)
     with pytest.raises(UsageError, match="depth"):
         build_drafter(f"domino:{tmp_path / 'ckpt'}?depth=5", tiny_target)
 

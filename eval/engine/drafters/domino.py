@@ -22,10 +22,10 @@ from draftsmith.heads.domino import DominoHead
 class DominoDrafter(DFlashDrafter):
     """A :class:`~draftsmith.heads.domino.DominoHead`: DFlash's drafter with the GRU correction per depth."""
 
-    sequential = True
-
-    def __init__(self, head: DominoHead, *args, name: str = "domino", **kwargs):
+    def __init__(self, head: DominoHead, *args, correction: int = 1, name: str = "domino", **kwargs):
         super().__init__(head, *args, name=name, **kwargs)
+        # Off, the backbone's logits draft every depth at once: the ablation the correction is measured against.
+        self.sequential = bool(correction)
 
     def markov_step(self, normed: torch.Tensor, anchor: torch.Tensor):
         """Depth d + 1's correction from the GRU state after the tokens above it (the anchor, then
@@ -44,5 +44,5 @@ class DominoDrafter(DFlashDrafter):
 
 
 def build(spec: DrafterSpec, target) -> DominoDrafter:
-    """The drafter of ``domino:PATH?depth=K``."""
+    """The drafter of ``domino:PATH?depth=K&correction=0|1``."""
     return build_block_drafter(spec, target, DominoHead, DominoDrafter)
