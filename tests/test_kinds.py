@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 # Run in a fresh interpreter that sees the toy distribution: every check goes through shared code.
 TOY_CHECKS = textwrap.dedent(
     """
-    import contextlib, io, json
+    import contextlib, io, json, pathlib
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from draftsmith import kinds
@@ -62,6 +62,14 @@ TOY_CHECKS = textwrap.dedent(
         train_main(["--help"])
     found["trainable"] = train_help.getvalue().strip().splitlines()[-1]
     found["trained"] = train_main([RECIPE])
+    from draftsmith.export import export_checkpoint
+    checkpoint = pathlib.Path(RECIPE).parent / "toy-checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"draftsmith_kind": "toy", "target": {}}))
+    try:
+        export_checkpoint(checkpoint, "speculators", checkpoint / "out")
+    except UsageError as err:
+        found["export"] = str(err)
     print(json.dumps(found))
     """
 )
@@ -83,7 +91,7 @@ def test_the_registry_is_complete_on_import():
 def test_a_new_kind_is_its_own_file_and_one_entry_point_line(tmp_path):
     """What a package adding a kind ships: its module and, in its metadata, one line naming the
     declaration. Shared code (the spec parser, eval/run.py --help, build_drafter, the engine, the
-    hybrid, draftsmith-train) takes the kind from the registry unchanged."""
+    hybrid, draftsmith-train, draftsmith-export) takes the kind from the registry unchanged."""
     dist = tmp_path / "toy_kind-0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-kind\nVersion: 0\n")
@@ -106,6 +114,8 @@ def test_a_new_kind_is_its_own_file_and_one_entry_point_line(tmp_path):
     assert found["hybrid"] == "HybridDrafter"
     assert "toy" in found["trainable"].split(": ")[-1].rstrip(".").split(", ")
     assert found["trained"] == f"toy trained on {recipe}"
+    assert found["export"].startswith("--format speculators cannot hold toy drafters: speculators 0.9.0 has models for")
+    assert found["export"].endswith("; export toy drafters with no format (nothing to export)")
 
 
 def test_the_kinds_rule_refuses_shared_code_importing_a_kind_and_kinds_importing_those_they_do_not_build_on():
