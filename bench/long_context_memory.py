@@ -19,8 +19,9 @@ memory). Every measurement is a fresh child process, so each peak is its own:
 - ``train_dense``: the same with the dense ``n x n`` masks of short rows (the baseline), at
   ``--dense-lengths`` only: it does not fit in memory beyond them.
 
-Reported per child: peak RSS (``resource.getrusage`` ru_maxrss), the RSS after the model loaded (what
-the length adds is the difference), wall seconds, and for ``extract`` the store's stated and written
+Reported per child: the RSS once the model and data are loaded, the peak RSS after that (the peak
+is reset there, then read from ``resource.getrusage`` ru_maxrss; what the length adds is the
+difference), wall seconds, and for ``extract`` the store's stated and written
 bytes; with ``--device cuda``, ``torch.cuda.max_memory_allocated`` too. Results go to
 ``R/long_context_memory.json``; the table in BENCHMARKS.md is printed.
 """
@@ -45,8 +46,15 @@ def rss_mib() -> float:
         return int(handle.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def reset_peak() -> None:
+    """Start this process's peak resident set size afresh (Linux: ``clear_refs`` 5), so that loading
+    the model, whose transient copies peak above what it keeps, does not mask what the work adds."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
 def peak_mib() -> float:
-    """This process's peak resident set size so far, in MiB (ru_maxrss is in KiB on Linux)."""
+    """This process's peak resident set size since :func:`reset_peak`, in MiB (``ru_maxrss``, KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -90,6 +98,7 @@ def child(mode: str, length: int, out: Path, device: str, train_steps: int) -> d
         target, tokenizer = load_target("default", "auto", device)
         layers = default_aux_layers(target.config.num_hidden_layers)
         loaded = rss_mib()
+        reset_peak()
         record = {}
         if mode == "extract":
             identity = store_identity("default", target, tokenizer, layers, "bfloat16", data)
@@ -125,6 +134,7 @@ def child(mode: str, length: int, out: Path, device: str, train_steps: int) -> d
         optimizer = torch.optim.AdamW(head.parameters(), lr=recipe.training.learning_rate)
         batch = {k: v.to(device) for k, v in pad_batch([FeatureDataset(store / "train")[0]]).items()}
         loaded = rss_mib()
+        reset_peak()
         autocast = torch.bfloat16 if next(target.parameters()).dtype == torch.bfloat16 else None
         losses = []
         for _ in range(train_steps):
