@@ -30,6 +30,7 @@ EXPORT_SIDECAR = "draftsmith_export.json"
 WEIGHTS = "model.safetensors"
 # A fused head's weights over the concatenated aux layers (fc reads [aux_1 ; ... ; aux_n]).
 FUSED_COLUMNS = ("fc.weight",)
+PER_AUX_LAYER = re.compile(r"(fc_norm\.)(\d+)(\..+)")  # one module per aux layer, numbered in its order
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 HUB_CACHE_FOLDER = re.compile(r"models--([\w.-]+?)--([\w.-]+)/snapshots/")
 
@@ -193,8 +194,8 @@ def ascending_aux_layers(
     the config lists them in, and concatenate them in that order before ``fc``; a head trained on
     another order would be served with its ``fc`` column blocks matched to the wrong layers. So the
     ids are sorted and the column blocks of ``columns`` (the weights in the concatenated aux-layer
-    space: ``fc``'s, and whatever else a kind's part names) permuted with them: the same function,
-    served right.
+    space: ``fc``'s, and whatever else a kind's part names) permuted with them, and so are the
+    per-layer norms EAGLE 3.1 puts before ``fc`` (``fc_norm.{i}``): the same function, served right.
     """
     aux = list(source.config["aux_layers"])
     order = sorted(range(len(aux)), key=aux.__getitem__)
@@ -204,6 +205,8 @@ def ascending_aux_layers(
             if name in tensors:
                 blocks = tensors[name].chunk(len(aux), dim=-1)
                 tensors[name] = torch.cat([blocks[i] for i in order], dim=-1)
+        for name in [name for name in tensors if PER_AUX_LAYER.fullmatch(name)]:
+            tensors[name] = source.state[PER_AUX_LAYER.sub(lambda m: f"{m[1]}{order[int(m[2])]}{m[3]}", name)]
     return {**source.config, "aux_layers": [aux[i] for i in order]}, tensors
 
 

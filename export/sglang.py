@@ -45,6 +45,9 @@ VERSION = "0.5.23"
 SGLANG_EAGLE, SGLANG_EAGLE3 = "EAGLE", "EAGLE3"
 ALGORITHMS = (SGLANG_EAGLE, SGLANG_EAGLE3)
 SGLANG_ARCHITECTURES = {SGLANG_EAGLE: "LlamaForCausalLMEagle", SGLANG_EAGLE3: "LlamaForCausalLMEagle3"}
+# EAGLE 3.1's options, read off the draft config by SGLang's EAGLE-3 models that build them (with
+# the weights ``fc_norm.{i}.weight``); SGLang releases from before EAGLE 3.1 ignore both.
+EAGLE31_FIELDS = ("fc_norm", "norm_output")
 SGLANG_HOT_TOKEN_MAP = "hot_token_map.pt"  # an EAGLE-1 head's draft vocabulary (--speculative-token-map)
 
 
@@ -116,6 +119,7 @@ def export(source: Source, target: Target, out: Path, tree: dict, algorithm: str
                 f"SGLang {VERSION} cannot capture; use --format speculators",
             )
         draft_config["draft_vocab_size"] = config["draft_vocab_size"]
+        draft_config.update({key: bool(config.get(key, False)) for key in EAGLE31_FIELDS})
         draft_config["eagle_config"] = {
             "eagle_aux_hidden_state_layer_ids": [layer_id - 1 for layer_id in config["aux_layers"]],
             "use_aux_hidden_state": True,

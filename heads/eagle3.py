@@ -30,6 +30,13 @@ builds its first-layer class at index 0 and the verifier's own decoder layer cla
 speculators' (``fc``, ``layers.0.hidden_norm``, ``layers.N.self_attn.q_proj``, ``norm``,
 ``lm_head``, ``d2t``, ``t2d``), so export is a copy. Each layer has its own ``layer_idx`` (its slot
 in a KV cache). The token embedding is the target's, used by reference and never saved.
+
+EAGLE 3.1 (its attention-drift fix for deep drafts and long context; speculators 0.9.0
+``models/eagle3/core.py`` and vLLM 0.32 ``llama_eagle3.py``, from vLLM PR #42764) adds two options,
+both off by default, so an EAGLE-3 checkpoint is an EAGLE 3.1 head with both off: ``fc_norm``, an
+RMSNorm per aux layer (``fc_norm.{i}``) over that layer's chunk of the features before ``fc``; and
+``norm_output``, the head's ``norm`` applied to its output, so a later draft step reads the normed
+state back and the LM head scores it without norming again.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ KIND = "eagle3"
 # speculators 0.9.0 builds (models/eagle3/model_definitions.py model_classes) and vLLM serves
 # (llama_eagle3.py, qwen3_eagle3.py). Any other target gets a dense Llama layer of its shape.
 OWN_LAYER_TYPES = ("llama", "qwen3")
+# EAGLE 3.1's options (speculators 0.9's and vLLM 0.32's config fields of the same names), both off by default.
+EAGLE31_OPTIONS = ("fc_norm", "norm_output")
 
 
 def draft_layer_config(target_config: PretrainedConfig) -> PretrainedConfig:
@@ -154,6 +163,8 @@ class Eagle3Head(Fp32RotaryMixin, Head):
         rotary_class: type | None = None,
         norm_before_residual: bool = False,
         num_layers: int = 1,
+        fc_norm: bool = False,
+        norm_output: bool = False,
     ):
         super().__init__(target_config.vocab_size, target_info)
         if num_layers < 1:
@@ -172,7 +183,16 @@ class Eagle3Head(Fp32RotaryMixin, Head):
             [Eagle3Layer(config, layer_class, norm_before_residual)]
             + [layer_class(config, layer_idx=i) for i in range(1, num_layers)]
         )
-        self.norm = type(self.layers[0].hidden_norm)(hidden, eps=config.rms_norm_eps)
+        norm_class = type(self.layers[0].hidden_norm)
+        # EAGLE 3.1: each aux layer's state gets an RMSNorm of its own before fc, so that no layer's
+        # scale dominates the fusion (speculators' and vLLM's ``fc_norm``, ``fc_norm.{i}``).
+        self.fc_norm = (
+            nn.ModuleList(norm_class(hidden, eps=config.rms_norm_eps) for _ in self.aux_layers) if fc_norm else None
+        )
+        self.norm = norm_class(hidden, eps=config.rms_norm_eps)
+        # EAGLE 3.1: the state handed to the next draft step (and to the LM head) is the normed one,
+        # so its scale cannot drift from step to step (speculators' and vLLM's ``norm_output``).
+        self.norm_output = norm_output
         self.lm_head = nn.Linear(hidden, d2t.numel(), bias=False)
         self.rotary_emb = rotary_class(config)
         self._rotary_kwargs = rotary_kwargs(rotary_class)
@@ -182,8 +202,9 @@ class Eagle3Head(Fp32RotaryMixin, Head):
 
     # -- scoring -------------------------------------------------------------------------------
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary ``[..., N]`` (the head's own norm and LM head)."""
-        return self.lm_head(self.norm(hidden))
+        """Logits over the draft vocabulary ``[..., N]`` (the head's own norm and LM head; with
+        ``norm_output`` the head's outputs are normed already)."""
+        return self.lm_head(hidden if self.norm_output else self.norm(hidden))
 
     # -- forward -------------------------------------------------------------------------------
     def forward(
@@ -205,7 +226,7 @@ class Eagle3Head(Fp32RotaryMixin, Head):
         if (features is None) == (hidden_states is None):
             raise ValueError("give exactly one of features (target layers) or hidden_states (the head's own)")
         embeds = self.embed(input_ids)
-        hidden = self.fc(features.to(self.fc.weight.dtype)) if features is not None else hidden_states
+        hidden = self.fuse(features.to(self.fc.weight.dtype)) if features is not None else hidden_states
         embeds = embeds.to(hidden.dtype)
         batch, n = input_ids.shape
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -224,7 +245,17 @@ class Eagle3Head(Fp32RotaryMixin, Head):
         for layer in self.layers[1:]:  # the target's own layers: the hidden state only
             hidden = layer(hidden, **attention)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        if self.norm_output:
+            hidden = self.norm(hidden)
         return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``fc`` over the concatenated aux states ``[..., k*h]``, each state normed by its own
+        ``fc_norm`` first where the head has them."""
+        if self.fc_norm is not None:
+            chunks = features.chunk(len(self.fc_norm), dim=-1)
+            features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(features)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: the target's (by reference)."""
@@ -276,6 +307,8 @@ class Eagle3Head(Fp32RotaryMixin, Head):
             num_layers=len(self.layers),
             aux_layers=self.aux_layers,
             norm_before_residual=self.layers[0].norm_before_residual,
+            fc_norm=self.fc_norm is not None,
+            norm_output=self.norm_output,
             **{key: getattr(self, key) for key in self.extra_config},
         )
 
@@ -289,5 +322,8 @@ class Eagle3Head(Fp32RotaryMixin, Head):
             *layer_classes,
             config.get("norm_before_residual", False),
             num_layers=config.get("num_layers", 1),  # checkpoints from before several layers: 1
+            # Only the EAGLE 3.1 options a checkpoint sets: off is the constructor's default (and
+            # every checkpoint's from before them), and heads built on this one (P-EAGLE) take none.
+            **{key: True for key in EAGLE31_OPTIONS if config.get(key)},
             **{key: config[key] for key in cls.extra_config},
         ).restored(config)

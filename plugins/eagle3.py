@@ -8,22 +8,24 @@ count, ``llama`` or ``qwen3`` only: speculators' ``model_classes``; layer 0 over
 hidden]``, layers 1.. the verifier's plain decoder layers), ``num_aux_hidden_states`` (vLLM sizes
 ``fc`` from it, default 3), ``norm_before_residual`` (written always: vLLM defaults it to True when
 absent), ``eagle_aux_hidden_state_layer_ids`` (HF ``hidden_states[L]``, the input of decoder layer
-L, as draftsmith's ``aux_layers``); the head's weights under its own (speculators') names plus
-``embed_tokens.weight``, the target's table (as the target's embedding module computes it, e.g.
-Gemma's scaled by ``embed_scale``). P-EAGLE's (``parallel``) adds ``mask_token_id`` and ships its
-own trained table."""
+L, as draftsmith's ``aux_layers``), ``fc_norm`` and ``norm_output`` (EAGLE 3.1's options, the
+head's; vLLM 0.32 reads both, and ``fc_norm.{i}.weight`` as ``model.fc_norm.{i}``); the head's
+weights under its own (speculators') names plus ``embed_tokens.weight``, the target's table (as
+the target's embedding module computes it, e.g. Gemma's scaled by ``embed_scale``). P-EAGLE's
+(``parallel``) adds ``mask_token_id`` and ships its own trained table."""
 
 from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
 
-from draftsmith.errors import UsageError
+from draftsmith.errors import CheckpointError, UsageError
 from draftsmith.eval.engine.drafters.eagle import build_planned, tree_options
 from draftsmith.export import sglang, speculators
 from draftsmith.export.common import FUSED_COLUMNS, Source, Target, ascending_aux_layers, refuse
 from draftsmith.heads.base import embedding_table
-from draftsmith.heads.eagle3 import Eagle3Head
+from draftsmith.heads.eagle3 import EAGLE31_OPTIONS, Eagle3Head
+from draftsmith.heads.exported import EXPORT_KEY
 from draftsmith.kinds import DrafterKind, Features, Served, Training
 from draftsmith.plugins.eagle import chain
 from draftsmith.train import eagle3
@@ -78,13 +80,27 @@ def to_speculators(
         "norm_before_residual": bool(config.get("norm_before_residual", False)),
         "eagle_aux_hidden_state_layer_ids": list(config["aux_layers"]),
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **{key: bool(config.get(key, False)) for key in EAGLE31_OPTIONS},
         "embed_requires_grad": False,
     }
     speculators.write_folder(source, target, out, tree, config, layer, fields, tensors)
     extra = {"parallel_drafting": True} if parallel else {}
     return [speculators.vllm_command(target, out, "eagle3", tree["depth"], extra)]
+
+
+def read_speculators(folder: Path, config: dict) -> dict:
+    """The weights of an EAGLE-3 speculators folder (:func:`draftsmith.export.speculators.read`),
+    refused where its EAGLE 3.1 fields, which speculators and vLLM build the drafter from, disagree
+    with draftsmith's record, which the engine builds it from: the two would draft differently."""
+    record = config.get(EXPORT_KEY, {}).get("config", {})
+    for key in EAGLE31_OPTIONS:
+        served, ours = bool(config.get(key, False)), bool(record.get(key, False))
+        if served != ours:
+            raise CheckpointError(
+                f"{folder}: config.json says {key}: {str(served).lower()} (what vLLM and speculators build) "
+                f"but its {EXPORT_KEY} record says {str(ours).lower()}: export the checkpoint again"
+            )
+    return speculators.read(folder, config)
 
 
 def serve(fmt: str, folder: Path, depth: int) -> Served | None:
@@ -112,7 +128,7 @@ KIND = DrafterKind(
         speculators.NAME: to_speculators,
         sglang.NAME: partial(sglang.export, algorithm=sglang.SGLANG_EAGLE3),
     },
-    readers={speculators.NAME: speculators.read, sglang.NAME: sglang.read},
+    readers={speculators.NAME: read_speculators, sglang.NAME: sglang.read},
     serve=serve,
     chain=chain,
     builds_on=("eagle",),  # its drafter and chain are EAGLE-1's (eval/engine/drafters/eagle.py), over fused layers

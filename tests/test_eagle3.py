@@ -49,11 +49,11 @@ def tiny_target(make_tiny_llama):
     return make_tiny_llama(vocab_size=V, hidden_size=32, layers=3, seed=0, scale=15.0)
 
 
-def _head3(target, init: str = "random", draft_vocab=None, seed: int = 1, num_layers: int = 1) -> Eagle3Head:
+def _head3(target, init: str = "random", draft_vocab=None, seed: int = 1, num_layers: int = 1, **options) -> Eagle3Head:
     torch.manual_seed(seed)
     vocab = torch.tensor(draft_vocab) if draft_vocab is not None else None
     head = Eagle3Head.for_target(
-        target, "tiny", aux_layers=[0, 1, 2], draft_vocab=vocab, init=init, num_layers=num_layers
+        target, "tiny", aux_layers=[0, 1, 2], draft_vocab=vocab, init=init, num_layers=num_layers, **options
     )
     if init == "random":  # the LM head starts as the target's: perturb it so the test sees the head's own
         with torch.no_grad():
@@ -72,13 +72,14 @@ def _features(target, ids: list[int], layers):
 # Training-time test == drafting
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle3_three_layers", "eagle_hass"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_three_layers", "eagle3.1", "eagle_hass"])
 def test_unrolled_passes_equal_the_engine_drafting_chains(make_tiny_llama, kind):
     target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
     torch.manual_seed(2)
     if kind.startswith("eagle3"):
         layers = 3 if kind == "eagle3_three_layers" else 1
-        head = _head3(target, draft_vocab=[0, 1, 2, 3, 5, 8, 13, 21, 34, 40], num_layers=layers)
+        options = {"fc_norm": True, "norm_output": True} if kind == "eagle3.1" else {}
+        head = _head3(target, draft_vocab=[0, 1, 2, 3, 5, 8, 13, 21, 34, 40], num_layers=layers, **options)
         assert len(head.layers) == layers
     else:
         head = EagleHead.for_target(target, "tiny", init="random").eval()

@@ -22,7 +22,7 @@ import pytest
 import torch
 from cli_helpers import assert_user_error
 from safetensors.torch import load_file, save_file
-from speculators_helpers import speculators_draft_logits
+from speculators_helpers import assert_same_logits, load_speculators
 from training_helpers import save_tiny_target
 from transformers import AutoModelForCausalLM
 
@@ -37,7 +37,6 @@ from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.recipe import Recipe
 from draftsmith.target import DEFAULT_TARGET_HUB_ID, load_tokenizer
-from draftsmith.train.unroll import unroll
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,51 +115,8 @@ def _medusa(
     return heads.eval()
 
 
-def _features(target, ids: list[int], layers) -> torch.Tensor:
-    out = target.get_decoder()(input_ids=torch.tensor([ids]), output_hidden_states=True)
-    return torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
-
-
 # ---------------------------------------------------------------------------------------------
 # speculators: its own model class computes our logits
-
-
-def _load_speculators(folder, verifier: Path | None = None):
-    """speculators' own loader on an exported folder, with eager attention (its default, flex
-    attention, needs a GPU); ``verifier``: the target's local folder in place of the hub id the
-    export names (it reads the verifier's embedding and LM head from there, and there is no hub here)."""
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-
-    config = Eagle3SpeculatorConfig.from_pretrained(folder)
-    config.transformer_layer_config._attn_implementation = "eager"
-    if verifier is not None:
-        config.speculators_config.verifier.name_or_path = str(verifier)
-    return Eagle3DraftModel.from_pretrained(folder, config=config).eval()
-
-
-def _assert_same_logits(head, theirs, target, ids: list[int], steps: int = 2) -> None:
-    """speculators' draft logits equal ours, given the target's features of ``ids``, for ``steps``
-    training-time-test passes (pass j feeds back pass j-1's outputs: drafting j tokens ahead)."""
-    with torch.no_grad():
-        features = _features(target, ids, head.aux_layers)
-        ours = unroll(
-            head,
-            torch.tensor([ids]),
-            features[:, :-1],
-            torch.ones(1, len(ids), dtype=torch.long),
-            steps,
-            head.feedback_input,
-        )
-        n = len(ids) - 1
-        # The engine concatenates the aux states in the exported (ascending) layer order.
-        served = _features(target, ids, theirs.config.eagle_aux_hidden_state_layer_ids)
-    logits = speculators_draft_logits(theirs, served, ids, steps)
-    assert len(logits) == steps
-    for step in range(steps):
-        valid = n - step  # pass j's last j positions read padding tokens
-        expected = head.draft_logits(ours[step])[0, :valid]
-        torch.testing.assert_close(logits[step][0, :valid], expected, atol=2e-5, rtol=1e-5)
-    assert (logits[1][0, : n - 1] - logits[0][0, : n - 1]).abs().max() > 1e-2  # pass 1 is not pass 0 again
 
 
 @pytest.mark.parametrize("num_layers", [1, 4], ids=["one_layer", "four_layers"])
@@ -319,7 +275,7 @@ def test_speculators_eagle3_draft_logits_equal_ours(target, target_dir, tmp_path
     layer = raw["transformer_layer_config"]
     assert (layer["model_type"], layer["num_hidden_layers"], layer["num_aux_hidden_states"]) == ("llama", 1, 3)
     assert layer["tie_word_embeddings"] is False and layer["vocab_size"] == target.config.vocab_size
-    theirs = _load_speculators(tmp_path / "out")
+    theirs = load_speculators(tmp_path / "out")
     # Resolved offline to the target folder (no hub): its layer ids, embedding and vocabulary maps.
     assert theirs.config.speculators_config.verifier.name_or_path == str(target_dir.resolve())
     assert theirs.config.eagle_aux_hidden_state_layer_ids == [0, 1, 2]
@@ -331,7 +287,7 @@ def test_speculators_eagle3_draft_logits_equal_ours(target, target_dir, tmp_path
     else:
         assert theirs.d2t is None and theirs.t2d is None
 
-    _assert_same_logits(head, theirs, target, [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22])
+    assert_same_logits(head, theirs, target, [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22])
 
 
 def test_a_head_of_three_layers_exports_in_the_layout_speculators_and_vllm_build(target, target_dir, tmp_path, capsys):
@@ -353,9 +309,9 @@ def test_a_head_of_three_layers_exports_in_the_layout_speculators_and_vllm_build
         assert shapes[f"layers.{i}.self_attn.q_proj.weight"][0][1] == h
         assert shapes[f"layers.{i}.self_attn.v_proj.weight"][0][1] == h
         assert f"layers.{i}.input_layernorm.weight" in shapes and f"layers.{i}.hidden_norm.weight" not in shapes
-    theirs = _load_speculators(tmp_path / "out", verifier=target_dir)
+    theirs = load_speculators(tmp_path / "out", verifier=target_dir)
     assert len(theirs.layers) == 3
-    _assert_same_logits(head, theirs, target, [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22])
+    assert_same_logits(head, theirs, target, [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22])
     assert_user_error(
         capsys,
         r"3 decoder layers.*SGLang.*--format speculators",
@@ -371,12 +327,12 @@ def test_unsorted_aux_layers_export_sorted_with_fc_permuted(target, target_dir, 
     head = _eagle3(target, target_dir, tmp_path / "ckpt", aux=(2, 0, 1))
     head.bind(target)
     export_checkpoint(tmp_path / "ckpt", "speculators", tmp_path / "out", target_hub_id="org/tiny")
-    theirs = _load_speculators(tmp_path / "out", verifier=target_dir)
+    theirs = load_speculators(tmp_path / "out", verifier=target_dir)
     assert theirs.config.eagle_aux_hidden_state_layer_ids == [0, 1, 2]
     width = target.config.hidden_size
     blocks = head.fc.weight.split(width, dim=1)  # ours: layers 2, 0, 1
     assert torch.equal(theirs.fc.weight, torch.cat([blocks[1], blocks[2], blocks[0]], dim=1))
-    _assert_same_logits(head, theirs, target, [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22])
+    assert_same_logits(head, theirs, target, [3, 917, 44, 1289, 6, 311, 2046, 30, 8, 5, 14, 22])
     # draftsmith's record in the export agrees with the sorted layers (eval/run.py loads it back).
     record = json.loads((tmp_path / "out" / "config.json").read_text())["draftsmith_export"]
     assert record["config"]["aux_layers"] == [0, 1, 2]
@@ -441,11 +397,11 @@ def test_speculators_on_the_bundled_smollm2(smollm2, tmp_path):
     assert config["speculators_config"]["verifier"]["name_or_path"] == DEFAULT_TARGET_HUB_ID
     local = Path(resolve_target("default")).resolve()
     assert config["draftsmith_export"]["target_folder"] == str(local)
-    theirs = _load_speculators(tmp_path / "out", verifier=local)
+    theirs = load_speculators(tmp_path / "out", verifier=local)
     assert theirs.config.eagle_aux_hidden_state_layer_ids == [2, 15, 27]
     assert theirs.config.transformer_layer_config.dtype == torch.float32  # the bundled folder's own dtype
     ids = tokenizer("The quick brown fox jumps over the lazy dog and keeps running")["input_ids"]
-    _assert_same_logits(head, theirs, model, ids)
+    assert_same_logits(head, theirs, model, ids)
 
 
 # ---------------------------------------------------------------------------------------------

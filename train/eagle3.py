@@ -20,7 +20,7 @@ import torch
 
 from draftsmith.config import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT
 from draftsmith.data_prep.dataset import pad_batch
-from draftsmith.heads.eagle3 import Eagle3Head
+from draftsmith.heads.eagle3 import EAGLE31_OPTIONS, Eagle3Head
 from draftsmith.recipe import DECAY, DRAFT_VOCAB, DataConfig, DrafterConfig, Recipe
 from draftsmith.train.cli import entry_point
 from draftsmith.train.fused import build_task, fused_target_features, regenerated_data
@@ -49,6 +49,10 @@ class Eagle3DrafterConfig(DrafterConfig):
     # the N most frequent tokens of the training replies (d2t/t2d); null: the full vocabulary
     draft_vocab_size: Annotated[int, DRAFT_VOCAB] | None = 8192
     norm_before_residual: bool = False  # residual from the normed hidden state (speculators' option of the same name)
+    # EAGLE 3.1: an RMSNorm of its own on each aux layer's state before fc (speculators' and vLLM's fc_norm)
+    fc_norm: bool = False
+    # EAGLE 3.1: the normed output is what the next draft step reads back (speculators' and vLLM's norm_output)
+    norm_output: bool = False
     # The first layer reads [embedding ; hidden], the rest the hidden state only (vLLM's and speculators' layout).
     # decoder layers of the target's architecture in the head (upstream P-EAGLE drafters: 4)
     num_layers: Annotated[int, COUNT] = 1
@@ -105,6 +109,7 @@ class Eagle3Task:
             drafter.init,
             drafter.norm_before_residual,
             num_layers=drafter.num_layers,
+            **{key: True for key in EAGLE31_OPTIONS if getattr(drafter, key)},
             **cls.head_options(recipe, tokenizer, train_set),
         )
 

@@ -40,6 +40,15 @@ class PEagleDrafterConfig(Eagle3DrafterConfig):
     # null: the tokenizer's mask token, else a special token absent from the data
     mask_token_id: Annotated[int, NON_NEGATIVE_INT] | None = None
 
+    def validate(self) -> None:
+        super().validate()
+        if self.fc_norm or self.norm_output:
+            # vLLM 0.32's speculators bridge copies neither into a peagle config (algos.py update_peagle).
+            raise ValueError(
+                "drafter.fc_norm and drafter.norm_output (EAGLE 3.1) are EAGLE-3 options: vLLM 0.32 "
+                "serves P-EAGLE drafters without them; set both false"
+            )
+
 
 @dataclass
 class PEagleRecipe(Eagle3Recipe):
