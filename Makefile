@@ -1,6 +1,8 @@
 PYTHON ?= python3
 # The main job's size; override on the command line, e.g. `make demo TRAIN_MINUTES=10 PER_CATEGORY=2`.
-TRAIN_MINUTES ?= 3.5
+TRAIN_MINUTES ?= 2.5
+# Start no MT-bench question after this many minutes of decoding (0: no limit).
+EVAL_MINUTES ?= 2.5
 PER_CATEGORY ?= 1
 MAX_NEW_TOKENS ?= 64
 DEMO_DIR ?= runs/demo
@@ -22,7 +24,7 @@ install-core:
 # time of every stage.
 demo: install-core
 	$(PYTHON) eval/demo.py --out-dir $(DEMO_DIR) --train-minutes $(TRAIN_MINUTES) \
-		--per-category $(PER_CATEGORY) --max-new-tokens $(MAX_NEW_TOKENS) --results results/demo
+		--per-category $(PER_CATEGORY) --max-new-tokens $(MAX_NEW_TOKENS) --eval-minutes $(EVAL_MINUTES) --results results/demo
 
 # Style and layering: ruff (lint and format) and import-linter's contracts in pyproject.toml.
 lint:

@@ -5,14 +5,16 @@ decoding in one tree (``hybrid:KIND:CHECKPOINT+suffix``), and print the acceptan
 wall time of every stage.
 
     python eval/demo.py                      # what `make demo` runs
-    python eval/demo.py --train-minutes 10 --per-category 2 --max-new-tokens 256
+    python eval/demo.py --train-minutes 10 --per-category 2 --max-new-tokens 256 --eval-minutes 0
 
-Training is bounded by wall-clock time (``training.max_minutes``), not by steps, so the job takes
-about as long on a slow CPU as on a fast one and the head gets what the machine can give it in
-that time. The dtype is chosen by measurement (``auto``): bf16 where it is fast, else fp32. So is
-the EAGLE tree (``depth=auto``, :mod:`draftsmith.eval.engine.tree_plan`): its depth maximises Leviathan et
-al.'s expected speedup for this head's held-out accuracy, this device's verification cost curve and
-draft-step cost, and it is widened while the verification pass stays within 10% of the chain's.
+Training is bounded by wall-clock time (``training.max_minutes``), not by steps, and so is the
+benchmark (``--eval-minutes``: no question starts after it), so the job takes about as long on a
+slow CPU as on a fast one: the head gets what the machine can give it in that time, and a slow
+machine's table holds fewer questions (it says how many ran). The dtype is chosen by measurement
+(``auto``): bf16 where it is fast, else fp32. So is the EAGLE tree (``depth=auto``,
+:mod:`draftsmith.eval.engine.tree_plan`): its depth maximises Leviathan et al.'s expected speedup
+for this head's held-out accuracy, this device's verification cost curve and draft-step cost, and it
+is widened while the verification pass stays within 10% of the chain's.
 """
 
 from __future__ import annotations
@@ -49,8 +51,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--train-minutes", type=float, default=None, help="training budget (default: the recipe's)")
     parser.add_argument("--per-category", type=int, default=1, help="MT-bench questions per category (8 categories)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per MT-bench question")
+    parser.add_argument(
+        "--eval-minutes",
+        type=float,
+        default=2.5,
+        help="start no MT-bench question after this many minutes of decoding, so that the job's length "
+        "does not depend on the CPU (the table says how many ran; 0: no limit)",
+    )
     parser.add_argument("--dtype", default="auto", help="target dtype for training and decoding")
     args, train_overrides = parser.parse_known_args(argv)
+    if not args.eval_minutes >= 0:
+        parser.error(f"--eval-minutes must be >= 0 (0: no limit), got {args.eval_minutes}")
     overrides = ["--output_dir", args.out_dir, "--target.dtype", args.dtype, *train_overrides]
     if args.train_minutes is not None:
         overrides += ["--training.max_minutes", str(args.train_minutes)]
@@ -80,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"hybrid:{kind.name}:{trainer.last_checkpoint}+suffix",
             "--out",
             args.results,
+            *(["--max-minutes", str(args.eval_minutes)] if args.eval_minutes else []),
         ]
     )
     print(f"\n{LONGER}\n\nwall time per stage:\n{stage_table()}")

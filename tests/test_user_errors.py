@@ -97,6 +97,12 @@ def test_the_main_job_names_a_recipe_without_a_trainable_kind(capsys, tmp_path, 
     assert_user_error(capsys, pattern, demo_main, ["--recipe", str(recipe), "--out-dir", str(tmp_path / "run")])
 
 
+@pytest.mark.parametrize("minutes", ["-1", "nan"])
+def test_the_main_job_refuses_a_negative_benchmark_budget(capsys, minutes):
+    """``--eval-minutes`` bounds the benchmark's wall time; 0 lifts the bound, a negative one is a typo."""
+    assert_user_error(capsys, r"--eval-minutes must be >= 0", demo_main, ["--eval-minutes", minutes])
+
+
 def test_checkpoint_of_another_kind_is_named(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"draftsmith_kind": "eagle"}))
     assert_user_error(
