@@ -81,7 +81,7 @@ def conversation(out: Path, length: int) -> Path:
     return path
 
 
-def child(mode: str, length: int, out: Path, device: str, train_steps: int) -> dict:
+def child(mode: str, length: int, out: Path, device: str, train_steps: int, ttt_steps: int) -> dict:
     """One measurement (a mode at a length), in this process; returns its record."""
     import datasets
 
@@ -121,6 +121,7 @@ def child(mode: str, length: int, out: Path, device: str, train_steps: int) -> d
         from draftsmith.train.eagle3 import Eagle3Recipe, Eagle3Task
 
         recipe = Eagle3Recipe()
+        recipe.drafter.ttt_steps = ttt_steps
         # train: the long rows' path at every length (training takes it past DENSE_MASK_ROWS positions)
         # train_dense: the dense masks short rows keep, as every row had them before.
         unroll.DENSE_MASK_ROWS = 1 << 30 if mode == "train_dense" else 0
@@ -146,6 +147,8 @@ def child(mode: str, length: int, out: Path, device: str, train_steps: int) -> d
             losses.append(round(loss.item(), 4))
         record = {"losses": losses}
     record.update(mode=mode, length=length, loaded_mib=round(loaded), peak_mib=round(peak_mib()))
+    if mode.startswith("train"):
+        record["ttt_steps"] = ttt_steps
     record["seconds"] = round(clock("cpu") - began, 1)
     if device == "cuda":
         record["cuda_peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
@@ -176,13 +179,16 @@ def main() -> None:
     parser.add_argument("--dense-lengths", type=int, nargs="*", default=[2048, 4096])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--train-steps", type=int, default=2)
+    # training-time-test passes: the recipe's 7 by default; fewer where 32K tokens x 7 passes take too long
+    parser.add_argument("--ttt-steps", type=int, default=7)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--child", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.child:
-        print(json.dumps(child(args.child[0], int(args.child[1]), out, args.device, args.train_steps)))
+        record = child(args.child[0], int(args.child[1]), out, args.device, args.train_steps, args.ttt_steps)
+        print(json.dumps(record))
         return
     records = []
     for length in args.lengths:
@@ -191,7 +197,8 @@ def main() -> None:
             if mode == "train_dense" and length not in args.dense_lengths:
                 continue
             command = [sys.executable, __file__, "--out", str(out), "--device", args.device]
-            command += ["--train-steps", str(args.train_steps), "--child", mode, str(length)]
+            command += ["--train-steps", str(args.train_steps), "--ttt-steps", str(args.ttt_steps)]
+            command += ["--child", mode, str(length)]
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode:
                 record = {"mode": mode, "length": length, "failed": done.stderr.strip().splitlines()[-1:]}
