@@ -23,3 +23,23 @@ def run_gate(folder: Path, prompts: Path, *extra: str) -> tuple[int, dict]:
     except SystemExit as exit:
         code = exit.code
     return code, json.loads((folder / "serve_check.json").read_text())
+
+
+def assert_gate_passed(code: int, result: dict, depth: int, first: float = 0.1) -> None:
+    """The gate passed an export drafting ``depth`` tokens: per position, on counts, and a real
+    drafter (both engines accept more than ``first`` of position 1)."""
+    assert code == 0 and result["passed"] and result["verdict"] == "passed", result
+    assert result["engine"] == "vllm" and result["version"].startswith("0.")
+    assert result["num_speculative_tokens"] == depth and len(result["positions"]) == depth
+    assert result["same_output"] is True and result["same_as_ours"] == 1.0
+    # A real drafter, not one that never drafts right: both engines accept a share of position 1.
+    assert result["positions"][0]["ours"] > first, result["positions"]
+    for position in result["positions"]:
+        assert position["verdict"] == "passed" and abs(position["vllm"] - position["ours"]) <= position["margin"]
+        # Counts, not just rates: vLLM drafts every position every step; we stop at max_new_tokens.
+        assert position["vllm_drafts"] >= position["ours_drafts"] > 0
+        assert position["vllm"] == round(position["vllm_accepted"] / position["vllm_drafts"], 4)
+        assert position["ours"] == round(position["ours_accepted"] / position["ours_drafts"], 4)
+    # (Acceptance lengths differ by the prompts' last steps: vLLM drafts past max_new_tokens, we do not.)
+    assert result["vllm_acceptance_length"] > 1.1 and result["ours_acceptance_length"] > 1.1
+    assert min(result["vllm_tok_s"], result["vllm_plain_tok_s"], result["ours_tok_s"], result["ours_plain_tok_s"]) > 0

@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 from cli_helpers import assert_user_error
-from gate_helpers import needs_vllm, run_gate
+from gate_helpers import assert_gate_passed, needs_vllm, run_gate
 from safetensors.torch import load_file, save_file
 from training_helpers import write_recipe
 from transformers import AutoModelForCausalLM
@@ -26,24 +26,6 @@ from draftsmith.export.serve_check import main as check_main
 from draftsmith.heads.eagle import EagleHead
 
 pytestmark = pytest.mark.slow
-
-
-def _assert_passed(code: int, result: dict, depth: int, first: float = 0.1) -> None:
-    assert code == 0 and result["passed"] and result["verdict"] == "passed", result
-    assert result["engine"] == "vllm" and result["version"].startswith("0.")
-    assert result["num_speculative_tokens"] == depth and len(result["positions"]) == depth
-    assert result["same_output"] is True and result["same_as_ours"] == 1.0
-    # A real drafter, not one that never drafts right: both engines accept a share of position 1.
-    assert result["positions"][0]["ours"] > first, result["positions"]
-    for position in result["positions"]:
-        assert position["verdict"] == "passed" and abs(position["vllm"] - position["ours"]) <= position["margin"]
-        # Counts, not just rates: vLLM drafts every position every step; we stop at max_new_tokens.
-        assert position["vllm_drafts"] >= position["ours_drafts"] > 0
-        assert position["vllm"] == round(position["vllm_accepted"] / position["vllm_drafts"], 4)
-        assert position["ours"] == round(position["ours_accepted"] / position["ours_drafts"], 4)
-    # (Acceptance lengths differ by the prompts' last steps: vLLM drafts past max_new_tokens, we do not.)
-    assert result["vllm_acceptance_length"] > 1.1 and result["ours_acceptance_length"] > 1.1
-    assert min(result["vllm_tok_s"], result["vllm_plain_tok_s"], result["ours_tok_s"], result["ours_plain_tok_s"]) > 0
 
 
 @needs_vllm
@@ -71,7 +53,7 @@ def test_gate_passes_a_trained_eagle3_head_and_fails_a_permuted_fc(gate_heads, t
         ]
     )
     result = json.loads((out / "serve_check.json").read_text())
-    _assert_passed(0, result, 3)
+    assert_gate_passed(0, result, 3)
     assert "PASSED" in (out / "serve_check.md").read_text() and "PASSED" in capsys.readouterr().out
 
 
@@ -123,7 +105,7 @@ def test_gate_passes_a_trained_peagle_head_of_two_layers(gate_heads, tmp_path, c
     weights = load_file(str(out / "model.safetensors"))
     assert weights["layers.1.self_attn.q_proj.weight"].shape[1] == 128 and "layers.1.hidden_norm.weight" not in weights
     result = json.loads((out / "serve_check.json").read_text())
-    _assert_passed(0, result, 3)
+    assert_gate_passed(0, result, 3)
     assert "PASSED" in capsys.readouterr().out
 
 
@@ -132,14 +114,14 @@ def test_gate_passes_medusa_heads_served_by_vllm(gate_heads, tmp_path):
     export_checkpoint(gate_heads["medusa"], "vllm-medusa", tmp_path / "m")
     code, result = run_gate(tmp_path / "m", gate_heads["prompts"])
     # Medusa predicts two tokens ahead from one feature: on this random target it learns less.
-    _assert_passed(code, result, 3, first=0.03)
+    assert_gate_passed(code, result, 3, first=0.03)
 
 
 @needs_vllm
 def test_gate_passes_a_draft_lm_and_fails_a_zeroed_layer(gate_heads, tmp_path):
     export_checkpoint(gate_heads["draft_lm"], "hf", tmp_path / "d", draft_tokens=3)
     code, result = run_gate(tmp_path / "d", gate_heads["prompts"])
-    _assert_passed(code, result, 3)
+    assert_gate_passed(code, result, 3)
 
     broken = tmp_path / "broken"
     shutil.copytree(tmp_path / "d", broken)
