@@ -22,6 +22,7 @@ import json
 import pytest
 import torch
 from cli_helpers import assert_user_error
+from gate_helpers import assert_gate_passed, needs_vllm
 from safetensors.torch import load_file, save_file
 from speculators_helpers import assert_same_logits, aux_features, draft_logits_both, load_speculators
 from training_helpers import save_tiny_target, write_recipe
@@ -291,3 +292,40 @@ def test_peagle_refuses_the_options_in_one_line(recipe, tmp_path, capsys):
             "true",
         ],
     )
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_serves_an_eagle31_export_drafting_what_our_engine_drafts(gate_eagle3, tmp_path, capsys):
+    """A head trained with both options on the gate's tiny target (hidden 128, which vLLM's CPU
+    attention takes): vLLM 0.32 builds its fc_norm and norm_output from the export and accepts, per
+    draft position, what draftsmith's engine accepts from the same folder (the export gate)."""
+    from draftsmith.export.cli import main as export_main
+    from draftsmith.train.eagle3 import main as train_eagle3
+
+    root = tmp_path / "e31"
+    root.mkdir()
+    drafter = {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048, **BOTH}
+    recipe = write_recipe(
+        root,
+        gate_eagle3["target"],
+        drafter,
+        data=gate_eagle3["data"],
+        learning_rate=3e-3,
+        lr_schedule="constant",
+        max_steps=250,
+        log_every=50,
+        eval_every=1000,
+        save_every=1000,
+    )
+    checkpoint = train_eagle3([str(recipe), "--output_dir", str(root / "run")]).last_checkpoint
+    out = tmp_path / "e31-export"
+    # 8 prompts x 48 tokens: 4 x 32 left the third position inconclusive (23 / 34 against 27 / 38).
+    check = ["--check", "vllm", "--check-prompts", str(gate_eagle3["prompts"]), "--check-limit", "8"]
+    check += ["--check-max-new-tokens", "48"]
+    export_main([str(checkpoint), "--format", "speculators", "--out", str(out), "--draft-tokens", "3", *check])
+    config = json.loads((out / "config.json").read_text())
+    assert (config["fc_norm"], config["norm_output"]) == (True, True)
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(load_file(str(out / "model.safetensors")))
+    assert_gate_passed(0, json.loads((out / "serve_check.json").read_text()), 3)
+    assert "PASSED" in capsys.readouterr().out
