@@ -35,8 +35,12 @@ configuration (vLLM's chain of 3, the judge's default) and greedy decoding:
 3. the frozen head and both challengers decode the unseen held-out prompts of the domain
    (``code-held-out.jsonl``); each gain's two-sided 95% paired bootstrap interval over the prompts.
 
-Writes ``OUT/rejected.json`` and prints a Markdown table. Acceptance lengths are counts: a busy CPU
-slows the run, it does not bias them.
+By default the head is deployed on the float32 target (``--dtype``: a copy of its checkpoint whose recipe
+says so, its weights unchanged; rounds train without bf16 autocast) with one torch thread (``--threads``):
+on a busy 2-core CPU, bf16 and 2 threads drafted 5x slower. Both rounds judge the frozen head on the same
+requests, which is decoded once. Run again, it reads back the stream and the rounds it finished (their
+challengers kept) and goes on. Writes ``OUT/rejected.json`` and prints a Markdown table. Acceptance
+lengths are counts: a busy CPU slows the run, it does not bias them.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
+import draftsmith.adapt.judge as judge_module
 from draftsmith.adapt.config import AdaptConfig
 from draftsmith.adapt.judge import acceptance_counts, paired_gain
 from draftsmith.adapt.rounds import Adapter, adaptable_kind
@@ -166,20 +172,57 @@ def _interval(base: list[tuple[int, int]], other: list[tuple[int, int]]) -> dict
     }
 
 
+def _deployed(head: str, out: Path, dtype: str | None) -> str:
+    """The head to deploy: ``head`` itself, or (``dtype``) a copy whose recipe serves and adapts it on
+    the target in that dtype (its weights unchanged; float32: rounds train without bf16 autocast)."""
+    if not dtype:
+        return head
+    copy = out / "head"
+    if not copy.is_dir():
+        shutil.copytree(head, copy)
+        recipe = yaml.safe_load((copy / "recipe.yaml").read_text())
+        recipe["target"]["dtype"] = dtype
+        if dtype == "float32":
+            recipe["training"]["mixed_precision"] = "no"  # bf16 autocast on a CPU: the slow path here
+        (copy / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return str(copy)
+
+
+def _judge_once() -> None:
+    """Both rounds judge the same serving head on the same requests (greedy: the same counts): decode
+    those once. Wraps the judge's :func:`~draftsmith.adapt.judge.acceptance_counts`."""
+    seen: dict = {}
+
+    def counts(target, spec, prompts, max_new_tokens):
+        key = (spec, json.dumps(prompts), max_new_tokens)
+        if key not in seen:
+            seen[key] = original(target, spec, prompts, max_new_tokens)
+        return seen[key]
+
+    original = judge_module.acceptance_counts
+    judge_module.acceptance_counts = counts
+
+
 def rejected(args) -> dict:
     """Issue 56's measurement (see the module docstring); returns what it writes to ``OUT/rejected.json``."""
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)  # a busy 2-core machine: 2 threads ran 2.6x slower than 1
     kind, _ = adaptable_kind(args.head, "--head")
     recipe = load_recipe(kind.training.recipe, Path(args.head) / "recipe.yaml")
     if not (out / "stream.jsonl").is_file():
         split(out, args.stream, args.held_out, args.seed, args.max_chars, _trained_on(recipe))
+    args.head = _deployed(args.head, out, args.dtype)
+    recipe = load_recipe(kind.training.recipe, Path(args.head) / "recipe.yaml")
     target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
     torch.manual_seed(args.seed)
+    _judge_once()
 
     def ids(path: Path) -> list[list[int]]:
         return [render_prompt(tokenizer, [{"role": "user", "content": p}]) for p in _read_prompts(path)]
 
-    record: dict = {"argv": sys.argv, "head": args.head, "judge_drafter": JUDGE, "max_new_tokens": args.max_new_tokens}
+    record: dict = {"argv": sys.argv, "head": args.head, "judge_drafter": JUDGE, "dtype": recipe.target.dtype}
+    record.update(max_new_tokens=args.max_new_tokens, threads=args.threads)
     traffic = out / "traffic"
     if not (traffic / "train").is_dir():
         record["stream"] = _capture_stream(
@@ -212,6 +255,11 @@ def rejected(args) -> dict:
             Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
             shutil.copytree(first, Path(cfg.out_dir) / "general")  # the same replay and forgetting rows, extracted once
         keep = out / f"challenger-w{weight:g}"
+        state = Path(cfg.out_dir) / "state.json"
+        if state.is_file() and (keep / "config.json").is_file():  # a rerun: the round ran, its challenger kept
+            record["rounds"][name] = json.loads(state.read_text())["rounds"][0]
+            heads[name] = str(keep)
+            continue
         adapter = KeepingAdapter(cfg, keep)
         rounds = adapter.run(1)
         if not rounds:
@@ -277,6 +325,10 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--general-held-out", type=at_least(0), default=16)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--max-chars", type=at_least(1), default=1200)
+    run.add_argument("--threads", type=at_least(1), default=1, help="torch threads")
+    run.add_argument(
+        "--dtype", default="float32", help="serve and adapt the head on the target in this dtype ('': its recipe's)"
+    )
     args = parser.parse_args(argv)
     if args.command == "rejected":
         rejected(args)

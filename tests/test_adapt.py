@@ -21,10 +21,12 @@ from draftsmith.adapt.config import AdaptConfig
 from draftsmith.adapt.rounds import Adapter, serving_head
 from draftsmith.checkpoint_files import load_torch
 from draftsmith.data_prep.chat import render_prompt
+from draftsmith.data_prep.dataset import LOSS_WEIGHT
 from draftsmith.data_prep.features import FeatureDataset, hf_compute
-from draftsmith.data_prep.traffic import TrafficStore
+from draftsmith.data_prep.traffic import ACCEPTED, REJECTED, SERVED_DRAFT, TrafficStore
 from draftsmith.errors import UserError
 from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.target import load_target, load_tokenizer
 from draftsmith.train.checkpoints import state_dir
@@ -413,3 +415,69 @@ def test_a_store_drops_requests_older_than_its_age_bound(deployed, tmp_path, cap
     del store
     reopened = TrafficStore.for_target(tmp_path / "t", target, tokenizer, str(deployed["target"]), LAYERS, max_age=3600)
     assert not idle.exists() and len(reopened.shards()) == 2 and reopened.dropped == 2
+
+
+def test_rejected_weights_reach_a_rounds_loss(deployed, tmp_path):
+    """Issue 56 item 4 on the tiny deployed head: requests served by it are captured with where its drafts
+    were rejected; a round with adapt.rejected_weight w trains its traffic rows with weight w there and 1
+    elsewhere, which changes the loss and the trained head; weights of 1 are the uniform loss exactly."""
+    target, tokenizer = deployed["model"], load_tokenizer(str(deployed["target"]))
+    store = TrafficStore.for_target(tmp_path / "traffic", target, tokenizer, str(deployed["target"]), LAYERS)
+    drafter = build_drafter(f"eagle3:{deployed['head']}?{AdaptConfig.judge_drafter}", target)
+    decoder = SpeculativeDecoder(target, drafter, eos_ids=set(), capture=store)
+    for i in range(8):
+        decoder.generate(render_prompt(tokenizer, [{"role": "user", "content": f"Sum {i} numbers in Go."}]), 16)
+    store.flush()
+    served = FeatureDataset(tmp_path / "traffic" / "train").per_token(SERVED_DRAFT)
+    assert sum(row.count(REJECTED) for row in served) and sum(row.count(ACCEPTED) for row in served)
+    fields = {"traffic": str(tmp_path / "traffic"), "replay_fraction": 0.0, "margin": -100.0, "round_steps": 2}
+    adapter = Adapter(_config(deployed, tmp_path / "w8", rejected_weight=8.0, **fields))
+    data = adapter.split(1, since=0)
+    rows = [data.train[i] for i in range(len(data.train))]
+    for row, index in zip(rows, data.split.train):
+        expected = [8.0 if outcome == REJECTED else 1.0 for outcome in served[index]]
+        assert row[LOSS_WEIGHT].tolist() == expected and SERVED_DRAFT not in row
+    head = adapter.kind.training.task.head_class.from_pretrained(deployed["head"], adapter.target)
+    task = adapter.kind.training.task(adapter.recipe, adapter.target, head)
+    batch = task.collate(rows)
+    uniform_batch = {key: value for key, value in batch.items() if key != LOSS_WEIGHT}
+    with torch.no_grad():
+        weighted_loss = task.loss(head, batch, training=False)[0]
+        uniform = task.loss(head, uniform_batch, training=False)[0]
+        ones = task.loss(head, {**batch, LOSS_WEIGHT: torch.ones_like(batch[LOSS_WEIGHT])}, training=False)[0]
+    assert torch.equal(ones, uniform) and not torch.allclose(weighted_loss, uniform)
+    # The same round (traffic, seed, steps) trains another head under w = 8 than under w = 1.
+    trained = {}
+    for weight in (1.0, 8.0):
+        out = tmp_path / f"round-w{weight:g}"
+        assert Adapter(_config(deployed, out, rejected_weight=weight, **fields)).run(1)[0].verdict["promoted"]
+        trained[weight] = Eagle3Head.from_pretrained(serving_head(out)).state_dict()
+    assert any(not torch.equal(trained[1.0][k], trained[8.0][k]) for k in trained[1.0])
+
+
+def test_eval_run_capture_records_the_served_heads_generations_and_drafts(deployed, tmp_path):
+    """eval/run.py --capture keeps the generations of the first --drafter that reads the store's layers
+    (the served head), with its draft outcomes; greedy, they are plain decoding's tokens."""
+    from draftsmith.eval.run import main as run
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Write function {i} in C."}) + "\n" for i in range(3)))
+    argv = ["--target", str(deployed["target"]), "--dtype", "float32", "--prompts", str(prompts), "--max-new-tokens"]
+    argv += ["12", "--drafter", "prompt_lookup", "--drafter", f"eagle3:{deployed['head']}?{AdaptConfig.judge_drafter}"]
+    run(argv + ["--capture", str(tmp_path / "c"), "--out", str(tmp_path / "out")])
+    store = FeatureDataset(tmp_path / "c" / "train")
+    outcomes = store.per_token(SERVED_DRAFT)
+    assert len(store) == 3 and REJECTED in outcomes[0] + outcomes[1] + outcomes[2]
+    # The head's outcomes, not prompt lookup's: the same requests served by the head alone record the same.
+    target, tokenizer = deployed["model"], load_tokenizer(str(deployed["target"]))
+    alone = TrafficStore.for_target(tmp_path / "alone", target, tokenizer, str(deployed["target"]), LAYERS)
+    head = build_drafter(f"eagle3:{deployed['head']}?{AdaptConfig.judge_drafter}", target)
+    served = SpeculativeDecoder(target, head, tokenizer, capture=alone)
+    for prompt, _ in _replies(tmp_path / "c"):
+        served.generate(prompt, 12)
+    alone.flush()
+    assert FeatureDataset(tmp_path / "alone" / "train").per_token(SERVED_DRAFT) == outcomes
+    plain = SpeculativeDecoder(target, None, tokenizer)  # greedy: the plain replies
+    assert [reply for _, reply in _replies(tmp_path / "c")] == [
+        plain.generate(p, 12).tokens for p, _ in _replies(tmp_path / "c")
+    ]
