@@ -19,7 +19,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from draftsmith.config import Range
-from draftsmith.errors import UsageError
+from draftsmith.errors import UsageError, UserError, one_line
 
 
 @dataclass(frozen=True)
@@ -165,16 +165,25 @@ def _load() -> None:
     _loaded = True  # first: a declaration that looks kinds up while it loads sees those loaded so far
     try:
         for point in entry_points(group=ENTRY_POINTS):
-            kind = point.load()
-            if not isinstance(kind, DrafterKind) or kind.name != point.name:
-                raise TypeError(
-                    f"entry point {point.name} = {point.value} (group {ENTRY_POINTS}) must name the "
-                    f"DrafterKind called {point.name!r}, not {kind!r}"
-                )
-            register(kind)
+            register(_declared(point))
     except BaseException:
         _loaded = False  # the next lookup tries again (and fails the same way) rather than see a part
         raise
+
+
+def _declared(point) -> DrafterKind:
+    """The kind an entry point names; one that does not load, or names no such kind, is a one-line
+    error naming the line and the package that installed it (a broken plugin is the installation's
+    problem, not draftsmith's: no traceback, and not skipped, so no kind goes missing unsaid)."""
+    where = f"entry point {point.name} = {point.value} (group {ENTRY_POINTS}"
+    where += f", installed by {point.dist.name} {point.dist.version})" if point.dist else ")"
+    try:
+        kind = point.load()
+    except Exception as err:
+        raise UserError(f"{where} does not load: {type(err).__name__}: {one_line(err)}; fix or uninstall it") from err
+    if not isinstance(kind, DrafterKind) or kind.name != point.name:
+        raise UserError(f"{where} must name the DrafterKind called {point.name!r}, not {one_line(repr(kind))}")
+    return kind
 
 
 def register(kind: DrafterKind) -> None:

@@ -75,6 +75,15 @@ TOY_CHECKS = textwrap.dedent(
 )
 
 
+def installed(tmp_path: Path, line: str) -> dict:
+    """An environment in which a distribution's metadata declares the kind entry point ``line``."""
+    dist = tmp_path / "toy_kind-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-kind\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINTS}]\n{line}\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(HERE), os.environ.get("PYTHONPATH", "")])}
+
+
 def test_the_registry_is_complete_on_import():
     """A fresh interpreter's first lookup finds every kind its entry points declare: nothing to call first."""
     code = (
@@ -92,13 +101,9 @@ def test_a_new_kind_is_its_own_file_and_one_entry_point_line(tmp_path):
     """What a package adding a kind ships: its module and, in its metadata, one line naming the
     declaration. Shared code (the spec parser, eval/run.py --help, build_drafter, the engine, the
     hybrid, draftsmith-train, draftsmith-export) takes the kind from the registry unchanged."""
-    dist = tmp_path / "toy_kind-0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-kind\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINTS}]\ntoy = toy_kind:KIND\n")  # the one line
+    env = installed(tmp_path, "toy = toy_kind:KIND")  # the one line
     recipe = tmp_path / "toy.yaml"
     recipe.write_text("drafter:\n  kind: toy\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(HERE), os.environ.get("PYTHONPATH", "")])}
     script = f"RECIPE = {str(recipe)!r}\n{TOY_CHECKS}"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -116,6 +121,37 @@ def test_a_new_kind_is_its_own_file_and_one_entry_point_line(tmp_path):
     assert found["trained"] == f"toy trained on {recipe}"
     assert found["export"].startswith("--format speculators cannot hold toy drafters: speculators 0.9.0 has models for")
     assert found["export"].endswith("; export toy drafters with no format (nothing to export)")
+
+
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        (
+            "toy = no_such_module:KIND",
+            "does not load: ModuleNotFoundError: No module named 'no_such_module'; fix or uninstall it",
+        ),
+        (
+            "toy = toy_kind:RepeatDrafter",
+            "must name the DrafterKind called 'toy', not <class 'toy_kind.RepeatDrafter'>",
+        ),
+        ("toy = toy_kind:KIND", None),  # negative control: the same package, its line right
+    ],
+)
+def test_a_broken_kind_entry_point_is_one_line_naming_it_and_its_package(tmp_path, line, why):
+    """Another package's entry point that does not load, or names no kind of its name, stops the
+    first lookup (eval/run.py --help) with one line naming the line and its package, exit 2: no
+    traceback, and not skipped (its kind would be missing unsaid)."""
+    code = "import sys; sys.argv[0] = 'draftsmith-eval'; from draftsmith.eval.run import cli; cli()"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "--help"], capture_output=True, text=True, env=installed(tmp_path, line)
+    )
+    if why is None:
+        assert (done.returncode, done.stderr) == (0, "") and "\n  toy\n" in done.stdout
+        return
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        f"draftsmith-eval: error: entry point {line} (group {ENTRY_POINTS}, installed by toy-kind 0) {why}\n"
+    )
 
 
 def test_the_kinds_rule_refuses_shared_code_importing_a_kind_and_kinds_importing_those_they_do_not_build_on():
