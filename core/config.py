@@ -10,10 +10,12 @@ recipe fails at start-up instead of hours into a run.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import re
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -213,6 +215,23 @@ def field_ranges(cls: type) -> dict[str, Range]:
     return {name: allowed for name, allowed in ranges.items() if allowed is not None}
 
 
+def ranged(allowed: Range) -> Callable[[str], float]:
+    """An argparse ``type`` for a flag that sets a recipe field (``eval/run.py --adapt-lr``): a number
+    in the field's declared range ``allowed`` (:func:`field_ranges`), so a flag takes what the field takes."""
+
+    def parse(raw: str) -> float:
+        try:
+            value = int(raw) if allowed.integer else float(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {raw!r}") from None
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {raw}")
+        return value
+
+    parse.__name__ = str(allowed)
+    return parse
+
+
 def check_ranges(obj: Any, where: str = "") -> None:
     """Refuse a field of config dataclass ``obj`` (the section at key path ``where``) whose value is
     outside its declared range, in one line naming the key, the range and the value (null, where the
@@ -333,6 +352,7 @@ __all__ = [
     "RecipeError",
     "check_ranges",
     "field_ranges",
+    "ranged",
     "from_dict",
     "to_dict",
     "parse_overrides",

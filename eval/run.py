@@ -22,7 +22,7 @@ import torch
 from draftsmith.adapt.config import AdaptConfig
 from draftsmith.adapt.online import adapt_stream, window_table
 from draftsmith.adapt.rounds import adaptable_kind
-from draftsmith.config import from_dict, read_recipe_file
+from draftsmith.config import field_ranges, from_dict, ranged, read_recipe_file
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
 from draftsmith.data_prep.traffic import TrafficStore
@@ -147,10 +147,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=20,
         help="--adapt: optimiser steps per round (0: the frozen head's curve)",
     )
-    parser.add_argument("--adapt-lr", type=float, default=AdaptConfig.learning_rate, help="--adapt: learning rate")
+    adapt_ranges = field_ranges(AdaptConfig)  # the flags below set these fields: they take what the fields take
+    parser.add_argument(
+        "--adapt-lr",
+        type=ranged(adapt_ranges["learning_rate"]),
+        default=AdaptConfig.learning_rate,
+        help="--adapt: learning rate",
+    )
     parser.add_argument(
         "--adapt-rejected-weight",
-        type=float,
+        type=ranged(adapt_ranges["rejected_weight"]),
         default=AdaptConfig.rejected_weight,
         help="--adapt: loss weight of the positions where the head's draft was rejected "
         "(adapt.rejected_weight; 1: uniform)",
@@ -177,8 +183,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} bounds the --capture store: give --capture DIR too")
     if args.capture and Path(args.capture).exists() and not Path(args.capture).is_dir():  # before a model load
         parser.error(f"--capture {args.capture} is a file: give a folder (it holds the captured requests)")
-    if not args.adapt_rejected_weight >= 1:
-        parser.error(f"--adapt-rejected-weight must be >= 1 (1: uniform), got {args.adapt_rejected_weight}")
     if args.adapt and (len(args.drafter) != 1 or args.hf_baseline):
         parser.error("--adapt runs one --drafter (a trained head) and no --hf-baseline")
     if not args.drafter:

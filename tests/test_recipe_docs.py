@@ -167,6 +167,27 @@ def test_an_out_of_range_number_is_refused_in_one_line_naming_the_key_the_range_
         load_recipe(Recipe, None, ["data.limit=0"])
 
 
+def test_a_flag_that_sets_a_recipe_field_takes_that_fields_declared_range(capsys):
+    """eval/run.py --adapt-lr and --adapt-rejected-weight set adapt.learning_rate and
+    adapt.rejected_weight without reading a recipe: out of the fields' ranges (NaN included) they are
+    one line, exit 2; inside, they parse (negative control)."""
+    from draftsmith.eval.run import parse_args
+
+    base = ["--drafter", "eagle3:x", "--adapt", "4"]
+    for flag, value, allowed in (
+        ("--adapt-lr", "-1", "a number > 0"),
+        ("--adapt-lr", "nan", "a number > 0"),
+        ("--adapt-rejected-weight", "0.5", "a number >= 1"),
+        ("--adapt-rejected-weight", "x", None),
+    ):
+        why = f"must be {allowed}, got {value}" if allowed else f"expected a number >= 1, got {value!r}"
+        assert_user_error(
+            capsys, rf"argument {flag}: {re.escape(why)} \(see --help\)$", parse_args, [*base, flag, value]
+        )
+    args = parse_args([*base, "--adapt-lr", "1e-4", "--adapt-rejected-weight", "4"])
+    assert (args.adapt_lr, args.adapt_rejected_weight) == (1e-4, 4.0)
+
+
 def test_help_prints_each_numbers_range_beside_its_meaning(capsys):
     with pytest.raises(SystemExit):
         dspark_main(["--help"])
