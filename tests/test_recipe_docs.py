@@ -11,7 +11,7 @@ import typing
 from typing import Annotated
 
 import pytest
-from cli_helpers import assert_user_error
+from cli_helpers import assert_user_error, user_error
 
 from draftsmith.adapt.cli import main as adapt_main
 from draftsmith.adapt.config import AdaptRecipe
@@ -169,8 +169,8 @@ def test_an_out_of_range_number_is_refused_in_one_line_naming_the_key_the_range_
 
 def test_a_flag_that_sets_a_recipe_field_takes_that_fields_declared_range(capsys):
     """eval/run.py --adapt-lr and --adapt-rejected-weight set adapt.learning_rate and
-    adapt.rejected_weight without reading a recipe: out of the fields' ranges (NaN included) they are
-    one line, exit 2; inside, they parse (negative control)."""
+    adapt.rejected_weight without reading a recipe, --temperature eval.temperature: out of the fields'
+    ranges (NaN included) they are one line, exit 2; inside, they parse (negative control)."""
     from draftsmith.eval.run import parse_args
 
     base = ["--drafter", "eagle3:x", "--adapt", "4"]
@@ -186,6 +186,11 @@ def test_a_flag_that_sets_a_recipe_field_takes_that_fields_declared_range(capsys
         )
     args = parse_args([*base, "--adapt-lr", "1e-4", "--adapt-rejected-weight", "4"])
     assert (args.adapt_lr, args.adapt_rejected_weight) == (1e-4, 4.0)
+    # eval.temperature's flag: NaN is refused as a negative is (it reached the model and crashed there)
+    for value in ("-1", "nan"):
+        line = user_error(capsys, parse_args, ["--drafter", "prompt_lookup", "--temperature", value])
+        assert line.endswith(f"error: --temperature must be >= 0, got {float(value)} (see --help)"), line
+    assert parse_args(["--drafter", "prompt_lookup", "--temperature", "0.7"]).sampling.temperature == 0.7
 
 
 def test_help_prints_each_numbers_range_beside_its_meaning(capsys):
