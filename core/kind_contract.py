@@ -25,12 +25,15 @@ DECLARATIONS = "draftsmith.plugins"
 
 
 def owners(kinds: Mapping[str, DrafterKind], modules: Iterable[str]) -> dict[str, str]:
-    """Each of ``modules`` that is a kind's own, with that kind's name; a module two kinds claim is an error."""
-    present, found = set(modules), {}
-    for name, kind in kinds.items():
-        for module in kind.own_modules() & present:
-            if found.setdefault(module, name) != name:
-                raise ValueError(f"{module} is declared the own module of two kinds: {found[module]} and {name}")
+    """Each of ``modules`` that is a kind's own, with that kind's name: an own module and, where one
+    is a package (``heads/<kind>/``), every module inside it, so splitting a kind's file into a
+    package keeps it the kind's; a module two kinds claim is an error."""
+    found = {}
+    for module in modules:
+        for name, kind in kinds.items():
+            if any(module == own or module.startswith(own + ".") for own in kind.own_modules()):
+                if found.setdefault(module, name) != name:
+                    raise ValueError(f"{module} is declared the own module of two kinds: {found[module]} and {name}")
     return found
 
 

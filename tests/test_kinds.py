@@ -168,23 +168,26 @@ def test_the_kinds_rule_refuses_shared_code_importing_a_kind_and_kinds_importing
         "draftsmith.train.distill",
         "draftsmith.heads.draft_lm",
         "draftsmith.plugins.orphan",
+        "draftsmith.heads.eagle3.layers",  # a kind's module split into a package stays the kind's
     ]
     allowed = [
         ("draftsmith.heads.peagle", "draftsmith.heads.eagle3"),  # builds on eagle3
         ("draftsmith.heads.peagle", "draftsmith.heads.eagle"),  # and through it on eagle
         ("draftsmith.train.distill", "draftsmith.heads.draft_lm"),  # the draft LM's own (declared) trainer
         ("draftsmith.heads.eagle3", "draftsmith.export.speculators"),  # a kind imports shared code
+        ("draftsmith.heads.peagle", "draftsmith.heads.eagle3.layers"),  # and what it builds on, packages too
     ]
     refused = [
         ("draftsmith.export.speculators", "draftsmith.heads.eagle3"),  # shared code
         ("draftsmith.eval.engine.drafters.hybrid", "draftsmith.eval.engine.drafters.eagle"),  # builds on none
         ("draftsmith.heads.eagle", "draftsmith.heads.eagle3"),  # eagle does not build on eagle3
+        ("draftsmith.export.speculators", "draftsmith.heads.eagle3.layers"),  # shared code, into the package
     ]
     found = broken(modules, allowed + refused, registered())
     assert [(importer, imported) for importer, imported, _ in found] == sorted(refused) + [
         ("draftsmith.plugins.orphan", "")
     ]
-    assert "shared code imports no kind" in found[1][2] and "builds_on=('eagle3',)" in found[2][2]
+    assert "shared code imports no kind" in found[2][2] and "builds_on=('eagle3',)" in found[3][2]
 
 
 def test_the_kinds_contract_breaks_on_the_real_graph_when_shared_code_imports_a_kind():
