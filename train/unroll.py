@@ -142,23 +142,32 @@ def segment_attention(
     checkpointing where gradients flow: no ``n x n`` tensor is built or saved."""
     batch, heads, n = query.shape[:3]
     rows = max(1, ATTENTION_CHUNK // (batch * heads * n))
+    # A chunk reads pass 0's keys up to its last query, rounded up to an eighth of the row: a few
+    # shapes, not one per chunk (oneDNN keeps a primitive and its scratch memory per bf16 matmul
+    # shape, which grew with the square of the length).
+    span = max(rows, -(-n // 8))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     parts = []
     for start in range(0, n, rows):
-        args = (query, key, value, segments, start, min(n, start + rows), scaling, dropout, module.training)
+        stop = min(n, start + rows)
+        width = min(n, -(-stop // span) * span)
+        args = (query, key, value, segments, start, stop, width, scaling, dropout, module.training)
         parts.append(checkpoint(_attention_rows, *args, use_reentrant=False) if grad else _attention_rows(*args))
     return torch.cat(parts, dim=3).flatten(1, 2).transpose(1, 2).contiguous(), None
 
 
-def _attention_rows(query, key, value, segments, start: int, stop: int, scaling: float, dropout: float, training: bool):
+def _attention_rows(
+    query, key, value, segments, start: int, stop: int, width: int, scaling: float, dropout: float, training: bool
+):
     """Queries ``start:stop`` of :func:`segment_attention`, ``[b, kv_heads, group, stop - start, d]``:
-    scores over pass 0's keys up to ``stop`` (none later is visible) and the diagonals of later passes."""
+    scores over pass 0's first ``width`` (>= ``stop``) keys (none past ``stop`` is visible) and the
+    diagonals of later passes."""
     heads, n = query.shape[1], query.shape[2]
     kv_heads, passes = key.shape[1], key.shape[2] // n
     q = query[:, :, start:stop].unflatten(1, (kv_heads, heads // kv_heads))  # [b, kv, g, c, d]
-    scores = q @ key[:, :, None, :stop].transpose(-1, -2) * scaling  # [b, kv, g, c, stop]
-    causal = torch.arange(stop, device=q.device)[None, :] <= torch.arange(start, stop, device=q.device)[:, None]
-    allowed = causal & (segments[:, start:stop, None] == segments[:, None, :stop])  # [b, c, stop]
+    scores = q @ key[:, :, None, :width].transpose(-1, -2) * scaling  # [b, kv, g, c, width]
+    causal = torch.arange(width, device=q.device)[None, :] <= torch.arange(start, stop, device=q.device)[:, None]
+    allowed = causal & (segments[:, start:stop, None] == segments[:, None, :width])  # [b, c, width]
     scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(scores.dtype).min)
     if passes > 1:
         ancestors_k = key[:, :, None, n:].unflatten(3, (passes - 1, n))[..., start:stop, :]  # [b, kv, 1, j, c, d]
@@ -166,9 +175,9 @@ def _attention_rows(query, key, value, segments, start: int, stop: int, scaling:
         diagonal = (q.unsqueeze(3) * ancestors_k).sum(-1) * scaling  # [b, kv, g, j, c]
         scores = torch.cat([scores, diagonal.transpose(-1, -2)], dim=-1)
     probs = F.dropout(scores.softmax(-1, dtype=torch.float32).to(q.dtype), p=dropout, training=training)
-    out = probs[..., :stop] @ value[:, :, None, :stop]
+    out = probs[..., :width] @ value[:, :, None, :width]
     if passes > 1:
-        out = out + (probs[..., stop:].transpose(-1, -2).unsqueeze(-1) * ancestors_v).sum(3)
+        out = out + (probs[..., width:].transpose(-1, -2).unsqueeze(-1) * ancestors_v).sum(3)
     return out
 
 
