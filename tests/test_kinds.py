@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grimp
 import pytest
+from cli_helpers import user_error
 
 from draftsmith.errors import CheckpointError
 from draftsmith.heads.exported import EXPORT_KEY, native_state
@@ -256,3 +257,15 @@ def test_calibrate_tree_hands_a_checkpoint_to_its_kind_and_refuses_kinds_without
     assert "eagle3 drafters have no tree to calibrate here (kinds that do: medusa)" in capsys.readouterr().err
     main(["--help"])
     assert "--max-budget" in capsys.readouterr().out  # Medusa's options, from its own parser
+    # Medusa's own options refuse bad values in one line before any model loads (they were tracebacks)
+    (tmp_path / "config.json").write_text(json.dumps({"draftsmith_kind": "medusa"}))
+    for flag, value, why in (
+        ("--max-budget", "0", "must be >= 1, got 0"),
+        ("--sizes", "1,x", "expected comma-separated token counts >= 1, got '1,x'"),
+        ("--sizes", "0,4", "expected comma-separated token counts >= 1, got '0,4'"),
+    ):
+        line = user_error(capsys, main, [str(tmp_path), flag, value])
+        assert line.endswith(f"error: argument {flag}: {why} (see --help)"), line
+    from draftsmith.eval.engine.drafters.medusa import pass_sizes
+
+    assert pass_sizes("1,2, 4") == [1, 2, 4]  # negative control (a whole calibration: tests/test_medusa.py)

@@ -14,6 +14,7 @@ measured head accuracies, and their calibration to the device (:func:`calibrate_
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import statistics
 from pathlib import Path
@@ -28,7 +29,7 @@ from draftsmith.config import RecipeError, from_dict, read_yaml
 from draftsmith.data_prep.dataset import build_dataset, pad_batch
 from draftsmith.data_prep.regenerate import prepare_data_config
 from draftsmith.data_prep.sharegpt import DataError
-from draftsmith.errors import ArgumentParser, CheckpointError, UsageError
+from draftsmith.errors import ArgumentParser, CheckpointError, UsageError, at_least
 from draftsmith.eval.engine.drafters.base import DraftContext, Drafter, DrafterSpec, StepResult
 from draftsmith.eval.engine.pass_cost import measure_pass_cost
 from draftsmith.eval.engine.sampling import choose
@@ -307,6 +308,17 @@ def calibrate(rank_acc: list[list[float]], costs: dict[int, float], draft_cost: 
     return curve
 
 
+def pass_sizes(raw: str) -> list[int]:
+    """``--sizes``: comma-separated pass sizes in tokens, each at least 1 (a bad one is argparse's one-line error)."""
+    try:
+        sizes = [int(size) for size in raw.split(",")]
+    except ValueError:
+        sizes = [0]  # not a number: refused below, as a size of 0 is
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts >= 1, got {raw!r}")
+    return sizes
+
+
 def calibrate_tree(argv: list[str]) -> dict:
     """Medusa's ``python eval/calibrate_tree.py CHECKPOINT [...]``: each head's top-k accuracy on the
     checkpoint's held-out data, every budget's optimal tree under those accuracies
@@ -320,10 +332,11 @@ def calibrate_tree(argv: list[str]) -> dict:
         "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where it is fast here (measured), else fp32"
     )
     parser.add_argument("--device", default=None)
-    parser.add_argument("--limit", type=int, default=None, help="held-out conversations to measure accuracy on")
-    parser.add_argument("--max-budget", type=int, default=64, help="largest tree (nodes) considered")
+    parser.add_argument("--limit", type=at_least(1), default=None, help="held-out conversations to measure accuracy on")
+    parser.add_argument("--max-budget", type=at_least(1), default=64, help="largest tree (nodes) considered")
     parser.add_argument(
         "--sizes",
+        type=pass_sizes,
         default="1,2,3,4,6,8,12,16,24,32,48,64,80",
         help="pass sizes (tokens) measured; others are interpolated",
     )
@@ -351,7 +364,7 @@ def calibrate_tree(argv: list[str]) -> dict:
     accuracy = measure_head_accuracy(verifier, heads, held_out)
     rank_acc = rank_accuracy(accuracy)
 
-    sizes = sorted({int(s) for s in args.sizes.split(",")} | {1})
+    sizes = sorted(set(args.sizes) | {1})
     sizes = [s for s in sizes if s <= args.max_budget + 1] + [s for s in sizes if s > args.max_budget + 1][:1]
     costs = measure_pass_cost(CausalLMRunner(verifier), sizes=tuple(sizes))
     draft_cost = measure_draft_cost(heads)
