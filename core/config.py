@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import re
 import types
 from collections.abc import Callable
@@ -40,7 +41,8 @@ class Range:
     def __contains__(self, value: object) -> bool:
         if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
             return False
-        # Written so that NaN is outside every range.
+        if not math.isfinite(value):  # NaN, and .inf on an unbounded side (a learning rate of inf trains to NaN)
+            return False
         above = self.low is None or (value > self.low if self.open_low else value >= self.low)
         below = self.high is None or (value < self.high if self.open_high else value <= self.high)
         return above and below

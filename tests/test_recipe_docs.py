@@ -153,6 +153,7 @@ def test_an_out_of_range_number_is_refused_in_one_line_naming_the_key_the_range_
         ("--drafter.block_size", "65"): r"drafter\.block_size must be an integer in \[2, 64\], got 65",
         ("--data.regenerate.top_p", "0"): r"data\.regenerate\.top_p must be a number in \(0, 1\], got 0\.0",
         ("--drafter.decay_gamma", ".nan"): r"drafter\.decay_gamma must be a number > 0, got nan",
+        ("--training.learning_rate", ".inf"): r"training\.learning_rate must be a number > 0, got inf",
     }.items():
         pattern = rf"{source} \(with command-line overrides\): {message}$"
         line = assert_user_error(capsys, pattern, dspark_main, [str(recipe), *override])
