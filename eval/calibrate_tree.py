@@ -3,7 +3,7 @@
 The checkpoint's kind calibrates it (``DrafterKind.calibrate``, with its own options): Medusa's
 measures each head's held-out accuracy, the optimal static tree of every size and this device's pass
 costs, and writes the fastest tree to ``CHECKPOINT/tree.yaml``, which its drafter then uses by
-default (:func:`draftsmith.eval.engine.drafters.medusa.calibrate_tree`).
+default (:func:`draftsmith.eval.medusa_calibration.calibrate_tree`).
 
     python eval/calibrate_tree.py runs/smollm2-medusa/checkpoint-final --dtype bfloat16
 """

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from draftsmith.config import COUNT
 from draftsmith.errors import UsageError
+from draftsmith.eval import medusa_calibration
 from draftsmith.eval.engine.drafters import medusa
 from draftsmith.export import medusa as official
 from draftsmith.export import vllm_medusa
@@ -67,5 +68,6 @@ KIND = DrafterKind(
     copied=("tree.yaml", ADAPTER),  # the calibrated tree and a Medusa-2 LoRA adapter travel along
     serve=serve,
     chain=chain,
-    calibrate=medusa.calibrate_tree,
+    calibrate=medusa_calibration.calibrate_tree,
+    modules=("draftsmith.eval.medusa_calibration",),  # its calibration, a harness job outside the engine
 )

@@ -266,6 +266,6 @@ def test_calibrate_tree_hands_a_checkpoint_to_its_kind_and_refuses_kinds_without
     ):
         line = user_error(capsys, main, [str(tmp_path), flag, value])
         assert line.endswith(f"error: argument {flag}: {why} (see --help)"), line
-    from draftsmith.eval.engine.drafters.medusa import pass_sizes
+    from draftsmith.eval.medusa_calibration import pass_sizes
 
     assert pass_sizes("1,2, 4") == [1, 2, 4]  # negative control (a whole calibration: tests/test_medusa.py)
