@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from draftsmith.assets import asset_path, cache_root
 from draftsmith.atomic import staged
 from draftsmith.data_prep.chat import tokenize_conversation
-from draftsmith.data_prep.packing import pack_batch
+from draftsmith.data_prep.packing import LOSS_WEIGHT, pack_batch
 from draftsmith.data_prep.sharegpt import BUNDLED, DataError, load_conversations
 from draftsmith.recipe import DataConfig
 
@@ -254,9 +254,6 @@ def _load(folder: Path, cfg: DataConfig, verbose: bool) -> datasets.DatasetDict:
                 "training without held-out metrics; raise data.limit or data.held_out_fraction to get them"
             )
     return dataset
-
-
-LOSS_WEIGHT = "loss_weight"  # a row's per-token loss weights, where it has them (draftsmith.adapt.weights)
 
 
 def pad_batch(rows: list[dict] | list[list[dict]]) -> dict:

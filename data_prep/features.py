@@ -409,7 +409,8 @@ def extract_features(
     return write_store(data, root, compute, identity, shard_size, show, size)
 
 
-PER_TOKEN = ("served_draft",)  # int8 per-token keys a shard may hold beside its features (write_shard)
+SERVED_DRAFT = "served_draft"  # shard key: the served drafter's outcome at each token (int8; data_prep.traffic)
+PER_TOKEN = (SERVED_DRAFT,)  # int8 per-token keys a shard may hold beside its features (write_shard)
 
 
 class FeatureDataset(Dataset):

@@ -24,6 +24,7 @@ from transformers.masking_utils import (
 
 from draftsmith.errors import UserError
 
+LOSS_WEIGHT = "loss_weight"  # a row's per-token loss weights, where it has them (draftsmith.adapt.weights)
 PACK_WINDOW = 1024  # conversations packed together (then cut into batches, which are shuffled)
 # transformers' mask of each attention layer type (the keys of a config's ``layer_types``).
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
@@ -84,9 +85,9 @@ def pack_batch(rows: list[list[dict]]) -> dict:
     features = [key for key in ("hidden", "aux") if key in first]
     for key in features:
         batch[key] = torch.zeros(len(rows), longest, first[key].shape[-1], dtype=first[key].dtype)
-    weighted = any("loss_weight" in c for row in rows for c in row)  # adapt.rejected_weight's; 1 where absent
+    weighted = any(LOSS_WEIGHT in c for row in rows for c in row)  # adapt.rejected_weight's; 1 where absent
     if weighted:
-        batch["loss_weight"] = torch.ones(len(rows), longest)
+        batch[LOSS_WEIGHT] = torch.ones(len(rows), longest)
     for i, row in enumerate(rows):
         at = 0
         for segment, conversation in enumerate(row, start=1):
@@ -97,8 +98,8 @@ def pack_batch(rows: list[list[dict]]) -> dict:
             batch["position_ids"][i, at : at + n] = torch.arange(n)
             for key in features:
                 batch[key][i, at : at + n] = conversation[key]
-            if weighted and "loss_weight" in conversation:
-                batch["loss_weight"][i, at : at + n] = torch.as_tensor(conversation["loss_weight"], dtype=torch.float32)
+            if weighted and LOSS_WEIGHT in conversation:
+                batch[LOSS_WEIGHT][i, at : at + n] = torch.as_tensor(conversation[LOSS_WEIGHT], dtype=torch.float32)
             at += n
     return batch
 

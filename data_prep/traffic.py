@@ -38,13 +38,12 @@ import torch
 
 from draftsmith.atomic import staged
 from draftsmith.checkpoint_files import read_json
-from draftsmith.data_prep.features import FeatureDataset, check_identity, store_identity, write_shard
+from draftsmith.data_prep.features import SERVED_DRAFT, FeatureDataset, check_identity, store_identity, write_shard
 from draftsmith.errors import UserError
 from draftsmith.timing import age_seconds
 
 SPLIT = "train"
 LOCK = ".lock"
-SERVED_DRAFT = "served_draft"  # shard key: the served drafter's outcome at each token (int8)
 NOT_DRAFTED, ACCEPTED, REJECTED = 0, 1, 2  # its values
 _SHARD = re.compile(r"shard-(\d+)\.safetensors$")
 

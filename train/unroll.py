@@ -452,8 +452,9 @@ def unrolled_loss(
     sum of ``decay ** j`` x every pass's row losses over the rows all passes score.
 
     ``weights`` ``[b, L]`` (None: uniform): a loss weight per token, applied wherever that token is
-    scored, at every depth; each mean above becomes the weighted mean ``sum(w * loss) / sum(w)`` over
-    its rows (``adapt.rejected_weight``: heavier where the served draft was rejected). Metrics stay
+    scored, at every depth; each token-loss mean above becomes the weighted mean ``sum(w * loss) /
+    sum(w)`` over its rows (``adapt.rejected_weight``: heavier where the served draft was rejected);
+    EAGLE-1's feature regression stays unweighted (no kind that adapts trains one). Metrics stay
     unweighted counts. Weights of 1 give the unweighted loss exactly.
     """
     total = outputs[0].new_zeros((), dtype=torch.float32)
