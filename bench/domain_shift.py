@@ -49,7 +49,6 @@ import json
 import random
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -70,6 +69,7 @@ from draftsmith.errors import ArgumentParser, at_least, report_user_errors
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter, parse_spec
 from draftsmith.target import load_target
+from draftsmith.timing import clock
 
 
 def _first_turn(conversation: dict) -> str:
@@ -140,7 +140,7 @@ def _capture_stream(target, tokenizer, recipe, head: str, prompts: list[list[int
     )
     decoder = SpeculativeDecoder(target, drafter, tokenizer, capture=store)
     produced = passes = 0
-    began = time.monotonic()
+    began = clock(target.device)
     for prompt in prompts:
         gen = decoder.generate(prompt, tokens)
         produced, passes = produced + sum(gen.accepted), passes + gen.steps
@@ -153,7 +153,7 @@ def _capture_stream(target, tokenizer, recipe, head: str, prompts: list[list[int
     return {
         "requests": len(prompts),
         "tau": round(produced / max(passes, 1), 4),
-        "seconds": round(time.monotonic() - began, 1),
+        "seconds": round(clock(target.device) - began, 1),
         "reply_tokens": len(outcomes),
         "accepted": outcomes.count(ACCEPTED),
         "rejected": outcomes.count(REJECTED),
@@ -270,9 +270,9 @@ def rejected(args) -> dict:
     prompts = ids(out / "code-held-out.jsonl")
     counts, seconds = {}, {}
     for name, folder in heads.items():
-        began = time.monotonic()
+        began = clock(target.device)
         counts[name] = acceptance_counts(target, f"eagle3:{folder}?{JUDGE}", prompts, args.max_new_tokens)
-        seconds[name] = round(time.monotonic() - began, 1)
+        seconds[name] = round(clock(target.device) - began, 1)
     record["unseen"] = {"prompts": len(prompts), "counts": counts, "seconds": seconds}
     names = list(heads)
     record["gains"] = {
