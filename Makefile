@@ -2,7 +2,7 @@ PYTHON ?= python3
 # The main job's size; override on the command line, e.g. `make demo TRAIN_MINUTES=10 PER_CATEGORY=2`.
 TRAIN_MINUTES ?= 2.5
 # Start no MT-bench question after this many minutes of decoding (0: no limit).
-EVAL_MINUTES ?= 2.5
+EVAL_MINUTES ?= 2.0
 PER_CATEGORY ?= 1
 MAX_NEW_TOKENS ?= 64
 DEMO_DIR ?= runs/demo
