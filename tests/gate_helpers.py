@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from training_helpers import write_recipe
 
 from draftsmith.export.serve_check import main as check_main
 from draftsmith.vllm_engine import why_unavailable
@@ -43,3 +44,20 @@ def assert_gate_passed(code: int, result: dict, depth: int, first: float = 0.1) 
     # (Acceptance lengths differ by the prompts' last steps: vLLM drafts past max_new_tokens, we do not.)
     assert result["vllm_acceptance_length"] > 1.1 and result["ours_acceptance_length"] > 1.1
     assert min(result["vllm_tok_s"], result["vllm_plain_tok_s"], result["ours_tok_s"], result["ours_plain_tok_s"]) > 0
+
+
+def gate_recipe(root: Path, gate: dict, drafter: dict) -> Path:
+    """A recipe for a head of its own (``drafter``) trained 250 steps on the gate's tiny target and
+    data (``gate``: the ``gate_eagle3`` or ``gate_heads`` fixture), enough for the gate's verdict."""
+    return write_recipe(
+        root,
+        gate["target"],
+        drafter,
+        data=gate["data"],
+        learning_rate=3e-3,
+        lr_schedule="constant",
+        max_steps=250,
+        log_every=50,
+        eval_every=1000,
+        save_every=1000,
+    )

@@ -11,8 +11,11 @@ from draftsmith.train.unroll import unroll
 
 
 def aux_features(target, ids: list[int], layers) -> torch.Tensor:
-    """The target's ``hidden_states[L]`` of ``ids`` for each L in ``layers``, concatenated ``[1, n, k*h]``."""
+    """The target's ``hidden_states[L]`` of ``ids`` for each L in ``layers``, concatenated ``[1, n, k*h]``
+    (``layers`` None: its last hidden state, what an EAGLE-1 head reads)."""
     out = target.get_decoder()(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    if layers is None:
+        return out.last_hidden_state
     return torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
 
 

@@ -19,6 +19,7 @@ import torch
 import yaml
 from cli_helpers import assert_user_error
 from safetensors.torch import load_file
+from speculators_helpers import aux_features
 from stats_helpers import assert_distributed_as_target
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from training_helpers import save_tiny_target, train_offline, write_recipe
@@ -61,13 +62,6 @@ def _head3(target, init: str = "random", draft_vocab=None, seed: int = 1, num_la
     return head.eval()
 
 
-def _features(target, ids: list[int], layers):
-    out = target.get_decoder()(input_ids=torch.tensor([ids]), output_hidden_states=True)
-    if layers is None:
-        return out.last_hidden_state
-    return torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
-
-
 # ---------------------------------------------------------------------------------------------
 # Training-time test == drafting
 
@@ -87,7 +81,7 @@ def test_unrolled_passes_equal_the_engine_drafting_chains(make_tiny_llama, kind)
     ids = [3, 9, 4, 17, 6, 11, 2, 30, 8, 5, 14, 22]
     steps = 4
     with torch.no_grad():
-        features = _features(target, ids, layers)
+        features = aux_features(target, ids, layers)
         outputs = unroll(
             head,
             torch.tensor([ids]),
@@ -116,7 +110,7 @@ def test_later_passes_differ_from_teacher_forced_features(make_tiny_llama):
     head = EagleHead.for_target(target, "tiny", init="random").eval()
     ids = [3, 9, 4, 17, 6, 11, 2, 30]
     with torch.no_grad():
-        features = _features(target, ids, None)
+        features = aux_features(target, ids, None)
         outputs = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long), 2)
         teacher = head(torch.tensor([ids[2:]]), features[:, 1:-1]).last_hidden_state
     assert (outputs[1][0, :-1] - teacher[0]).abs().max() > 1e-2
@@ -160,7 +154,7 @@ def test_chain_sampled_passes_compute_what_the_full_unroll_does_at_their_chains(
     head = _head3(tiny_target)
     ids, padding, loss_mask = _batch()
     steps = 5
-    features = torch.cat([_features(tiny_target, row.tolist(), [0, 1, 2]) for row in ids]).detach()
+    features = torch.cat([aux_features(tiny_target, row.tolist(), [0, 1, 2]) for row in ids]).detach()
     chains = chain_sample(supervised_next(loss_mask, padding), steps, 0.5, 0.25)
     results = []
     for sampled in (None, chains):
@@ -187,8 +181,8 @@ def test_eagle3_chain_sampling_trains_a_decaying_share_of_deep_drafts(tiny_targe
     head = _head3(tiny_target).train()
     ids, padding, loss_mask = _batch()
     batch = {"input_ids": ids, "attention_mask": padding, "loss_mask": loss_mask}
-    features = torch.cat([_features(tiny_target, row.tolist(), [0, 1, 2]) for row in ids]).detach()
-    hidden = torch.cat([_features(tiny_target, row.tolist(), None) for row in ids]).detach()
+    features = torch.cat([aux_features(tiny_target, row.tolist(), [0, 1, 2]) for row in ids]).detach()
+    hidden = torch.cat([aux_features(tiny_target, row.tolist(), None) for row in ids]).detach()
 
     def task_for(ratio: float) -> Eagle3Task:
         drafter = Eagle3DrafterConfig(ttt_steps=4, aux_layers=[0, 1, 2], down_sample_ratio=ratio, draft_vocab_size=None)
@@ -225,7 +219,7 @@ def test_blockwise_unroll_attention_equals_dense_masked_attention_and_skips_mask
     layers = getattr(head, "aux_layers", None)
     ids = torch.tensor([[3, 9, 4, 17, 6, 11, 2, 30, 8, 5, 14, 22], [7, 2, 19, 4, 25, 6, 1, 1, 1, 1, 1, 1]])
     padding = (torch.arange(12) < torch.tensor([[12], [6]])).long()
-    features = torch.cat([_features(target, row.tolist(), layers) for row in ids])[:, :-1].detach()
+    features = torch.cat([aux_features(target, row.tolist(), layers) for row in ids])[:, :-1].detach()
     results = []
     for run in (unroll, _dense_unroll):
         head.zero_grad()
@@ -362,7 +356,7 @@ def test_checkpoint_uses_speculators_names_and_reloads_identically(tiny_target, 
     loaded = Eagle3Head.from_pretrained(tmp_path / "head", tiny_target).eval()
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
-        feats = _features(tiny_target, PROMPT, [0, 1, 2])
+        feats = aux_features(tiny_target, PROMPT, [0, 1, 2])
         a = head.logits(head(ids, feats).last_hidden_state)
         b = loaded.logits(loaded(ids, feats).last_hidden_state)
     assert torch.equal(a, b)
@@ -469,7 +463,7 @@ def test_hass_loss_adds_a_top_k_term_to_the_full_distillation_and_detaches_the_f
     head = EagleHead.for_target(target, "tiny", init="random").eval()
     ids = [3, 9, 4, 17, 6, 11, 2, 30]
     mask, pad = torch.ones(1, len(ids), dtype=torch.bool), torch.ones(1, len(ids), dtype=torch.long)
-    features = _features(target, ids, None).detach()
+    features = aux_features(target, ids, None).detach()
     attached = unroll(head, torch.tensor([ids]), features[:, :-1], pad, 2)
     detached = unroll(head, torch.tensor([ids]), features[:, :-1], pad, 2, detach=True)
     assert torch.autograd.grad(attached[1].sum(), attached[0], allow_unused=True)[0] is not None
@@ -536,7 +530,7 @@ def test_targets_outside_the_draft_vocabulary_get_no_token_loss_when_masked(make
 
     target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
     ids = [3, 9, 4, 17, 6, 11, 2, 30, 5, 12]
-    features = _features(target, ids, None).detach()
+    features = aux_features(target, ids, None).detach()
     with torch.no_grad():
         full_best = target.get_output_embeddings()(features[0, 1:-1]).argmax(-1)  # scores tokens 2..n-1
     vocab = sorted(set(range(0, 48, 2)) - set(full_best[:4].tolist()) | set(full_best[4:].tolist()))
@@ -545,7 +539,7 @@ def test_targets_outside_the_draft_vocabulary_get_no_token_loss_when_masked(make
     assert 0 < missing.sum() < len(missing)
     mask, pad = torch.ones(1, len(ids), dtype=torch.bool), torch.ones(1, len(ids), dtype=torch.long)
     with torch.no_grad():
-        out = head(torch.tensor([ids[1:]]), _features(target, ids, [0, 1, 2])[:, :-1]).last_hidden_state
+        out = head(torch.tensor([ids[1:]]), aux_features(target, ids, [0, 1, 2])[:, :-1]).last_hidden_state
         masked, metrics = unrolled_loss(
             head, [out], features, mask, pad, UnrollLoss(mask_out_of_vocab=True), training=True
         )

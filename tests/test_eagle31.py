@@ -22,7 +22,7 @@ import json
 import pytest
 import torch
 from cli_helpers import assert_user_error
-from gate_helpers import assert_gate_passed, needs_vllm
+from gate_helpers import assert_gate_passed, gate_recipe, needs_vllm
 from safetensors.torch import load_file, save_file
 from speculators_helpers import assert_same_logits, aux_features, draft_logits_both, load_speculators
 from training_helpers import save_tiny_target, write_recipe
@@ -306,18 +306,7 @@ def test_vllm_serves_an_eagle31_export_drafting_what_our_engine_drafts(gate_eagl
     root = tmp_path / "e31"
     root.mkdir()
     drafter = {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048, **BOTH}
-    recipe = write_recipe(
-        root,
-        gate_eagle3["target"],
-        drafter,
-        data=gate_eagle3["data"],
-        learning_rate=3e-3,
-        lr_schedule="constant",
-        max_steps=250,
-        log_every=50,
-        eval_every=1000,
-        save_every=1000,
-    )
+    recipe = gate_recipe(root, gate_eagle3, drafter)
     checkpoint = train_eagle3([str(recipe), "--output_dir", str(root / "run")]).last_checkpoint
     out = tmp_path / "e31-export"
     # 8 prompts x 48 tokens: 4 x 32 left the third position inconclusive (23 / 34 against 27 / 38).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from speculators_helpers import aux_features
 from stats_helpers import SAMPLES, assert_distributed_as_target
 from training_helpers import save_tiny_target, write_recipe
 
@@ -36,21 +37,19 @@ def tiny_target(make_tiny_llama):
     return make_tiny_llama(vocab_size=8, hidden_size=32, layers=3, seed=0, scale=15.0)
 
 
+AUX = (0, 1, 2)  # the aux layers every head here fuses
+
+
 def _head(target, mask: int, draft_vocab=None, init: str = "random", seed: int = 1, num_layers: int = 1) -> PEagleHead:
     torch.manual_seed(seed)
     vocab = torch.tensor(draft_vocab) if draft_vocab is not None else None
     head = PEagleHead.for_target(
-        target, "tiny", [0, 1, 2], vocab, init, mask_token_id=mask, num_depths=4, num_layers=num_layers
+        target, "tiny", list(AUX), vocab, init, mask_token_id=mask, num_depths=4, num_layers=num_layers
     )
     with torch.no_grad():  # move every weight off its start so the test sees the head's own
         for param in head.parameters():
             param.add_(torch.randn_like(param) * 0.3)
     return head.eval()
-
-
-def _features(target, ids: list[int]) -> torch.Tensor:
-    out = target.get_decoder()(input_ids=torch.tensor([ids]), output_hidden_states=True)
-    return torch.cat([out.hidden_states[layer] for layer in (0, 1, 2)], dim=-1)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +67,7 @@ def test_parallel_unroll_equals_one_drafting_pass(make_tiny_llama, draft_vocab, 
     ids = [3, 9, 4, 17, 6, 11, 2, 30, 8, 5, 14, 22]
     steps = 4
     with torch.no_grad():
-        features = _features(target, ids)
+        features = aux_features(target, ids, AUX)
         outputs = unroll(
             head,
             torch.tensor([ids]),
@@ -132,7 +131,7 @@ def test_a_sampled_pass_computes_what_the_full_unroll_does_at_its_chains(make_ti
     loss_mask[:, :6] = 0
     steps = 5
     with torch.no_grad():
-        features = torch.cat([_features(target, row.tolist()) for row in ids])
+        features = torch.cat([aux_features(target, row.tolist(), AUX) for row in ids])
         full = unroll(head, ids, features[:, :-1], padding, steps, head.feedback_input, parallel=True)
         chains = chain_sample(supervised_next(loss_mask, padding), steps, 0.5, 0.25)
         sampled = unroll(head, ids, features[:, :-1], padding, steps, head.feedback_input, parallel=True, chains=chains)
@@ -260,7 +259,7 @@ def test_a_head_of_four_layers_has_vllms_layout_and_saves_and_loads_with_its_lay
     assert config["num_layers"] == 4 and config["target_config"]["num_hidden_layers"] == 4
 
     ids = torch.tensor([[3, 9, 4, 17, 47, 47]])
-    features = _features(target, [3, 9, 4, 17, 6, 11])
+    features = aux_features(target, [3, 9, 4, 17, 6, 11], AUX)
     loaded = PEagleHead.from_pretrained(tmp_path / "ckpt", target).eval()
     served = build_drafter(f"peagle:{tmp_path / 'ckpt'}", target).head
     with torch.no_grad():
@@ -298,7 +297,7 @@ def test_the_drafter_proposes_what_the_parallel_unroll_scores(make_tiny_llama):
     ids = [3, 9, 4, 17, 6, 11, 2, 30, 8, 5, 14, 22]
     t = 5
     with torch.no_grad():
-        features = _features(target, ids)
+        features = aux_features(target, ids, AUX)
         outputs = unroll(
             head,
             torch.tensor([ids]),

@@ -16,9 +16,8 @@ import shutil
 import pytest
 import torch
 from cli_helpers import assert_user_error
-from gate_helpers import assert_gate_passed, needs_vllm, run_gate
+from gate_helpers import assert_gate_passed, gate_recipe, needs_vllm, run_gate
 from safetensors.torch import load_file, save_file
-from training_helpers import write_recipe
 from transformers import AutoModelForCausalLM
 
 from draftsmith.export import export_checkpoint
@@ -67,18 +66,8 @@ def test_gate_passes_a_trained_peagle_head_of_two_layers(gate_heads, tmp_path, c
 
     root = tmp_path / "pe"
     root.mkdir()
-    recipe = write_recipe(
-        root,
-        gate_heads["target"],
-        {"kind": "peagle", "aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048, "num_layers": 2},
-        data=gate_heads["data"],
-        learning_rate=3e-3,
-        lr_schedule="constant",
-        max_steps=250,
-        log_every=50,
-        eval_every=1000,
-        save_every=1000,
-    )
+    drafter = {"kind": "peagle", "aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048, "num_layers": 2}
+    recipe = gate_recipe(root, gate_heads, drafter)
     checkpoint = train_peagle([str(recipe), "--output_dir", str(root / "run")]).last_checkpoint
     out = tmp_path / "pe-export"
     export_main(
