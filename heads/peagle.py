@@ -6,7 +6,7 @@ P-EAGLE feeds the K - 1 positions after the last known token with stand-ins inst
 in the fused target-layer space that goes through ``fc`` like real features). Position k attends
 to the context and to the mask positions before it, so one pass over ``[token, MASK x (K - 1)]``
 yields all K drafts; training runs the same layout (:func:`draftsmith.train.unroll.unroll` with
-``parallel=True``), so pass j of training is draft depth j + 1.
+:func:`draftsmith.train.peagle.mask_inputs`), so pass j of training is draft depth j + 1.
 
 Unlike EAGLE-3's, the token embedding is the head's own and trains (``embed_tokens``, speculators'
 name, started as the target's table): speculators' P-EAGLE config sets ``embed_requires_grad: True``

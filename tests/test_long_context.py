@@ -4,6 +4,8 @@ dense ``n x n`` masks."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import datasets
 import pytest
 import torch
@@ -23,6 +25,7 @@ from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.recipe import FeaturesConfig
 from draftsmith.train import unroll as unroll_module
+from draftsmith.train.peagle import mask_inputs
 from draftsmith.train.unroll import UnrollLoss, chain_sample, supervised_next, unroll, unrolled_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -124,11 +127,13 @@ def test_a_store_past_max_gb_is_refused_in_one_line_before_anything_is_written(t
 
 
 def _unrolled(head, batch, features, hidden, chains, dense_rows, cfg, parallel=False):
-    """Outputs, loss and the head's gradients of one unroll (``dense_rows``: the long-row threshold)."""
+    """Outputs, loss and the head's gradients of one unroll (``dense_rows``: the long-row threshold;
+    ``parallel``: P-EAGLE's later passes, :func:`mask_inputs`)."""
     head.zero_grad()
+    later_inputs = partial(mask_inputs, head.mask_token_id) if parallel else None
     outputs = unroll(
         head, batch["input_ids"], features, batch["attention_mask"], cfg.steps, head.feedback_input,
-        chains=chains, dense_rows=dense_rows, parallel=parallel,
+        later_inputs=later_inputs, chains=chains, dense_rows=dense_rows,
     )  # fmt: skip
     loss, metrics = unrolled_loss(head, outputs, hidden, batch["loss_mask"], batch["attention_mask"], cfg, True, chains)
     loss.backward()

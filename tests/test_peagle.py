@@ -7,6 +7,8 @@ against the engine's one-pass drafting position by position, as EAGLE-3's unroll
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from speculators_helpers import aux_features
@@ -22,7 +24,7 @@ from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.heads.vocab import unused_token_id
 from draftsmith.target import load_tokenizer
-from draftsmith.train.peagle import PEagleDrafterConfig, PEagleRecipe, PEagleTask
+from draftsmith.train.peagle import PEagleDrafterConfig, PEagleRecipe, PEagleTask, mask_inputs
 from draftsmith.train.unroll import chain_sample, supervised_next, unroll
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,6 +54,13 @@ def _head(target, mask: int, draft_vocab=None, init: str = "random", seed: int =
     return head.eval()
 
 
+def _parallel_unroll(head, ids, features, padding, steps, chains=None) -> list[torch.Tensor]:
+    """The shared unroll of ``head`` with P-EAGLE's later passes (:func:`mask_inputs`), as its task runs it."""
+    return unroll(
+        head, ids, features, padding, steps, later_inputs=partial(mask_inputs, head.mask_token_id), chains=chains
+    )
+
+
 @pytest.mark.parametrize(
     ("draft_vocab", "num_layers"),
     [(None, 1), ([0, 1, 2, 3, 5, 8, 13, 21, 34, 40], 1), (None, 3)],
@@ -68,14 +77,8 @@ def test_parallel_unroll_equals_one_drafting_pass(make_tiny_llama, draft_vocab, 
     steps = 4
     with torch.no_grad():
         features = aux_features(target, ids, AUX)
-        outputs = unroll(
-            head,
-            torch.tensor([ids]),
-            features[:, :-1],
-            torch.ones(1, len(ids), dtype=torch.long),
-            steps,
-            head.feedback_input,
-            parallel=True,
+        outputs = _parallel_unroll(
+            head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long), steps
         )
         assert (outputs[2] - outputs[1]).abs().max() > 1e-3  # later passes are not the same pass again
         for t in (2, 5, 7):
@@ -132,15 +135,45 @@ def test_a_sampled_pass_computes_what_the_full_unroll_does_at_its_chains(make_ti
     steps = 5
     with torch.no_grad():
         features = torch.cat([aux_features(target, row.tolist(), AUX) for row in ids])
-        full = unroll(head, ids, features[:, :-1], padding, steps, head.feedback_input, parallel=True)
+        full = _parallel_unroll(head, ids, features[:, :-1], padding, steps)
         chains = chain_sample(supervised_next(loss_mask, padding), steps, 0.5, 0.25)
-        sampled = unroll(head, ids, features[:, :-1], padding, steps, head.feedback_input, parallel=True, chains=chains)
+        sampled = _parallel_unroll(head, ids, features[:, :-1], padding, steps, chains)
     torch.testing.assert_close(sampled[0], full[0], atol=1e-5, rtol=1e-4)
     for j, chain in enumerate(chains, start=1):
         rows = chain.rows(ids.shape[1] - 1)
         assert rows.sum() > 0
         torch.testing.assert_close(sampled[j][rows], full[j][rows], atol=1e-5, rtol=1e-4)
         assert not sampled[j][~rows].any()
+
+
+def test_the_tasks_later_passes_read_the_mask_token_and_no_feature(make_tiny_llama):
+    """What each head call of P-EAGLE's training loss reads, full and chain-sampled: pass 0 the real
+    tokens and the target's features, every later pass only the mask token and no feature nor fed-back
+    output (the head's mask feature), so no pass reads another's output."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = _head(target, mask=47).train()
+    steps = 4
+    torch.manual_seed(2)
+    ids = torch.randint(0, 47, (2, 40))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    seen = []
+    head.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(
+            (args[0], sorted(k for k in kwargs if k in ("features", "hidden_states")))
+        ),
+        with_kwargs=True,
+    )
+    for ratio in (1.0, 0.5):  # every position, then sampled chains
+        drafter = PEagleDrafterConfig(ttt_steps=steps, aux_layers=list(AUX), down_sample_ratio=ratio)
+        task = PEagleTask(PEagleRecipe(drafter=drafter), target, head)
+        seen.clear()
+        task.loss(head, batch, training=True)
+        assert len(seen) == steps
+        assert torch.equal(seen[0][0], ids[:, 1:]) and seen[0][1] == ["features"]
+        widths = [pass_ids.shape[1] for pass_ids, _ in seen[1:]]
+        assert (widths == [39] * 3) if ratio == 1.0 else (max(widths) < 39), widths
+        for pass_ids, inputs in seen[1:]:
+            assert (pass_ids == 47).all() and inputs == [], (pass_ids, inputs)
 
 
 def test_the_training_loss_is_one_mean_over_every_sampled_draft_of_every_depth(make_tiny_llama):
@@ -167,7 +200,7 @@ def test_the_training_loss_is_one_mean_over_every_sampled_draft_of_every_depth(m
     with torch.no_grad():
         out = target.get_decoder()(input_ids=ids, attention_mask=padding, output_hidden_states=True)
         features = torch.cat([out.hidden_states[layer] for layer in (0, 1, 2)], dim=-1)
-        outputs = unroll(head, ids, features[:, :-1], padding, steps, head.feedback_input, parallel=True)
+        outputs = _parallel_unroll(head, ids, features[:, :-1], padding, steps)
         needed = supervised_next(loss_mask, padding)
         per_depth = []
         for j, pred in enumerate(outputs):
@@ -298,14 +331,8 @@ def test_the_drafter_proposes_what_the_parallel_unroll_scores(make_tiny_llama):
     t = 5
     with torch.no_grad():
         features = aux_features(target, ids, AUX)
-        outputs = unroll(
-            head,
-            torch.tensor([ids]),
-            features[:, :-1],
-            torch.ones(1, len(ids), dtype=torch.long),
-            4,
-            head.feedback_input,
-            parallel=True,
+        outputs = _parallel_unroll(
+            head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long), 4
         )
     want = [int(head.draft_vocab[head.draft_logits(out[0, t]).argmax()]) for out in outputs]
     drafter = PEagleDrafter(head)

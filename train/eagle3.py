@@ -27,6 +27,7 @@ from draftsmith.train.fused import build_task, fused_target_features, regenerate
 from draftsmith.train.objectives import parse_objective
 from draftsmith.train.unroll import (
     Chains,
+    LaterInputs,
     chain_sample,
     depth_rates,
     loss_settings,
@@ -90,7 +91,8 @@ class Eagle3Task:
     """The training-time-test loss of an EAGLE-3 head over a frozen target."""
 
     head_class = Eagle3Head
-    parallel = False  # passes j > 0 read the head's own outputs (P-EAGLE's read mask inputs)
+    # What unroll passes j > 0 read (unroll's later_inputs); None: the previous pass's outputs, fed back.
+    later_inputs: LaterInputs | None = None
 
     @staticmethod
     def head_options(recipe, tokenizer, train_set) -> dict:
@@ -137,7 +139,7 @@ class Eagle3Task:
             batch["attention_mask"],
             self.cfg.ttt_steps,
             self.model.feedback_input,
-            parallel=self.parallel,
+            later_inputs=self.later_inputs,
             chains=chains,
         )
         return unrolled_loss(

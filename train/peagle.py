@@ -2,17 +2,17 @@
 
 The head (:mod:`draftsmith.heads.peagle`) is an EAGLE-3 head that drafts ``ttt_steps`` tokens in one
 forward pass: the positions after the last known token read a learned mask token and mask feature.
-Training unrolls the same layout (:func:`draftsmith.train.unroll.unroll` with ``parallel``): pass
-0 reads the target's fused layers, pass j > 0 the mask inputs at position offset j, attending to
-the real context and to the mask positions before it; the loss of pass j's draft is the cross-entropy
-between the target's distribution over the draft vocabulary at depth j + 1 and the head's,
-weighted ``ttt_step_loss_decay ** j`` (default 1), and the loss is one mean over every scored draft of every
-depth, as speculators and SpecForge reduce it. Training samples draft chains as the P-EAGLE trainers do
-(:func:`draftsmith.train.unroll.chain_sample`: depth d trains a ``down_sample_ratio ** (d - 1)`` share of the
-positions, at least ``down_sample_ratio_min``), so deep passes cost a fraction of a full one and, through the
-one mean, weigh that fraction of depth 1; held-out evaluation scores every chain. Everything else (data,
-regenerated replies, draft vocabulary, online or offline features, the out-of-vocabulary mask) is EAGLE-3's
-(:mod:`draftsmith.train.eagle3`).
+Training unrolls the same layout (the shared :func:`draftsmith.train.unroll.unroll`, its later passes'
+inputs this module's :func:`mask_inputs`): pass 0 reads the target's fused layers, pass j > 0 the mask
+inputs at position offset j, attending to the real context and to the mask positions before it; the loss
+of pass j's draft is the cross-entropy between the target's distribution over the draft vocabulary at
+depth j + 1 and the head's, weighted ``ttt_step_loss_decay ** j`` (default 1), and the loss is one mean
+over every scored draft of every depth, as speculators and SpecForge reduce it. Training samples draft
+chains as the P-EAGLE trainers do (:func:`draftsmith.train.unroll.chain_sample`: depth d trains a
+``down_sample_ratio ** (d - 1)`` share of the positions, at least ``down_sample_ratio_min``), so deep
+passes cost a fraction of a full one and, through the one mean, weigh that fraction of depth 1; held-out
+evaluation scores every chain. Everything else (data, regenerated replies, draft vocabulary, online or
+offline features, the out-of-vocabulary mask) is EAGLE-3's (:mod:`draftsmith.train.eagle3`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Annotated
+
+import torch
 
 from draftsmith.config import COUNT, NON_NEGATIVE_INT
 from draftsmith.heads.peagle import PEagleHead
@@ -55,14 +57,24 @@ class PEagleRecipe(Eagle3Recipe):
     drafter: PEagleDrafterConfig = field(default_factory=PEagleDrafterConfig)
 
 
+def mask_inputs(
+    mask_token_id: int, tokens: torch.Tensor, rows: torch.Tensor | None, step: int, previous: torch.Tensor
+) -> tuple[torch.Tensor, dict]:
+    """P-EAGLE's :data:`~draftsmith.train.unroll.LaterInputs` (``mask_token_id`` bound): pass ``step``
+    > 0 reads the mask token at every position it runs (``rows``; None: all of ``tokens``') and no
+    feature, so the head reads its mask feature. No pass depends on another's output (``previous``
+    goes unread): the layout one drafting pass sees."""
+    return torch.full_like(tokens if rows is None else rows, mask_token_id), {}
+
+
 class PEagleTask(Eagle3Task):
     """EAGLE-3's loss over the parallel (mask-fed) unroll of a P-EAGLE head."""
 
     head_class = PEagleHead
-    parallel = True
 
     def __init__(self, recipe: PEagleRecipe, target, head: PEagleHead):
         super().__init__(recipe, target, head)
+        self.later_inputs = partial(mask_inputs, head.mask_token_id)
         # One mean over every sampled row of every depth, as speculators 0.9.0 (models/peagle/metrics.py:50,
         # losses/utils.py:301-304) and SpecForge (core/peagle.py compute_peagle_metrics, LogSoftmaxLoss's
         # mean) reduce it: chain sampling's row counts set the depths' weights (7 depths: ~31/22/15/11/8/6/6 %).

@@ -27,8 +27,10 @@ with the row's length, not its square.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -192,6 +194,14 @@ def attention_implementation(config, name: str):
         config._attn_implementation = before
 
 
+LaterInputs = Callable[[torch.Tensor, torch.Tensor | None, int, torch.Tensor], tuple[torch.Tensor, dict]]
+"""What pass ``step`` > 0 of :func:`unroll` reads: ``(tokens, rows, step, previous) -> (ids, inputs)``,
+given the pass-0 tokens ``[b, n]``, the head positions the pass runs (``rows`` ``[b, m]``, a sampled
+pass's; None: all ``n``) and pass ``step - 1``'s outputs ``previous`` ``[b, n, h]``: the token ids at
+those positions (``[b, m]`` or ``[b, n]``) and the head's keyword inputs there (its features or fed-back
+hidden states; none: the head's own stand-in)."""
+
+
 def unroll(
     head,
     input_ids: torch.Tensor,
@@ -200,7 +210,7 @@ def unroll(
     steps: int,
     feedback: str = "features",
     detach: bool = False,
-    parallel: bool = False,
+    later_inputs: LaterInputs | None = None,
     chains: list[Chains] | None = None,
     dense_rows: int | None = None,
 ) -> list[torch.Tensor]:
@@ -208,16 +218,17 @@ def unroll(
 
     ``input_ids`` ``[b, L]`` and ``features`` ``[b, L - 1, d]`` (the target's, paired with the next
     token); ``padding`` ``[b, L]`` is 1 on real tokens, or a packed batch's segment ids
-    (:mod:`draftsmith.data_prep.packing`): attention and positions then stop at each conversation. Pass
-    j>0 feeds the previous outputs back as the head's ``feedback`` input (its ``feedback_input``:
-    ``head`` may be wrapped for DDP) with the tokens shifted j places left; ``detach`` stops gradients
-    through the fed-back outputs (HASS), else later passes also train the earlier ones (EAGLE-3's
-    training-time test). Attention runs as :func:`unrolled_attention`, except for heads whose layers
-    soft-cap attention logits (Gemma-2: eager attention over the dense :func:`pass_mask`). With
-    ``parallel`` (P-EAGLE) pass j>0 reads the head's mask token and mask feature instead, so no pass
-    depends on another's output: the layout one drafting pass sees. ``chains`` (chain sampling,
-    :func:`chain_sample`) runs pass j>0 on pass j's sampled positions only, fed (sequential unroll) the
-    previous pass's outputs there; the other rows of its output are zeros (no loss may read them).
+    (:mod:`draftsmith.data_prep.packing`): attention and positions then stop at each conversation.
+    ``later_inputs`` gives pass j>0's token ids and head inputs (:data:`LaterInputs`); by default
+    (:func:`fed_back`) it feeds the previous outputs back as the head's ``feedback`` input (its
+    ``feedback_input``: ``head`` may be wrapped for DDP) with the tokens shifted j places left;
+    ``detach`` stops gradients through the fed-back outputs (HASS), else later passes also train the
+    earlier ones (EAGLE-3's training-time test). A kind whose later passes read other inputs passes
+    its own (``feedback`` and ``detach`` then go unused). Attention runs as :func:`unrolled_attention`,
+    except for heads whose layers soft-cap attention logits (Gemma-2: eager attention over the dense
+    :func:`pass_mask`). ``chains`` (chain sampling, :func:`chain_sample`) runs pass j>0 on pass j's
+    sampled positions only, reading ``later_inputs``' ids and inputs there; the other rows of its
+    output are zeros (no loss may read them).
     Rows of more than ``dense_rows`` (default :data:`DENSE_MASK_ROWS`) positions run every pass over
     all positions with segment-id masks (:func:`segment_attention`), their outputs zeroed where
     ``chains`` did not sample: the same outputs without an ``n x n`` tensor.
@@ -225,10 +236,11 @@ def unroll(
     # Head position t reads token t's feature and token t + 1: a pair of one conversation (packed
     # rows hold several; ``padding`` holds their segment ids), at token t's position within it.
     tokens, positions, padding = input_ids[:, 1:], segment_positions(padding)[:, :-1], head_segments(padding)
-    batch, n = tokens.shape
+    n = tokens.shape[1]
     cache = DynamicCache()
     outputs: list[torch.Tensor] = []
     inputs = {"features": features}
+    later_inputs = later_inputs or partial(fed_back, feedback=feedback, detach=detach)
     config = getattr(head, "module", head).config
     softcapped = getattr(config, "attn_logit_softcapping", None)
     # Soft-capped heads (Gemma-2) attend eagerly over dense masks, whatever the length.
@@ -239,32 +251,22 @@ def unroll(
     passes: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # a long row's keys and values, per pass and layer
     with attention_implementation(config, implementation):
         for step in range(steps):
-            if chains is not None and step and not long:
-                own = chains[step - 1].positions
-                if parallel:
-                    ids, fed = torch.full_like(own, getattr(head, "module", head).mask_token_id), {}
-                else:  # token t + step (0 past the end) and the previous pass's output at t
-                    later = own + step
-                    ids = tokens.gather(1, later.clamp(max=n - 1)).masked_fill(later >= n, 0)
-                    fed = {feedback: outputs[-1].gather(1, own[:, :, None].expand(-1, -1, outputs[-1].shape[-1]))}
-                    fed = {key: value.detach() if detach else value for key, value in fed.items()}
-                outputs.append(_sampled_pass(head, chains[:step], padding, positions, step, cache, ids, fed))
+            sampled = chains is not None and step and not long  # a pass over its chains' positions only
+            ids = tokens
+            if step:
+                ids, inputs = later_inputs(tokens, chains[step - 1].positions if sampled else None, step, outputs[-1])
+            if sampled:
+                outputs.append(_sampled_pass(head, chains[:step], padding, positions, step, cache, ids, inputs))
                 continue
-            if parallel and step:
-                shifted, inputs = torch.full_like(tokens, getattr(head, "module", head).mask_token_id), {}
-            elif step:
-                shifted = torch.cat([tokens[:, step:], tokens.new_zeros(batch, step)], dim=1)
-            else:
-                shifted = tokens
             if long:
                 grad = torch.is_grad_enabled()
                 # A copy of the list: the recomputation must see the passes this one saw, not later ones.
-                args = (head, list(passes), shifted, positions + step, padding, inputs)
+                args = (head, list(passes), ids, positions + step, padding, inputs)
                 out, keys = checkpoint(_long_pass, *args, use_reentrant=False) if grad else _long_pass(*args)
                 passes.append(keys)
             else:
                 out = head(
-                    shifted,
+                    ids,
                     position_ids=positions + step,
                     past_key_values=cache,
                     use_cache=True,
@@ -274,8 +276,25 @@ def unroll(
             if chains is not None and step:
                 out = out * chains[step - 1].rows(n)[:, :, None]
             outputs.append(out)
-            inputs = {feedback: out.detach() if detach else out}
     return outputs
+
+
+def fed_back(
+    tokens: torch.Tensor,
+    rows: torch.Tensor | None,
+    step: int,
+    previous: torch.Tensor,
+    feedback: str = "features",
+    detach: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`unroll`'s default :data:`LaterInputs` (EAGLE-1, EAGLE-3, HASS): position t reads token
+    ``t + step`` (0 past the end) and the previous pass's output at t as the head's ``feedback``
+    input, ``detach``-ed for HASS."""
+    shifted = torch.cat([tokens[:, step:], tokens.new_zeros(tokens.shape[0], step)], dim=1)
+    fed = previous.detach() if detach else previous
+    if rows is not None:
+        shifted, fed = shifted.gather(1, rows), fed.gather(1, rows[:, :, None].expand(-1, -1, fed.shape[-1]))
+    return shifted, {feedback: fed}
 
 
 def _long_pass(head, passes, input_ids, position_ids, segments, inputs):
@@ -360,10 +379,10 @@ def _sampled_pass(
     inputs: dict,
 ) -> torch.Tensor:
     """Pass ``step`` (> 0) over its sampled chains, scattered back to ``[b, n, h]``: each query reads
-    ``input_ids`` ``[b, m]`` and ``inputs`` (the previous pass's outputs at its chain; none for
-    P-EAGLE's mask inputs) at its position + step and attends to the real context up to its
-    position in its own conversation (``padding``: the head positions' segments, as :func:`pass_mask`;
-    ``positions`` theirs within the conversation) and to its own chain's keys in passes 1..step."""
+    ``input_ids`` ``[b, m]`` and ``inputs`` (:data:`LaterInputs`' at its chain) at its position + step
+    and attends to the real context up to its position in its own conversation (``padding``: the head
+    positions' segments, as :func:`pass_mask`; ``positions`` theirs within the conversation) and to its
+    own chain's keys in passes 1..step."""
     own = chains[-1]
     batch, n = padding.shape
     context = torch.arange(n, device=padding.device)[None, None, :] <= own.positions[:, :, None]
