@@ -222,18 +222,28 @@ def test_a_hybrid_from_its_spec_prices_nodes_with_the_targets_measured_pass_cost
         build_drafter(parse_spec("hybrid:prompt_lookup+suffix?nodes=all"), model)
 
 
-def _hybrid_run(make_tiny_llama, wrong_learned: set[int], mode: str = "switch", steps: int = 120):
-    """A generation with a learned part wrong in ``wrong_learned``'s steps and a scored lookup that
-    is always right, both claiming 0.9 per token; returns (hybrid, learned, lookup, generation)."""
+def _hybrid_run(
+    make_tiny_llama,
+    wrong_learned: set[int],
+    mode: str = "switch",
+    steps: int = 120,
+    lookup_depth: int = 2,
+    learned_depth: int = 3,
+    generations: int = 1,
+):
+    """Generations with a learned part wrong in ``wrong_learned``'s steps and a scored lookup that is
+    always right (``lookup_depth`` 0: it never proposes), both claiming 0.9 per token; returns
+    (hybrid, learned, lookup, last generation)."""
     model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=3)
     prompt = [5, 9, 3, 17, 22, 8, 41, 2]
     reference = SpeculativeDecoder(model, None, eos_ids=set()).generate(prompt, steps).tokens
-    learned = _ScriptedDrafter(prompt + reference, wrong=wrong_learned)
-    lookup = _ScriptedDrafter(prompt + reference, wrong=set(), depth=2)
+    learned = _ScriptedDrafter(prompt + reference, wrong=wrong_learned, depth=learned_depth)
+    lookup = _ScriptedDrafter(prompt + reference, wrong=set(), depth=lookup_depth)
     costs = {n: 1.0 + 0.2 * (n - 1) for n in range(1, 10)}
     drafter = HybridDrafter([learned, lookup], learned=[True, False], budget=8, mode=mode, costs=costs)
-    gen = SpeculativeDecoder(model, drafter, eos_ids=set()).generate(prompt, steps)
-    assert gen.tokens == reference
+    for _ in range(generations):
+        gen = SpeculativeDecoder(model, drafter, eos_ids=set()).generate(prompt, steps)
+        assert gen.tokens == reference
     return drafter, learned, lookup, gen
 
 
@@ -255,11 +265,34 @@ def test_a_scored_part_is_calibrated_by_the_acceptance_its_verified_nodes_had(ma
 
 
 def test_the_learned_part_is_skipped_before_it_drafts_where_the_lookup_alone_yields_more(make_tiny_llama):
-    """Switch mode: a learned part that never yields drafts in few steps (its first,
-    then once per ``probe`` skips), not every step as merge mode has it."""
-    drafter, learned, _, gen = _hybrid_run(make_tiny_llama, wrong_learned=set(range(1000)))
+    """Switch mode: a learned part that never yields drafts in few steps (its first, then probes
+    whose interval doubles each time it loses: ~log2 of the steps), not every step as merge mode has it;
+    the next generation starts from what the last one measured, without drafting it first."""
+    drafter, learned, _, gen = _hybrid_run(make_tiny_llama, wrong_learned=set(range(1000)), steps=240, generations=2)
     steps = len(gen.accepted)
-    assert drafter.mode == "switch" and drafter.skipped >= steps // 2
-    assert learned.calls[0] <= 2 + steps // (drafter.probe + 1), (learned.calls, steps)
+    assert drafter.mode == "switch" and drafter.skipped >= steps
+    assert learned.calls[0] <= 2 + math.ceil(math.log2(steps / drafter.probe)), (learned.calls, steps)
+    assert learned.calls[1] <= 2, learned.calls  # its probe interval carried over, not reset
     merged, learned_merged, _, merged_gen = _hybrid_run(make_tiny_llama, wrong_learned=set(range(1000)), mode="merge")
     assert learned_merged.calls[0] == len(merged_gen.accepted)  # merge: every step
+
+
+def test_switch_judges_the_learned_part_by_what_it_adds_over_the_lookup_not_by_its_steps_tokens(make_tiny_llama):
+    """A learned part that drafts exactly what the lookup drafts is right every time, and steps with
+    it accept the most tokens a step there is; it adds nothing, costs its drafting, and is skipped. A
+    decision on the tokens of steps it drafted in (the lookup's included) kept it drafting."""
+    drafter, learned, _, gen = _hybrid_run(make_tiny_llama, wrong_learned=set(), learned_depth=2, steps=160)
+    assert max(gen.accepted) == 3 and drafter.gain[0].value == 0.0
+    assert learned.calls[0] <= 2 + math.ceil(math.log2(len(gen.accepted) / drafter.probe)), learned.calls
+
+
+def test_switch_keeps_a_learned_part_that_drafts_where_the_lookup_has_no_match(make_tiny_llama):
+    """A lookup that never proposes and a learned part that is always right: it drafts every step
+    (its measured gain is its whole chain); the same lookup with a learned part that is never right
+    decodes plainly after its probes (negative control)."""
+    drafter, learned, _, gen = _hybrid_run(make_tiny_llama, wrong_learned=set(), lookup_depth=0)
+    assert learned.calls[0] == len(gen.accepted) and drafter.skipped == 0
+    assert drafter.gain[1].value == pytest.approx(3.0, abs=0.2) and drafter.gain[0].value is None
+    wrong, wrong_learned, _, wrong_gen = _hybrid_run(make_tiny_llama, wrong_learned=set(range(1000)), lookup_depth=0)
+    assert wrong_learned.calls[0] <= 2 + math.ceil(math.log2(len(wrong_gen.accepted) / wrong.probe))
+    assert max(wrong_gen.accepted) == 1

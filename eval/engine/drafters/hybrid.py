@@ -21,12 +21,17 @@ places or none, and a step whose nodes do not pay for their place in the pass de
 
 ``mode=merge`` (the default) runs every part every step. ``mode=switch`` (Arctic's per-step
 choice) decides before the learned parts draft whether they do: the lookup parts draft first, and
-the learned ones are skipped in a step where the lookup's tree alone is expected to yield at least
-the tokens per second that steps with the learned parts have measured in this generation; the
-estimate starts afresh with each generation, and after ``probe`` skipped steps in a row the learned
-parts draft once to measure again, so one bad step cannot switch them off for good. Measured on
-MT-bench (BENCHMARKS.md, issues 34 and 59) merge was ahead with a 20-minute head and with a
-150-step one: a skipped step saves the head's drafting but loses the tokens it would have added.
+the learned ones draft only where what they add is expected to pay for itself. What they add is
+measured, not claimed: in each step where they drafted, the tokens accepted beyond the deepest
+path the lookup's own trees held (their *gain*), and that step's pass seconds, kept per kind of
+step (the lookup proposed something, or nothing: a head adds most where the lookup has no match).
+A step skips them when the lookup's tree alone is expected to yield at least the tokens per second
+of the lookup's tokens plus the measured gain over the measured pass and the learned parts' own
+drafting seconds. The measurements carry over from one generation to the next (the head's quality
+is its own, and a running mean follows a new prompt within about ten steps), so a generation does
+not start by paying for the learned parts again. After ``probe`` skipped steps of one kind in a row
+they draft once to measure again; each probe that does not win them back doubles that interval (at
+most :data:`MAX_PROBE_INTERVAL`), so a head that never pays costs ever fewer probes.
 
 Lossless: greedy verification takes any tree. For sampling, each parent keeps the candidates of
 one part only (the first part in the spec that proposes there; the others' candidates and their
@@ -57,6 +62,8 @@ _MOMENTUM = 0.9  # running means over steps
 # Calibration starts as if each depth had seen this many nodes accepted as often as they claimed:
 # the first steps move it, one step cannot.
 CALIBRATION_PRIOR = 4.0
+MAX_PROBE_INTERVAL = 64  # most skipped steps of one kind between two probes of the learned parts
+MATCHED, UNMATCHED = 0, 1  # kinds of step: the lookup parts proposed something, or nothing
 
 
 def _keyed(tree: TokenTree) -> dict[tuple[int, ...], int]:
@@ -146,21 +153,23 @@ class HybridDrafter(Drafter):
         self.feature_layers = hidden[0].feature_layers if hidden else None
         self.name = "hybrid"
         # Measured as it decodes: each part's seconds per draft and, for scoreless parts, per-token
-        # acceptance; per generation, the tokens and seconds of steps where the learned parts drafted.
+        # acceptance; per kind of step (MATCHED, UNMATCHED), what the learned parts' drafting added
+        # and what the pass cost when they drafted, and the probing schedule of switch mode.
         self.draft_seconds = [RunningMean() for _ in parts]
         self.lookup_rate = [UNSCORED_ACCEPTANCE] * len(parts)
         self.calibration = [Calibration() for _ in parts]  # scored parts: measured / claimed acceptance per depth
-        self.learned_tokens, self.learned_step_seconds = RunningMean(), RunningMean()
+        self.gain = [RunningMean(), RunningMean()]  # tokens accepted beyond the lookup's own trees
+        self.learned_pass = [RunningMean(), RunningMean()]  # pass seconds of steps where the learned parts drafted
+        self._interval = [probe, probe]  # skips of each kind before the next probe
+        self._streak = [0, 0]  # skips of each kind in a row
+        self._probing = [False, False]  # the last learned draft of each kind was a probe
         self._last: list[TokenTree | None] | None = None  # the parts' trees of the pending step
         self._verified: set[tuple[int, ...]] = set()  # the pending step's verified nodes, by token path
-        self._pending_seconds = 0.0  # what the pending step costs: its pass and its drafting
-        self._streak = 0  # learned drafts skipped in a row
+        self._pending_pass = 0.0  # the pending step's pass seconds
+        self._kind = MATCHED  # the pending step's kind
         self.skipped = 0  # steps the learned parts did not draft (switch mode)
 
     def prepare(self, prompt: list[int], max_new_tokens: int) -> None:
-        # What the learned parts yield depends on the prompt: each generation measures it afresh.
-        self.learned_tokens, self.learned_step_seconds = RunningMean(), RunningMean()
-        self._streak = 0
         for part in self.parts:
             part.prepare(prompt, max_new_tokens)
 
@@ -186,19 +195,34 @@ class HybridDrafter(Drafter):
 
     def _skip_learned(self, trees: list[TokenTree | None], estimates: dict[int, list[float]], spent: float) -> bool:
         """Switch mode: whether the lookup's tree alone is expected to yield at least the tokens per
-        second measured in this generation's steps with the learned parts (which draft again after
-        ``probe`` skips in a row)."""
-        if self.mode != "switch" or self.learned_tokens.value is None or self._streak >= self.probe:
-            return False
+        second of the lookup's tokens plus the learned parts' measured gain in this kind of step,
+        over the measured pass and their drafting (see the module docstring; a kind of step never
+        measured, or due a probe, drafts them)."""
         drafted = [i for i, t in enumerate(trees) if t is not None and len(t)]
+        kind = self._kind = MATCHED if drafted else UNMATCHED
+        if self.mode != "switch":
+            return False
+        gain, learned_pass = self.gain[kind].value, self.learned_pass[kind].value
+        if gain is None or learned_pass is None or self._streak[kind] >= self._interval[kind]:
+            self._probing[kind] = gain is not None
+            return False
         lookup = merge_trees(
             [trees[i] for i in drafted], [estimates[i] for i in drafted], self.budget, True, self.costs, spent
         )
         expected = 1.0 + sum(math.exp(s) for s in lookup.scores)
-        learned_rate = self.learned_tokens.value / max(self.learned_step_seconds.value, 1e-9)
-        if not self.costs:  # no prices: compare tokens per step
-            return expected >= self.learned_tokens.value
-        return expected / (self._pass_seconds(lookup) + spent) >= learned_rate
+        if not self.costs:  # no prices: the learned parts draft wherever they add tokens
+            skip = gain <= 0.0
+        else:
+            learned_seconds = sum(m.value or 0.0 for m, learned in zip(self.draft_seconds, self.learned) if learned)
+            skip = expected / (self._pass_seconds(lookup) + spent) >= (expected + gain) / (
+                learned_pass + spent + learned_seconds
+            )
+        if skip and self._probing[kind]:  # the probe did not win them back: probe half as often
+            self._interval[kind] = min(2 * self._interval[kind], MAX_PROBE_INTERVAL)
+        elif not skip:
+            self._interval[kind] = self.probe
+        self._probing[kind] = False
+        return skip
 
     def propose(self, context: DraftContext) -> TokenTree:
         trees: list[TokenTree | None] = [None] * len(self.parts)
@@ -214,7 +238,7 @@ class HybridDrafter(Drafter):
                 trees[i], seconds = self._draft(i, context)
                 estimates[i], spent = self._estimates(i, trees[i]), spent + seconds
         self.skipped += skip
-        self._streak = self._streak + 1 if skip else 0
+        self._streak[self._kind] = self._streak[self._kind] + 1 if skip else 0
         drafted = [i for i, t in enumerate(trees) if t is not None and len(t)]
         merged = merge_trees(
             [trees[i] for i in drafted],
@@ -224,7 +248,7 @@ class HybridDrafter(Drafter):
             self.costs,
             spent,
         )
-        self._last, self._pending_seconds = trees, self._pass_seconds(merged) + spent
+        self._last, self._pending_pass = trees, self._pass_seconds(merged)
         self._verified = set(_keyed(merged))
         return merged
 
@@ -237,10 +261,13 @@ class HybridDrafter(Drafter):
 
     def _learn(self, trees: list[TokenTree | None], accepted: list[int]) -> None:
         """Update the measured rates from one step's tokens (accepted drafts and the bonus token)."""
-        if any(t is not None for t, learned in zip(trees, self.learned) if learned):
-            self.learned_tokens.add(float(len(accepted)))
-            self.learned_step_seconds.add(self._pending_seconds)
         drafts = accepted[:-1]
+        if any(t is not None for t, learned in zip(trees, self.learned) if learned):
+            # The lookup alone would have kept the deepest accepted path its own trees hold.
+            lookups = [t for t, learned in zip(trees, self.learned) if t is not None and not learned]
+            lookup = set().union(*(_keyed(t) for t in lookups))
+            self.gain[self._kind].add(float(len(drafts) - _followed(lookup, drafts)))
+            self.learned_pass[self._kind].add(self._pending_pass)
         for i, tree in enumerate(trees):
             if tree is None or not len(tree):
                 continue
@@ -248,11 +275,17 @@ class HybridDrafter(Drafter):
                 self.calibration[i].observe(tree, _keyed(tree), self._verified, tuple(drafts))
                 continue
             # How deep this part's tree followed the accepted path: per-token acceptance = kept / tried.
-            keys, kept = _keyed(tree), 0
-            while kept < len(drafts) and tuple(drafts[: kept + 1]) in keys:
-                kept += 1
+            kept = _followed(_keyed(tree), drafts)
             tried = kept + (kept < max(tree.depths))
             self.lookup_rate[i] = min(max(_mix(self.lookup_rate[i], kept / tried), 0.01), 0.99)
+
+
+def _followed(paths, drafts: list[int]) -> int:
+    """How many of the accepted ``drafts`` a tree of ``paths`` (token paths from the root) held."""
+    kept = 0
+    while kept < len(drafts) and tuple(drafts[: kept + 1]) in paths:
+        kept += 1
+    return kept
 
 
 def _mix(old: float, new: float) -> float:
