@@ -14,17 +14,24 @@ attention). For each family:
 The head's decoder layer: the target's own for Llama and Qwen3 (the layers speculators and vLLM
 build EAGLE-3 drafts of), a dense Llama layer of the target's shape for every other family, MoE
 ones included, as speculators' trainer and SpecForge's configs build them
-(:func:`draftsmith.heads.eagle3.draft_layer_config`). The vLLM column is ``bench/family_matrix.py``'s.
+(:func:`draftsmith.heads.eagle3.draft_layer_config`).
+
+And the export gate (``draftsmith-serve-check``): for each family vLLM serves with EAGLE-3 drafters
+(``family_targets.SERVED``), vLLM serves the target with the export and accepts its drafts as our
+engine accepts the checkpoint's; an export with a permuted weight fails it.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from datasets import Dataset
-from family_targets import AUX, EOS, FAMILIES, MOE, VOCAB, save_family
+from family_targets import AUX, EOS, FAMILIES, MOE, SERVED, VOCAB, save_family
+from gate_helpers import assert_gate_passed, needs_vllm, run_gate
+from safetensors.torch import load_file, save_file
 from speculators_helpers import speculators_draft_logits
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from tree_drafters import GreedyPrefixDrafter
@@ -44,34 +51,46 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 NAMES = sorted(FAMILIES)
 ROWS, LENGTH, STEPS, BATCH, LR = 8, 40, 40, 4, 1e-2
 NEW_TOKENS = 32
+# The gate's heads: trained on the greedy replies the gate decodes (its prompts are the rows' own), as
+# long as it decodes them: vLLM drafts past the end of a reply where we do not, which at 32 tokens
+# moved its rates at positions 2-3 by more than the gate's margin.
+GATE_STEPS, GATE_NEW_TOKENS, GATE_DEPTH = 300, 96, 3
 
 
 class Family:
-    """One family's target folder, model, feature store and trained head, built once per module."""
+    """One family's target folder, model, feature store and trained head, built once per module
+    (the target's config fields changed by ``more``): ``steps`` training steps on rows of
+    ``length`` tokens of the target's sampled text, or of its greedy text (``greedy``: what a greedy
+    decode of the same prompts gives)."""
 
-    def __init__(self, name: str, root):
-        self.name, self.root = name, root
+    def __init__(self, name: str, root, steps: int = STEPS, length: int = LENGTH, greedy: bool = False, **more):
+        self.name, self.root, self.length = name, root, length
         self.folder = root / "target"
-        self.model = save_family(name, self.folder)
-        self.rows = self._sampled_rows()
+        self.model = save_family(name, self.folder, **more)
+        self.rows = self._sampled_rows(greedy)
         self.store = root / "features"
         self.manifest = extract_features(self.model, {"train": self.rows}, self.store, show=False, layers=AUX)
         self.losses: list[float] = []
         self.checkpoint = root / "head"
-        self._train()
+        self._train(steps)
 
-    def _sampled_rows(self) -> Dataset:
-        """The target's own sampled text (what regeneration gives a drafter to learn), loss on the replies."""
+    def _sampled_rows(self, greedy: bool) -> Dataset:
+        """The target's own sampled (or greedy) text (what regeneration gives a drafter to learn),
+        loss on the replies."""
         torch.manual_seed(1)
         prompts = torch.randint(3, VOCAB, (ROWS, 8))
         with torch.no_grad():
             out = self.model.generate(
-                prompts, max_new_tokens=LENGTH - 8, min_new_tokens=LENGTH - 8, do_sample=True, pad_token_id=0
+                prompts,
+                max_new_tokens=self.length - 8,
+                min_new_tokens=self.length - 8,
+                do_sample=not greedy,
+                pad_token_id=0,
             )
         ids = out.tolist()
-        return Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * 8 + [1] * (LENGTH - 8) for _ in ids]})
+        return Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * 8 + [1] * (self.length - 8) for _ in ids]})
 
-    def _train(self) -> None:
+    def _train(self, steps: int) -> None:
         """EAGLE-3 training-time test from the stored features, the target loaded head-only."""
         target, _ = load_target(str(self.folder), dtype="float32", device="cpu", head_only=True)
         self.head_only = target
@@ -81,7 +100,7 @@ class Family:
         task = Eagle3Task(Eagle3Recipe(drafter=drafter), target, head)
         data = FeatureDataset(self.store / "train")
         optimiser = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=LR)
-        for step in range(STEPS):
+        for step in range(steps):
             rows = [data[(step * BATCH + i) % len(data)] for i in range(BATCH)]
             loss, _ = task.loss(head, pad_batch(rows), training=True)
             optimiser.zero_grad()
@@ -208,3 +227,53 @@ def test_speculators_export_loads_in_speculators_and_drafts_our_logits(families,
 def test_every_family_stops_on_its_eos():
     """The configs' end of turn is what the matrix's targets stop on (a sanity check of the configs)."""
     assert all(FAMILIES[name]().eos_token_id == EOS for name in NAMES)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A served family's gate-shaped target (``SERVED``), a head trained on its greedy replies, its
+    speculators export, and the replies' prompts as the gate's prompt file; built once per module."""
+    built: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in built:
+            root = tmp_path_factory.mktemp(f"served-{name}")
+            length = 8 + GATE_NEW_TOKENS
+            family = Family(name, root, steps=GATE_STEPS, length=length, greedy=True, **SERVED[name])
+            export_checkpoint(family.checkpoint, "speculators", root / "export", draft_tokens=GATE_DEPTH)
+            prompts = root / "prompts.jsonl"
+            lines = [json.dumps({"prompt": " ".join(f"t{i}" for i in ids[:8])}) for ids in family.rows["input_ids"]]
+            prompts.write_text("\n".join(lines) + "\n")
+            built[name] = family, root / "export", prompts
+        return built[name]
+
+    return get
+
+
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_vllm_serves_the_export_and_accepts_its_drafts_as_our_engine_does(served, name):
+    _, export, prompts = served(name)
+    code, result = run_gate(export, prompts, "--max-new-tokens", str(GATE_NEW_TOKENS))
+    assert_gate_passed(code, result, GATE_DEPTH, first=0.5)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_gate_fails_an_export_with_a_permuted_weight(served, tmp_path):
+    """fc's blocks of columns rotated by one aux layer (a converter that orders the aux layers
+    wrongly), on a Qwen3 target: vLLM builds its own qwen3 draft layer, not the Llama one that
+    ``tests/test_serve_check_controls.py``'s broken exports run in."""
+    _, export, prompts = served("qwen3")
+    broken = tmp_path / "broken"
+    shutil.copytree(export, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    fc = tensors["fc.weight"]
+    tensors["fc.weight"] = fc.roll(fc.shape[1] // len(AUX), dims=1).contiguous()
+    save_file(tensors, str(broken / "model.safetensors"))
+    code, result = run_gate(broken, prompts, "--max-new-tokens", str(GATE_NEW_TOKENS))
+    assert code == 1 and result["verdict"] == "failed" and not result["passed"], result
+    assert result["reasons"][0].startswith("position 1:")
+    first = result["positions"][0]
+    assert first["vllm"] < first["ours"] - first["margin"]
