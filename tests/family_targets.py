@@ -3,7 +3,8 @@ matrix of issue 58): built from each family's config class at hidden 64, 3 layer
 and 2 are then all inputs of decoder layers, as vLLM captures them), a 256-token vocabulary and
 a word-level tokenizer of the same size, weights scaled up for varied greedy text.
 
-Shared by ``tests/test_target_families.py`` and ``bench/family_matrix.py``.
+The matrix's tests are ``tests/test_target_families.py``; its export-gate tests build the targets
+with the changes vLLM's CPU build needs (:data:`SERVED`).
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ MOE = {"qwen3_moe", "gpt_oss", "mixtral", "deepseek_v3"}
 # Mixtral's and Gemma 3's do not), each with what its CPU build and the gate need changed: attention
 # heads of 32 and up (``v1/attention/backends/cpu_attn.py``) and the context the gate's jobs ask for.
 # DeepSeek-V3 is not among them: on an AMX CPU vLLM picks its AMX latent-attention backend, which
-# takes bf16 weights only (``v1/attention/backends/mla/amx_mla.py``), and the gate runs fp32.
+# takes bf16 weights only (``v1/attention/backends/mla/amx_mla.py``), and the gate runs fp32; its
+# fp32 backend (``mla/cpu_mla.py``, latent 512 + rope 64 only) leaves HF's greedy text within 3 tokens.
 LONG = dict(max_position_embeddings=4096)  # the context the gate's vLLM jobs ask for (vllm_engine.engine_args)
 SERVED = {
     "llama3": dict(**LONG, head_dim=32),
