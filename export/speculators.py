@@ -14,8 +14,9 @@ only for a reduced draft vocabulary: with a full one neither library registers t
 This module is the format's one home: what every speculators folder holds (:func:`write_folder`,
 the proposal and verifier block, the serve command) and reading one back (:func:`read`). Each kind's
 own part (its model's fields, layer config and weights; its reader's extras) is the kind's:
-EAGLE-3's (and P-EAGLE's, which adds ``mask_token_id`` and ``parallel_drafting: true``) in
-``plugins/eagle3.py``, DFlash's and DSpark's in ``plugins/dflash.py`` and ``plugins/dspark.py``.
+EAGLE-3's in ``plugins/eagle3.py``, P-EAGLE's (EAGLE-3's plus ``mask_token_id``, its own table
+and ``parallel_drafting: true``) in ``plugins/peagle.py``, DFlash's and DSpark's in
+``plugins/dflash.py`` and ``plugins/dspark.py``.
 
 speculators 0.9.0 has no EAGLE-1 or Medusa model (its EAGLE family starts at EAGLE-3), so EAGLE-1
 heads serve through ``--format sglang``.
@@ -99,16 +100,13 @@ def vllm_command(target: Target, out: Path, method: str, depth: int, extra: dict
     return f"vllm serve {target.folder} --speculative-config '{spec}'"
 
 
-def read(folder: Path, config: dict, own_embedding: bool = False) -> dict[str, torch.Tensor]:
-    """The weights of the speculators folder ``folder`` (its ``config``) under draftsmith's names:
-    the identity vocabulary maps where a full draft vocabulary wrote none, and the embedding table
-    only where it is the drafter's own (``own_embedding``, its kind's part: P-EAGLE's is trained;
-    EAGLE-3's is the target's, used by reference)."""
+def read(folder: Path, config: dict) -> dict[str, torch.Tensor]:
+    """The weights of the speculators folder ``folder`` (its ``config``) under draftsmith's names,
+    with the identity vocabulary maps where a full draft vocabulary wrote none (an embedding table
+    the drafter reads from its target by reference is its kind's reader's to leave out)."""
     if "speculators_model_type" not in config:
         raise CheckpointError(f"{folder}: config.json says it is a {NAME} export but has no speculators_model_type")
     tensors = load_tensors(folder / "model.safetensors")
-    if not own_embedding:
-        tensors.pop(EMBEDDING, None)
     if VOCAB_MAPS[0] not in tensors:
         vocab = config["transformer_layer_config"]["vocab_size"]
         tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)

@@ -11,13 +11,17 @@ absent), ``eagle_aux_hidden_state_layer_ids`` (HF ``hidden_states[L]``, the inpu
 L, as draftsmith's ``aux_layers``), ``fc_norm`` and ``norm_output`` (EAGLE 3.1's options, the
 head's; vLLM 0.32 reads both, and ``fc_norm.{i}.weight`` as ``model.fc_norm.{i}``); the head's
 weights under its own (speculators') names plus ``embed_tokens.weight``, the target's table (as
-the target's embedding module computes it, e.g. Gemma's scaled by ``embed_scale``). P-EAGLE's
-(``parallel``) adds ``mask_token_id`` and ships its own trained table."""
+the target's embedding module computes it, e.g. Gemma's scaled by ``embed_scale``; read back
+without it, the head reading the target's by reference). :func:`write_eagle3_family` writes it
+for the kinds built on EAGLE-3, which add their own fields and table (P-EAGLE's, ``plugins/peagle.py``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+
+import torch
 
 from draftsmith.errors import CheckpointError, UsageError
 from draftsmith.eval.engine.drafters.eagle import build_planned, tree_options
@@ -34,20 +38,35 @@ PLAN_FALLBACK = {"depth": 6, "top_k": 3, "budget": 12}  # unplanned (no held-out
 LAYER_TYPES = ("llama", "qwen3")  # speculators 0.9.0 models/eagle3/model_definitions.model_classes
 
 
-def to_speculators(
+def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
+    """Write the speculators ``eagle3`` folder; returns the vLLM command that serves it."""
+    fields = {"architectures": ["Eagle3Speculator"], "speculators_model_type": source.kind}
+    return write_eagle3_family(source, target, out, tree, fields)
+
+
+def target_table(target: Target, config: dict, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """EAGLE-3's embedding table: the target's, as its embedding module computes it (the head reads
+    it by reference and ships none of its own)."""
+    return embedding_table(target.model).detach().to(target.dtype)
+
+
+def write_eagle3_family(
     source: Source,
     target: Target,
     out: Path,
     tree: dict,
-    architecture: str = "Eagle3Speculator",
-    parallel: bool = False,
+    fields: dict,
     columns: tuple[str, ...] = FUSED_COLUMNS,
+    table: Callable[[Target, dict, dict[str, torch.Tensor]], torch.Tensor] = target_table,
+    extra: dict | None = None,
 ) -> list[str]:
-    """Write the speculators folder of an EAGLE-3-family head; returns the vLLM command that serves it.
+    """Write the speculators folder of an EAGLE-3-family head: EAGLE-3's config after a kind's
+    leading ``fields``, and its weights; returns the vLLM command that serves it as ``eagle3`` with
+    the speculative config's ``extra`` options.
 
-    ``parallel``: the head drafts its chain in one pass over a learned mask token
-    (``mask_token_id`` in the config, ``parallel_drafting`` in the serve command); ``columns``: its
-    weights in the space of the concatenated aux layers."""
+    ``columns``: the weights in the space of the concatenated aux layers; ``table(target, config,
+    weights)``: the embedding table shipped as ``embed_tokens.weight`` (:func:`target_table`, or a
+    kind's own, which takes the rows it is built from out of ``weights``)."""
     speculators.check_aux_layers(source)
     config, tensors = ascending_aux_layers(source, columns)
     layer = target.engine_layer_config(config["target_config"])
@@ -66,17 +85,9 @@ def to_speculators(
     if config["draft_vocab_size"] == layer["vocab_size"]:
         for name in speculators.VOCAB_MAPS:
             tensors.pop(name)
-    # P-EAGLE's table is the head's own, trained (mask row included); EAGLE-3's is the target's.
-    table = speculators.EMBEDDING
-    own = tensors.get(table)
-    tensors[table] = (own if own is not None else embedding_table(target.model)).detach().to(target.dtype)
-    if parallel and "mask_embedding" in tensors:  # a checkpoint from before the table trained: its mask row
-        tensors[table] = tensors[table].clone()
-        tensors[table][config["mask_token_id"]] = tensors.pop("mask_embedding").to(target.dtype)
+    tensors[speculators.EMBEDDING] = table(target, config, tensors)
     fields = {
-        "architectures": [architecture],
-        "speculators_model_type": source.kind,
-        **({"mask_token_id": config["mask_token_id"]} if parallel else {}),
+        **fields,
         "norm_before_residual": bool(config.get("norm_before_residual", False)),
         "eagle_aux_hidden_state_layer_ids": list(config["aux_layers"]),
         "norm_before_fc": False,
@@ -84,14 +95,14 @@ def to_speculators(
         "embed_requires_grad": False,
     }
     speculators.write_folder(source, target, out, tree, config, layer, fields, tensors)
-    extra = {"parallel_drafting": True} if parallel else {}
-    return [speculators.vllm_command(target, out, "eagle3", tree["depth"], extra)]
+    return [speculators.vllm_command(target, out, "eagle3", tree["depth"], extra or {})]
 
 
 def read_speculators(folder: Path, config: dict) -> dict:
-    """The weights of an EAGLE-3 speculators folder (:func:`draftsmith.export.speculators.read`),
-    refused where its EAGLE 3.1 fields, which speculators and vLLM build the drafter from, disagree
-    with draftsmith's record, which the engine builds it from: the two would draft differently."""
+    """The weights of an EAGLE-3 speculators folder (:func:`draftsmith.export.speculators.read`)
+    less the target's embedding table, which the head reads by reference; refused where its EAGLE
+    3.1 fields, which speculators and vLLM build the drafter from, disagree with draftsmith's
+    record, which the engine builds it from: the two would draft differently."""
     record = config.get(EXPORT_KEY, {}).get("config", {})
     for key in EAGLE31_OPTIONS:
         served, ours = bool(config.get(key, False)), bool(record.get(key, False))
@@ -100,7 +111,9 @@ def read_speculators(folder: Path, config: dict) -> dict:
                 f"{folder}: config.json says {key}: {str(served).lower()} (what vLLM and speculators build) "
                 f"but its {EXPORT_KEY} record says {str(ours).lower()}: export the checkpoint again"
             )
-    return speculators.read(folder, config)
+    tensors = speculators.read(folder, config)
+    tensors.pop(speculators.EMBEDDING, None)
+    return tensors
 
 
 def serve(fmt: str, folder: Path, depth: int) -> Served | None:

@@ -11,16 +11,41 @@ differs from the target's). vLLM serves them as ``eagle3`` with
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
+
+import torch
 
 from draftsmith.config import COUNT
 from draftsmith.eval.engine.drafters import peagle
 from draftsmith.export import speculators
-from draftsmith.export.common import FUSED_COLUMNS
+from draftsmith.export.common import FUSED_COLUMNS, Source, Target
 from draftsmith.kinds import DrafterKind, Features, Option, Served, Training
-from draftsmith.plugins.eagle3 import to_speculators as eagle3_to_speculators
+from draftsmith.plugins.eagle3 import target_table, write_eagle3_family
 from draftsmith.train import peagle as training
+
+
+def to_speculators(source: Source, target: Target, out: Path, tree: dict) -> list[str]:
+    """Write the speculators ``peagle`` folder (EAGLE-3's with P-EAGLE's part); returns the vLLM
+    command that serves it drafting the chain in one pass."""
+    fields = {
+        "architectures": ["PEagleSpeculator"],
+        "speculators_model_type": source.kind,
+        "mask_token_id": source.config["mask_token_id"],
+    }
+    columns = (*FUSED_COLUMNS, "mask_hidden")  # the mask feature lives in fc's input space
+    return write_eagle3_family(
+        source, target, out, tree, fields, columns, table=own_table, extra={"parallel_drafting": True}
+    )
+
+
+def own_table(target: Target, config: dict, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The head's own trained table, mask row included; a checkpoint from before the table trained
+    kept only its mask row (``mask_embedding``, taken out of ``tensors``), set into the target's table."""
+    if "mask_embedding" not in tensors:
+        return tensors[speculators.EMBEDDING].detach().to(target.dtype)
+    table = target_table(target, config, tensors).clone()
+    table[config["mask_token_id"]] = tensors.pop("mask_embedding").to(target.dtype)
+    return table
 
 
 def serve(fmt: str, folder: Path, depth: int) -> Served | None:
@@ -43,15 +68,8 @@ KIND = DrafterKind(
     training=Training("peagle", training.PEagleRecipe, training.main, training.build, training.PEagleTask),
     features=Features("aux", rows=True),
     title="P-EAGLE head (parallel drafting)",
-    formats={
-        speculators.NAME: partial(
-            eagle3_to_speculators,
-            architecture="PEagleSpeculator",
-            parallel=True,
-            columns=(*FUSED_COLUMNS, "mask_hidden"),  # the mask feature lives in fc's input space
-        )
-    },
-    readers={speculators.NAME: partial(speculators.read, own_embedding=True)},
+    formats={speculators.NAME: to_speculators},
+    readers={speculators.NAME: speculators.read},  # the table is the head's own: read back with its weights
     serve=serve,
     chain=lambda depth: {"depth": depth},  # a chain already
     builds_on=("eagle3",),  # an EAGLE-3 head drafting its chain in one pass
