@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from stats_helpers import SAMPLES, assert_distributed_as_target
-from training_helpers import save_tiny_target, write_recipe
+from training_helpers import save_tiny_target, tiny_training_recipe, write_recipe
 from transformers import DynamicCache
 
 from draftsmith.config import RecipeError
@@ -247,8 +247,6 @@ def test_sampling_with_dflash_matches_exact_distribution(tiny_target):
 
 @pytest.fixture(scope="module")
 def dflash_recipe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dflash")
-    target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
     drafter = {
         "kind": "dflash",
         "aux_layers": [0, 1, 2],
@@ -257,17 +255,7 @@ def dflash_recipe(tmp_path_factory):
         "anchors_per_sequence": 16,
         "draft_vocab_size": 512,
     }
-    return write_recipe(
-        root,
-        target,
-        drafter,
-        data={"regenerate": {"enabled": False}},
-        learning_rate=3e-3,
-        lr_schedule="constant",
-        max_steps=16,
-        log_every=4,
-        eval_every=8,
-    )
+    return tiny_training_recipe(tmp_path_factory.mktemp("dflash"), drafter)
 
 
 def test_training_lowers_the_loss_and_records_accuracy_per_slot(dflash_recipe, tmp_path):

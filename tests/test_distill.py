@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_helpers import launch, save_tiny_target, write_recipe
+from training_helpers import launch, resumable_recipe, run_training, save_tiny_target
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from draftsmith.heads.draft_lm import derive_draft_lm, save_draft_lm, student_for
@@ -94,20 +95,11 @@ def target_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def recipe(target_folder, tmp_path_factory) -> Path:
     drafter = {"num_layers": 1, "max_new_tokens": 8, "max_prompt_tokens": 80, "mixture": {"fixed": 0.5, "student": 0.5}}
-    return write_recipe(
-        tmp_path_factory.mktemp("recipe"),
-        target_folder,
-        drafter,
-        {"limit": 10, "max_length": 96, "held_out_fraction": 0.2},
-        learning_rate=3e-3,
-        max_steps=6,
-        log_every=1,
-        save_every=3,
-    )
+    data = {"limit": 10, "max_length": 96, "held_out_fraction": 0.2}
+    return resumable_recipe(tmp_path_factory.mktemp("recipe"), target_folder, drafter, data, learning_rate=3e-3)
 
 
-def train(recipe: Path, out: Path, *overrides: str):
-    return main([str(recipe), "--output_dir", str(out), *overrides])
+train = partial(run_training, main)
 
 
 @pytest.fixture(scope="module")

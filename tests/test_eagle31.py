@@ -25,7 +25,7 @@ from cli_helpers import assert_user_error
 from gate_helpers import assert_gate_passed, gate_recipe, needs_vllm
 from safetensors.torch import load_file, save_file
 from speculators_helpers import assert_same_logits, aux_features, draft_logits_both, load_speculators
-from training_helpers import save_tiny_target, write_recipe
+from training_helpers import save_tiny_target, tiny_training_recipe
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from draftsmith.errors import CheckpointError
@@ -185,20 +185,8 @@ def test_a_checkpoint_records_both_and_round_trips_and_a_dropped_flag_is_refused
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e31-train")
-    target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
     drafter = {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 512}
-    return write_recipe(
-        root,
-        target,
-        drafter,
-        data={"regenerate": {"enabled": False}},
-        learning_rate=3e-3,
-        lr_schedule="constant",
-        max_steps=12,
-        log_every=4,
-        eval_every=12,
-    )
+    return tiny_training_recipe(tmp_path_factory.mktemp("e31-train"), drafter, max_steps=12, eval_every=12)
 
 
 @pytest.mark.parametrize("option", ["fc_norm", "norm_output"])

@@ -14,6 +14,7 @@ import json
 import os
 import struct
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 import yaml
 from cli_helpers import assert_user_error
 from safetensors.torch import load_file
-from training_helpers import EOS, VOCAB, check_two_replicas, launch, save_tiny_target, write_recipe
+from training_helpers import EOS, VOCAB, check_two_replicas, launch, run_training, save_tiny_targets, write_recipe
 from transformers import LlamaForCausalLM
 
 from draftsmith.heads.common import TargetMismatchError
@@ -40,13 +41,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory) -> dict[str, Path]:
     """Folders: ``main`` (seed 0, hidden 64), ``other_seed`` (same shape), ``narrow`` (hidden 32)."""
-    root = tmp_path_factory.mktemp("targets")
-    tokenizer = load_tokenizer("default")
-    return {
-        "main": save_tiny_target(root / "main", tokenizer),
-        "other_seed": save_tiny_target(root / "other_seed", tokenizer, seed=1),
-        "narrow": save_tiny_target(root / "narrow", tokenizer, hidden_size=32),
-    }
+    variants = {"main": {}, "other_seed": {"seed": 1}, "narrow": {"hidden_size": 32}}
+    return save_tiny_targets(tmp_path_factory.mktemp("targets"), **variants)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +58,7 @@ def recipe(targets, tmp_path_factory) -> Path:
     )
 
 
-def train(recipe: Path, out: Path, *overrides: str):
-    return main([str(recipe), "--output_dir", str(out), *overrides])
+train = partial(run_training, main)
 
 
 def load_target_model(folder: Path, dtype=torch.float32) -> LlamaForCausalLM:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import itertools
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from stats_helpers import SAMPLES, chi_square, exact_joint
-from training_helpers import VOCAB, launch, save_tiny_target, write_recipe
+from training_helpers import VOCAB, launch, resumable_recipe, run_training, save_tiny_targets
 from transformers import LlamaForCausalLM
 
 from draftsmith.data_prep.chat import render_prompt
@@ -127,29 +128,16 @@ def test_static_tree_shares_each_heads_ranked_guesses():
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("targets")
-    tokenizer = load_tokenizer("default")
-    return {
-        "main": save_tiny_target(root / "main", tokenizer),
-        "other": save_tiny_target(root / "other", tokenizer, seed=1),
-    }
+    return save_tiny_targets(tmp_path_factory.mktemp("targets"), main={}, other={"seed": 1})
 
 
 @pytest.fixture(scope="module")
 def recipe(targets, tmp_path_factory) -> Path:
-    return write_recipe(
-        tmp_path_factory.mktemp("recipe"),
-        targets["main"],
-        {"num_heads": 3, "num_layers": 1},
-        learning_rate=1e-2,
-        max_steps=6,
-        log_every=1,
-        save_every=3,
-    )
+    drafter = {"num_heads": 3, "num_layers": 1}
+    return resumable_recipe(tmp_path_factory.mktemp("recipe"), targets["main"], drafter, learning_rate=1e-2)
 
 
-def train(recipe: Path, out: Path, *overrides: str):
-    return main([str(recipe), "--output_dir", str(out), *overrides])
+train = partial(run_training, main)
 
 
 @pytest.fixture(scope="module")

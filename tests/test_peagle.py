@@ -13,7 +13,7 @@ import pytest
 import torch
 from speculators_helpers import aux_features
 from stats_helpers import SAMPLES, assert_distributed_as_target
-from training_helpers import save_tiny_target, write_recipe
+from training_helpers import tiny_training_recipe
 
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
@@ -370,20 +370,8 @@ def test_sampling_with_peagle_matches_exact_distribution(tiny_target):
 
 @pytest.fixture(scope="module")
 def tiny_recipe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("peagle")
-    target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
     drafter = {"kind": "peagle", "aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 512}
-    return write_recipe(
-        root,
-        target,
-        drafter,
-        data={"regenerate": {"enabled": False}},
-        learning_rate=3e-3,
-        lr_schedule="constant",
-        max_steps=16,
-        log_every=4,
-        eval_every=8,
-    )
+    return tiny_training_recipe(tmp_path_factory.mktemp("peagle"), drafter)
 
 
 def test_training_lowers_the_loss_and_saves_a_head_the_engine_drafts_with(tiny_recipe, tmp_path):

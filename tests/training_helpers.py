@@ -1,6 +1,7 @@
 """Helpers for training tests: tiny random-weight Llama targets saved to folders (sharing the
 bundled SmolLM2 tokenizer, loaded by path like any user's target; seconds per run on one CPU
-thread) and two-process ``accelerate launch`` runs of a training script.
+thread), the tiny recipes trained on them, in-process runs and two-process ``accelerate launch``
+runs of a training script.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.heads.eagle import EagleHead
+from draftsmith.target import load_tokenizer
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer
 EOS = 2  # <|im_end|>
@@ -53,6 +55,13 @@ def save_tiny_target(
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def save_tiny_targets(root: Path, **variants: dict) -> dict[str, Path]:
+    """Tiny targets sharing the bundled tokenizer, one a keyword: saved in ``root``/its name with its
+    options to ``save_tiny_target``."""
+    tokenizer = load_tokenizer("default")
+    return {name: save_tiny_target(root / name, tokenizer, **options) for name, options in variants.items()}
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,12 +134,32 @@ def write_recipe(root: Path, target: Path, drafter: dict, data: dict | None = No
     return path
 
 
+def tiny_training_recipe(root: Path, drafter: dict, **training) -> Path:
+    """``write_recipe`` under ``root`` for a short run whose loss must fall: a tiny target of
+    weights x 8 (peaked: something to learn) saved in ``root``/target, the data as it is (not
+    regenerated), 16 steps at a constant 3e-3, logs every 4 steps, held-out loss every 8;
+    ``training`` entries override those."""
+    target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
+    schedule = {"learning_rate": 3e-3, "lr_schedule": "constant", "max_steps": 16, "log_every": 4, "eval_every": 8}
+    return write_recipe(root, target, drafter, data={"regenerate": {"enabled": False}}, **(schedule | training))
+
+
+def resumable_recipe(root: Path, target: Path, drafter: dict, data: dict | None = None, **training) -> Path:
+    """``write_recipe`` for the run the resume tests set an interrupted one against: 6 steps, a
+    checkpoint at step 3, a log line every step; ``training`` entries add to those."""
+    return write_recipe(root, target, drafter, data, max_steps=6, log_every=1, save_every=3, **training)
+
+
+def run_training(main, recipe: Path, output_dir: Path, *overrides: str):
+    """``main`` (a training entry point) on ``recipe`` into ``output_dir``, with ``overrides``
+    (``--section.field value`` pairs)."""
+    return main([str(recipe), "--output_dir", str(output_dir), *overrides])
+
+
 def train_offline(main, recipe: Path, output_dir: Path, features_dir: Path, *overrides: str):
     """``main`` (a training entry point) on ``recipe`` with its features stored in ``features_dir``."""
-    return main(
-        [str(recipe), "--output_dir", str(output_dir), *overrides]
-        + ["--drafter.features", "offline", "--drafter.features_dir", str(features_dir)]
-    )
+    offline = ["--drafter.features", "offline", "--drafter.features_dir", str(features_dir)]
+    return run_training(main, recipe, output_dir, *overrides, *offline)
 
 
 def check_two_replicas(out: Path, target: Path, steps: int) -> None:
