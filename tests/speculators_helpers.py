@@ -1,5 +1,6 @@
 """What the tests that load our exports into speculators share: its EAGLE-3 model, loaded from an
-exported folder, and its draft logits set against our head's."""
+exported folder, and its draft logits set against our head's (the target's features of a sequence
+and our head's unrolled passes over them)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def aux_features(target, ids: list[int], layers) -> torch.Tensor:
     if layers is None:
         return out.last_hidden_state
     return torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
+
+
+def unroll_over(head, target, ids: list[int], layers, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The target's features of ``ids`` (``aux_features``' ``layers``) and ``head``'s ``steps``
+    training-time-test passes over them (``unroll``: no padding, each later pass fed the one
+    before through the head's own ``feedback_input``)."""
+    features = aux_features(target, ids, layers)
+    padding = torch.ones(1, len(ids), dtype=torch.long)
+    return features, unroll(head, torch.tensor([ids]), features[:, :-1], padding, steps, head.feedback_input)
 
 
 def load_speculators(folder, verifier: Path | None = None):
@@ -58,15 +68,7 @@ def draft_logits_both(head, theirs, target, ids: list[int], steps: int = 2) -> l
     drafts read no padding, given the target's features of ``ids`` (the engine concatenates the aux
     states in the exported, ascending, layer order)."""
     with torch.no_grad():
-        features = aux_features(target, ids, head.aux_layers)
-        ours = unroll(
-            head,
-            torch.tensor([ids]),
-            features[:, :-1],
-            torch.ones(1, len(ids), dtype=torch.long),
-            steps,
-            head.feedback_input,
-        )
+        _, ours = unroll_over(head, target, ids, head.aux_layers, steps)
         served = aux_features(target, ids, theirs.config.eagle_aux_hidden_state_layer_ids)
         logits = speculators_draft_logits(theirs, served, ids, steps)
         assert len(logits) == steps

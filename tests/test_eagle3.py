@@ -19,10 +19,10 @@ import torch
 import yaml
 from cli_helpers import assert_user_error
 from safetensors.torch import load_file
-from speculators_helpers import aux_features
+from speculators_helpers import aux_features, unroll_over
 from stats_helpers import assert_distributed_as_target
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
-from training_helpers import save_tiny_target, train_offline, write_recipe
+from training_helpers import tiny_training_recipe, train_offline
 from transformers import DynamicCache
 
 from draftsmith.config import RecipeError
@@ -34,7 +34,6 @@ from draftsmith.eval.engine.tree import ROOT
 from draftsmith.heads.aux_layers import default_aux_layers, resolve_aux_layers
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
-from draftsmith.target import load_tokenizer
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
 from draftsmith.train.ordering import sequence_lengths
 from draftsmith.train.unroll import chain_sample, pass_mask, supervised_next, unroll
@@ -81,15 +80,7 @@ def test_unrolled_passes_equal_the_engine_drafting_chains(make_tiny_llama, kind)
     ids = [3, 9, 4, 17, 6, 11, 2, 30, 8, 5, 14, 22]
     steps = 4
     with torch.no_grad():
-        features = aux_features(target, ids, layers)
-        outputs = unroll(
-            head,
-            torch.tensor([ids]),
-            features[:, :-1],
-            torch.ones(1, len(ids), dtype=torch.long),
-            steps,
-            head.feedback_input,
-        )
+        features, outputs = unroll_over(head, target, ids, layers, steps)
         # Pass j at position t is the draft at depth j + 1 below token t + 1, with tokens t+2..t+j+1 drafted.
         for t in (2, 5, 7):
             runner = CausalLMRunner(decoder=head, lm_head=head.logits, config=head.config)
@@ -110,8 +101,7 @@ def test_later_passes_differ_from_teacher_forced_features(make_tiny_llama):
     head = EagleHead.for_target(target, "tiny", init="random").eval()
     ids = [3, 9, 4, 17, 6, 11, 2, 30]
     with torch.no_grad():
-        features = aux_features(target, ids, None)
-        outputs = unroll(head, torch.tensor([ids]), features[:, :-1], torch.ones(1, len(ids), dtype=torch.long), 2)
+        features, outputs = unroll_over(head, target, ids, None, 2)
         teacher = head(torch.tensor([ids[2:]]), features[:, 1:-1]).last_hidden_state
     assert (outputs[1][0, :-1] - teacher[0]).abs().max() > 1e-2
 
@@ -372,20 +362,8 @@ def test_checkpoint_uses_speculators_names_and_reloads_identically(tiny_target, 
 
 @pytest.fixture(scope="module")
 def tiny_recipe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle3")
-    target = save_tiny_target(root / "target", load_tokenizer("default"), scale=8.0)
     drafter = {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 512}
-    return write_recipe(
-        root,
-        target,
-        drafter,
-        data={"regenerate": {"enabled": False}},
-        learning_rate=3e-3,
-        lr_schedule="constant",
-        max_steps=16,
-        log_every=4,
-        eval_every=8,
-    )
+    return tiny_training_recipe(tmp_path_factory.mktemp("eagle3"), drafter)
 
 
 def test_training_lowers_the_loss_and_logs_accuracy_per_depth(tiny_recipe, tmp_path):

@@ -27,32 +27,20 @@ from draftsmith.heads.eagle import EagleHead
 pytestmark = pytest.mark.slow
 
 
-@needs_vllm
-def test_gate_passes_a_trained_eagle3_head_and_fails_a_permuted_fc(gate_heads, tmp_path, capsys):
+def export_checked(checkpoint, out, prompts) -> dict:
+    """``checkpoint`` exported for speculators into ``out``, drafting 3 tokens, with the export's own
+    vLLM gate on 4 of ``prompts`` (32 new tokens each): the gate's ``serve_check.json``."""
     from draftsmith.export.cli import main as export_main
 
+    check = ["--check", "vllm", "--check-prompts", str(prompts), "--check-limit", "4", "--check-max-new-tokens", "32"]
+    export_main([str(checkpoint), "--format", "speculators", "--out", str(out), "--draft-tokens", "3", *check])
+    return json.loads((out / "serve_check.json").read_text())
+
+
+@needs_vllm
+def test_gate_passes_a_trained_eagle3_head_and_fails_a_permuted_fc(gate_heads, tmp_path, capsys):
     out = tmp_path / "e3"
-    export_main(
-        [
-            str(gate_heads["eagle3"]),
-            "--format",
-            "speculators",
-            "--out",
-            str(out),
-            "--draft-tokens",
-            "3",
-            "--check",
-            "vllm",
-            "--check-prompts",
-            str(gate_heads["prompts"]),
-            "--check-limit",
-            "4",
-            "--check-max-new-tokens",
-            "32",
-        ]
-    )
-    result = json.loads((out / "serve_check.json").read_text())
-    assert_gate_passed(0, result, 3)
+    assert_gate_passed(0, export_checked(gate_heads["eagle3"], out, gate_heads["prompts"]), 3)
     assert "PASSED" in (out / "serve_check.md").read_text() and "PASSED" in capsys.readouterr().out
 
 
@@ -61,7 +49,6 @@ def test_gate_passes_a_trained_peagle_head_of_two_layers(gate_heads, tmp_path, c
     """A P-EAGLE head of two decoder layers (upstream's drafters have 4): exported with
     ``num_hidden_layers: 2`` and layer 1 under vLLM's names, vLLM builds and loads both layers and
     drafts in parallel what draftsmith's engine drafts."""
-    from draftsmith.export.cli import main as export_main
     from draftsmith.train.peagle import main as train_peagle
 
     root = tmp_path / "pe"
@@ -70,30 +57,11 @@ def test_gate_passes_a_trained_peagle_head_of_two_layers(gate_heads, tmp_path, c
     recipe = gate_recipe(root, gate_heads, drafter)
     checkpoint = train_peagle([str(recipe), "--output_dir", str(root / "run")]).last_checkpoint
     out = tmp_path / "pe-export"
-    export_main(
-        [
-            str(checkpoint),
-            "--format",
-            "speculators",
-            "--out",
-            str(out),
-            "--draft-tokens",
-            "3",
-            "--check",
-            "vllm",
-            "--check-prompts",
-            str(gate_heads["prompts"]),
-            "--check-limit",
-            "4",
-            "--check-max-new-tokens",
-            "32",
-        ]
-    )
+    result = export_checked(checkpoint, out, gate_heads["prompts"])
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "peagle" and config["transformer_layer_config"]["num_hidden_layers"] == 2
     weights = load_file(str(out / "model.safetensors"))
     assert weights["layers.1.self_attn.q_proj.weight"].shape[1] == 128 and "layers.1.hidden_norm.weight" not in weights
-    result = json.loads((out / "serve_check.json").read_text())
     assert_gate_passed(0, result, 3)
     assert "PASSED" in capsys.readouterr().out
 
