@@ -12,12 +12,10 @@ the same run as the baseline; methods interleaved, medians over repeats.
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 
 import torch
-from overhead import FixedTreeDrafter, tiny_target
+from overhead import FixedTreeDrafter, save_report, setup, tiny_target
 
 from draftsmith.errors import ArgumentParser, at_least, report_user_errors
 from draftsmith.eval.engine.batch_decode import BatchDecoder
@@ -73,20 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
             report[f"batch{b}_{kind}_vs_single"] = round(
                 report[f"batch{b}_{kind}_tok_s"] / report[f"single_{kind}_tok_s"], 2
             )
-    report["setup"] = {
-        "prompt_tokens": args.prompt_tokens,
-        "new_tokens": n,
-        "repeats": args.repeats,
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "vocab": vocab,
-        "torch": torch.__version__,
-    }
-    print(json.dumps(report, indent=1))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "batch.json").write_text(json.dumps(report, indent=1))
-    return report
+    report["setup"] = setup(args, device, vocab)
+    return save_report(report, args.out, "batch.json")
 
 
 if __name__ == "__main__":

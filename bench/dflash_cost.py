@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from train_step import first_batch, median_step_seconds
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.heads.dflash import DFlashHead
-from draftsmith.timing import clock
 from draftsmith.train.cli import parse_training_args
 from draftsmith.train.dflash import DFlashDrafterConfig, DFlashRecipe, DFlashTask, blocks_per_group, build
 
@@ -39,21 +36,9 @@ MODES = ("dense", "sparse")
 
 def step_seconds(task: DFlashTask, batch: dict, sparse: bool, repeats: int, precision: str) -> float:
     """Median wall time of one optimiser step of ``task``'s head, attention block-sparse or dense."""
-    head = task.model.train()
     task.block_sparse = sparse
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
-    device = next(head.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-    times = []
-    for _ in range(repeats + 1):  # the first step warms allocators and kernels up
-        start = clock(device)
-        with autocast:
-            loss, _ = task.loss(head, batch, training=False)  # training=False: the same anchors every step
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(clock(device) - start)
-    return statistics.median(times[1:])
+    # training=False draws the same anchors every step: both modes time the same work.
+    return median_step_seconds(task, batch, repeats, precision, training=False)
 
 
 def compare(task: DFlashTask, batch: dict, repeats: int, precision: str) -> dict:
@@ -80,11 +65,8 @@ def recipe_shape(path: str, repeats: int) -> dict:
         [path, "--data.regenerate.enabled", "false", "--data.limit", "64", "--tracking.report_to", "none"],
     )
     task, train_set, _ = build(recipe)
-    rows = [
-        {key: torch.as_tensor(train_set[i][key]) for key in ("input_ids", "loss_mask")}
-        for i in range(recipe.training.batch_size)
-    ]
-    return compare(task, pad_batch(rows), repeats, recipe.training.mixed_precision) | {"recipe": path}
+    batch = first_batch(train_set, recipe.training.batch_size)
+    return compare(task, batch, repeats, recipe.training.mixed_precision) | {"recipe": path}
 
 
 def llama_shape(repeats: int, length: int = 2048, anchors: int = 512, block: int = 16) -> dict:

@@ -165,6 +165,30 @@ def hf(model, prompt, new_tokens, device, **kwargs) -> list[float]:
     return timer.deltas()
 
 
+def setup(args, device: torch.device, vocab: int, **settings) -> dict:
+    """What a probe's figures were measured with: ``args``' prompt and new tokens and repeats, its
+    other ``settings``, the device, threads, vocabulary and torch version."""
+    return {
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        **settings,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "vocab": vocab,
+        "torch": torch.__version__,
+    }
+
+
+def save_report(report: dict, out: str, name: str) -> dict:
+    """``report``, printed and written as ``name`` into the folder ``out``."""
+    print(json.dumps(report, indent=1))
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(json.dumps(report, indent=1))
+    return report
+
+
 @report_user_errors
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -221,23 +245,10 @@ def main(argv: list[str] | None = None) -> dict:
             "tree12_vs_plain": round(report["ours_tree12_us"] / report["ours_plain_us"], 2),
             "plain_vs_hf_plain": round(report["ours_plain_us"] / report["hf_plain_us"], 2),
             "steps_per_method": {name: len(values) for name, values in steps.items()},
-            "setup": {
-                "prompt_tokens": args.prompt_tokens,
-                "new_tokens": n,
-                "repeats": args.repeats,
-                "scale": args.scale,
-                "device": str(device),
-                "threads": torch.get_num_threads(),
-                "vocab": vocab,
-                "torch": torch.__version__,
-            },
+            "setup": setup(args, device, vocab, scale=args.scale),
         }
     )
-    print(json.dumps(report, indent=1))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "overhead.json").write_text(json.dumps(report, indent=1))
-    return report
+    return save_report(report, args.out, "overhead.json")
 
 
 if __name__ == "__main__":

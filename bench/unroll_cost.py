@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import yaml
+from train_step import first_batch, median_step_seconds
 
-from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.kinds import for_recipe
-from draftsmith.timing import clock
 from draftsmith.train.cli import parse_training_args
 from draftsmith.train.eagle3 import Eagle3Recipe
 
@@ -36,21 +33,8 @@ PASSES = (1, 3, 7)
 
 def step_seconds(task, batch: dict, passes: int, repeats: int, precision: str) -> float:
     """Median wall time of one optimiser step of ``task``'s head with ``passes`` unroll passes."""
-    head = task.model.train()
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
     task.cfg.ttt_steps = task.loss_config.steps = passes
-    device = next(head.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-    times = []
-    for _ in range(repeats + 1):  # the first step warms allocators and kernels up
-        start = clock(device)
-        with autocast:
-            loss, _ = task.loss(head, batch, training=True)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(clock(device) - start)
-    return statistics.median(times[1:])
+    return median_step_seconds(task, batch, repeats, precision, training=True)
 
 
 def main() -> None:
@@ -80,11 +64,7 @@ def main() -> None:
         ],
     )
     task, train_set, _ = build(recipe)
-    rows = [
-        {key: torch.as_tensor(train_set[i][key]) for key in ("input_ids", "loss_mask")}
-        for i in range(recipe.training.batch_size)
-    ]
-    batch = pad_batch(rows)
+    batch = first_batch(train_set, recipe.training.batch_size)
     with torch.no_grad():
         batch["aux"], batch["hidden"] = task.target_features(batch)
     tokens = int(batch["attention_mask"].sum())
