@@ -34,6 +34,11 @@ KIND = DrafterKind(
             "measured: a scored part's node estimates calibrated per depth by the acceptance measured so far; "
             "claimed: the parts' own scores",
         ),
-        "probe": Option(8, "switch mode: the learned parts draft again after this many skipped steps in a row", COUNT),
+        "probe": Option(
+            8,
+            "switch mode: skipped steps of one kind in a row before the learned parts draft again to measure "
+            "(doubles per lost probe, at most 64)",
+            COUNT,
+        ),
     },
 )
