@@ -1,16 +1,19 @@
 #!/bin/bash
-# DFlash vs Domino at an equal number of training steps (issue 57 item 3): the same data and stored
-# features (the target's fused layers, extracted once and read by both), the same backbone (2
-# Qwen3 layers, blocks of 8), STEPS optimiser steps each, then MT-bench (first questions of each
-# category) in draftsmith's engine: acceptance length per position and speedup against plain
-# decoding in the same run, and Domino's acceptance length against DFlash's with
-# a paired bootstrap interval over the prompt turns; Domino's backbone alone (correction=0) is the
-# correction head's ablation.
+# DFlash vs Domino at an equal number of training steps or minutes (issue 57 items 3, 4): the same
+# data and stored features (the target's fused layers, extracted once and read by both), the same
+# backbone (2 Qwen3 layers, blocks of 8), STEPS optimiser steps each or, with MINUTES set, MINUTES
+# of wall-clock training each (training.max_minutes: the learning rate and Domino's base-loss
+# weight fall over the minutes), then MT-bench (first questions of each category) in draftsmith's
+# engine: acceptance length per position and speedup against plain decoding in the same run, and
+# Domino's acceptance length against DFlash's with a paired bootstrap interval over the prompt
+# turns; Domino's backbone alone (correction=0) is the correction head's ablation.
 #
 #   STEPS=40 OUT=runs/domino bash bench/domino_compare.sh
+#   MINUTES=4.5 OUT=runs/domino-minutes bash bench/domino_compare.sh
 #
-# Knobs: STEPS (optimiser steps per kind), LIMIT (ShareGPT conversations), REGENERATE (true: the
-# target rewrites the replies first, as the recipes do; false: ShareGPT's own replies),
+# Knobs: STEPS (optimiser steps per kind), MINUTES (minutes per kind instead of STEPS), LIMIT
+# (ShareGPT conversations), REGENERATE (true: the target rewrites the replies first, as the recipes
+# do; false: ShareGPT's own replies),
 # PER_CATEGORY and TOKENS (MT-bench prompts per category and new tokens), DTYPE (the runs' dtype:
 # auto measures this CPU). Each recipe keeps its own vocabulary: DFlash's 8192 most frequent reply
 # tokens, Domino the full one (it scores with the target's LM head). One job at a time: on a
@@ -23,14 +26,21 @@ REGENERATE=${REGENERATE:-false}
 PER_CATEGORY=${PER_CATEGORY:-1}
 TOKENS=${TOKENS:-64}
 DTYPE=${DTYPE:-auto}
+MINUTES=${MINUTES:-}
+if [ -n "$MINUTES" ]; then
+  # a step count no run reaches: the clock ends both
+  BUDGET="--training.max_steps 1000000 --training.max_minutes $MINUTES"
+else
+  # max_minutes well past the steps' time: the step count, not the clock, ends both runs
+  BUDGET="--training.max_steps $STEPS --training.max_minutes 600"
+fi
 COMMON="--target.dtype $DTYPE --data.limit $LIMIT --data.max_length 512 --data.held_out_fraction 0.05
         --data.regenerate.enabled $REGENERATE --drafter.features offline --tracking.report_to none"
 mkdir -p "$OUT"
 for kind in dflash domino; do
   if [ ! -f "$OUT/$kind/checkpoint-final/config.json" ]; then
-    # max_minutes well past the steps' time: the step count, not the clock, ends both runs.
-    python "train/$kind.py" "recipes/smollm2-$kind.yaml" $COMMON --training.max_steps "$STEPS" \
-      --training.max_minutes 600 --training.eval_every 0 --training.output_dir "$OUT/$kind" > "$OUT/train_$kind.log" 2>&1
+    python "train/$kind.py" "recipes/smollm2-$kind.yaml" $COMMON $BUDGET \
+      --training.eval_every 0 --training.output_dir "$OUT/$kind" > "$OUT/train_$kind.log" 2>&1
   fi
 done
 python eval/run.py --dtype "$DTYPE" --bench mt_bench --per-category "$PER_CATEGORY" --max-new-tokens "$TOKENS" \

@@ -16,7 +16,15 @@ from draftsmith.config import RecipeError, from_dict
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.target import load_tokenizer
 from draftsmith.train import objectives
-from draftsmith.train.objectives import OBJECTIVES, objective_rows, parse_objective, token_loss
+from draftsmith.train.objectives import (
+    OBJECTIVES,
+    mixed_token_loss,
+    objective_rows,
+    parse_objective,
+    row_dot,
+    soft_target_cross_entropy,
+    token_loss,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -169,6 +177,59 @@ def test_token_loss_keeps_the_soft_cross_entropy_for_forward_kl_and_adds_other_o
     kept = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
     tv_loss, _ = token_loss(logits, torch.zeros_like(probs), probs, {"tv": 1.0}, 0.5 * kept)
     torch.testing.assert_close(tv_loss, 0.5 * kept * (1 - torch.minimum(student.softmax(-1), probs).sum(-1)))
+
+
+def test_the_soft_cross_entropy_goes_a_chunk_of_rows_at_a_time_with_the_whole_rows_values(monkeypatch):
+    """With 3 rows a pass (7 passes over 20 rows) the soft cross-entropy, its log-normaliser, its
+    gradient and :func:`row_dot` equal the composite whole-row forms to 1e-6."""
+    monkeypatch.setattr(objectives, "PASS_ELEMENTS", 3 * 50)
+    student, target = _random(20, 50, seed=5)
+    coeff = target.softmax(-1) * 1.5
+    logits = student.clone().requires_grad_()
+    loss, lse = soft_target_cross_entropy(logits, coeff)
+    scale = torch.linspace(0.5, 1.5, 20)
+    (loss * scale).sum().backward()
+    whole = student.double().requires_grad_()  # the composite in fp64: the reference, not its rounding
+    want = -(coeff.double() * whole.log_softmax(-1)).sum(-1)
+    (want * scale.double()).sum().backward()
+    torch.testing.assert_close(loss, want.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, student.double().logsumexp(-1).float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits.grad, whole.grad.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(row_dot(coeff, student), (coeff * student).sum(-1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mix", [{"kl_div": 1.0}, {"ce": 0.1, "tv": 0.9}], ids=["kl_div", "ce-tv"])
+@pytest.mark.parametrize("weight", [0.0, 0.4])
+def test_the_fused_mixed_loss_equals_the_two_token_losses_composed(monkeypatch, mix, weight):
+    """Domino's loss, ``(1 - w) token_loss(b + m x) + w token_loss(b)``, fused and in chunks of 3
+    rows, equals the two losses composed (values, log-normaliser, summed logits and the gradients
+    of b and x) to 1e-6; a row with m = 0 takes no gradient into x. Negative control: another
+    weight gives another loss."""
+    monkeypatch.setattr(objectives, "PASS_ELEMENTS", 3 * 40)
+    base, addend = _random(11, 40, seed=9)
+    probs = next(iter(_random(11, 40, seed=10))).softmax(-1)
+    coeff = probs if mix == {"kl_div": 1.0} else torch.zeros_like(probs)
+    switch = torch.tensor([False, True, True, False, True, True, True, True, False, True, True])
+    kept = torch.tensor([1.0, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1])
+    scale = torch.linspace(0.5, 2.0, 11)
+
+    def composed(b, x):
+        logits = b + x * switch[:, None]
+        loss, lse = token_loss(logits, coeff, probs, mix, kept)
+        base_loss, _ = token_loss(b, coeff, probs, mix, kept)
+        return (1 - weight) * loss + weight * base_loss, lse, logits
+
+    results = []
+    for fn in (composed, lambda b, x: mixed_token_loss(b, x, switch, coeff, probs, mix, kept, weight)):
+        b, x = base.clone().requires_grad_(), addend.clone().requires_grad_()
+        loss, lse, logits = fn(b, x)
+        ((loss * scale).sum() + (logits.detach() * 0).sum()).backward()
+        results.append((loss.detach(), lse, logits.detach(), b.grad, x.grad))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert results[1][4][~switch].abs().max() == 0 and results[1][4][switch].abs().max() > 0
+    other = mixed_token_loss(base, addend, switch, coeff, probs, mix, kept, 0.9)[0]
+    assert (other - results[1][0]).abs().max() > 1e-3
 
 
 def test_the_unrolled_loss_scores_each_pass_with_the_recipes_objective(make_tiny_llama):

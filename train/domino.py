@@ -36,7 +36,7 @@ from draftsmith.recipe import DECAY, DRAFT_VOCAB, DataConfig, Recipe
 from draftsmith.train.cli import entry_point
 from draftsmith.train.dflash import DFlashDrafterConfig, DFlashTask
 from draftsmith.train.fused import build_task, regenerated_data
-from draftsmith.train.objectives import token_loss
+from draftsmith.train.objectives import mixed_token_loss
 
 
 @dataclass
@@ -130,13 +130,11 @@ class DominoTask(DFlashTask):
         states = model.prefix_states(previous)[supervised]
         depth = torch.arange(1, slots + 1, device=hidden.device).expand_as(supervised)[supervised]
         base = model.lm_head(normed)
-        corrected = (depth > model.pure_draft_prefix_len)[:, None]
-        logits = base + model.correction(normed, states).to(base.dtype) * corrected
-        objective = self.loss_config.objective
-        ce, lse = token_loss(logits, coeff, target_probs, objective, kept)
-        if self.base_weight > 0:
-            base_ce, _ = token_loss(base, coeff, target_probs, objective, kept)
-            ce = (1 - self.base_weight) * ce + self.base_weight * base_ce
+        correction = model.correction(normed, states).to(base.dtype)
+        corrected = depth > model.pure_draft_prefix_len
+        ce, lse, logits = mixed_token_loss(
+            base, correction, corrected, coeff, target_probs, self.loss_config.objective, kept, self.base_weight
+        )
         return ce, lse, logits, None
 
 

@@ -38,6 +38,8 @@ ALIASES = {"fkl": "kl_div", "kl": "kl_div", "forward_kl": "kl_div", "reverse_kl"
 NLA_EPS = 1e-5  # speculators' clamp of alpha under the log
 LK_ETA = 3.0  # speculators' (and the LK paper's best) blend temperature
 CHUNK_ELEMENTS = 1 << 22  # rows per chunk x vocabulary: 16 MiB of fp32 per intermediate
+# rows x vocabulary of one pass of the soft cross-entropy: 4 MiB of fp32, which a core's caches hold
+PASS_ELEMENTS = 1 << 20
 
 
 def parse_objective(spec: str | dict, where: str = "drafter.objective") -> dict[str, float]:
@@ -148,31 +150,67 @@ def objective_rows(mix: dict[str, float], logits: torch.Tensor, probs: torch.Ten
     return torch.cat(parts)
 
 
+def _row_slices(rows: int, vocab: int) -> list[slice]:
+    """Row ranges of ``PASS_ELEMENTS`` elements at most (one row at least)."""
+    step = max(1, PASS_ELEMENTS // max(1, vocab))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _lse_and_dot(logits: torch.Tensor, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(logsumexp(z), c . z)`` per row, a cache-sized chunk of rows at a time."""
+    lse = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    dot = torch.empty_like(lse)
+    for rows in _row_slices(*logits.shape):
+        z = logits[rows].float()
+        lse[rows] = z.logsumexp(-1)
+        dot[rows] = row_dot(coeff[rows], z)
+    return lse, dot
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a . b`` per row of two ``[rows, V]`` tensors, a cache-sized chunk of rows at a time (a
+    batched ``bmm`` of the whole rows took about 3x as long over a 49,152-token vocabulary)."""
+    dot = a.new_empty(a.shape[0], dtype=torch.float32)
+    for rows in _row_slices(*a.shape):
+        dot[rows] = (a[rows].float() * b[rows].float()).sum(-1)
+    return dot
+
+
+def _soft_grad(
+    z: torch.Tensor, lse: torch.Tensor, coeff: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``out`` (fp32, the shape of ``z``) set to ``scale (s softmax(z) - c)`` for rows of ``z`` with
+    log-normaliser ``lse`` and ``s = sum_i c_i``: the soft cross-entropy's gradient times
+    ``scale``, one per row. Written in place: a copy per chunk cost as much as the arithmetic."""
+    torch.sub(z.float(), lse[:, None], out=out).exp_().mul_((coeff.sum(-1) * scale)[:, None])
+    return out.addcmul_(coeff, scale[:, None], value=-1.0)
+
+
 class _SoftTargetCrossEntropy(torch.autograd.Function):
     """Per row, ``-sum_i c_i log softmax(z)_i = s lse(z) - c.z`` with ``s = sum_i c_i``, and its
     gradient ``s softmax(z) - c``, in fp32. Only the logits (in their own dtype), ``c`` and the
     row's log-sum-exp are kept for the backward pass: the composite form (cast, log_softmax, mul,
     sum) wrote and reread fp32 ``[rows, vocab]`` tensors at each step and took ~40% of a 7-pass
-    training step on CPU (torch.profiler), where these ops are bound by memory bandwidth."""
+    training step on CPU (torch.profiler), where these ops are bound by memory bandwidth. Both
+    passes go a cache-sized chunk of rows at a time (:data:`PASS_ELEMENTS`): over Domino's
+    49,152-token rows, whole-tensor ``logsumexp`` and a batched dot product cost about 3x as much."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, coeff: torch.Tensor):
         with torch.autocast(logits.device.type, enabled=False):
-            z = logits.float()
-            lse = z.logsumexp(-1)
-            total = coeff.sum(-1)
-            loss = total * lse - torch.bmm(coeff.unsqueeze(1), z.unsqueeze(2)).view(-1)
-        ctx.save_for_backward(logits, coeff, lse, total)
+            lse, dot = _lse_and_dot(logits, coeff)
+            loss = coeff.sum(-1) * lse - dot
+        ctx.save_for_backward(logits, coeff, lse)
         ctx.mark_non_differentiable(lse)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _grad_lse: torch.Tensor):
-        logits, coeff, lse, total = ctx.saved_tensors
+        logits, coeff, lse = ctx.saved_tensors
+        grad_z = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         with torch.autocast(logits.device.type, enabled=False):
-            # Out of place first: for fp32 logits .float() is the saved tensor itself.
-            grad_z = torch.sub(logits.float(), lse[:, None]).exp_().mul_((total * grad)[:, None])
-            grad_z.addcmul_(coeff, grad[:, None], value=-1.0)
+            for rows in _row_slices(*logits.shape):
+                _soft_grad(logits[rows], lse[rows], coeff[rows], grad[rows], grad_z[rows])
         return grad_z.to(logits.dtype), None
 
 
@@ -181,6 +219,77 @@ def soft_target_cross_entropy(logits: torch.Tensor, coeff: torch.Tensor) -> tupl
     (``coeff`` ``[rows, V]`` fp32: a distribution for soft cross-entropy, any non-negative weights
     for sums of such terms) and the rows' fp32 log-sum-exp (no gradient)."""
     return _SoftTargetCrossEntropy.apply(logits, coeff)
+
+
+class _MixedSoftTargetCrossEntropy(torch.autograd.Function):
+    """Per row, ``(1 - w) CE(b + m x) + w CE(b)`` (``CE``: :class:`_SoftTargetCrossEntropy`'s soft
+    cross-entropy with ``c``; ``m`` a row's 0/1 switch for the addend ``x``), with the summed logits
+    ``b + m x`` as a third output. One pass over each chunk of rows forward and one backward: the
+    two losses composed from :func:`soft_target_cross_entropy` wrote and reread the full-vocabulary
+    logits, their two gradients and their sum once each (Domino's backbone and corrected logits)."""
+
+    @staticmethod
+    def forward(ctx, base, addend, switch, coeff, weight: float):
+        ctx.set_materialize_grads(False)
+        with torch.autocast(base.device.type, enabled=False):
+            logits = torch.empty_like(base)
+            for rows in _row_slices(*base.shape):
+                torch.addcmul(base[rows], addend[rows], switch[rows, None], out=logits[rows])
+            lse, dot = _lse_and_dot(logits, coeff)
+            total = coeff.sum(-1)
+            loss = total * lse - dot
+            base_lse = lse
+            if weight > 0:
+                base_lse, base_dot = _lse_and_dot(base, coeff)
+                loss = (1 - weight) * loss + weight * (total * base_lse - base_dot)
+        ctx.weight = weight
+        ctx.save_for_backward(base, logits, switch, coeff, lse, base_lse)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse, logits
+
+    @staticmethod
+    def backward(ctx, grad, _grad_lse, grad_logits):
+        base, logits, switch, coeff, lse, base_lse = ctx.saved_tensors
+        weight = ctx.weight
+        grad_base = torch.empty(base.shape, dtype=torch.float32, device=base.device)
+        grad_addend = torch.empty_like(grad_base)
+        if grad is None:
+            grad = lse.new_zeros(lse.shape)
+        slices = _row_slices(*base.shape)
+        scratch = grad_base.new_empty(grad_base[slices[0]].shape) if weight > 0 and slices else None
+        with torch.autocast(base.device.type, enabled=False):
+            for rows in slices:
+                g = _soft_grad(logits[rows], lse[rows], coeff[rows], (1 - weight) * grad[rows], grad_base[rows])
+                if grad_logits is not None:
+                    g += grad_logits[rows]
+                torch.mul(g, switch[rows, None], out=grad_addend[rows])
+                if weight > 0:
+                    g += _soft_grad(base[rows], base_lse[rows], coeff[rows], weight * grad[rows], scratch[: len(g)])
+        return grad_base.to(base.dtype), grad_addend.to(base.dtype), None, None, None
+
+
+def mixed_token_loss(
+    base: torch.Tensor,
+    addend: torch.Tensor,
+    switch: torch.Tensor,
+    coeff: torch.Tensor,
+    probs: torch.Tensor,
+    mix: dict[str, float],
+    kept: torch.Tensor | float,
+    weight: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, lse, logits)`` per row: :func:`token_loss` of ``logits = base + switch x addend``
+    (``switch`` ``[rows]``, 1 where a row takes ``addend``) mixed with :func:`token_loss` of
+    ``base`` as ``(1 - weight) x the first + weight x the second`` (Domino's corrected and backbone
+    logits), equal to composing them but with the soft cross-entropies fused (see
+    :class:`_MixedSoftTargetCrossEntropy`); ``lse`` is the summed logits' log-normaliser."""
+    loss, lse, logits = _MixedSoftTargetCrossEntropy.apply(base, addend, switch.to(base.dtype), coeff, weight)
+    if not is_soft_cross_entropy(mix):
+        extra = objective_rows(mix, logits, probs)
+        if weight > 0:
+            extra = (1 - weight) * extra + weight * objective_rows(mix, base, probs)
+        loss = loss + kept * extra
+    return loss, lse, logits
 
 
 def token_loss(
