@@ -59,15 +59,25 @@ def deploy(root: Path, seed: int = 0) -> dict:
     target, tokenizer = load_target(str(target_dir), "float32")
     store = TrafficStore.for_target(root / "traffic", target, tokenizer, str(target_dir), LAYERS, shard_size=4)
     decoder = SpeculativeDecoder(target, None, eos_ids=set(), capture=store)
-    for i in range(REQUESTS):
+    for prompt in domain_prompts(tokenizer, range(REQUESTS)):
+        decoder.generate(prompt, 24)
+    store.flush()
+    served = {"traffic": root / "traffic", "target": target_dir, "model": target, "tokenizer": tokenizer}
+    return {"root": root, "head": head, **served}
+
+
+def domain_prompts(tokenizer, numbers) -> list[list[int]]:
+    """The served domain's request prompts (token ids), one per number: :func:`deploy` serves numbers
+    ``0 .. REQUESTS - 1``, and a fresh sample of the domain, never trained or judged on, takes later ones."""
+    prompts = []
+    for i in numbers:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": f"Write a Python function number {i} that adds two numbers."}],
             tokenize=False,
             add_generation_prompt=True,
         )
-        decoder.generate(tokenizer(text, add_special_tokens=False)["input_ids"], 24)
-    store.flush()
-    return {"root": root, "head": head, "traffic": root / "traffic", "target": target_dir, "model": target}
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +299,12 @@ def test_held_out_conversations_share_nothing_with_trained_rows_and_are_judged_o
 
 
 def control_round(deployed, folder: Path, control: str, seed: int = 0):
-    """A round at the default margin and confidence, judged on the newest half of the served
+    """One round of :func:`control_adapter`'s adapter."""
+    return control_adapter(deployed, folder, control, seed).run(1)[0]
+
+
+def control_adapter(deployed, folder: Path, control: str, seed: int = 0) -> Adapter:
+    """The adapter of a round at the default margin and confidence, judged on the newest half of the served
     requests, whose challenger trained on the older half: as served (:data:`POSITIVE`: more of the
     judged domain, it should win), or made to teach nothing of it (:data:`CONTROLS`): ``unrelated``
     traffic (random replies, with the target's states for them), or the served requests with their
@@ -341,7 +356,7 @@ def control_round(deployed, folder: Path, control: str, seed: int = 0):
     # The judge's verdict alone: the forgetting check (test_replay_keeps_the_heads_general_accuracy) would
     # otherwise veto a challenger trained without replay on its one held-out conversation of 24 tokens.
     cfg = replace(cfg, judge_drafter=AdaptConfig.judge_drafter, margin=AdaptConfig.margin, max_forgetting=None)
-    return Adapter(cfg).run(1)[0]
+    return Adapter(cfg)
 
 
 def test_a_challenger_trained_on_more_of_the_judged_domain_is_promoted(deployed, tmp_path):
@@ -353,6 +368,22 @@ def test_a_challenger_trained_on_more_of_the_judged_domain_is_promoted(deployed,
     assert verdict["tau_serving"] > 1.3, verdict
     assert verdict["gain"] > 0.15 and verdict["low"] >= AdaptConfig.margin and verdict["promoted"], verdict
     assert serving_head(tmp_path / "adapt").parent.name == "round-0001"
+
+
+def test_a_fresh_sample_of_the_domain_shares_no_request_with_a_control_rounds_trained_or_judged_ones(
+    deployed, tmp_path
+):
+    """``bench/adapt_false_promotion.py --fresh`` checks a promotion on requests of the judged domain
+    that the round neither trained nor judged on: none of them begins a trained row or a judged prompt."""
+    adapter = control_adapter(deployed, tmp_path, POSITIVE)
+    data = adapter.split(1, since=0)
+    trained = [data.train[i]["input_ids"].tolist() for i in range(len(data.train))]
+    assert len(trained) == len(data.prompts) == REQUESTS // 2
+    fresh = domain_prompts(deployed["tokenizer"], range(REQUESTS, REQUESTS + 64))
+    assert len({tuple(prompt) for prompt in fresh}) == 64
+    for prompt in fresh:
+        for seen in trained + data.prompts:
+            assert seen[: len(prompt)] != prompt and prompt[: len(seen)] != seen
 
 
 @pytest.mark.parametrize("control", CONTROLS)
