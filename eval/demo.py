@@ -1,7 +1,7 @@
 """The main job: train a drafter for the bundled SmolLM2 target on ShareGPT (the kind its recipe's
 ``drafter.kind`` names: an EAGLE head by default), then benchmark it on MT-bench against plain
 decoding, prompt lookup and suffix decoding, and beside them the hybrid of the head and suffix
-decoding in one tree (``hybrid:KIND:CHECKPOINT+suffix?mode=switch``), and print the acceptance table and the
+decoding in one tree (``hybrid:KIND:CHECKPOINT+suffix``), and print the acceptance table and the
 wall time of every stage.
 
     python eval/demo.py                      # what `make demo` runs
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
             "--drafter",
             # switch: the head drafts only in steps where its measured yield beats suffix's alone; with a head of
             # minutes it was 0.98x suffix where merge was 0.95x (BENCHMARKS.md, the main job's section)
-            f"hybrid:{kind.name}:{trainer.last_checkpoint}+suffix?mode=switch",
+            f"hybrid:{kind.name}:{trainer.last_checkpoint}+suffix",
             "--out",
             args.results,
             *(["--max-minutes", str(args.eval_minutes)] if args.eval_minutes else []),

@@ -19,10 +19,10 @@ KIND = DrafterKind(
     options={
         "budget": Option(hybrid.BUDGET, "most tree nodes verified per step, shared by the parts", COUNT),
         "mode": Option(
-            "merge",
-            "merge: every part drafts every step; switch: decided before they draft, the learned parts draft only "
-            "in steps where the lookup's tree alone is not expected to yield the tokens per second their steps "
-            "measured in this generation (Arctic's per-step choice)",
+            "switch",
+            "switch: decided before they draft, the learned parts draft only where what they measurably add over "
+            "the lookup's tree pays for their drafting and the larger pass (Arctic's per-step choice); merge: every "
+            "part drafts every step",
         ),
         "nodes": Option(
             "priced",

@@ -189,6 +189,22 @@ def test_hybrid_of_a_draft_lm_and_deterministic_lookups(monkeypatch, target, dra
     statistic, threshold, accepted, _ = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, n)
     assert statistic < threshold
     assert accepted[(3,)] > n / 80 and accepted[(1, 1, 1)] > n / 20
+    assert mode == "switch" or drafter.skipped == 0
+
+
+@pytest.mark.parametrize("mode", ["merge", "switch"])
+def test_a_priced_hybrid_verifies_sampled_draws_whatever_their_scores(monkeypatch, target, draft, mode):
+    """Nodes priced by a pass cost that grows with the tree: where the sampled draws' own scores
+    price every node out, the step still verifies them (a plain step chosen by their scores would
+    select on them: chi-square 206 against a threshold of 147 at 3,600 samples before the fix);
+    in switch mode the draft LM is skipped in some steps (decided before it draws)."""
+    parts = [DraftLMDrafter(draft, depth=2, top_k=2), SuffixDrafter(num_tokens=3)]
+    costs = {size: 1.0 + 0.3 * (size - 1) for size in range(1, 8)}
+    drafter = HybridDrafter(parts, learned=[True, False], budget=6, mode=mode, costs=costs)
+    n = 2400
+    statistic, threshold, accepted, recorder = run_case(monkeypatch, target, drafter, SamplingConfig(1.0), 4, n)
+    assert statistic < threshold
+    assert recorder.pruned_tokens_out > n / 10  # pricing pruned draws that were then accepted
     assert (drafter.skipped > 0) == (mode == "switch")
 
 
