@@ -145,14 +145,27 @@ class DFlashDrafter(Drafter):
         """Where the head runs (its drafting is timed on this device's clock)."""
         return next(self.head.parameters()).device
 
-    def keep(self, confidences: list[float], started: float, depth: int) -> int:
-        """How many of ``depth`` drafted tokens to verify, by ``cut``, from their predicted acceptances."""
+    def keep(self, confidences: list[float], started: float, depth: int, sampled: bool) -> int:
+        """How many of ``depth`` drafted tokens to verify, by ``cut``, from their predicted acceptances
+        (``sampled``: the tokens were sampled, not chosen greedily)."""
         reach = survival(confidences)
-        if self.cut == "threshold":
+        if self.cut == "threshold":  # a stopping rule: depth d's fate reads the draws above it only
             return sum(1 for p in reach if p >= self.threshold)
-        return priced_size(reach, self.costs, clock(self.device) - started, depth)
+        seconds = clock(self.device) - started
+        if not (sampled and self.confidences_read_draws):
+            return priced_size(reach, self.costs, seconds, depth)
+        # Depth d + 1's confidence reads the token drawn at depth d: an argmax over every depth would
+        # let a draw's own value decide whether it is verified (a plain step because it priced the
+        # chain out), a selection on the draws that recursive rejection sampling does not undo. Draw d
+        # is kept while the best of the first d + 1 depths, priced on their reach alone (moved by the
+        # draws above d only), keeps them all. Greedy output is the target's whatever the cut.
+        kept = 0
+        while kept < depth and priced_size(reach[: kept + 1], self.costs, seconds, kept + 1) == kept + 1:
+            kept += 1
+        return kept
 
     sequential = False  # each depth's distribution depends on the token chosen above it (a Markov head)
+    confidences_read_draws = False  # each depth's confidence reads the token chosen above it
 
     def markov_step(self, normed: torch.Tensor, anchor: torch.Tensor):
         """``step(d, previous) -> (bias, confidence logit)`` for :func:`grow_markov_chain` (``normed``
@@ -190,7 +203,9 @@ class DFlashDrafter(Drafter):
             context.max_entropy,
             vocab,
             head.config.vocab_size,
-            cut=None if self.cut == "fixed" else lambda confidences: self.keep(confidences, started, depth),
+            cut=None
+            if self.cut == "fixed"
+            else lambda confidences: self.keep(confidences, started, depth, not context.sampling.greedy),
         )
 
 

@@ -26,6 +26,7 @@ class DSparkDrafter(DFlashDrafter):
     def __init__(self, head: DSparkHead, *args, name: str = "dspark", **kwargs):
         super().__init__(head, *args, name=name, **kwargs)
         self.sequential = head.markov_head is not None
+        self.confidences_read_draws = head.confidence_with_markov
 
     def markov_step(self, normed: torch.Tensor, anchor: torch.Tensor):
         """Depth d's Markov bias from the token chosen at depth d - 1 (the rnn's state carried along,
