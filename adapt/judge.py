@@ -53,12 +53,20 @@ def paired_gain(
 ) -> tuple[float, float, float, float]:
     """``(tau_serving, tau_challenger, gain, low)`` from per-request counts of both heads; ``low``:
     the one-sided lower ``confidence`` bound of the gain over :data:`BOOTSTRAP` paired resamples."""
+    tau_a, tau_b, gains = bootstrap_gains(serving, challenger, seed)
+    return tau_a, tau_b, tau_b - tau_a, torch.quantile(gains, 1 - confidence).item()
+
+
+def bootstrap_gains(
+    serving: list[tuple[int, int]], challenger: list[tuple[int, int]], seed: int = 0
+) -> tuple[float, float, torch.Tensor]:
+    """``(tau_serving, tau_challenger, gains)``: both heads' acceptance lengths from per-request
+    counts and the challenger's gain in each of :data:`BOOTSTRAP` paired resamples of the requests."""
     a, b = torch.tensor(serving, dtype=torch.float64), torch.tensor(challenger, dtype=torch.float64)
     tau_a, tau_b = (a[:, 0].sum() / a[:, 1].sum()).item(), (b[:, 0].sum() / b[:, 1].sum()).item()
     picks = torch.randint(len(a), (BOOTSTRAP, len(a)), generator=torch.Generator().manual_seed(seed))
     ra, rb = a[picks].sum(1), b[picks].sum(1)
-    gains = rb[:, 0] / rb[:, 1] - ra[:, 0] / ra[:, 1]
-    return tau_a, tau_b, tau_b - tau_a, torch.quantile(gains, 1 - confidence).item()
+    return tau_a, tau_b, rb[:, 0] / rb[:, 1] - ra[:, 0] / ra[:, 1]
 
 
 def judge(

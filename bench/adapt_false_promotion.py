@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_adapt import CONTROLS, NULLS, POSITIVE, REQUESTS, control_adapter, deploy, domain_prompts  # noqa: E402
 
 from draftsmith.adapt.config import AdaptConfig  # noqa: E402
-from draftsmith.adapt.judge import acceptance_counts, paired_gain  # noqa: E402
+from draftsmith.adapt.judge import acceptance_counts, bootstrap_gains  # noqa: E402
 from draftsmith.adapt.rounds import serving_head  # noqa: E402
 from draftsmith.errors import ArgumentParser, UsageError, report_user_errors  # noqa: E402
 
@@ -83,10 +83,9 @@ def fresh_gain(adapter, challenger: Path, prompts: list[list[int]], seed: int) -
         return acceptance_counts(adapter.target, spec, prompts, cfg.judge_max_new_tokens)
 
     serving, ours = counts(cfg.head), counts(challenger)
-    tail = 1 - (1 - FRESH_INTERVAL) / 2
-    tau_a, tau_b, gain, low = paired_gain(serving, ours, tail, seed)
-    # The same resamples (one seed) with the heads swapped: the loss's lower bound is the gain's upper one.
-    high = -paired_gain(ours, serving, tail, seed)[3]
+    tail = (1 - FRESH_INTERVAL) / 2
+    tau_a, tau_b, gains = bootstrap_gains(serving, ours, seed)
+    gain, (low, high) = tau_b - tau_a, torch.quantile(gains, torch.tensor([tail, 1 - tail], dtype=gains.dtype)).tolist()
     return {
         "fresh_requests": len(prompts),
         "fresh_tau_serving": round(tau_a, 4),

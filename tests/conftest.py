@@ -148,7 +148,8 @@ def gate_eagle3(tmp_path_factory):
 
 
 def _train_gate_eagle3(root: Path) -> dict:
-    from training_helpers import save_tiny_target, write_recipe
+    from gate_helpers import gate_recipe
+    from training_helpers import save_tiny_target
 
     from draftsmith.target import load_tokenizer
     from draftsmith.train.eagle3 import main as train_eagle3
@@ -162,17 +163,13 @@ def _train_gate_eagle3(root: Path) -> dict:
         "regenerate": {"enabled": True, "max_new_tokens": 64, "output": str(regenerated)},
     }
     (root / "e3").mkdir()
-    recipe = write_recipe(
+    recipe = gate_recipe(
         root / "e3",
-        target,
+        {"target": target, "data": data},
         # Every position trained, as when test_serve_check's negative controls were sized on this head.
         {"aux_layers": [0, 1, 2], "ttt_steps": 3, "draft_vocab_size": 2048, "down_sample_ratio": 1.0},
-        data=data,
-        learning_rate=3e-3,
-        lr_schedule="constant",
         max_steps=400,
         log_every=100,
-        eval_every=1000,
         save_every=20,
         keep_checkpoints=0,
     )

@@ -46,18 +46,12 @@ def assert_gate_passed(code: int, result: dict, depth: int, first: float = 0.1) 
     assert min(result["vllm_tok_s"], result["vllm_plain_tok_s"], result["ours_tok_s"], result["ours_plain_tok_s"]) > 0
 
 
-def gate_recipe(root: Path, gate: dict, drafter: dict) -> Path:
-    """A recipe for a head of its own (``drafter``) trained 250 steps on the gate's tiny target and
-    data (``gate``: the ``gate_eagle3`` or ``gate_heads`` fixture), enough for the gate's verdict."""
+def gate_recipe(root: Path, gate: dict, drafter: dict, **training) -> Path:
+    """A recipe for a head of its own (``drafter``) trained on the gate's tiny target and data
+    (``gate``: its ``target`` and ``data``, as the ``gate_eagle3`` and ``gate_heads`` fixtures hold
+    them) at a constant learning rate: 250 steps unless ``training`` says otherwise, enough for the
+    gate's verdict."""
+    schedule = {"max_steps": 250, "log_every": 50, "eval_every": 1000, "save_every": 1000, **training}
     return write_recipe(
-        root,
-        gate["target"],
-        drafter,
-        data=gate["data"],
-        learning_rate=3e-3,
-        lr_schedule="constant",
-        max_steps=250,
-        log_every=50,
-        eval_every=1000,
-        save_every=1000,
+        root, gate["target"], drafter, data=gate["data"], learning_rate=3e-3, lr_schedule="constant", **schedule
     )

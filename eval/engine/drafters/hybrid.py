@@ -202,19 +202,20 @@ class HybridDrafter(Drafter):
     def _pass_seconds(self, tree: TokenTree) -> float:
         return self.costs[len(tree) + 1] if self.costs else 0.0
 
-    def _skip_learned(self, trees: list[TokenTree | None], estimates: dict[int, list[float]], spent: float) -> bool:
+    def _skip_learned(
+        self, kind: int, trees: list[TokenTree | None], estimates: dict[int, list[float]], spent: float
+    ) -> bool:
         """Switch mode: whether the lookup's tree alone is expected to yield at least the tokens per
         second of the lookup's tokens plus the learned parts' measured gain in this kind of step,
         over the measured pass and their drafting (see the module docstring; a kind of step never
         measured, or due a probe, drafts them)."""
-        drafted = [i for i, t in enumerate(trees) if t is not None and len(t)]
-        kind = self._kind = MATCHED if drafted else UNMATCHED
         if self.mode != "switch":
             return False
-        gain, learned_pass = self.gain[kind].value, self.learned_pass[kind].value
-        if gain is None or learned_pass is None or self._streak[kind] >= self._interval[kind]:
+        gain, learned_pass = self.gain[kind].value, self.learned_pass[kind].value  # added together
+        if gain is None or self._streak[kind] >= self._interval[kind]:
             self._probing[kind] = gain is not None
             return False
+        drafted = [i for i, t in enumerate(trees) if t is not None and len(t)]
         lookup = merge_trees(
             [trees[i] for i in drafted], [estimates[i] for i in drafted], self.budget, True, self.costs, spent
         )
@@ -241,7 +242,8 @@ class HybridDrafter(Drafter):
             if not self.learned[i]:
                 trees[i], seconds = self._draft(i, context)
                 estimates[i], spent = self._estimates(i, trees[i]), spent + seconds
-        skip = self._skip_learned(trees, estimates, spent)
+        self._kind = MATCHED if any(t is not None and len(t) for t in trees) else UNMATCHED
+        skip = self._skip_learned(self._kind, trees, estimates, spent)
         for i in range(len(self.parts)):
             if self.learned[i] and not skip:
                 trees[i], seconds = self._draft(i, context)
@@ -271,20 +273,20 @@ class HybridDrafter(Drafter):
     def _learn(self, trees: list[TokenTree | None], accepted: list[int]) -> None:
         """Update the measured rates from one step's tokens (accepted drafts and the bonus token)."""
         drafts = accepted[:-1]
+        keyed = [_keyed(t) if t is not None else {} for t in trees]  # each part's nodes by token path
         if any(t is not None for t, learned in zip(trees, self.learned) if learned):
             # The lookup alone would have kept the deepest accepted path its own trees hold.
-            lookups = [t for t, learned in zip(trees, self.learned) if t is not None and not learned]
-            lookup = set().union(*(_keyed(t) for t in lookups))
+            lookup = set().union(*(keys for keys, learned in zip(keyed, self.learned) if not learned))
             self.gain[self._kind].add(float(len(drafts) - _followed(lookup, drafts)))
             self.learned_pass[self._kind].add(self._pending_pass)
         for i, tree in enumerate(trees):
             if tree is None or not len(tree):
                 continue
             if tree.scores:
-                self.calibration[i].observe(tree, _keyed(tree), self._verified, tuple(drafts))
+                self.calibration[i].observe(tree, keyed[i], self._verified, tuple(drafts))
                 continue
             # How deep this part's tree followed the accepted path: per-token acceptance = kept / tried.
-            kept = _followed(_keyed(tree), drafts)
+            kept = _followed(keyed[i], drafts)
             tried = kept + (kept < max(tree.depths))
             self.lookup_rate[i] = min(max(_mix(self.lookup_rate[i], kept / tried), 0.01), 0.99)
 
