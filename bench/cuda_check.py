@@ -6,8 +6,10 @@ On tiny random-weight models built from a config, on ``--device``: (1) greedy sp
 with every drafter kind (EAGLE-1; EAGLE-3 with 1 and 2 layers; P-EAGLE with 2; DFlash with a learned
 mask row; DSpark with a vanilla Markov head cut by price and with an rnn one cut by threshold;
 Medusa over a static tree; a draft LM cut from the target; prompt lookup; suffix decoding where
-arctic-inference is installed; the hybrid of EAGLE-3 and prompt lookup) gives plain greedy
-decoding's tokens, with the host syncs per step counted
+arctic-inference is installed; the hybrid of EAGLE-3 and prompt lookup), and plain decoding itself,
+each with static shapes replayed from CUDA graphs (``cuda_graphs="on"``; eagerly on a CPU), gives
+plain greedy decoding's tokens with shapes as they come (no graphs), with the graphs captured and
+the host syncs per step counted
 (:func:`~draftsmith.eval.engine.host_syncs.count_host_syncs`: each one waits for the device); (2)
 training computes what it computes on the CPU: EAGLE-3's chain-sampled passes equal the full
 unroll at their chains, DFlash's block-sparse attention equals dense masked SDPA (values and
@@ -135,7 +137,7 @@ def training_free() -> dict[str, str]:
 
 def check_decoding(target, device: str) -> dict:
     """Greedy speculative decoding equals plain greedy for every kind; acceptance and syncs per step."""
-    plain = SpeculativeDecoder(target, None, None, eos_ids=set())
+    plain = SpeculativeDecoder(target, None, None, eos_ids=set(), cuda_graphs="off")
     wanted = [plain.generate(prompt, 40).tokens for prompt in PROMPTS]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,9 +146,9 @@ def check_decoding(target, device: str) -> dict:
             head.save_pretrained(Path(tmp) / name)
             specs[name] = f"{name.split('_')[0]}:{Path(tmp) / name}{options.replace('MEDUSA_TREE', MEDUSA_TREE)}"
         specs["hybrid"] = f"hybrid:eagle3:{Path(tmp) / 'eagle3'}+prompt_lookup"
-        for name, spec in specs.items():
-            drafter = build_drafter(spec, target)
-            spec = SpeculativeDecoder(target, drafter, None, eos_ids=set())
+        for name, spec in {"plain": None, **specs}.items():
+            drafter = build_drafter(spec, target) if spec else None
+            spec = SpeculativeDecoder(target, drafter, None, eos_ids=set(), cuda_graphs="on")
             same, produced, steps, syncs = True, 0, 0, []
             for prompt, want in zip(PROMPTS, wanted):
                 with count_host_syncs() as counter:
@@ -155,10 +157,13 @@ def check_decoding(target, device: str) -> dict:
                 same &= got.tokens == want
                 produced, steps = produced + sum(got.accepted), steps + got.steps
                 syncs += [b - a for a, b in zip(marks, marks[1:])]
+            runners = [spec.runner, *(drafter.runners() if drafter else [])]
             out[name] = {
                 "lossless": same,
                 "tokens_per_step": round(produced / steps, 3),
                 "host_syncs_per_step_max": max(syncs) if syncs else None,
+                "cuda_graphs": sum(r.static.captured for r in runners),
+                "cuda_graph_failure": next((r.static.failure for r in runners if r.static.failure), None),
                 "device": str(next(drafter.head.parameters()).device) if hasattr(drafter, "head") else device,
             }
     return out

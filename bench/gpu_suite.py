@@ -2,13 +2,14 @@
 scale the method needs, and the MT-bench table measured there, in stages that each keep to a time
 budget and record what they did as they finish.
 
-    python bench/gpu_suite.py --out OUT [--work DIR] [--stages identity,train,table] \
-        [--data CONVERSATIONS.jsonl[.xz]] [--train-minutes 3] [--table-minutes 1.25]
+    python bench/gpu_suite.py --out OUT [--work DIR] [--stages identity,train,table,profile] \
+        [--data CONVERSATIONS.jsonl[.xz]] [--train-minutes 3] [--table-minutes 1] [--cuda-graphs auto]
 
 Stages (docs/gpu_runbook.md gives the device calls and their timing):
 
-- ``identity``: every drafter kind's greedy output equals plain decoding's on tiny random-weight
-  models on the device, with host syncs per step, and the training-side equalities
+- ``identity``: every drafter kind's greedy output, and plain decoding's, with static shapes and
+  CUDA graphs equals plain decoding's without them, on tiny random-weight models on the device,
+  with the graphs captured and host syncs per step, and the training-side equalities
   (``bench/cuda_check.py``);
 - ``train``: an EAGLE-3 head for the bundled SmolLM2 target (``recipes/smollm2-eagle3-gpu.yaml``),
   features computed online on the device, from conversations carried as text; the learning curve
@@ -17,8 +18,10 @@ Stages (docs/gpu_runbook.md gives the device calls and their timing):
 - ``table``: MT-bench in bf16 at temperature 0 and 1, each within its budget: plain decoding, prompt
   lookup, suffix decoding (where arctic-inference is installed), the trained head with its planned
   tree, the hybrid of the head and the lookup, Hugging Face ``generate`` plain and with prompt
-  lookup; the planner's pass-cost curve measured on the device; milliseconds per step split by
-  engine phase under ``torch.profiler`` (``bench/profile_decode.py``).
+  lookup (``--cuda-graphs`` as ``eval/run.py``'s; the results are written after each temperature);
+- ``profile``: the planner's pass-cost curve measured on the device, and milliseconds per step
+  split by engine phase under ``torch.profiler`` (``bench/profile_decode.py``) for plain decoding
+  and each drafter of the table, with CUDA graphs off and on: what the graphs save.
 
 State lives under ``--work`` (on a warm machine a rerun skips the stages already done; ``--force``
 reruns them); ``OUT`` receives ``suite.json``, ``suite.md`` and ``head/`` after every stage, so a
@@ -43,7 +46,7 @@ from draftsmith.timing import clock
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "smollm2-eagle3-gpu.yaml"
-STAGES = ("identity", "train", "table")
+STAGES = ("identity", "train", "table", "profile")
 PART_BYTES = 16 * 2**20 - 4096  # what comes back from the device: files of at most 16 MiB
 
 
@@ -58,7 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recipe", type=Path, default=RECIPE, help="EAGLE-3 training recipe")
     parser.add_argument("--data", default=None, help="training conversations (.jsonl, or .jsonl.xz as packed)")
     parser.add_argument("--train-minutes", type=float, default=3.0, help="training budget (training.max_minutes)")
-    parser.add_argument("--table-minutes", type=float, default=1.25, help="decoding budget per temperature")
+    parser.add_argument("--table-minutes", type=float, default=1.0, help="decoding budget per temperature")
+    parser.add_argument("--profile-tokens", type=int, default=96, help="new tokens of each profiled generation")
+    parser.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="the table's decoding (eval/run.py --cuda-graphs); the profile stage runs both off and on",
+    )
     parser.add_argument(
         "--call-minutes",
         type=float,
@@ -166,14 +176,60 @@ class NoTimeLeft(Exception):
     """Too little of the call's time is left for a stage: a later call on the warm machine runs it."""
 
 
-# The table's cost beyond its two decoding budgets (loading the target and drafters twice, the
-# pass-cost curve, one profiled generation per method): a guess, not yet measured on a GPU.
-TABLE_FIXED_MINUTES = 1.5
+# Minutes a table temperature costs beyond its decoding budget (loading the target and the
+# drafters, warm-up and graph capture; on the H200, eager: ~0.3) and what the profile stage needs
+# (the pass-cost curve, two profiled generations per method; eager, ~10 s a generation there).
+TABLE_FIXED_MINUTES = 0.4
+PROFILE_MINUTES = 1.5
+
+
+def _minutes_left(args) -> float:
+    return (args.deadline - clock(args.device)) / 60
+
+
+def _head(results: dict) -> str | None:
+    train = results.get("train", {})
+    return train.get("head") if train.get("done") and Path(train.get("head", "")).is_dir() else None
 
 
 def stage_table(args, work: Path, results: dict) -> dict:
-    """The MT-bench table at temperature 0 and 1 within ``--table-minutes`` each (less when the call's
-    time runs short), the device's pass-cost curve and the per-phase step split of each method on one prompt."""
+    """The MT-bench table at temperature 0 and 1 within ``--table-minutes`` each (less when the
+    call's time runs short); the results are published after each temperature."""
+    from cuda_check import suffix_available
+
+    from draftsmith.eval.run import main as eval_main
+
+    left = _minutes_left(args)
+    room = (left - 2 * TABLE_FIXED_MINUTES) / 2  # per temperature
+    budget = min(args.table_minutes, room)
+    if room <= 0:
+        raise NoTimeLeft(f"{left:.1f} of --call-minutes {args.call_minutes} left: run the table in another call")
+    suffix = suffix_available()
+    methods = _methods(_head(results), suffix)
+    out: dict = {"budget_minutes_per_temperature": round(budget, 3), "methods": methods, "suffix": suffix}
+    if not suffix:
+        out["suffix_missing"] = "arctic-inference is not importable: no suffix rows; the hybrid uses prompt lookup"
+    for temperature in (0, 1):
+        folder = work / f"table_t{temperature}"
+        argv = ["--target", args.target, "--dtype", args.dtype, "--device", args.device, "--bench", "mt_bench"]
+        argv += ["--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens)]
+        argv += ["--temperature", str(temperature), "--max-minutes", f"{budget:.3f}", "--out", str(folder)]
+        argv += ["--cuda-graphs", args.cuda_graphs, *(w for m in methods for w in ("--drafter", m))]
+        argv += ["--hf-baseline", "hf_plain", "--hf-baseline", "hf_prompt_lookup"]
+        summary = eval_main(argv + (["--cost-model"] if temperature == 0 else []))
+        out[f"t{temperature}"] = {
+            "table": (folder / "table.md").read_text(),
+            "meta": {k: summary["meta"][k] for k in ("dtype", "device", "prompts", "prompts_asked", "trees")},
+            "methods": summary["methods"],
+        }
+        results["table"] = out  # a call cut during the next temperature still returns this one
+        publish(results, work, args.out)
+    return out
+
+
+def stage_profile(args, work: Path, results: dict) -> dict:
+    """The device's pass-cost curve and the per-phase step split of plain decoding and each of the
+    table's drafters on one MT-bench question, with CUDA graphs off and on."""
     from cuda_check import suffix_available
     from profile_decode import step_phases
 
@@ -184,49 +240,85 @@ def stage_table(args, work: Path, results: dict) -> dict:
     from draftsmith.eval.engine.pass_cost import measure_pass_cost
     from draftsmith.eval.engine.target_runner import CausalLMRunner
     from draftsmith.eval.engine.tree_plan import monotone
-    from draftsmith.eval.run import main as eval_main
     from draftsmith.target import load_target
 
-    left = (args.deadline - clock(args.device)) / 60
-    room = (left - TABLE_FIXED_MINUTES) / 2  # per temperature
-    budget = min(args.table_minutes, room)
-    if room <= 0:
-        raise NoTimeLeft(f"{left:.1f} of --call-minutes {args.call_minutes} left: run the table in another call")
-    train = results.get("train", {})
-    head = train.get("head") if train.get("done") and Path(train.get("head", "")).is_dir() else None
-    suffix = suffix_available()
-    methods = _methods(head, suffix)
-    out: dict = {"budget_minutes_per_temperature": round(budget, 3), "methods": methods, "suffix": suffix}
-    if not suffix:
-        out["suffix_missing"] = "arctic-inference is not importable: no suffix rows; the hybrid uses prompt lookup"
-    for temperature in (0, 1):
-        folder = work / f"table_t{temperature}"
-        argv = ["--target", args.target, "--dtype", args.dtype, "--device", args.device, "--bench", "mt_bench"]
-        argv += ["--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens)]
-        argv += ["--temperature", str(temperature), "--max-minutes", f"{budget:.3f}", "--out", str(folder)]
-        argv += [w for m in methods for w in ("--drafter", m)]
-        argv += ["--hf-baseline", "hf_plain", "--hf-baseline", "hf_prompt_lookup"]
-        summary = eval_main(argv + (["--cost-model"] if temperature == 0 else []))
-        out[f"t{temperature}"] = {
-            "table": (folder / "table.md").read_text(),
-            "meta": {k: summary["meta"][k] for k in ("dtype", "device", "prompts", "prompts_asked", "trees")},
-            "methods": summary["methods"],
-        }
+    if _minutes_left(args) < PROFILE_MINUTES:
+        left = _minutes_left(args)
+        raise NoTimeLeft(f"{left:.1f} of --call-minutes {args.call_minutes} left: profile in another call")
     target, tokenizer = load_target(args.target, args.dtype, args.device)
-    # The verification pass's cost per size as measured, and as the tree planner reads it (isotonic fit).
-    measured = measure_pass_cost(CausalLMRunner(target), sizes=range(1, 9 if args.tiny else 33))
-    for key, costs in (("pass_cost_ms", measured), ("pass_cost_ms_planned", monotone(measured))):
-        out[key] = {str(n): round(c * 1e3, 3) for n, c in costs.items()}
+    out: dict = {}
+    sizes = range(1, 9 if args.tiny else 33)
+    for graphs in ("off", "on"):
+        # The verification pass's cost per size as measured, and as the tree planner reads it (isotonic fit).
+        measured = measure_pass_cost(CausalLMRunner(target, cuda_graphs=graphs), sizes=sizes)
+        for key, costs in (("pass_cost_ms", measured), ("pass_cost_ms_planned", monotone(measured))):
+            out[f"{key}_graphs_{graphs}"] = {str(n): round(c * 1e3, 3) for n, c in costs.items()}
     question = load_prompts("mt_bench", limit=1)[0]
     ids = render_prompt(tokenizer, [{"role": "user", "content": question.turns[0]}])
-    phases = {}
-    for method in ["plain", *methods]:
-        drafter = None if method == "plain" else build_drafter(method, target)
-        decoder = SpeculativeDecoder(target, drafter, tokenizer)
-        decoder.generate(ids, 8)  # warm-up
-        phases[method.split("?name=")[-1].split(":")[0]] = step_phases(decoder, ids, args.max_new_tokens)
+    phases: dict = {}
+    for method in ["plain", *_methods(_head(results), suffix_available())]:
+        name = method.split("?name=")[-1].split(":")[0]
+        for graphs in ("off", "on"):
+            drafter = None if method == "plain" else build_drafter(method, target)
+            decoder = SpeculativeDecoder(target, drafter, tokenizer, cuda_graphs=graphs)
+            decoder.generate(ids, 8)  # warm-up
+            decoder.runner.capture_buckets()
+            phases[f"{name}_graphs_{graphs}"] = step_phases(decoder, ids, args.profile_tokens)
     out["step_phases"] = phases
+    out["training_step"] = training_step_profile(args, work)
     return out
+
+
+def training_step_profile(args, work: Path, steps: int = 3) -> dict:
+    """Where an optimiser step of the train stage's recipe spends its time on the device: the
+    first ``training.batch_size`` conversations padded into one batch (the trainer packs them),
+    features online, one warm-up step, then ``steps`` steps under ``torch.profiler``: wall, host
+    and device milliseconds per step, host syncs per step and the ops that take the most device
+    (on a CPU: host) time."""
+    from torch.profiler import ProfilerActivity, profile
+    from train_step import first_batch
+
+    from draftsmith.eval.engine.host_syncs import count_host_syncs
+    from draftsmith.train.cli import parse_training_args
+    from draftsmith.train.eagle3 import Eagle3Recipe, build
+
+    overrides = ["--target.name", args.target, "--target.dtype", args.dtype, "--data.path", training_data(args, work)]
+    overrides += ["--data.limit", "64", "--tracking.report_to", "none", *args.train_overrides]
+    recipe, _ = parse_training_args(Eagle3Recipe, [str(args.recipe), *overrides])
+    task, train_set, _ = build(recipe)
+    batch = {k: v.to(args.device) for k, v in first_batch(train_set, recipe.training.batch_size).items()}
+    task.target.to(args.device)
+    head = task.model.to(args.device).train()
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-5)
+    bf16 = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    cuda = args.device.startswith("cuda")
+
+    def step() -> None:
+        with bf16:
+            loss, _ = task.loss(head, batch, training=True)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up: allocators, kernel selection
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    start = clock(args.device)
+    with count_host_syncs() as syncs, profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+    wall = (clock(args.device) - start) / steps
+    averages = prof.key_averages()
+    by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    top = sorted(averages, key=lambda e: getattr(e, by), reverse=True)[:12]
+    return {
+        "batch": list(batch["input_ids"].shape),
+        "real_tokens": int(batch["attention_mask"].sum()),
+        "wall_ms_per_step": round(wall * 1e3, 2),
+        "device_busy_ms_per_step": round(sum(e.self_device_time_total for e in averages) / 1e3 / steps, 2),
+        "host_syncs_per_step": syncs.count / steps,
+        "top_ops_ms_per_step": {e.key: round(getattr(e, by) / 1e3 / steps, 3) for e in top},
+        "note": "profiled steps run under torch.profiler (slower than unprofiled ones); wall is theirs",
+    }
 
 
 def place_assets(parts: Path) -> str | None:
@@ -249,7 +341,7 @@ def place_assets(parts: Path) -> str | None:
     return None
 
 
-NEEDS_TARGET = ("train", "table")
+NEEDS_TARGET = ("train", "table", "profile")
 # --tiny: a few steps on short rows, evaluated twice (a learning curve of two points)
 TINY_TRAINING = [
     *("--training.max_steps", "4", "--training.batch_size", "2", "--training.eval_every", "2"),
@@ -258,7 +350,7 @@ TINY_TRAINING = [
     *("--drafter.ttt_steps", "3"),
     *("--drafter.draft_vocab_size", "512"),
 ]
-RUNNERS = {"identity": stage_identity, "train": stage_train, "table": stage_table}
+RUNNERS = {"identity": stage_identity, "train": stage_train, "table": stage_table, "profile": stage_profile}
 
 
 def report(results: dict) -> str:
@@ -275,10 +367,15 @@ def report(results: dict) -> str:
         if "waiting" in stage:
             lines += [stage["waiting"], ""]
         if name == "identity" and "decoding" in stage:
-            lines += ["| kind | lossless | tokens/step | host syncs/step (max) |", "|---|---|---:|---:|"]
+            lines += [
+                "| kind | lossless | tokens/step | host syncs/step (max) | CUDA graphs captured |",
+                "|---|---|---:|---:|---|",
+            ]
             for kind, row in stage["decoding"].items():
+                graphs = row.get("cuda_graph_failure") or row.get("cuda_graphs")
                 lines.append(
-                    f"| {kind} | {row['lossless']} | {row['tokens_per_step']} | {row['host_syncs_per_step_max']} |"
+                    f"| {kind} | {row['lossless']} | {row['tokens_per_step']} | {row['host_syncs_per_step_max']} "
+                    f"| {graphs} |"
                 )
             lines.append("")
         if name == "train" and "steps" in stage:
@@ -287,6 +384,15 @@ def report(results: dict) -> str:
                 f"tokens; held-out top-1 per depth: {stage['held_out_top1_per_depth']}",
                 "",
             ]
+        if name == "profile" and "step_phases" in stage:
+            lines += ["| method, CUDA graphs | tokens/step | wall ms/step | device busy ms/step | device idle |"]
+            lines += ["|---|---:|---:|---:|---:|"]
+            for method, row in stage["step_phases"].items():
+                lines.append(
+                    f"| {method.replace('_graphs_', ', ')} | {row['tokens_per_step']} | {row['wall_ms_per_step']} "
+                    f"| {row['device_busy_ms_per_step']} | {row['device_idle']} |"
+                )
+            lines.append("")
         for temperature in (0, 1):
             if f"t{temperature}" in stage:
                 table = stage[f"t{temperature}"]

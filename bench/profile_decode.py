@@ -16,6 +16,7 @@ from draftsmith.data_prep.prompts import load_prompts
 from draftsmith.errors import ArgumentParser, report_user_errors
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
+from draftsmith.eval.engine.target_runner import CUDA_GRAPHS
 from draftsmith.precision import DTYPE_CHOICES
 from draftsmith.target import load_target
 
@@ -62,10 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=0, help="MT-bench question index")
     parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--cuda-graphs", default="auto", choices=CUDA_GRAPHS, help="as eval/run.py's")
     args = parser.parse_args(argv)
     model, tokenizer = load_target("default", args.dtype)
     drafter = build_drafter(args.drafter, model) if args.drafter != "none" else None
-    decoder = SpeculativeDecoder(model, drafter, tokenizer)
+    decoder = SpeculativeDecoder(model, drafter, tokenizer, cuda_graphs=args.cuda_graphs)
     question = load_prompts("mt_bench")[args.prompt]
     ids = render_prompt(tokenizer, [{"role": "user", "content": question.turns[0]}])
     decoder.generate(ids, 16)  # warm-up

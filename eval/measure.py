@@ -120,6 +120,7 @@ def run_bench(
     time_drafting: bool = False,
     capture: TrafficStore | None = None,
     max_seconds: float | None = None,
+    cuda_graphs: str = "auto",
 ) -> list[Run]:
     """Run the baseline, every drafter and the requested HF baselines on every prompt turn.
 
@@ -130,8 +131,10 @@ def run_bench(
     generations of the first drafter that reads the store's layers (the served head; verified by the
     target itself) go into this traffic store with the target's states and what it drafted at each
     token (accepted or rejected: ``adapt.rejected_weight``); without one, plain decoding's (no draft record).
-    ``max_seconds``: start no prompt after this much wall-clock time (each prompt runs every method,
-    so the prompts run are compared alike); the prompts that ran are those in the returned runs.
+    ``max_seconds``: start no prompt that, at the mean time of the prompts so far, would end past
+    this much wall-clock time (each prompt runs every method, so the prompts run are compared
+    alike); the prompts that ran are those in the returned runs.
+    ``cuda_graphs``: every decoder's (:class:`~draftsmith.eval.engine.decode.SpeculativeDecoder`).
     """
     eos = eos_token_ids(target, tokenizer)
     served = BASELINE
@@ -142,7 +145,13 @@ def run_bench(
         )
     decoders = {
         BASELINE: SpeculativeDecoder(
-            target, None, tokenizer, sampling, eos, capture=capture if served == BASELINE else None
+            target,
+            None,
+            tokenizer,
+            sampling,
+            eos,
+            capture=capture if served == BASELINE else None,
+            cuda_graphs=cuda_graphs,
         )
     }
     for drafter in drafters:
@@ -152,7 +161,14 @@ def run_bench(
         # on only while it decodes) is verified by it; plain decoding stays the baseline.
         verifier = drafter.verifier or target
         decoders[drafter.name] = SpeculativeDecoder(
-            verifier, drafter, tokenizer, sampling, eos, time_drafting, capture if drafter.name == served else None
+            verifier,
+            drafter,
+            tokenizer,
+            sampling,
+            eos,
+            time_drafting,
+            capture if drafter.name == served else None,
+            cuda_graphs,
         )
     hf_kwargs = {
         name: kwargs
@@ -172,6 +188,7 @@ def run_bench(
         for decoder in decoders.values():
             held, decoder.capture = decoder.capture, None  # a warm-up is not traffic
             decoder.generate(warm, 8, seed=seed)
+            decoder.runner.capture_buckets()  # with CUDA graphs: every tree size captured before timing
             decoder.capture = held
     runs: list[Run] = []
     total = len(prompts) * turns * (len(decoders) + len(hf_kwargs))
@@ -179,7 +196,9 @@ def run_bench(
     started = clock(device)
     with tqdm(total=total, desc="bench", unit="gen") as bar:
         for index, prompt in enumerate(prompts):
-            if max_seconds is not None and index and clock(device) - started >= max_seconds:
+            spent = clock(device) - started
+            # A prompt starts only where one more of the mean length so far still fits the budget.
+            if max_seconds is not None and index and spent * (index + 1) / index > max_seconds:
                 tqdm.write(f"time budget of {max_seconds:.0f} s spent: {index} of {len(prompts)} prompts run")
                 break
             history: list[dict] = []

@@ -31,7 +31,7 @@ from draftsmith.eval.cost_model import cost_model_lines
 from draftsmith.eval.engine.drafters import build_drafter, kinds_help, parse_spec
 from draftsmith.eval.engine.pass_cost import measure_pass_cost
 from draftsmith.eval.engine.sampling import SamplingConfig
-from draftsmith.eval.engine.target_runner import CausalLMRunner, compile_decoder
+from draftsmith.eval.engine.target_runner import CUDA_GRAPHS, CausalLMRunner, compile_decoder
 from draftsmith.eval.measure import HF_BASELINES, run_bench
 from draftsmith.eval.report import captions, depth_table, markdown_table, summarise, write_results
 from draftsmith.kinds import registered
@@ -108,6 +108,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "costs ~1.5 min of compilation and slowed tree passes 2x (BENCHMARKS.md)",
     )
     parser.add_argument(
+        "--cuda-graphs",
+        choices=CUDA_GRAPHS,
+        default="auto",
+        help="static shapes for one-token and tree passes, replayed from one CUDA graph per tree-size "
+        "bucket (auto: on CUDA devices unless --compile; on: also on a CPU, eagerly: how tests check "
+        "that path; off: shapes as they come)",
+    )
+    parser.add_argument(
         "--cost-model",
         action="store_true",
         help="also time each step's drafting, measure the target's pass-cost curve, and print each "
@@ -165,8 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-minutes",
         type=float,
         default=None,
-        help="start no prompt after this many minutes of decoding (every method runs on each prompt that starts); "
-        "the table says how many prompts ran",
+        help="start no prompt that, at the mean prompt time so far, would end after this many minutes of "
+        "decoding (every method runs on each prompt that starts; the first always runs); the table says "
+        "how many prompts ran",
     )
     parser.add_argument("--out", default="results", help="output folder")
     known, _ = parser.parse_known_args(argv)
@@ -288,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
             time_drafting=args.cost_model,
             capture=capture,
             max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+            cuda_graphs=args.cuda_graphs,
         )
     ran = len({r.prompt_id for r in runs})
     meta = {
@@ -309,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "compile": args.compile,
+        "cuda_graphs": args.cuda_graphs,
         # what the run kept of users' requests, and for how long
         "capture": args.capture,
         "capture_max_gb": args.capture_max_gb,
@@ -320,7 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cost_model:
         with stage("eval: pass-cost curve for the cost model"):
             largest = max((n for r in runs for n in r.drafted), default=0) + 1
-            costs = measure_pass_cost(CausalLMRunner(target), sizes=tuple(range(1, max(largest, 9) + 1)))
+            runner = CausalLMRunner(target, cuda_graphs=args.cuda_graphs)
+            costs = measure_pass_cost(runner, sizes=tuple(range(1, max(largest, 9) + 1)))
         meta["pass_cost_seconds"] = {str(n): c for n, c in costs.items()}
     summary = summarise(runs, meta)
     if args.cost_model:

@@ -85,10 +85,11 @@ def test_the_suite_runs_as_two_device_calls(tmp_path, monkeypatch):
 
     first = suite.main(argv)
     assert first["identity"]["ok"] and all(row["lossless"] for row in first["identity"]["decoding"].values())
-    assert {"eagle", "eagle3", "peagle_2_layers", "dflash_learned_mask", "dspark", "medusa", "draft_lm"} <= set(
-        first["identity"]["decoding"]
-    )
-    for stage in ("train", "table"):
+    decoding = first["identity"]["decoding"]
+    assert {"plain", "eagle", "eagle3", "peagle_2_layers", "dflash_learned_mask", "dspark", "medusa"} <= set(decoding)
+    # static shapes on a CPU: no graph is captured, and none failed
+    assert all(r["cuda_graphs"] == 0 and r["cuda_graph_failure"] is None for r in decoding.values())
+    for stage in ("train", "table", "profile"):
         assert "question.jsonl.part1" in first[stage]["waiting"] and "done" not in first[stage]
     assert "## train: waiting" in (out / "suite.md").read_text()
 
@@ -107,10 +108,17 @@ def test_the_suite_runs_as_two_device_calls(tmp_path, monkeypatch):
         assert 1 <= table[temperature]["meta"]["prompts"] < table[temperature]["meta"]["prompts_asked"] == 8
     # fp32 greedy: every method verified by the target gives plain decoding's text.
     assert all(row["same_output"] == 1.0 for row in table["t0"]["methods"].values())
-    planned = list(table["pass_cost_ms_planned"].values())
-    assert len(planned) == 8 and planned == sorted(planned)
-    assert set(table["step_phases"]) == {"plain", *(m.split("?name=")[-1].split(":")[0] for m in table["methods"])}
-    assert all(p["host_ms_per_step"]["target_forward"] > 0 for p in table["step_phases"].values())
+    profile = second["profile"]
+    for graphs in ("off", "on"):
+        planned = list(profile[f"pass_cost_ms_planned_graphs_{graphs}"].values())
+        assert len(planned) == 8 and planned == sorted(planned)
+    names = {"plain", *(m.split("?name=")[-1].split(":")[0] for m in table["methods"])}
+    assert set(profile["step_phases"]) == {f"{n}_graphs_{g}" for n in names for g in ("off", "on")}
+    assert all(p["host_ms_per_step"]["target_forward"] > 0 for p in profile["step_phases"].values())
+    assert "| plain, on |" in (out / "suite.md").read_text()
+    step = profile["training_step"]  # an optimiser step of the train stage's recipe, profiled
+    assert step["real_tokens"] > 0 and step["wall_ms_per_step"] > 0 and len(step["top_ops_ms_per_step"]) == 12
+    assert step["host_syncs_per_step"] >= 1  # the loss's metrics are read back every step
 
     # The head came back in parts within the bound and joins into the trained checkpoint.
     head = Path(train["head"])
@@ -121,6 +129,7 @@ def test_the_suite_runs_as_two_device_calls(tmp_path, monkeypatch):
     assert Eagle3Head.from_pretrained(tmp_path / "head").depth_accuracy == train["held_out_top1_per_depth"]
     assert json.loads((out / "suite.json").read_text())["table"]["done"]
 
-    # A call with too little of its time left for the table leaves it to the next call.
-    third = suite.main([*argv, "--stages", "table", "--force", "--call-minutes", "1"])
-    assert "--call-minutes 1.0 left" in third["table"]["waiting"] and "done" not in third["table"]
+    # A call with too little of its time left for the table or the profile leaves it to the next call.
+    third = suite.main([*argv, "--stages", "table,profile", "--force", "--call-minutes", "0.5"])
+    for stage in ("table", "profile"):
+        assert "--call-minutes 0.5 left" in third[stage]["waiting"] and "done" not in third[stage]

@@ -272,7 +272,8 @@ def test_draft_lm_equal_to_target_accepts_every_token(make_tiny_llama):
     assert gen.tokens == plain.tokens and all(a >= 2 for a in gen.accepted[:-1])
 
 
-def test_tiny_drafters_are_lossless(make_tiny_llama):
+@pytest.mark.parametrize("cuda_graphs", ["off", "on"])
+def test_tiny_drafters_are_lossless(make_tiny_llama, cuda_graphs):
     target = make_tiny_llama(vocab_size=32, hidden_size=32, layers=2, seed=4)
     draft = make_tiny_llama(vocab_size=32, hidden_size=32, layers=1, seed=5)
     rng = random.Random(0)
@@ -287,7 +288,7 @@ def test_tiny_drafters_are_lossless(make_tiny_llama):
             GreedyPrefixDrafter(prompt, reference, 32, seed=trial),
         ]
         for drafter in drafters:
-            gen = SpeculativeDecoder(target, drafter, eos_ids=set()).generate(prompt, 30)
+            gen = SpeculativeDecoder(target, drafter, eos_ids=set(), cuda_graphs=cuda_graphs).generate(prompt, 30)
             assert gen.tokens == reference, drafter.name
             assert sum(gen.accepted) == 29 and len(gen.accepted) == gen.steps
             if isinstance(drafter, GreedyPrefixDrafter):

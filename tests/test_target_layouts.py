@@ -92,8 +92,11 @@ def test_tree_decoding_is_lossless_with_sliding_windows(kind):
         "eagle": EagleDrafter(head, depth=3, top_k=2, budget=6),
     }
     for name, drafter in drafters.items():
-        gen = SpeculativeDecoder(model, drafter, eos_ids=set()).generate(prompt, NEW_TOKENS)
-        assert gen.tokens == reference, f"{kind} with {name}"
+        for cuda_graphs in ("off", "on"):  # on: the static-shape path CUDA graphs replay, run eagerly
+            gen = SpeculativeDecoder(model, drafter, eos_ids=set(), cuda_graphs=cuda_graphs).generate(
+                prompt, NEW_TOKENS
+            )
+            assert gen.tokens == reference, f"{kind} with {name}, cuda_graphs={cuda_graphs}"
     assert max(drafters["greedy_prefix"].expected) > 1  # trees were accepted beyond the root
 
 

@@ -73,18 +73,23 @@ class SpeculativeDecoder:
         eos_ids: set[int] | None = None,
         time_drafting: bool = False,
         capture: TrafficStore | None = None,
+        cuda_graphs: str = "auto",
     ):
         """``time_drafting``: also measure the drafter's share of each step for the cost model
         (a device synchronisation around every proposal: for diagnosis, not for speed runs).
         ``capture``: record every finished generation with the target's states at the store's
-        layers for the tokens it read (training data from served traffic, :mod:`draftsmith.data_prep.traffic`)."""
+        layers for the tokens it read (training data from served traffic, :mod:`draftsmith.data_prep.traffic`).
+        ``cuda_graphs``: static shapes and CUDA graphs for the target's and the drafter's runners
+        (``auto``: on a CUDA device; :class:`~draftsmith.eval.engine.target_runner.CausalLMRunner`)."""
         self.drafter_layers = getattr(drafter, "feature_layers", None)
         layers = self.drafter_layers
         if capture is not None and capture.layers:
             if layers and list(layers) != capture.layers:
                 raise ValueError(f"the drafter reads layers {layers}, the capture store keeps {capture.layers}")
             layers = capture.layers
-        self.runner = CausalLMRunner(target, capture_layers=layers)
+        self.runner = CausalLMRunner(target, capture_layers=layers, cuda_graphs=cuda_graphs)
+        for runner in drafter.runners() if drafter is not None else ():
+            runner.set_cuda_graphs(cuda_graphs)
         self.capture = capture
         self.drafter = drafter
         self.tokenizer = tokenizer

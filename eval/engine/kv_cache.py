@@ -8,6 +8,12 @@ and the mask cover the context, not the capacity, unlike transformers' ``StaticC
 :meth:`SlotCache.compact` keeps the accepted rows of all layers with one gather and one copy.
 The capacity grows by doubling when a sequence outgrows it.
 
+Static writes (:attr:`SlotCache.slots` set): a forward writes its rows at the given device slots
+and attends to the whole capacity, its mask hiding the unfilled rows, so the forward's shapes and
+the addresses it touches stay the same from step to step and it can be replayed from a CUDA graph
+(:mod:`draftsmith.eval.engine.static_forward`). The buffer starts zeroed: a masked row must still
+hold finite numbers, or its zero attention weight times NaN poisons the output.
+
 Keys and values may differ in size (DeepSeek-V3's multi-head latent attention caches its
 compressed ``kv_lora_rank`` latent as keys and its ``qk_rope_head_dim`` rotary part as values):
 the buffer's last dimension is the larger, and each reads its own leading part.
@@ -38,13 +44,21 @@ class SlotLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new rows after the filled ones; return keys and values of all filled rows."""
+        """Write the new rows after the filled ones; return keys and values of all filled rows
+        (with static writes: at :attr:`SlotCache.slots`, returning the whole capacity; the runner
+        keeps the lengths)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        keys, values = self.cache.key_dim, self.cache.value_dim
+        slots = self.cache.slots
+        if slots is not None:
+            buffer = self.cache.buffer[self.index]
+            buffer[0, ..., :keys].index_copy_(-2, slots, key_states)
+            buffer[1, ..., :values].index_copy_(-2, slots, value_states)
+            return buffer[0, ..., :keys], buffer[1, ..., :values]
         n = key_states.shape[-2]
         self.cache.ensure(self.length + n)
         buffer = self.cache.buffer[self.index]
-        keys, values = self.cache.key_dim, self.cache.value_dim
         buffer[0, :, :, self.length : self.length + n, :keys].copy_(key_states)
         buffer[1, :, :, self.length : self.length + n, :values].copy_(value_states)
         self.length += n
@@ -99,6 +113,7 @@ class SlotCache(Cache):
         self.layers = [SlotLayer(self, i) for i in range(num_layers)]
         self.capacity = capacity
         self.buffer: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None  # static writes' rows (see the module doc); None: append
         self.key_dim = self.value_dim = 0  # the sizes of a key and of a value (the buffer holds the larger)
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -107,7 +122,7 @@ class SlotCache(Cache):
         if self.buffer is None:
             batch, heads, _, _ = key_states.shape
             self.key_dim, self.value_dim = dims
-            self.buffer = key_states.new_empty(len(self.layers), 2, batch, heads, self.capacity, max(dims))
+            self.buffer = key_states.new_zeros(len(self.layers), 2, batch, heads, self.capacity, max(dims))
         elif self.buffer.shape[2:4] != key_states.shape[:2] or dims != (self.key_dim, self.value_dim):
             raise ValueError(
                 f"SlotCache needs one KV shape for all layers; got keys {tuple(key_states.shape)} and values "
@@ -120,7 +135,7 @@ class SlotCache(Cache):
             return
         while self.capacity < rows:
             self.capacity *= 2
-        grown = self.buffer.new_empty(*self.buffer.shape[:-2], self.capacity, self.buffer.shape[-1])
+        grown = self.buffer.new_zeros(*self.buffer.shape[:-2], self.capacity, self.buffer.shape[-1])
         filled = max(layer.length for layer in self.layers)
         grown[..., :filled, :].copy_(self.buffer[..., :filled, :])
         self.buffer = grown

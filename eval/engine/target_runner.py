@@ -5,6 +5,10 @@ boolean masks are silently wrong with eager attention), at positions given by th
 After verification only the accepted rows stay in the cache, so the next step starts from the
 exact cache plain decoding would have. The same class runs the target and any draft LM.
 
+With static shapes (``cuda_graphs``; on by default on CUDA) one-token chains and tree forwards of
+up to :data:`TREE_BUCKETS`' largest size are padded to a bucket and run over the cache's whole
+capacity, replayed from one CUDA graph per bucket (:mod:`draftsmith.eval.engine.static_forward`).
+
 Sliding-window layers (Mistral's ``sliding_window``, Gemma/Qwen ``layer_types``) keep their full
 history in the cache and get the window in their own mask: a window-sized cache would have
 evicted keys that a rejected tree row still needs rolled back. Only attention implementations
@@ -19,6 +23,7 @@ from transformers import PreTrainedModel
 from draftsmith.errors import UsageError
 from draftsmith.eval.engine.kv_cache import SlotCache
 from draftsmith.eval.engine.prepack import prepack_linears
+from draftsmith.eval.engine.static_forward import StaticForward
 from draftsmith.eval.engine.tree import ROOT, ancestor_mask
 from draftsmith.target import final_logits
 
@@ -27,6 +32,10 @@ MASKED_ATTENTION = ("sdpa", "eager")  # implementations that honour an additive 
 # is compiled with bucketing, so a compiled forward sees a few row counts instead of every one.
 TREE_BUCKETS = (1, 4, 8, 16, 32, 64)
 FULL, SLIDING = "full_attention", "sliding_attention"
+CUDA_GRAPHS = ("auto", "on", "off")  # auto: static shapes and CUDA graphs on CUDA devices only
+# The least cache capacity with static shapes: the graphs address the buffer, and a buffer that
+# grows (doubling) is recaptured, so it starts large enough for most requests at once.
+STATIC_CAPACITY = 2048
 
 
 class UnsupportedTargetError(UsageError):
@@ -82,6 +91,7 @@ class CausalLMRunner:
         config=None,
         capture_layers: list[int] | None = None,
         prepack: str = "auto",
+        cuda_graphs: str = "auto",
     ):
         """Wrap an HF causal LM, or any ``decoder`` (HF-decoder-like forward) with an ``lm_head`` callable.
 
@@ -89,7 +99,11 @@ class CausalLMRunner:
         ``hidden_states[L]``, the input of decoder layer L), concatenated, in :attr:`captured`.
         ``prepack``: the CPU linears' weights packed once for oneDNN (:mod:`draftsmith.eval.engine.prepack`;
         ``auto``: where measured faster; a compiled decoder is left to the compiler).
+        ``cuda_graphs``: ``on`` runs one-token and tree forwards with static shapes, replayed from
+        CUDA graphs on a CUDA device (eagerly elsewhere: how a CPU tests that path); ``auto``: on
+        for a CUDA device unless the decoder is compiled; ``off``: shapes as they come.
         """
+
         self.model = model
         self.capture_layers = list(capture_layers) if capture_layers else None
         self.captured: torch.Tensor | None = None  # [n, len(capture_layers) * H] of the last forward
@@ -109,21 +123,42 @@ class CausalLMRunner:
         self.head_config = self.config if model is not None else None
         # Row counts tree forwards are padded to (see compile_decoder); None: as they come.
         self.buckets: tuple[int, ...] | None = getattr(self.decoder, "tree_buckets", None)
+        self.set_cuda_graphs(cuda_graphs)
         self.cache: SlotCache | None = None
         self.length = 0  # committed tokens in the cache
         self.pending = 0  # tree rows run but not yet committed or discarded
         self._parents = self._depths = None  # of the pending rows, on the device
         self._levels = 0  # longest parent chain among the pending rows
 
+    def set_cuda_graphs(self, mode: str) -> None:
+        """Static shapes and CUDA graphs ``on``, ``off`` or ``auto`` (see the constructor)."""
+        if mode not in CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, not {mode!r}")
+        compiled = hasattr(self.decoder, "tree_buckets")
+        static = mode == "on" or (mode == "auto" and self.device.type == "cuda" and not compiled)
+        self.static = StaticForward(self._static_body, graphs=True) if static else None
+        self._static_buffer = 0  # address of the cache buffer the static forwards were made for
+
     def reset(self, capacity: int | None = None) -> None:
         """Forget the sequence (the cache's buffer stays allocated); ``capacity``: rows to make room for."""
         if self.cache is None:
             self.cache = SlotCache(self.config.num_hidden_layers)
         self.cache.crop(0)
+        if self.static is not None:
+            capacity = max(capacity or 0, STATIC_CAPACITY)
         if capacity is not None:
             self.cache.reserve(capacity)
         self.length = 0
         self._discard()
+
+    def capture_buckets(self) -> None:
+        """Run (and so capture) a tree forward of every bucket size now, so no capture falls inside
+        a timed generation; keeps nothing. Needs the cache's buffer (after a first forward)."""
+        if self.static is None or self.cache is None or self.cache.buffer is None or self.pending:
+            return
+        for size in TREE_BUCKETS:
+            self.forward([0] * size, [ROOT] * size, [0] * size, levels=1)
+            self.commit([])
 
     def _discard(self) -> None:
         self.pending, self._parents, self._depths, self._levels = 0, None, None, 0
@@ -141,16 +176,21 @@ class CausalLMRunner:
                 f"max_position_embeddings={self.max_positions}; shorten the prompt or lower max_new_tokens"
             )
 
-    def _mask(self, n: int, depths: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Additive 4D mask of the last ``n`` pending rows over cache + pending rows: one tensor, or
-        one per layer type when sliding and full layers mix (transformers' decoders take such a mapping)."""
+    def _mask(self, n: int, depths: torch.Tensor, width: int | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive 4D mask of the last ``n`` pending rows over cache + pending rows (over ``width``
+        columns when given, the rest hidden): one tensor, or one per layer type when sliding and
+        full layers mix (transformers' decoders take such a mapping)."""
+        filled = self.length + self.pending
+        width = width or filled
         ancestors = ancestor_mask(self._parents, self._levels)[-n:]
-        allowed = torch.ones(n, self.length + self.pending, dtype=torch.bool, device=self.device)
-        allowed[:, self.length :] = ancestors
+        allowed = torch.zeros(n, width, dtype=torch.bool, device=self.device)
+        allowed[:, : self.length] = True
+        allowed[:, self.length : filled] = ancestors
         masks = {FULL: allowed, SLIDING: allowed}
         if self.window is not None:
             # Keys at most window - 1 positions behind the query, as transformers' sliding masks.
             keys = torch.cat([torch.arange(self.length, device=self.device), self._depths + self.length])
+            keys = torch.cat([keys, keys.new_zeros(width - filled)])  # columns past the filled ones stay hidden
             masks[SLIDING] = allowed & (depths[:, None] + self.length - keys[None, :] < self.window)
         out = {kind: _additive(masks[kind], self.dtype) for kind in self.layer_types}
         return out if len(out) > 1 else out[self.layer_types[0]]
@@ -182,6 +222,8 @@ class CausalLMRunner:
             raise RuntimeError("commit() the pending tree rows before extending the chain")
         ids = _on(tokens, self.device).view(1, -1)
         n = real = ids.shape[1]
+        if self.static is not None and (parents is not None or n == 1) and n <= TREE_BUCKETS[-1]:
+            return self._forward_static(ids, parents, depths, levels, inputs)
         if parents is None:
             self.check_context(self.length + n)
             positions = torch.arange(self.length, self.length + n, device=self.device)
@@ -217,19 +259,86 @@ class CausalLMRunner:
             self.length += n
         return out.last_hidden_state[0, :real]
 
-    def _pad(self, ids: torch.Tensor, parents, depths):
+    def _pad(self, ids: torch.Tensor, parents, depths, buckets: tuple[int, ...] | None = None, inputs=None):
         """Tree rows padded up to the next bucket size: extra rows hang off the committed prefix
-        (parent -1, depth 0), no real row attends to them and no commit keeps them."""
+        (parent -1, depth 0), no real row attends to them and no commit keeps them. Extra
+        ``inputs`` with a row per token (e.g. EAGLE's features) get zero rows."""
+        buckets = buckets or self.buckets
         n = ids.shape[1]
-        size = next((b for b in self.buckets if b >= n), -(-n // self.buckets[-1]) * self.buckets[-1])
+        size = next((b for b in buckets if b >= n), -(-n // buckets[-1]) * buckets[-1])
         if size == n:
             return ids, parents, depths
         pad = size - n
+        for name, value in (inputs or {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] == n:
+                inputs[name] = torch.cat([value, value.new_zeros(value.shape[0], pad, *value.shape[2:])], 1)
         return (
             torch.cat([ids, ids.new_zeros(1, pad)], 1),
             torch.cat([parents, parents.new_full((pad,), ROOT)]),
             torch.cat([depths, depths.new_zeros(pad)]),
         )
+
+    def _forward_static(self, ids: torch.Tensor, parents, depths, levels, inputs) -> torch.Tensor:
+        """:meth:`forward` with static shapes: rows padded to a bucket, written at device slots,
+        attending over the cache's whole capacity; a one-token chain is a one-row tree kept at once."""
+        real = ids.shape[1]
+        chain = parents is None
+        if chain:
+            parents, depths, levels = [ROOT], [0], 1
+        deepest = max(depths) if isinstance(depths, list) else levels if levels is not None else self.pending + real
+        if levels is None:
+            levels = max(depths) - min(depths) + 1 if isinstance(depths, list) else real
+        self.check_context(self.length + deepest + 1)
+        parents, depths = _on(parents, self.device), _on(depths, self.device)
+        ids, parents, depths = self._pad(ids, parents, depths, TREE_BUCKETS, inputs)
+        n = ids.shape[1]
+        start = self.length + self.pending
+        self.cache.reserve(start + n)
+        self._parents = parents if self._parents is None else torch.cat([self._parents, parents])
+        self._depths = depths if self._depths is None else torch.cat([self._depths, depths])
+        self._levels += levels
+        self.pending += n
+        static = {
+            "input_ids": ids,
+            "position_ids": (depths + self.length).view(1, -1),
+            "slots": torch.arange(start, start + n, device=self.device),
+            "attention_mask": self._mask(n, depths, self.cache.capacity),
+            **inputs,
+        }
+        if self.cache.buffer is None:  # the first forward allocates the buffer: run it as it comes
+            outputs = self._static_body(**static)
+        else:
+            if self.cache.buffer.data_ptr() != self._static_buffer:  # new or grown: graphs address the old one
+                self.static.clear()
+                self._static_buffer = self.cache.buffer.data_ptr()
+            outputs = self.static((n, *sorted(inputs)), static)
+        self.cache.crop(self.length + self.pending)
+        hidden = outputs[0][0, :real].clone()
+        if self.capture_layers:
+            self.captured = outputs[1][:real].clone()
+        if chain:
+            self.keep(None, 1)
+        return hidden
+
+    def _static_body(self, input_ids, position_ids, slots, attention_mask, **inputs) -> tuple[torch.Tensor, ...]:
+        """The decoder's forward with static cache writes: (last hidden states, captured layers)."""
+        if self.capture_layers:
+            inputs["output_hidden_states"] = True
+        self.cache.slots = slots
+        try:
+            out = self.decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                past_key_values=self.cache,
+                use_cache=True,
+                **inputs,
+            )
+        finally:
+            self.cache.slots = None
+        if not self.capture_layers:
+            return (out.last_hidden_state,)
+        return out.last_hidden_state, torch.cat([out.hidden_states[layer][0] for layer in self.capture_layers], -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on selected hidden states, in fp32, as the model's forward gives them."""

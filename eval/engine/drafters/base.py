@@ -61,6 +61,11 @@ class Drafter(ABC):
         ``generate`` can take as its ``assistant_model`` (a kind declared ``hf_assistant``), else None."""
         return None
 
+    def runners(self) -> list:
+        """The :class:`~draftsmith.eval.engine.target_runner.CausalLMRunner` s it drafts with (their
+        static shapes and CUDA graphs follow the decoder's ``cuda_graphs``); none by default."""
+        return []
+
     def verifying(self):
         """The context ``verifier`` verifies in (e.g. with the drafter's LoRA adapter switched on)."""
         return nullcontext()

@@ -62,6 +62,9 @@ class DraftLMDrafter(Drafter):
         """The draft LM itself, at this drafter's depth (``generate(assistant_model=...)``)."""
         return self.runner.model, self.depth
 
+    def runners(self) -> list:
+        return [self.runner]
+
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         self.runner.reset()
         self.cached = []

@@ -37,6 +37,9 @@ class EagleDrafter(Drafter):
         self._tokens: list[int] = []
         self._features: torch.Tensor | None = None
 
+    def runners(self) -> list:
+        return [self.runner]
+
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         self.runner.reset()
         # Pair token i+1 with the target's feature of token i.

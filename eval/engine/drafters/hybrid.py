@@ -178,6 +178,9 @@ class HybridDrafter(Drafter):
         self._kind = MATCHED  # the pending step's kind
         self.skipped = 0  # steps the learned parts did not draft (switch mode)
 
+    def runners(self) -> list:
+        return [runner for part in self.parts for runner in part.runners()]
+
     def prepare(self, prompt: list[int], max_new_tokens: int) -> None:
         for part in self.parts:
             part.prepare(prompt, max_new_tokens)
