@@ -262,7 +262,7 @@ def stage_profile(args, work: Path, results: dict) -> dict:
             drafter = None if method == "plain" else build_drafter(method, target)
             decoder = SpeculativeDecoder(target, drafter, tokenizer, cuda_graphs=graphs)
             decoder.generate(ids, 8)  # warm-up
-            decoder.runner.capture_buckets()
+            decoder.capture_buckets()
             phases[f"{name}_graphs_{graphs}"] = step_phases(decoder, ids, args.profile_tokens)
     out["step_phases"] = phases
     out["training_step"] = training_step_profile(args, work)

@@ -120,7 +120,7 @@ def run_bench(
     time_drafting: bool = False,
     capture: TrafficStore | None = None,
     max_seconds: float | None = None,
-    cuda_graphs: str = "auto",
+    cuda_graphs: str | None = None,
 ) -> list[Run]:
     """Run the baseline, every drafter and the requested HF baselines on every prompt turn.
 
@@ -134,7 +134,8 @@ def run_bench(
     ``max_seconds``: start no prompt that, at the mean time of the prompts so far, would end past
     this much wall-clock time (each prompt runs every method, so the prompts run are compared
     alike); the prompts that ran are those in the returned runs.
-    ``cuda_graphs``: every decoder's (:class:`~draftsmith.eval.engine.decode.SpeculativeDecoder`).
+    ``cuda_graphs``: every decoder's (:class:`~draftsmith.eval.engine.decode.SpeculativeDecoder`;
+    None: the process's default).
     """
     eos = eos_token_ids(target, tokenizer)
     served = BASELINE
@@ -188,7 +189,7 @@ def run_bench(
         for decoder in decoders.values():
             held, decoder.capture = decoder.capture, None  # a warm-up is not traffic
             decoder.generate(warm, 8, seed=seed)
-            decoder.runner.capture_buckets()  # with CUDA graphs: every tree size captured before timing
+            decoder.capture_buckets()  # with CUDA graphs: every tree size captured before timing
             decoder.capture = held
     runs: list[Run] = []
     total = len(prompts) * turns * (len(decoders) + len(hf_kwargs))

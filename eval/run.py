@@ -31,7 +31,7 @@ from draftsmith.eval.cost_model import cost_model_lines
 from draftsmith.eval.engine.drafters import build_drafter, kinds_help, parse_spec
 from draftsmith.eval.engine.pass_cost import measure_pass_cost
 from draftsmith.eval.engine.sampling import SamplingConfig
-from draftsmith.eval.engine.target_runner import CUDA_GRAPHS, CausalLMRunner, compile_decoder
+from draftsmith.eval.engine.target_runner import CUDA_GRAPHS, CausalLMRunner, compile_decoder, use_cuda_graphs
 from draftsmith.eval.measure import HF_BASELINES, run_bench
 from draftsmith.eval.report import captions, depth_table, markdown_table, summarise, write_results
 from draftsmith.kinds import registered
@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "(e.g. eagle3:runs/x/checkpoint-final)"
             )
         adaptable_kind(specs[0].path, "--adapt: --drafter")
+    use_cuda_graphs(args.cuda_graphs)  # every runner: the decoders', the drafters', the tree planners'
     with stage("eval: load target and drafters"):
         target, tokenizer = load_target(args.target, args.dtype, args.device, args.chat_template, field="--target")
         drafters = [build_drafter(spec, target) for spec in specs]
@@ -297,7 +298,6 @@ def main(argv: list[str] | None = None) -> dict:
             time_drafting=args.cost_model,
             capture=capture,
             max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-            cuda_graphs=args.cuda_graphs,
         )
     ran = len({r.prompt_id for r in runs})
     meta = {
@@ -331,8 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cost_model:
         with stage("eval: pass-cost curve for the cost model"):
             largest = max((n for r in runs for n in r.drafted), default=0) + 1
-            runner = CausalLMRunner(target, cuda_graphs=args.cuda_graphs)
-            costs = measure_pass_cost(runner, sizes=tuple(range(1, max(largest, 9) + 1)))
+            costs = measure_pass_cost(CausalLMRunner(target), sizes=tuple(range(1, max(largest, 9) + 1)))
         meta["pass_cost_seconds"] = {str(n): c for n, c in costs.items()}
     summary = summarise(runs, meta)
     if args.cost_model:

@@ -12,12 +12,21 @@ from __future__ import annotations
 import random
 
 import torch
+from transformers import LlamaConfig, Qwen3MoeConfig
 from tree_drafters import RandomTreeDrafter
 
 from draftsmith.eval.engine.decode import SpeculativeDecoder
+from draftsmith.eval.engine.drafters.eagle import EagleDrafter
 from draftsmith.eval.engine.static_forward import StaticForward
-from draftsmith.eval.engine.target_runner import STATIC_CAPACITY, TREE_BUCKETS, CausalLMRunner
+from draftsmith.eval.engine.target_runner import (
+    STATIC_CAPACITY,
+    TREE_BUCKETS,
+    CausalLMRunner,
+    graph_blocker,
+    use_cuda_graphs,
+)
 from draftsmith.eval.engine.tree import ROOT
+from draftsmith.heads.eagle import EagleHead
 
 
 def _script(runner: CausalLMRunner, prompt: list[int], seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -123,10 +132,53 @@ def test_a_static_forward_reuses_its_buffers_and_reads_the_new_inputs():
         calls.append(x.data_ptr())
         return (x * 2 + y,)
 
-    forward = StaticForward(body, graphs=True)  # a CPU: no graph, the body runs on the buffers
+    forward = StaticForward(body)  # a CPU: no graph, the body runs on the buffers
     first = forward(("a",), {"x": torch.ones(3), "y": torch.zeros(3)})[0]
     second = forward(("a",), {"x": torch.full((3,), 5.0), "y": torch.ones(3)})[0]
     assert first.tolist() == [2.0] * 3 and second.tolist() == [11.0] * 3
     assert calls[0] == calls[1] and len(forward.entries) == 1 and forward.captured == 0
     forward(("b",), {"x": torch.ones(3), "y": torch.ones(3)})
     assert len(forward.entries) == 2 and calls[2] != calls[0]
+
+
+def test_capture_buckets_runs_every_bucket_for_every_input_set_and_keeps_nothing(make_tiny_llama):
+    """Before timing, every runner's forwards of every bucket size are made (on CUDA: captured),
+    the EAGLE head's with its extra inputs (zeros of the shapes it was seen with); decoding after
+    it is unchanged."""
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=3, scale=8.0)
+    prompt = list(range(2, 30))
+    want = SpeculativeDecoder(model, None, eos_ids=set(), cuda_graphs="off").generate(prompt, 24).tokens
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleHead.for_target(model, "tiny", init="random"), depth=3, top_k=2, budget=6)
+    decoder = SpeculativeDecoder(model, drafter, eos_ids=set(), cuda_graphs="on")
+    decoder.generate(prompt, 8)
+    decoder.capture_buckets()
+    assert {(size,) for size in TREE_BUCKETS} <= set(decoder.runner.static.entries)
+    head = drafter.runner.static.entries
+    for names in drafter.runner._extra_shapes:
+        assert {(size, *names) for size in TREE_BUCKETS} <= set(head), names
+    assert decoder.runner.pending == drafter.runner.pending == 0
+    assert decoder.generate(prompt, 24).tokens == want
+
+
+def test_models_that_read_device_values_on_the_host_are_not_captured(make_tiny_llama):
+    """Dynamic RoPE and routed experts read a device value on the host inside their forward, which
+    a CUDA graph cannot hold: their runners keep the static shapes and run them eagerly, saying why."""
+    assert graph_blocker(LlamaConfig()) is None
+    assert "dynamic" in graph_blocker(LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert "num_experts" in graph_blocker(Qwen3MoeConfig())
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=3)
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    runner = CausalLMRunner(model, cuda_graphs="on")
+    assert runner.static is not None and not runner.static.graphs and "dynamic" in runner.static.failure
+
+
+def test_the_process_default_reaches_runners_made_without_a_mode(make_tiny_llama):
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=3)
+    assert CausalLMRunner(model).static is None  # auto, on a CPU
+    use_cuda_graphs("on")
+    try:
+        assert CausalLMRunner(model).static is not None
+        assert CausalLMRunner(model, cuda_graphs="off").static is None  # an explicit mode wins
+    finally:
+        use_cuda_graphs("auto")

@@ -73,14 +73,15 @@ class SpeculativeDecoder:
         eos_ids: set[int] | None = None,
         time_drafting: bool = False,
         capture: TrafficStore | None = None,
-        cuda_graphs: str = "auto",
+        cuda_graphs: str | None = None,
     ):
         """``time_drafting``: also measure the drafter's share of each step for the cost model
         (a device synchronisation around every proposal: for diagnosis, not for speed runs).
         ``capture``: record every finished generation with the target's states at the store's
         layers for the tokens it read (training data from served traffic, :mod:`draftsmith.data_prep.traffic`).
         ``cuda_graphs``: static shapes and CUDA graphs for the target's and the drafter's runners
-        (``auto``: on a CUDA device; :class:`~draftsmith.eval.engine.target_runner.CausalLMRunner`)."""
+        (``auto``: on a CUDA device; None: the process's default;
+        :class:`~draftsmith.eval.engine.target_runner.CausalLMRunner`)."""
         self.drafter_layers = getattr(drafter, "feature_layers", None)
         layers = self.drafter_layers
         if capture is not None and capture.layers:
@@ -100,6 +101,15 @@ class SpeculativeDecoder:
             raise ValueError("lenience relaxes sampling verification: it needs temperature > 0")
         self.policy = DraftPolicy(config)
         self.time_drafting = time_drafting
+
+    @torch.inference_mode()
+    def capture_buckets(self) -> None:
+        """Capture every runner's CUDA graphs now (after a first generation), in the state the
+        verifier decodes in (a graph keeps whatever Python-side state its capture saw, e.g. a LoRA
+        adapter switched on), so no capture falls inside a timed generation."""
+        with self.drafter.verifying() if self.drafter is not None else nullcontext():
+            for runner in [self.runner, *(self.drafter.runners() if self.drafter is not None else [])]:
+                runner.capture_buckets()
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """The target's next token after ``logits`` (one row), as a device tensor ``[1]``."""

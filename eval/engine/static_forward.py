@@ -37,12 +37,14 @@ class StaticForward:
     """``body(**inputs) -> tuple of tensors`` run over per-key input buffers, from a CUDA graph
     per key where ``graphs`` is set and the device is CUDA."""
 
-    def __init__(self, body: Callable[..., Outputs], graphs: bool):
+    def __init__(self, body: Callable[..., Outputs], blocker: str | None = None):
+        """``blocker``: why ``body`` cannot be captured (known beforehand), if it cannot: it then
+        runs eagerly over the same buffers."""
         self.body = body
-        self.graphs = graphs
+        self.graphs = blocker is None
         self.entries: dict[tuple, _Entry] = {}
         self.captured = 0  # graphs captured so far (for reports)
-        self.failure: str | None = None  # why capture was given up, if it was
+        self.failure: str | None = blocker  # why graphs are not used, if they are not
 
     def clear(self) -> None:
         """Forget every buffer and graph (the cache they address has moved)."""
@@ -70,18 +72,24 @@ class StaticForward:
         # Warm-up runs on a side stream first (as torch.cuda.graphs' docs ask: lazy initialisation
         # and autotuning must not happen inside the capture); they compute the same rows the
         # replay will, writing the same cache slots.
+        caller = torch.cuda.current_stream(device)
         stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        stream.wait_stream(caller)
         try:
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     self.body(**entry.inputs)
-            torch.cuda.current_stream(device).wait_stream(stream)
+            caller.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 outputs = self.body(**entry.inputs)
-        except RuntimeError as error:  # e.g. a host sync inside the model
-            torch.cuda.current_stream(device).wait_stream(stream)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:  # a host sync inside the model (one graph_blocker does not know)
+            # A capture that fails leaves its own stream current (torch.cuda.graph exits without
+            # restoring it): back to the caller's, after whatever ran on either.
+            torch.cuda.set_stream(caller)
+            torch.cuda.synchronize(device)
             self.graphs, self.failure = False, f"{type(error).__name__}: {str(error).splitlines()[0]}"
             warnings.warn(f"CUDA graph capture failed, decoding eagerly from here: {self.failure}", stacklevel=3)
             return

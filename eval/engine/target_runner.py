@@ -33,6 +33,7 @@ MASKED_ATTENTION = ("sdpa", "eager")  # implementations that honour an additive 
 TREE_BUCKETS = (1, 4, 8, 16, 32, 64)
 FULL, SLIDING = "full_attention", "sliding_attention"
 CUDA_GRAPHS = ("auto", "on", "off")  # auto: static shapes and CUDA graphs on CUDA devices only
+_default_cuda_graphs = "auto"  # what runners made without an explicit mode take (use_cuda_graphs)
 # The least cache capacity with static shapes: the graphs address the buffer, and a buffer that
 # grows (doubling) is recaptured, so it starts large enough for most requests at once.
 STATIC_CAPACITY = 2048
@@ -44,6 +45,27 @@ class UnsupportedTargetError(UsageError):
 
 class ContextLengthError(UsageError):
     """A generation that would run past a model's maximum positions."""
+
+
+def use_cuda_graphs(mode: str) -> None:
+    """The mode every runner made from now on without an explicit ``cuda_graphs`` takes: the target's,
+    the drafters', the tree planners' pass-cost runners (a CLI's ``--cuda-graphs``)."""
+    global _default_cuda_graphs
+    if mode not in CUDA_GRAPHS:
+        raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, not {mode!r}")
+    _default_cuda_graphs = mode
+
+
+def graph_blocker(config) -> str | None:
+    """Why a model's forward cannot be captured in a CUDA graph (it reads a device value on the
+    host), or None: RoPE types that rescale by the longest position, and routed mixtures of experts."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        return f"rope_type {rope.get('rope_type', rope.get('type'))} reads the longest position on the host"
+    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(config, field, None):
+            return f"{config.model_type}'s expert routing ({field}) sizes its work on the host"
+    return None
 
 
 def attention_layout(config) -> tuple[list[str], int | None]:
@@ -91,7 +113,7 @@ class CausalLMRunner:
         config=None,
         capture_layers: list[int] | None = None,
         prepack: str = "auto",
-        cuda_graphs: str = "auto",
+        cuda_graphs: str | None = None,
     ):
         """Wrap an HF causal LM, or any ``decoder`` (HF-decoder-like forward) with an ``lm_head`` callable.
 
@@ -101,7 +123,9 @@ class CausalLMRunner:
         ``auto``: where measured faster; a compiled decoder is left to the compiler).
         ``cuda_graphs``: ``on`` runs one-token and tree forwards with static shapes, replayed from
         CUDA graphs on a CUDA device (eagerly elsewhere: how a CPU tests that path); ``auto``: on
-        for a CUDA device unless the decoder is compiled; ``off``: shapes as they come.
+        for a CUDA device unless the decoder is compiled; ``off``: shapes as they come; None: the
+        process's default (:func:`use_cuda_graphs`, ``auto`` unless set). A model whose forward cannot
+        be captured (:func:`graph_blocker`) keeps the static shapes and runs them eagerly.
         """
 
         self.model = model
@@ -130,14 +154,17 @@ class CausalLMRunner:
         self._parents = self._depths = None  # of the pending rows, on the device
         self._levels = 0  # longest parent chain among the pending rows
 
-    def set_cuda_graphs(self, mode: str) -> None:
-        """Static shapes and CUDA graphs ``on``, ``off`` or ``auto`` (see the constructor)."""
+    def set_cuda_graphs(self, mode: str | None) -> None:
+        """Static shapes and CUDA graphs ``on``, ``off``, ``auto`` or the default (see the constructor)."""
+        mode = mode or _default_cuda_graphs
         if mode not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, not {mode!r}")
         compiled = hasattr(self.decoder, "tree_buckets")
         static = mode == "on" or (mode == "auto" and self.device.type == "cuda" and not compiled)
-        self.static = StaticForward(self._static_body, graphs=True) if static else None
-        self._static_buffer = 0  # address of the cache buffer the static forwards were made for
+        self.static = StaticForward(self._static_body, blocker=graph_blocker(self.config)) if static else None
+        self._static_buffer = (0, 0)  # (address, capacity) of the cache buffer the graphs were made for
+        # The extra inputs' shapes past the row dimension, by the set of input names seen (capture_buckets)
+        self._extra_shapes: dict[tuple[str, ...], dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
 
     def reset(self, capacity: int | None = None) -> None:
         """Forget the sequence (the cache's buffer stays allocated); ``capacity``: rows to make room for."""
@@ -152,13 +179,19 @@ class CausalLMRunner:
         self._discard()
 
     def capture_buckets(self) -> None:
-        """Run (and so capture) a tree forward of every bucket size now, so no capture falls inside
-        a timed generation; keeps nothing. Needs the cache's buffer (after a first forward)."""
+        """Run (and so capture) a tree forward of every bucket size now, for every set of extra inputs
+        seen so far (zeros of their shapes), so no capture falls inside a timed generation; keeps
+        nothing. Needs the cache's buffer (after a first forward)."""
         if self.static is None or self.cache is None or self.cache.buffer is None or self.pending:
             return
-        for size in TREE_BUCKETS:
-            self.forward([0] * size, [ROOT] * size, [0] * size, levels=1)
-            self.commit([])
+        for shapes in list(self._extra_shapes.values()) or [{}]:
+            for size in TREE_BUCKETS:
+                extra = {
+                    name: torch.zeros(1, size, *rest, dtype=dtype, device=self.device)
+                    for name, (rest, dtype) in shapes.items()
+                }
+                self.forward([0] * size, [ROOT] * size, [0] * size, levels=1, **extra)
+                self.commit([])
 
     def _discard(self) -> None:
         self.pending, self._parents, self._depths, self._levels = 0, None, None, 0
@@ -305,13 +338,16 @@ class CausalLMRunner:
             "attention_mask": self._mask(n, depths, self.cache.capacity),
             **inputs,
         }
+        names = tuple(sorted(inputs))
+        self._extra_shapes.setdefault(names, {k: (tuple(inputs[k].shape[2:]), inputs[k].dtype) for k in names})
         if self.cache.buffer is None:  # the first forward allocates the buffer: run it as it comes
             outputs = self._static_body(**static)
         else:
-            if self.cache.buffer.data_ptr() != self._static_buffer:  # new or grown: graphs address the old one
+            buffer = (self.cache.buffer.data_ptr(), self.cache.capacity)
+            if buffer != self._static_buffer:  # new or grown: the graphs address the old one
                 self.static.clear()
-                self._static_buffer = self.cache.buffer.data_ptr()
-            outputs = self.static((n, *sorted(inputs)), static)
+                self._static_buffer = buffer
+            outputs = self.static((n, *names), static)
         self.cache.crop(self.length + self.pending)
         hidden = outputs[0][0, :real].clone()
         if self.capture_layers:

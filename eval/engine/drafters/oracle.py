@@ -19,6 +19,9 @@ class OracleDrafter(Drafter):
         self.name = "oracle"
         self.reference: list[int] = []
 
+    def runners(self) -> list:
+        return [self.runner]
+
     def prepare(self, prompt: list[int], max_new_tokens: int) -> None:
         # Imported here: decode imports the drafter registry, which imports this module.
         from draftsmith.eval.engine.decode import autoregressive_greedy
