@@ -127,7 +127,6 @@ class CausalLMRunner:
         process's default (:func:`use_cuda_graphs`, ``auto`` unless set). A model whose forward cannot
         be captured (:func:`graph_blocker`) keeps the static shapes and runs them eagerly.
         """
-
         self.model = model
         self.capture_layers = list(capture_layers) if capture_layers else None
         self.captured: torch.Tensor | None = None  # [n, len(capture_layers) * H] of the last forward
@@ -262,18 +261,8 @@ class CausalLMRunner:
             positions = torch.arange(self.length, self.length + n, device=self.device)
             mask = None
         else:
-            deepest = max(depths) if isinstance(depths, list) else levels if levels is not None else self.pending + n
-            if levels is None:
-                levels = max(depths) - min(depths) + 1 if isinstance(depths, list) else n
-            self.check_context(self.length + deepest + 1)
-            parents, depths = _on(parents, self.device), _on(depths, self.device)
-            if self.buckets:
-                ids, parents, depths = self._pad(ids, parents, depths)
-                n = ids.shape[1]
-            self._parents = parents if self._parents is None else torch.cat([self._parents, parents])
-            self._depths = depths if self._depths is None else torch.cat([self._depths, depths])
-            self._levels += levels
-            self.pending += n
+            ids, depths = self._pend(ids, parents, depths, levels, self.buckets, inputs)
+            n = ids.shape[1]
             positions = depths + self.length
             mask = self._mask(n, depths)
         if self.capture_layers:
@@ -292,17 +281,33 @@ class CausalLMRunner:
             self.length += n
         return out.last_hidden_state[0, :real]
 
-    def _pad(self, ids: torch.Tensor, parents, depths, buckets: tuple[int, ...] | None = None, inputs=None):
+    def _pend(self, ids: torch.Tensor, parents, depths, levels, buckets, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add tree rows to the pending ones (padded to ``buckets`` when given); returns their ids
+        and depths as run."""
+        n = ids.shape[1]
+        deepest = max(depths) if isinstance(depths, list) else levels if levels is not None else self.pending + n
+        if levels is None:
+            levels = max(depths) - min(depths) + 1 if isinstance(depths, list) else n
+        self.check_context(self.length + deepest + 1)
+        parents, depths = _on(parents, self.device), _on(depths, self.device)
+        if buckets:
+            ids, parents, depths = self._pad(ids, parents, depths, buckets, inputs)
+        self._parents = parents if self._parents is None else torch.cat([self._parents, parents])
+        self._depths = depths if self._depths is None else torch.cat([self._depths, depths])
+        self._levels += levels
+        self.pending += ids.shape[1]
+        return ids, depths
+
+    def _pad(self, ids: torch.Tensor, parents, depths, buckets: tuple[int, ...], inputs: dict):
         """Tree rows padded up to the next bucket size: extra rows hang off the committed prefix
         (parent -1, depth 0), no real row attends to them and no commit keeps them. Extra
-        ``inputs`` with a row per token (e.g. EAGLE's features) get zero rows."""
-        buckets = buckets or self.buckets
+        ``inputs`` with a row per token (e.g. EAGLE's features) get zero rows, in place."""
         n = ids.shape[1]
         size = next((b for b in buckets if b >= n), -(-n // buckets[-1]) * buckets[-1])
         if size == n:
             return ids, parents, depths
         pad = size - n
-        for name, value in (inputs or {}).items():
+        for name, value in inputs.items():
             if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] == n:
                 inputs[name] = torch.cat([value, value.new_zeros(value.shape[0], pad, *value.shape[2:])], 1)
         return (
@@ -318,19 +323,10 @@ class CausalLMRunner:
         chain = parents is None
         if chain:
             parents, depths, levels = [ROOT], [0], 1
-        deepest = max(depths) if isinstance(depths, list) else levels if levels is not None else self.pending + real
-        if levels is None:
-            levels = max(depths) - min(depths) + 1 if isinstance(depths, list) else real
-        self.check_context(self.length + deepest + 1)
-        parents, depths = _on(parents, self.device), _on(depths, self.device)
-        ids, parents, depths = self._pad(ids, parents, depths, TREE_BUCKETS, inputs)
-        n = ids.shape[1]
         start = self.length + self.pending
+        ids, depths = self._pend(ids, parents, depths, levels, TREE_BUCKETS, inputs)
+        n = ids.shape[1]
         self.cache.reserve(start + n)
-        self._parents = parents if self._parents is None else torch.cat([self._parents, parents])
-        self._depths = depths if self._depths is None else torch.cat([self._depths, depths])
-        self._levels += levels
-        self.pending += n
         static = {
             "input_ids": ids,
             "position_ids": (depths + self.length).view(1, -1),
