@@ -157,7 +157,7 @@ def check_decoding(target, device: str) -> dict:
                 same &= got.tokens == want
                 produced, steps = produced + sum(got.accepted), steps + got.steps
                 syncs += [b - a for a, b in zip(marks, marks[1:])]
-            runners = [spec.runner, *(drafter.runners() if drafter else [])]
+            runners = spec.runners()
             out[name] = {
                 "lossless": same,
                 "tokens_per_step": round(produced / steps, 3),

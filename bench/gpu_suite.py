@@ -276,7 +276,7 @@ def training_step_profile(args, work: Path, steps: int = 3) -> dict:
     and device milliseconds per step, host syncs per step and the ops that take the most device
     (on a CPU: host) time."""
     from torch.profiler import ProfilerActivity, profile
-    from train_step import first_batch
+    from train_step import first_batch, optimiser_step
 
     from draftsmith.eval.engine.host_syncs import count_host_syncs
     from draftsmith.train.cli import parse_training_args
@@ -288,24 +288,15 @@ def training_step_profile(args, work: Path, steps: int = 3) -> dict:
     task, train_set, _ = build(recipe)
     batch = {k: v.to(args.device) for k, v in first_batch(train_set, recipe.training.batch_size).items()}
     task.target.to(args.device)
-    head = task.model.to(args.device).train()
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-5)
-    bf16 = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    task.model.to(args.device)
+    step = optimiser_step(task, "bf16" if args.dtype == "bfloat16" else "fp32", lr=1e-5)
     cuda = args.device.startswith("cuda")
-
-    def step() -> None:
-        with bf16:
-            loss, _ = task.loss(head, batch, training=True)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # warm-up: allocators, kernel selection
+    step(batch)  # warm-up: allocators, kernel selection
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     start = clock(args.device)
     with count_host_syncs() as syncs, profile(activities=activities) as prof:
         for _ in range(steps):
-            step()
+            step(batch)
     wall = (clock(args.device) - start) / steps
     averages = prof.key_averages()
     by = "self_device_time_total" if cuda else "self_cpu_time_total"

@@ -18,21 +18,31 @@ def first_batch(train_set, batch_size: int) -> dict:
     return pad_batch(rows)
 
 
-def median_step_seconds(task, batch: dict, repeats: int, precision: str, training: bool) -> float:
-    """Median wall time of one optimiser step (loss, backward, AdamW) of ``task``'s head on
-    ``batch`` over ``repeats`` steps after one more that warms allocators and kernels up;
-    ``precision`` "bf16" runs the loss under autocast, ``training`` is passed to ``task.loss``."""
+def optimiser_step(task, precision: str, training: bool = True, lr: float = 1e-4):
+    """``step(batch)``: one optimiser step (loss, backward, AdamW) of ``task``'s head, put in
+    training mode; ``precision`` "bf16" runs the loss under autocast, ``training`` is passed to ``task.loss``."""
     head = task.model.train()
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
     device = next(head.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-    times = []
-    for _ in range(repeats + 1):
-        start = clock(device)
-        with autocast:
+
+    def step(batch: dict) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext():
             loss, _ = task.loss(head, batch, training=training)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def median_step_seconds(task, batch: dict, repeats: int, precision: str, training: bool) -> float:
+    """Median wall time of one optimiser step (:func:`optimiser_step`) of ``task``'s head on
+    ``batch`` over ``repeats`` steps after one more that warms allocators and kernels up."""
+    step = optimiser_step(task, precision, training)
+    device = next(task.model.parameters()).device
+    times = []
+    for _ in range(repeats + 1):
+        start = clock(device)
+        step(batch)
         times.append(clock(device) - start)
     return statistics.median(times[1:])

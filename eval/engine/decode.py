@@ -89,10 +89,10 @@ class SpeculativeDecoder:
                 raise ValueError(f"the drafter reads layers {layers}, the capture store keeps {capture.layers}")
             layers = capture.layers
         self.runner = CausalLMRunner(target, capture_layers=layers, cuda_graphs=cuda_graphs)
-        for runner in drafter.runners() if drafter is not None else ():
-            runner.set_cuda_graphs(cuda_graphs)
         self.capture = capture
         self.drafter = drafter
+        for runner in self.runners()[1:]:
+            runner.set_cuda_graphs(cuda_graphs)
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.eos_ids = eos_ids if eos_ids is not None else eos_token_ids(target, tokenizer)
@@ -108,8 +108,12 @@ class SpeculativeDecoder:
         verifier decodes in (a graph keeps whatever Python-side state its capture saw, e.g. a LoRA
         adapter switched on), so no capture falls inside a timed generation."""
         with self.drafter.verifying() if self.drafter is not None else nullcontext():
-            for runner in [self.runner, *(self.drafter.runners() if self.drafter is not None else [])]:
+            for runner in self.runners():
                 runner.capture_buckets()
+
+    def runners(self) -> list[CausalLMRunner]:
+        """The target's runner, then the drafter's own (:meth:`Drafter.runners`)."""
+        return [self.runner, *(self.drafter.runners() if self.drafter is not None else [])]
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """The target's next token after ``logits`` (one row), as a device tensor ``[1]``."""

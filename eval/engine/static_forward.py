@@ -41,10 +41,14 @@ class StaticForward:
         """``blocker``: why ``body`` cannot be captured (known beforehand), if it cannot: it then
         runs eagerly over the same buffers."""
         self.body = body
-        self.graphs = blocker is None
         self.entries: dict[tuple, _Entry] = {}
         self.captured = 0  # graphs captured so far (for reports)
         self.failure: str | None = blocker  # why graphs are not used, if they are not
+
+    @property
+    def graphs(self) -> bool:
+        """Whether forwards are captured (on a CUDA device): until a capture fails or is known to."""
+        return self.failure is None
 
     def clear(self) -> None:
         """Forget every buffer and graph (the cache they address has moved)."""
@@ -57,7 +61,7 @@ class StaticForward:
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = _Entry(_clone(inputs))
-            device = next(t for t in _tensors(inputs)).device
+            device = next(_tensors(inputs)).device
             if self.graphs and device.type == "cuda":
                 self._capture(entry, device)
         else:
@@ -90,7 +94,7 @@ class StaticForward:
             # restoring it): back to the caller's, after whatever ran on either.
             torch.cuda.set_stream(caller)
             torch.cuda.synchronize(device)
-            self.graphs, self.failure = False, f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            self.failure = f"{type(error).__name__}: {str(error).splitlines()[0]}"
             warnings.warn(f"CUDA graph capture failed, decoding eagerly from here: {self.failure}", stacklevel=3)
             return
         entry.graph, entry.outputs = graph, outputs

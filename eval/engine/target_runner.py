@@ -335,7 +335,8 @@ class CausalLMRunner:
             **inputs,
         }
         names = tuple(sorted(inputs))
-        self._extra_shapes.setdefault(names, {k: (tuple(inputs[k].shape[2:]), inputs[k].dtype) for k in names})
+        if names not in self._extra_shapes:
+            self._extra_shapes[names] = {k: (tuple(inputs[k].shape[2:]), inputs[k].dtype) for k in names}
         if self.cache.buffer is None:  # the first forward allocates the buffer: run it as it comes
             outputs = self._static_body(**static)
         else:
