@@ -8,6 +8,8 @@ reply plus the template's end-of-turn text, which the drafter must also learn to
 
 from __future__ import annotations
 
+import re
+
 from transformers import PreTrainedTokenizerBase
 
 
@@ -140,3 +142,28 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> l
     """Token ids of ``messages`` followed by the template's generation prompt."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# One message of a harmony reply (gpt-oss): its channel (a recipient may follow it) and its text,
+# which ends at the message's end token, the next message's header or the reply's end.
+HARMONY_MESSAGE = re.compile(
+    r"<\|channel\|>(\w+)[^<]*<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|$)", re.S
+)
+
+
+def reply_message(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], finished: bool) -> dict:
+    """The assistant message a generated reply becomes: its own ``token_ids`` (what training reads,
+    see :func:`tokenize_conversation`) and the fields the chat template renders it from when it is
+    history for the next turn. A harmony reply (gpt-oss, ``<|channel|>`` headers) is split as a
+    served chat carries it, the final channel as ``content`` and the analysis as ``thinking``: its
+    template refuses channel tags in content and drops earlier turns' analysis. Any other reply's
+    decoded text is its content (Qwen3's template splits its own ``<think>`` block)."""
+    text = tokenizer.decode(token_ids)
+    message = {"role": "assistant", "content": text, "token_ids": list(token_ids), "finished": finished}
+    channels = HARMONY_MESSAGE.findall(text)
+    if channels:
+        message["content"] = "".join(body for channel, body in channels if channel == "final")
+        thinking = "\n".join(body for channel, body in channels if channel == "analysis")
+        if thinking:
+            message["thinking"] = thinking
+    return message

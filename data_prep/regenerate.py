@@ -35,7 +35,7 @@ from transformers import AutoConfig
 
 from draftsmith.assets import cache_root
 from draftsmith.config import check_ranges, from_dict
-from draftsmith.data_prep.chat import render_prompt
+from draftsmith.data_prep.chat import render_prompt, reply_message
 from draftsmith.data_prep.dataset import source_identity, tokenizer_identity
 from draftsmith.data_prep.sharegpt import load_conversations
 from draftsmith.errors import ArgumentParser, UsageError, at_least, report_user_errors
@@ -183,14 +183,7 @@ def regenerate(
                     results[i].pop()
                     stats["empty" if not reply.token_ids else "cut_off"] += 1
                     continue
-                results[i].append(
-                    {
-                        "role": "assistant",
-                        "content": tokenizer.decode(reply.token_ids),
-                        "token_ids": reply.token_ids,
-                        "finished": reply.finished,
-                    }
-                )
+                results[i].append(reply_message(tokenizer, reply.token_ids, reply.finished))
                 stats["turns"] += 1
                 if reply.finished:
                     still.append(i)

@@ -131,3 +131,42 @@ def test_qwen3_regeneration_of_two_turns_prompts_as_served_and_masks_exactly_the
     expected = [t for reply in replies for t in qwen3(reply, add_special_tokens=False)["input_ids"] + end]
     assert [t for t, m in zip(encoded["input_ids"], encoded["loss_mask"]) if m] == expected
     assert encoded["input_ids"][: len(prompts[0])] == prompts[0]
+
+
+def test_harmony_regeneration_of_two_turns_prompts_as_served_and_masks_exactly_the_replies(gpt_oss, tmp_path):
+    """gpt-oss's template refuses channel tags in a history message's content: the first reply goes
+    back as its final channel (content) and analysis (thinking), which the template drops from
+    history as a served chat does; the stored conversation masks exactly both replies' own ids, each
+    followed by the end token the target wrote there (``<|return|>``: the template writes ``<|end|>``
+    only when it renders a turn as history)."""
+    replies = [
+        "<|channel|>analysis<|message|>Small sum.<|end|><|start|>assistant<|channel|>final<|message|>4.",
+        "<|channel|>analysis<|message|>4 x 3.<|end|><|start|>assistant<|channel|>final<|message|>12.",
+    ]
+    prompts: list[list[int]] = []
+
+    def generate(histories, seeds):
+        prompts.extend(render_prompt(gpt_oss, history) for history in histories)
+        turn = sum(m["role"] == "assistant" for m in histories[0])
+        return [Reply(gpt_oss(replies[turn], add_special_tokens=False)["input_ids"], True) for _ in histories]
+
+    conversations = [{"id": "a", "messages": [m for m in GPT_OSS_TALK if m["role"] != "assistant"]}]
+    out = tmp_path / "regenerated.jsonl"
+    stats = regenerate(generate, gpt_oss, conversations, out, RegenerateConfig(max_turns=None), show=False)
+    assert stats["turns"] == 2
+    second = gpt_oss.decode(prompts[1])
+    assert second.endswith(
+        "<|start|>assistant<|channel|>final<|message|>4.<|end|>"
+        "<|start|>user<|message|>And times three?<|end|><|start|>assistant"
+    )
+    assert "Small sum." not in second
+    messages = json.loads(out.read_text())["messages"]
+    assert [(m["content"], m["thinking"]) for m in messages if m["role"] == "assistant"] == [
+        ("4.", "Small sum."),
+        ("12.", "4 x 3."),
+    ]
+    encoded = tokenize_conversation(gpt_oss, messages, max_length=4096)
+    end = gpt_oss("<|return|>", add_special_tokens=False)["input_ids"]
+    expected = [t for reply in replies for t in gpt_oss(reply, add_special_tokens=False)["input_ids"] + end]
+    assert [t for t, m in zip(encoded["input_ids"], encoded["loss_mask"]) if m] == expected
+    assert encoded["input_ids"][: len(prompts[0])] == prompts[0]
