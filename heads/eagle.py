@@ -2,7 +2,8 @@
 
 At position i the head reads ``[embedding of token i+1 ; f_i]`` (``f_i`` the target's last
 hidden state, the one its LM head reads), maps it from 2h to h with a linear layer and runs
-``num_layers`` decoder layers of the target's own architecture to predict ``f_{i+1}``; the
+``num_layers`` decoder layers of the target's own architecture (a dense Llama layer of its shape
+over MoE and latent-attention targets, :func:`eagle_layer_config`) to predict ``f_{i+1}``; the
 target's frozen LM head turns that into draft logits. The target's embedding and LM head are
 used by reference and never saved into the head's checkpoint. An optional reduced draft
 vocabulary (the most frequent tokens) makes every draft step's LM head call that much cheaper.
@@ -10,11 +11,12 @@ vocabulary (the most frequent tokens) makes every draft step's LM head call that
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.heads.base import Head
@@ -23,6 +25,9 @@ from draftsmith.target import target_record
 
 KIND = "eagle"
 FULL = "full_attention"
+# Config fields that make a target's decoder layer sparse (routed experts) or its attention latent
+# (DeepSeek's MLA): an EAGLE-1 head over such a target is one dense Llama layer of its shape.
+ROUTED_OR_LATENT = ("num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank")
 
 
 class EagleHead(Fp32RotaryMixin, Head):
@@ -42,8 +47,10 @@ class EagleHead(Fp32RotaryMixin, Head):
         rotary_class: type | None = None,
     ):
         super().__init__(target_config.vocab_size, target_info)
-        self.config = config = head_config(target_config, num_layers)
-        if layer_class is None or rotary_class is None:
+        layer_config = eagle_layer_config(target_config)
+        self.config = config = head_config(layer_config, num_layers)
+        # The target's classes build the layers only where the layers are the target's own.
+        if layer_class is None or rotary_class is None or layer_config is not target_config:
             layer_class, rotary_class = architecture_classes(config)
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
@@ -126,6 +133,58 @@ class EagleHead(Fp32RotaryMixin, Head):
         return cls(
             target_config, config["num_layers"], state["draft_vocab"], config["target"], *layer_classes
         ).restored(config)
+
+
+def eagle_layer_config(target_config: PretrainedConfig) -> PretrainedConfig:
+    """The config an EAGLE-1 head's layers are built from: the target's own, unless its layers route
+    tokens to experts or attend through a latent (:data:`ROUTED_OR_LATENT`): then a dense Llama
+    layer of its shape (:func:`dense_layer_config`), which is what the EAGLE reference builds for
+    every target (SafeAILab/EAGLE ``eagle/model/ea_model.py`` builds ``cnets.Model``, Llama decoder
+    layers, over its Mixtral base models too) and what SGLang's and vLLM's ``llama_eagle.py`` serve."""
+    if any(getattr(target_config, name, None) for name in ROUTED_OR_LATENT):
+        return dense_layer_config(target_config)
+    return target_config
+
+
+def dense_layer_config(target_config: PretrainedConfig) -> PretrainedConfig:
+    """A dense :class:`LlamaConfig` of ``target_config``'s shape, for draft layers that are not the
+    target's own, derived as speculators 0.9.0 derives its drafts' (``train/cli.py``
+    ``create_transformer_layer_config``): the target's width, attention heads, KV heads and head
+    size, its dense ``intermediate_size`` (a MoE config without one: 3 x hidden,
+    ``resolve_draft_intermediate_size``), activation, norm epsilon and RoPE (per-layer-type RoPE
+    collapsed to the sliding layers', else the full ones'; a partial rotary factor dropped), no
+    attention bias, untied LM head."""
+    hidden, heads = target_config.hidden_size, target_config.num_attention_heads
+    rope = copy.deepcopy(getattr(target_config, "rope_parameters", None) or {})
+    if "rope_theta" not in rope:  # {"sliding_attention": {...}, "full_attention": {...}}
+        rope = dict(rope.get("sliding_attention") or rope.get("full_attention") or {})
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", 10000.0)
+    for key in ("type", "mrope_interleaved") + (() if "mrope_section" in rope else ("partial_rotary_factor",)):
+        rope.pop(key, None)
+    config = LlamaConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=getattr(target_config, "intermediate_size", None) or 3 * hidden,
+        num_hidden_layers=target_config.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
+        hidden_act=getattr(target_config, "hidden_act", None)
+        or getattr(target_config, "hidden_activation", None)
+        or "silu",
+        max_position_embeddings=target_config.max_position_embeddings,
+        initializer_range=getattr(target_config, "initializer_range", 0.02),
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", None) or 1e-6,
+        rope_parameters=rope,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=getattr(target_config, "bos_token_id", None),
+        eos_token_id=getattr(target_config, "eos_token_id", None),
+        pad_token_id=getattr(target_config, "pad_token_id", None),
+    )
+    config.dtype = getattr(target_config, "dtype", None)
+    return config
 
 
 def head_config(target_config: PretrainedConfig, num_layers: int) -> PretrainedConfig:

@@ -41,11 +41,9 @@ state back and the LM head scores it without norming again.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.heads.aux_layers import resolve_aux_layers
@@ -54,6 +52,7 @@ from draftsmith.heads.common import Fp32RotaryMixin, decoder_classes
 from draftsmith.heads.eagle import (
     architecture_classes,
     attention_4d,
+    dense_layer_config,
     head_config,
     pass_last_feature_through,
     rotary_kwargs,
@@ -72,45 +71,9 @@ EAGLE31_OPTIONS = ("fc_norm", "norm_output")
 
 def draft_layer_config(target_config: PretrainedConfig) -> PretrainedConfig:
     """The config the head's decoder layers are built from: ``target_config`` itself for a target in
-    :data:`OWN_LAYER_TYPES`, else a dense :class:`LlamaConfig` of the target's shape, derived as
-    speculators 0.9.0 derives its drafts' (``train/cli.py`` ``create_transformer_layer_config``):
-    the target's width, attention heads, KV heads and head size, its dense ``intermediate_size``
-    (a MoE config without one: 3 x hidden, ``resolve_draft_intermediate_size``), activation, norm
-    epsilon and RoPE (per-layer-type RoPE collapsed to the sliding layers', else the full ones';
-    a partial rotary factor dropped), no attention bias, untied LM head."""
-    if target_config.model_type in OWN_LAYER_TYPES:
-        return target_config
-    hidden, heads = target_config.hidden_size, target_config.num_attention_heads
-    rope = copy.deepcopy(getattr(target_config, "rope_parameters", None) or {})
-    if "rope_theta" not in rope:  # {"sliding_attention": {...}, "full_attention": {...}}
-        rope = dict(rope.get("sliding_attention") or rope.get("full_attention") or {})
-        rope.setdefault("rope_type", "default")
-        rope.setdefault("rope_theta", 10000.0)
-    for key in ("type", "mrope_interleaved") + (() if "mrope_section" in rope else ("partial_rotary_factor",)):
-        rope.pop(key, None)
-    config = LlamaConfig(
-        vocab_size=target_config.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=getattr(target_config, "intermediate_size", None) or 3 * hidden,
-        num_hidden_layers=target_config.num_hidden_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
-        hidden_act=getattr(target_config, "hidden_act", None)
-        or getattr(target_config, "hidden_activation", None)
-        or "silu",
-        max_position_embeddings=target_config.max_position_embeddings,
-        initializer_range=getattr(target_config, "initializer_range", 0.02),
-        rms_norm_eps=getattr(target_config, "rms_norm_eps", None) or 1e-6,
-        rope_parameters=rope,
-        attention_bias=False,
-        tie_word_embeddings=False,
-        bos_token_id=getattr(target_config, "bos_token_id", None),
-        eos_token_id=getattr(target_config, "eos_token_id", None),
-        pad_token_id=getattr(target_config, "pad_token_id", None),
-    )
-    config.dtype = getattr(target_config, "dtype", None)
-    return config
+    :data:`OWN_LAYER_TYPES`, else a dense Llama layer of the target's shape
+    (:func:`~draftsmith.heads.eagle.dense_layer_config`)."""
+    return target_config if target_config.model_type in OWN_LAYER_TYPES else dense_layer_config(target_config)
 
 
 class Eagle3Layer(nn.Module):

@@ -41,6 +41,7 @@ from draftsmith.data_prep.features import FeatureDataset, extract_features
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.export import export_checkpoint
+from draftsmith.heads.eagle import ROUTED_OR_LATENT, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.target import is_head_only, load_target
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
@@ -187,6 +188,35 @@ def test_greedy_decoding_with_the_trained_head_is_the_targets_own(families, name
         trees = GreedyPrefixDrafter(prompt, reference, VOCAB, seed=seed)
         assert SpeculativeDecoder(model, trees, eos_ids=set()).generate(prompt, NEW_TOKENS).tokens == reference
         assert max(trees.expected) > 1  # trees were accepted beyond the root: the cache kept scattered rows
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_eagle1_head_over_routed_or_latent_targets_is_a_dense_llama_layer_and_decodes_losslessly(
+    families, name, tmp_path
+):
+    """EAGLE-1 keeps the target's own layer over dense targets and builds the reference's dense Llama
+    layer over MoE and latent-attention ones (no experts, router or latent projections in the head);
+    the checkpoint reloads against the target into the same layers, and greedy decoding with it is
+    the target's own."""
+    family = families(name)
+    model = family.model
+    torch.manual_seed(0)
+    head = EagleHead.for_target(model, str(family.folder), init="random").eval()
+    layer = head.layers[0]
+    if any(getattr(model.config, field, None) for field in ROUTED_OR_LATENT):
+        assert name in MOE or name == "deepseek_v3"
+        assert type(layer).__name__ == "LlamaDecoderLayer" and type(layer.mlp).__name__ == "LlamaMLP"
+        assert not any("expert" in key or "router" in key or "lora" in key for key in head.state_dict())
+    else:
+        assert name not in MOE and isinstance(layer, type(model.get_decoder().layers[0]))
+    head.save_pretrained(tmp_path / "eagle")
+    drafter = build_drafter(f"eagle:{tmp_path / 'eagle'}?depth=3&top_k=2&budget=6", model)
+    reloaded = drafter.head.state_dict()
+    assert reloaded.keys() == head.state_dict().keys()
+    assert all(torch.equal(reloaded[key], value) for key, value in head.state_dict().items())
+    prompt = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = SpeculativeDecoder(model, drafter, eos_ids=set()).generate(prompt, NEW_TOKENS)
+    assert got.tokens == greedy(model, prompt), name
 
 
 @pytest.mark.parametrize("name", NAMES)
