@@ -58,6 +58,51 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class HeapPeak:
+    """The peak of what glibc's allocator holds for live allocations (``mallinfo2``: in use in its
+    arenas plus mapped blocks), sampled every 2 ms on a thread while the context runs: RSS above it
+    is freed memory the allocator keeps (fragmentation), not tensors. :attr:`peak_mib` is set by
+    :meth:`stop`; None where glibc is absent."""
+
+    FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+
+    def __init__(self):
+        self.peak_mib: float | None = None
+
+    def start(self) -> HeapPeak:
+        """Start sampling; returns self."""
+        import ctypes
+        import threading
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in self.FIELDS]
+
+        try:
+            mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+        except (OSError, AttributeError):
+            self._thread = None
+            return self
+        mallinfo2.restype = MallInfo2
+        self._done = threading.Event()
+
+        def sample():
+            peak = 0
+            while not self._done.wait(0.002):
+                info = mallinfo2()
+                peak = max(peak, info.uordblks + info.hblkhd)
+            self.peak_mib = peak / 2**20
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop sampling (the peak is then in :attr:`peak_mib`)."""
+        if self._thread is not None:
+            self._done.set()
+            self._thread.join()
+
+
 def conversation(out: Path, length: int) -> Path:
     """A JSON file with ``input_ids`` and ``loss_mask`` of ``length`` tokens (made once per length)."""
     path = out / f"conversation-{length}.json"
@@ -99,6 +144,7 @@ def child(mode: str, length: int, out: Path, device: str, train_steps: int, ttt_
         layers = default_aux_layers(target.config.num_hidden_layers)
         loaded = rss_mib()
         reset_peak()
+        heap = HeapPeak().start()
         record = {}
         if mode == "extract":
             identity = store_identity("default", target, tokenizer, layers, "bfloat16", data)
@@ -136,6 +182,7 @@ def child(mode: str, length: int, out: Path, device: str, train_steps: int, ttt_
         batch = {k: v.to(device) for k, v in pad_batch([FeatureDataset(store / "train")[0]]).items()}
         loaded = rss_mib()
         reset_peak()
+        heap = HeapPeak().start()
         autocast = torch.bfloat16 if next(target.parameters()).dtype == torch.bfloat16 else None
         losses = []
         for _ in range(train_steps):
@@ -146,7 +193,10 @@ def child(mode: str, length: int, out: Path, device: str, train_steps: int, ttt_
             optimizer.zero_grad(set_to_none=True)
             losses.append(round(loss.item(), 4))
         record = {"losses": losses}
+    heap.stop()
     record.update(mode=mode, length=length, loaded_mib=round(loaded), peak_mib=round(peak_mib()))
+    if heap.peak_mib is not None:
+        record["heap_live_peak_mib"] = round(heap.peak_mib)
     if mode.startswith("train"):
         record["ttt_steps"] = ttt_steps
     record["seconds"] = round(clock("cpu") - began, 1)

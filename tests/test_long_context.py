@@ -169,7 +169,7 @@ def test_a_long_row_trains_as_a_short_one_without_dense_masks(target, monkeypatc
     if sampled:
         chains = chain_sample(supervised_next(batch["loss_mask"], segments), cfg.steps, 0.6, 0.3, segments)
     dense = _unrolled(head, batch, features, hidden, chains, 10**6, cfg, parallel)
-    monkeypatch.setattr(unroll_module, "ATTENTION_CHUNK", 5 * 2 * 4 * (length - 1))  # 5 queries a chunk
+    monkeypatch.setattr(unroll_module, "ATTENTION_CHUNK", 5 * 2 * (length - 1))  # 5 queries a chunk
     monkeypatch.setattr(unroll_module, "LOSS_CHUNK", 7 * 32)  # 7 rows of the 32-token draft vocabulary
     long = _unrolled(head, batch, features, hidden, chains, 0, cfg, parallel)
     for a, b in zip(dense[0], long[0]):

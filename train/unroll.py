@@ -75,7 +75,7 @@ def loss_settings(drafter, **extra) -> UnrollLoss:
 
 UNROLLED_ATTENTION = "draftsmith_unrolled"
 DENSE_MASK_ROWS = 4096  # head positions up to which a pass's mask is built whole (n x n); longer rows: segment ids
-ATTENTION_CHUNK = 1 << 24  # score elements of one query chunk of a long row (heads x queries x keys): 64 MiB fp32
+ATTENTION_CHUNK = 1 << 23  # mask elements of one query chunk of a long row (queries x keys): 8 MiB as booleans
 LOSS_CHUNK = 1 << 25  # scored rows x draft vocabulary above which a pass's logits are taken a chunk at a time
 
 
@@ -140,13 +140,13 @@ def segment_attention(
 ) -> tuple[torch.Tensor, None]:
     """:func:`unrolled_attention` with pass 0's mask given as the positions' ``segments`` ``[b, n]``
     (:func:`pass_mask`'s first block: causal within a segment, padding's 0 seeing earlier padding),
-    computed :data:`ATTENTION_CHUNK` score elements of queries at a time, each chunk under activation
-    checkpointing where gradients flow: no ``n x n`` tensor is built or saved."""
-    batch, heads, n = query.shape[:3]
-    rows = max(1, ATTENTION_CHUNK // (batch * heads * n))
+    computed a chunk of queries at a time (:data:`ATTENTION_CHUNK` mask elements), each chunk by the
+    fused kernel and under activation checkpointing where gradients flow: no ``n x n`` tensor is
+    built or saved."""
+    batch, n = query.shape[0], query.shape[2]
+    rows = max(1, ATTENTION_CHUNK // (batch * n))
     # A chunk reads pass 0's keys up to its last query, rounded up to an eighth of the row: a few
-    # shapes, not one per chunk (oneDNN keeps a primitive and its scratch memory per bf16 matmul
-    # shape, which grew with the square of the length).
+    # shapes, not one per chunk (each shape's buffers are sized apart; one per chunk grew the heap).
     span = max(rows, -(-n // 8))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     parts = []
@@ -155,32 +155,36 @@ def segment_attention(
         width = min(n, -(-stop // span) * span)
         args = (query, key, value, segments, start, stop, width, scaling, dropout, module.training)
         parts.append(checkpoint(_attention_rows, *args, use_reentrant=False) if grad else _attention_rows(*args))
-    return torch.cat(parts, dim=3).flatten(1, 2).transpose(1, 2).contiguous(), None
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 
 def _attention_rows(
     query, key, value, segments, start: int, stop: int, width: int, scaling: float, dropout: float, training: bool
 ):
-    """Queries ``start:stop`` of :func:`segment_attention`, ``[b, kv_heads, group, stop - start, d]``:
-    scores over pass 0's first ``width`` (>= ``stop``) keys (none past ``stop`` is visible) and the
-    diagonals of later passes."""
-    heads, n = query.shape[1], query.shape[2]
-    kv_heads, passes = key.shape[1], key.shape[2] // n
-    q = query[:, :, start:stop].unflatten(1, (kv_heads, heads // kv_heads))  # [b, kv, g, c, d]
-    scores = q @ key[:, :, None, :width].transpose(-1, -2) * scaling  # [b, kv, g, c, width]
-    causal = torch.arange(width, device=q.device)[None, :] <= torch.arange(start, stop, device=q.device)[:, None]
+    """Queries ``start:stop`` of :func:`segment_attention`, ``[b, heads, stop - start, d]``: one fused
+    attention over pass 0's first ``width`` (>= ``stop``) keys (none past ``stop`` is visible) and,
+    for each later pass, the chunk's own positions, of which a query sees only its own (the diagonal)."""
+    n = query.shape[2]
+    passes = key.shape[2] // n
+    chunk = stop - start
+    # Pass 0's keys, then each later pass's keys at the chunk's positions.
+    later = [slice(p * n + start, p * n + stop) for p in range(1, passes)]
+    keys = torch.cat([key[:, :, :width]] + [key[:, :, rows] for rows in later], dim=2)
+    values = torch.cat([value[:, :, :width]] + [value[:, :, rows] for rows in later], dim=2)
+    device = query.device
+    causal = torch.arange(width, device=device)[None, :] <= torch.arange(start, stop, device=device)[:, None]
     allowed = causal & (segments[:, start:stop, None] == segments[:, None, :width])  # [b, c, width]
-    scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(scores.dtype).min)
-    if passes > 1:
-        ancestors_k = key[:, :, None, n:].unflatten(3, (passes - 1, n))[..., start:stop, :]  # [b, kv, 1, j, c, d]
-        ancestors_v = value[:, :, None, n:].unflatten(3, (passes - 1, n))[..., start:stop, :]
-        diagonal = (q.unsqueeze(3) * ancestors_k).sum(-1) * scaling  # [b, kv, g, j, c]
-        scores = torch.cat([scores, diagonal.transpose(-1, -2)], dim=-1)
-    probs = F.dropout(scores.softmax(-1, dtype=torch.float32).to(q.dtype), p=dropout, training=training)
-    out = probs[..., :width] @ value[:, :, None, :width]
-    if passes > 1:
-        out = out + (probs[..., width:].transpose(-1, -2).unsqueeze(-1) * ancestors_v).sum(3)
-    return out
+    diagonal = torch.eye(chunk, dtype=torch.bool, device=device).expand(allowed.shape[0], chunk, chunk)
+    mask = torch.cat([allowed] + [diagonal] * (passes - 1), dim=-1)[:, None]
+    return F.scaled_dot_product_attention(
+        query[:, :, start:stop],
+        keys,
+        values,
+        attn_mask=mask,
+        dropout_p=dropout if training else 0.0,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
 
 
 @contextmanager
