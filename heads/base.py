@@ -38,6 +38,13 @@ def target_lm_rows(target: PreTrainedModel, token_ids: torch.Tensor) -> torch.Te
     return target.get_output_embeddings().weight.detach()[token_ids].float() * logit_scale(target.config)
 
 
+def same_dtype(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``weight`` ready to multiply ``hidden``: in its dtype, unless autocast is on for its device,
+    which runs the product in its own dtype whatever the inputs' (a copy of a frozen LM-head table
+    in fp32 would only be cast back)."""
+    return weight if torch.is_autocast_enabled(hidden.device.type) else weight.to(hidden.dtype)
+
+
 def embedding_table(model: PreTrainedModel) -> torch.Tensor:
     """``model``'s token embeddings as its embedding module gives them, one row per token: the
     table itself, or for a module that scales its lookups (Gemma's ``embed_scale``) the scaled
@@ -120,7 +127,7 @@ class Head(nn.Module, ABC):
         return self._draft_weight
 
     def _target_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.draft_lm_weight().to(hidden.dtype).T
+        return hidden @ same_dtype(self.draft_lm_weight(), hidden).T
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's fp32 logits over the draft vocabulary ``[..., N]`` from its last hidden states,

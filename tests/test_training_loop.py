@@ -14,6 +14,7 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
+from draftsmith.heads.base import same_dtype
 from draftsmith.recipe import Recipe
 from draftsmith.train.loop import Trainer
 from draftsmith.train.ordering import epoch_order, sequence_lengths
@@ -223,3 +224,36 @@ def test_length_grouped_batches_pad_less_and_keep_every_row_once():
     odd = epoch_order(902, batch, seed=3, lengths=odd_lengths)
     last_window = sorted(np.random.default_rng(3).permutation(902).tolist()[896:], key=lambda i: -odd_lengths[i])
     assert sorted(odd) == list(range(902)) and odd[-2:] == last_window[-2:]
+
+
+class ScoringTask(MeanTask):
+    """:class:`MeanTask` whose loss also applies a frozen fp32 table after the model's forward, as the
+    heads' losses apply the draft and target LM heads: records the dtype each product ran in."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.randn(4, 1)
+        self.dtypes: list[tuple[bool, torch.dtype]] = []
+
+    def loss(self, model, batch: dict, training: bool):
+        out = model(batch["x"])
+        scores = out @ same_dtype(self.table, out).T
+        self.dtypes.append((training, scores.dtype))
+        return scores.float().mean(), {"tokens": float(len(batch["x"]))}
+
+
+@pytest.mark.parametrize("mixed_precision, want", [("bf16", torch.bfloat16), ("no", torch.float32)])
+def test_the_whole_loss_runs_under_the_recipes_autocast_not_only_the_forward(tmp_path, mixed_precision, want):
+    """Accelerate autocasts the model's forward only: the products a loss applies after it (the LM
+    heads over the draft vocabulary, the target's logits) ran in fp32 under ``mixed_precision: bf16``
+    until the loop put the whole loss, in training and in evaluation, under the recipe's autocast."""
+    AcceleratorState._reset_state(reset_partial_state=True)  # each case its own precision
+    recipe = _recipe(tmp_path, batch=2, accumulation=1, epochs=1)
+    recipe.training.mixed_precision = mixed_precision
+    recipe.training.eval_every = 1
+    task = ScoringTask()
+    trainer = Trainer(recipe, task, [{"x": float(i + 1)} for i in range(4)], eval_data=[{"x": 1.0}, {"x": 2.0}])
+    trainer.train()
+    assert {training for training, _ in task.dtypes} == {True, False}
+    assert all(dtype == want for _, dtype in task.dtypes), task.dtypes
+    AcceleratorState._reset_state(reset_partial_state=True)

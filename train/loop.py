@@ -227,7 +227,8 @@ class Trainer:
         )
         totals: dict[str, float] = {}
         for batch in loader:
-            _, metrics = self.task.loss(self.model, batch, training=False)
+            with self.accelerator.autocast():
+                _, metrics = self.task.loss(self.model, batch, training=False)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         self.model.train()
@@ -262,7 +263,11 @@ class Trainer:
                 if hasattr(self.task, "on_progress"):
                     self.task.on_progress(self.progress())
                 with acc.accumulate(self.model):
-                    loss, metrics = self.task.loss(self.model, batch, training=True)
+                    # The whole loss under the recipe's autocast, not only the head's forward (which is
+                    # all Accelerate wraps): the draft and target LM heads the loss applies after the
+                    # forward would otherwise run in fp32 (the objectives keep their own maths in fp32).
+                    with acc.autocast():
+                        loss, metrics = self.task.loss(self.model, batch, training=True)
                     acc.backward(loss * self._group_scale(self.state.batches_in_epoch, micro_batches))
                     if acc.sync_gradients:
                         acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)

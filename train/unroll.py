@@ -39,6 +39,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from draftsmith.data_prep.packing import block_causal_mask, head_segments, same_segment, segment_positions
+from draftsmith.heads.base import same_dtype
 from draftsmith.train.objectives import is_soft_cross_entropy, parse_objective, token_loss
 
 
@@ -626,7 +627,7 @@ def _target_choice(
     if head.full_vocab or not exact:
         # max's indices, the first maximum as argmax's, in half argmax's time over a full vocabulary
         return head.draft_vocab[target_probs.max(-1).indices]
-    weight = head.target.get_output_embeddings().weight.to(target_hidden.dtype)
+    weight = same_dtype(head.target.get_output_embeddings().weight, target_hidden)
     return (
         torch.cat([(part @ weight.T).argmax(-1) for part in target_hidden.split(chunk)])
         if target_hidden.shape[0]
