@@ -106,31 +106,38 @@ def test_a_regenerated_reply_keeps_its_ids_and_gets_the_end_of_turn_alone(reques
     assert encoded["input_ids"][: len(prompt)] == prompt and not any(encoded["loss_mask"][: len(prompt)])
 
 
+def regenerated_two_turns(tokenizer, talk: list[dict], replies: list[str], end: str, tmp_path) -> tuple[str, list]:
+    """Regenerate ``talk``'s user turns with ``replies`` as the target's two replies; asserts that the
+    stored conversation starts with the first turn's prompt and masks exactly both replies' own ids,
+    each followed by ``end``. Returns the second turn's prompt as text and the stored messages."""
+    prompts: list[list[int]] = []
+
+    def generate(histories, seeds):
+        prompts.extend(render_prompt(tokenizer, history) for history in histories)
+        turn = sum(m["role"] == "assistant" for m in histories[0])
+        return [Reply(tokenizer(replies[turn], add_special_tokens=False)["input_ids"], True) for _ in histories]
+
+    conversations = [{"id": "a", "messages": [m for m in talk if m["role"] != "assistant"]}]
+    out = tmp_path / "regenerated.jsonl"
+    stats = regenerate(generate, tokenizer, conversations, out, RegenerateConfig(max_turns=None), show=False)
+    assert stats["turns"] == 2
+    messages = json.loads(out.read_text())["messages"]
+    encoded = tokenize_conversation(tokenizer, messages, max_length=4096)
+    end_ids = tokenizer(end, add_special_tokens=False)["input_ids"]
+    expected = [t for reply in replies for t in tokenizer(reply, add_special_tokens=False)["input_ids"] + end_ids]
+    assert [t for t, m in zip(encoded["input_ids"], encoded["loss_mask"]) if m] == expected
+    assert encoded["input_ids"][: len(prompts[0])] == prompts[0]
+    return tokenizer.decode(prompts[1]), messages
+
+
 def test_qwen3_regeneration_of_two_turns_prompts_as_served_and_masks_exactly_the_replies(qwen3, tmp_path):
     """The second turn's prompt renders the first reply as the template does for history (its
     reasoning dropped, as a served chat does); the stored conversation masks exactly both replies'
     own ids and their end-of-turn text."""
     replies = ["<think>\nSmall sum.\n</think>\n\n2 + 2 = 4.", "<think>\n4 x 3.\n</think>\n\nIt makes 12."]
-    prompts: list[list[int]] = []
-
-    def generate(histories, seeds):
-        prompts.extend(render_prompt(qwen3, history) for history in histories)
-        turn = sum(m["role"] == "assistant" for m in histories[0])
-        return [Reply(qwen3(replies[turn], add_special_tokens=False)["input_ids"], True) for _ in histories]
-
-    conversations = [{"id": "a", "messages": [m for m in QWEN3_TALK if m["role"] != "assistant"]}]
-    out = tmp_path / "regenerated.jsonl"
-    stats = regenerate(generate, qwen3, conversations, out, RegenerateConfig(max_turns=None), show=False)
-    assert stats["turns"] == 2
-    second = qwen3.decode(prompts[1])
+    second, _ = regenerated_two_turns(qwen3, QWEN3_TALK, replies, "<|im_end|>\n", tmp_path)
     assert second.endswith("<|im_start|>user\nAnd times three?<|im_end|>\n<|im_start|>assistant\n")
     assert "2 + 2 = 4.<|im_end|>" in second and "Small sum." not in second
-    messages = json.loads(out.read_text())["messages"]
-    encoded = tokenize_conversation(qwen3, messages, max_length=4096)
-    end = qwen3("<|im_end|>\n", add_special_tokens=False)["input_ids"]
-    expected = [t for reply in replies for t in qwen3(reply, add_special_tokens=False)["input_ids"] + end]
-    assert [t for t, m in zip(encoded["input_ids"], encoded["loss_mask"]) if m] == expected
-    assert encoded["input_ids"][: len(prompts[0])] == prompts[0]
 
 
 def test_harmony_regeneration_of_two_turns_prompts_as_served_and_masks_exactly_the_replies(gpt_oss, tmp_path):
@@ -143,30 +150,13 @@ def test_harmony_regeneration_of_two_turns_prompts_as_served_and_masks_exactly_t
         "<|channel|>analysis<|message|>Small sum.<|end|><|start|>assistant<|channel|>final<|message|>4.",
         "<|channel|>analysis<|message|>4 x 3.<|end|><|start|>assistant<|channel|>final<|message|>12.",
     ]
-    prompts: list[list[int]] = []
-
-    def generate(histories, seeds):
-        prompts.extend(render_prompt(gpt_oss, history) for history in histories)
-        turn = sum(m["role"] == "assistant" for m in histories[0])
-        return [Reply(gpt_oss(replies[turn], add_special_tokens=False)["input_ids"], True) for _ in histories]
-
-    conversations = [{"id": "a", "messages": [m for m in GPT_OSS_TALK if m["role"] != "assistant"]}]
-    out = tmp_path / "regenerated.jsonl"
-    stats = regenerate(generate, gpt_oss, conversations, out, RegenerateConfig(max_turns=None), show=False)
-    assert stats["turns"] == 2
-    second = gpt_oss.decode(prompts[1])
+    second, messages = regenerated_two_turns(gpt_oss, GPT_OSS_TALK, replies, "<|return|>", tmp_path)
     assert second.endswith(
         "<|start|>assistant<|channel|>final<|message|>4.<|end|>"
         "<|start|>user<|message|>And times three?<|end|><|start|>assistant"
     )
     assert "Small sum." not in second
-    messages = json.loads(out.read_text())["messages"]
     assert [(m["content"], m["thinking"]) for m in messages if m["role"] == "assistant"] == [
         ("4.", "Small sum."),
         ("12.", "4 x 3."),
     ]
-    encoded = tokenize_conversation(gpt_oss, messages, max_length=4096)
-    end = gpt_oss("<|return|>", add_special_tokens=False)["input_ids"]
-    expected = [t for reply in replies for t in gpt_oss(reply, add_special_tokens=False)["input_ids"] + end]
-    assert [t for t, m in zip(encoded["input_ids"], encoded["loss_mask"]) if m] == expected
-    assert encoded["input_ids"][: len(prompts[0])] == prompts[0]
