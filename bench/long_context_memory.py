@@ -103,6 +103,14 @@ class HeapPeak:
             self._thread.join()
 
 
+def begin_measuring() -> tuple[float, HeapPeak]:
+    """Once the model and data are loaded: the RSS now (MiB), with the peak RSS reset and the
+    allocator's live peak sampled from here on."""
+    loaded = rss_mib()
+    reset_peak()
+    return loaded, HeapPeak().start()
+
+
 def conversation(out: Path, length: int) -> Path:
     """A JSON file with ``input_ids`` and ``loss_mask`` of ``length`` tokens (made once per length)."""
     path = out / f"conversation-{length}.json"
@@ -142,9 +150,7 @@ def child(mode: str, length: int, out: Path, device: str, train_steps: int, ttt_
     if mode.startswith("extract"):
         target, tokenizer = load_target("default", "auto", device)
         layers = default_aux_layers(target.config.num_hidden_layers)
-        loaded = rss_mib()
-        reset_peak()
-        heap = HeapPeak().start()
+        loaded, heap = begin_measuring()
         record = {}
         if mode == "extract":
             identity = store_identity("default", target, tokenizer, layers, "bfloat16", data)
@@ -180,9 +186,7 @@ def child(mode: str, length: int, out: Path, device: str, train_steps: int, ttt_
         task = Eagle3Task(recipe, target, head)
         optimizer = torch.optim.AdamW(head.parameters(), lr=recipe.training.learning_rate)
         batch = {k: v.to(device) for k, v in pad_batch([FeatureDataset(store / "train")[0]]).items()}
-        loaded = rss_mib()
-        reset_peak()
-        heap = HeapPeak().start()
+        loaded, heap = begin_measuring()
         autocast = torch.bfloat16 if next(target.parameters()).dtype == torch.bfloat16 else None
         losses = []
         for _ in range(train_steps):

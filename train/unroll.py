@@ -168,20 +168,21 @@ def _attention_rows(
     n = query.shape[2]
     passes = key.shape[2] // n
     chunk = stop - start
-    # Pass 0's keys, then each later pass's keys at the chunk's positions.
-    later = [slice(p * n + start, p * n + stop) for p in range(1, passes)]
-    keys = torch.cat([key[:, :, :width]] + [key[:, :, rows] for rows in later], dim=2)
-    values = torch.cat([value[:, :, :width]] + [value[:, :, rows] for rows in later], dim=2)
     device = query.device
     causal = torch.arange(width, device=device)[None, :] <= torch.arange(start, stop, device=device)[:, None]
-    allowed = causal & (segments[:, start:stop, None] == segments[:, None, :width])  # [b, c, width]
-    diagonal = torch.eye(chunk, dtype=torch.bool, device=device).expand(allowed.shape[0], chunk, chunk)
-    mask = torch.cat([allowed] + [diagonal] * (passes - 1), dim=-1)[:, None]
+    mask = causal & (segments[:, start:stop, None] == segments[:, None, :width])  # [b, c, width]
+    keys, values = key[:, :, :width], value[:, :, :width]
+    later = [slice(p * n + start, p * n + stop) for p in range(1, passes)]
+    if later:  # each later pass's keys at the chunk's positions, after pass 0's (pass 0 alone: views, no copy)
+        keys = torch.cat([keys] + [key[:, :, rows] for rows in later], dim=2)
+        values = torch.cat([values] + [value[:, :, rows] for rows in later], dim=2)
+        diagonal = torch.eye(chunk, dtype=torch.bool, device=device).expand(mask.shape[0], chunk, chunk)
+        mask = torch.cat([mask] + [diagonal] * len(later), dim=-1)
     return F.scaled_dot_product_attention(
         query[:, :, start:stop],
         keys,
         values,
-        attn_mask=mask,
+        attn_mask=mask[:, None],
         dropout_p=dropout if training else 0.0,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
