@@ -2,7 +2,8 @@
 and how often one that learnt more of it?
 
 Per seed: a tiny target (its weights drawn from the seed, scaled so that its text is repetitive and
-heads accept) and an EAGLE-3 head trained briefly on its own replies serve 16 requests; one round
+heads accept) and an EAGLE-3 head trained briefly on its own replies serve 16 requests
+(``--requests``; 32 judges 16, as many as the recipe's default ``adapt.held_out``); one round
 runs at the default margin and confidence, judged on the newest half of the requests, for the
 positive control of ``tests/test_adapt.py`` (a challenger trained on the older half as served) and
 each negative control (trained on unrelated traffic, or on the older half with shuffled or permuted
@@ -14,7 +15,7 @@ confidence 0.9 (the issue's target: at most 5%, which with no false promotion ta
 judge that never promotes has no false promotions, so the positive control's rate is half of the result.
 
 A promotion is false when the challenger does not accept more than the serving head on the domain,
-not only on the 8 requests judged: on a random tiny target a negative control can learn the target's
+not only on the requests judged: on a random tiny target a negative control can learn the target's
 next-token map anywhere and win for real. ``--fresh N`` measures each promoted challenger (any control)
 and the serving head on N fresh requests of the judged domain (the same request generator, later
 numbers: neither trained nor judged on), as the judge measures, and records the gain with its 95%
@@ -96,23 +97,24 @@ def fresh_gain(adapter, challenger: Path, prompts: list[list[int]], seed: int) -
     }
 
 
-def run_seeds(seeds: list[int], out: Path | None, fresh: int = 0) -> list[dict]:
-    """The verdicts of ``seeds``, each printed and appended to ``out`` (flushed) as it comes; with
-    ``fresh``, each promotion also measured on that many fresh requests of the judged domain
-    (:func:`fresh_gain`)."""
+def run_seeds(seeds: list[int], out: Path | None, fresh: int = 0, requests: int = REQUESTS) -> list[dict]:
+    """The verdicts of ``seeds``, each printed and appended to ``out`` (flushed) as it comes, with
+    ``requests`` served per seed (the older half trained on, the newer half judged); with ``fresh``,
+    each promotion also measured on that many fresh requests of the judged domain (:func:`fresh_gain`)."""
     verdicts = []
     sink = out.open("a") if out else None
     try:
         with tempfile.TemporaryDirectory(prefix="draftsmith-false-promotion-") as tmp:
             for seed in seeds:
-                deployed = deploy(Path(tmp) / f"seed-{seed}", seed)
-                prompts = domain_prompts(deployed["tokenizer"], range(REQUESTS, REQUESTS + fresh))
+                deployed = deploy(Path(tmp) / f"seed-{seed}", seed, requests)
+                prompts = domain_prompts(deployed["tokenizer"], range(requests, requests + fresh))
                 for control in (POSITIVE, *CONTROLS):
                     folder = Path(tmp) / f"seed-{seed}" / control.replace(" ", "-")
                     adapter = control_adapter(deployed, folder, control, seed)
                     verdict = adapter.run(1)[0].verdict
                     record = {"seed": seed, "control": control}
-                    record |= {k: verdict[k] for k in ("tau_serving", "tau_challenger", "gain", "low", "promoted")}
+                    keys = ("requests", "tau_serving", "tau_challenger", "gain", "low", "promoted")
+                    record |= {k: verdict[k] for k in keys}
                     line = (
                         f"seed {seed} {control}: tau {record['tau_serving']} -> {record['tau_challenger']}, "
                         f"gain {record['gain']:+.4f}, low {record['low']:+.4f}: "
@@ -245,6 +247,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--first-seed", type=int, default=0, help="the first seed drawn (default 0), to resume a run")
     parser.add_argument("--only-seeds", help="these seeds (comma-separated) instead of --first-seed and --seeds")
     parser.add_argument(
+        "--requests",
+        type=int,
+        default=REQUESTS,
+        help=f"requests served per seed: the older half trained on, the newer half judged (default {REQUESTS}; "
+        "32 judges 16, the recipe's adapt.held_out)",
+    )
+    parser.add_argument(
         "--fresh", type=int, default=0, help="measure each promotion on this many fresh requests of the domain (0: off)"
     )
     parser.add_argument("--out", type=Path, help="JSONL of verdicts, appended; the tables count all of its lines")
@@ -256,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         raise UsageError(
             f"--seeds, --first-seed and --fresh must be at least 0 (got {args.seeds}, {args.first_seed}, {args.fresh})"
         )
+    if args.requests < 4 or args.requests % 2:
+        raise UsageError(f"--requests {args.requests}: give an even number of at least 4 (half trained, half judged)")
     if args.out and args.out.exists() and not args.out.is_file():
         raise UsageError(f"--out {args.out}: not a file")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
@@ -267,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    verdicts = run_seeds(seeds, args.out, args.fresh)
+    verdicts = run_seeds(seeds, args.out, args.fresh, args.requests)
     if args.out:
         verdicts = read_verdicts(args.out, "--out")
     print("\n" + summary(base + verdicts))

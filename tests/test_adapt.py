@@ -42,9 +42,9 @@ CONTROLS = ("unrelated", "shuffled targets", "permuted targets")
 NULLS = ("unrelated", "permuted targets")
 
 
-def deploy(root: Path, seed: int = 0) -> dict:
-    """A tiny EAGLE-3 head trained briefly on the target's own replies to ShareGPT prompts, and 16
-    requests served and captured (``seed``: the tiny target's weights).
+def deploy(root: Path, seed: int = 0, requests: int = REQUESTS) -> dict:
+    """A tiny EAGLE-3 head trained briefly on the target's own replies to ShareGPT prompts, and
+    ``requests`` requests served and captured (``seed``: the tiny target's weights).
 
     Sized so that heads accept (acceptance length well above 1) and a round can beat the serving
     head: the target's weights are scaled by 5, which makes its greedy text peaked and repetitive
@@ -59,16 +59,16 @@ def deploy(root: Path, seed: int = 0) -> dict:
     target, tokenizer = load_target(str(target_dir), "float32")
     store = TrafficStore.for_target(root / "traffic", target, tokenizer, str(target_dir), LAYERS, shard_size=4)
     decoder = SpeculativeDecoder(target, None, eos_ids=set(), capture=store)
-    for prompt in domain_prompts(tokenizer, range(REQUESTS)):
+    for prompt in domain_prompts(tokenizer, range(requests)):
         decoder.generate(prompt, 24)
     store.flush()
     served = {"traffic": root / "traffic", "target": target_dir, "model": target, "tokenizer": tokenizer}
-    return {"root": root, "head": head, **served}
+    return {"root": root, "head": head, "requests": requests, **served}
 
 
 def domain_prompts(tokenizer, numbers) -> list[list[int]]:
     """The served domain's request prompts (token ids), one per number: :func:`deploy` serves numbers
-    ``0 .. REQUESTS - 1``, and a fresh sample of the domain, never trained or judged on, takes later ones."""
+    ``0 .. requests - 1``, and a fresh sample of the domain, never trained or judged on, takes later ones."""
     prompts = []
     for i in numbers:
         text = tokenizer.apply_chat_template(
@@ -304,8 +304,8 @@ def control_round(deployed, folder: Path, control: str, seed: int = 0):
 
 
 def control_adapter(deployed, folder: Path, control: str, seed: int = 0) -> Adapter:
-    """The adapter of a round at the default margin and confidence, judged on the newest half of the served
-    requests, whose challenger trained on the older half: as served (:data:`POSITIVE`: more of the
+    """The adapter of a round at the default margin and confidence, judged on the newest half of the
+    requests :func:`deploy` served, whose challenger trained on the older half: as served (:data:`POSITIVE`: more of the
     judged domain, it should win), or made to teach nothing of it (:data:`CONTROLS`): ``unrelated``
     traffic (random replies, with the target's states for them), or the served requests with their
     targets (the target's last states) shuffled along each reply (``shuffled targets``) or moved to
@@ -319,7 +319,8 @@ def control_adapter(deployed, folder: Path, control: str, seed: int = 0) -> Adap
     lm_head = target.get_output_embeddings().weight.detach()
     # Drawn for its control alone: the other controls' draws stay those of earlier runs.
     permutation = torch.randperm(lm_head.shape[0], generator=generator) if control == "permuted targets" else None
-    for i in range(REQUESTS):
+    requests = deployed["requests"]
+    for i in range(requests):
         row = served[i]
         ids, start, hidden, aux = (
             row["input_ids"].tolist(),
@@ -327,7 +328,7 @@ def control_adapter(deployed, folder: Path, control: str, seed: int = 0) -> Adap
             row["hidden"],
             row["aux"],
         )
-        if i >= REQUESTS // 2 or control == "same domain":
+        if i >= requests // 2 or control == "same domain":
             pass
         elif control == "unrelated":
             ids = (
@@ -351,8 +352,8 @@ def control_adapter(deployed, folder: Path, control: str, seed: int = 0) -> Adap
             hidden = torch.cat([moved * gap / moved.norm(dim=-1, keepdim=True) ** 2, hidden[-1:]])
         store.add(ids, start, hidden, aux)
     store.flush()
-    cfg = _config(deployed, folder / "adapt", traffic=str(folder / "traffic"), held_out=REQUESTS // 2, seed=seed)
-    cfg = replace(cfg, min_held_out=REQUESTS // 2, replay_fraction=0.0, round_steps=40, learning_rate=3e-3)
+    cfg = _config(deployed, folder / "adapt", traffic=str(folder / "traffic"), held_out=requests // 2, seed=seed)
+    cfg = replace(cfg, min_held_out=requests // 2, replay_fraction=0.0, round_steps=40, learning_rate=3e-3)
     # The judge's verdict alone: the forgetting check (test_replay_keeps_the_heads_general_accuracy) would
     # otherwise veto a challenger trained without replay on its one held-out conversation of 24 tokens.
     cfg = replace(cfg, judge_drafter=AdaptConfig.judge_drafter, margin=AdaptConfig.margin, max_forgetting=None)
