@@ -71,6 +71,7 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -526,7 +527,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--limit", type=int, default=None, help="first N prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--eagle3-depth", type=int, default=3, help="EAGLE-3 chain length served in vLLM")
+    parser.add_argument(
+        "--ours",
+        default="",
+        help="recipe overrides for draftsmith's trainer alone, one quoted string (a setting speculators' "
+        'trainer has no flag for), e.g. "--drafter.train_lm_head false --training.packing true"',
+    )
     args, overrides = parser.parse_known_args(argv)
+    ours_only = shlex.split(args.ours)
     bad = [w for w in overrides if w.startswith("--") and not w.startswith(SHARED_OVERRIDES)]
     if bad:
         parser.error(f"unknown options {bad}: only --data.* and --target.name recipe overrides go to both trainers")
@@ -553,6 +561,7 @@ def main(argv: list[str] | None = None) -> dict:
     job = {"max_new_tokens": args.max_new_tokens, "stop_token_ids": sorted(eos_token_ids(target, tokenizer))}
     results = {
         "minutes": args.minutes,
+        "ours_overrides": ours_only,
         "train_conversations": len(data["train"]),
         "held_out_conversations": len(data["held_out"]),
         "prompts": len(ids),
@@ -569,8 +578,10 @@ def main(argv: list[str] | None = None) -> dict:
             mask = mask_token_for(recipe.drafter.mask_token_id, tokenizer, data["train"], len(tokenizer))
             recipe.drafter.mask_token_id = mask
         depth = args.eagle3_depth if kind == "eagle3" else recipe.drafter.block_size - 1
-        claim_run(out / kind, {"minutes": args.minutes, "overrides": overrides})
-        ours_ckpt, ours_train = train_ours(kind, out, recipe, overrides, args.minutes, store, mask)
+        claim_run(
+            out / kind, {"minutes": args.minutes, "overrides": overrides} | ({"ours": args.ours} if ours_only else {})
+        )
+        ours_ckpt, ours_train = train_ours(kind, out, recipe, [*overrides, *ours_only], args.minutes, store, mask)
         spec_args = speculators_args(
             kind, recipe, target_dir, out / FEATURES, out / kind / "speculators", vocab, ratio, data
         )

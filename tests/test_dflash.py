@@ -22,8 +22,9 @@ from draftsmith.eval.engine.drafters import build_drafter
 from draftsmith.eval.engine.drafters.base import DraftContext
 from draftsmith.eval.engine.drafters.dflash import DFlashDrafter
 from draftsmith.eval.engine.sampling import SamplingConfig
+from draftsmith.heads.base import target_lm_rows
 from draftsmith.heads.dflash import DFlashHead
-from draftsmith.target import load_tokenizer
+from draftsmith.target import load_target, load_tokenizer
 from draftsmith.train.dflash import (
     DFlashDrafterConfig,
     DFlashTask,
@@ -272,6 +273,23 @@ def test_training_lowers_the_loss_and_records_accuracy_per_slot(dflash_recipe, t
     tokenizer = load_tokenizer("default")
     assert tokenizer.added_tokens_decoder[head.mask_token_id].special
     assert all(head.mask_token_id not in row["input_ids"] for row in trainer.train_data)
+
+
+def test_train_lm_head_false_keeps_the_targets_rows_as_speculators_trains(dflash_recipe, tmp_path):
+    """``drafter.train_lm_head: false`` leaves the LM head at the target's rows for the draft
+    vocabulary while the layers train; the default trains it too."""
+    from draftsmith.train.dflash import main
+
+    target = load_target(str(dflash_recipe.parent / "target"), "float32")[0]
+    args = ["--training.max_steps", "3", "--training.eval_every", "0"]
+    heads = {}
+    for train in ("true", "false"):
+        run = main([str(dflash_recipe), "--output_dir", str(tmp_path / train), *args, "--drafter.train_lm_head", train])
+        heads[train] = DFlashHead.from_pretrained(run.last_checkpoint)
+    rows = target_lm_rows(target, heads["false"].draft_vocab)
+    assert torch.equal(heads["false"].lm_head.weight, rows)
+    assert not torch.allclose(heads["true"].lm_head.weight, rows)
+    assert not torch.equal(heads["false"].fc.weight, heads["true"].fc.weight)
 
 
 def test_a_resumed_run_draws_the_anchors_an_uninterrupted_one_draws(dflash_recipe, tmp_path):

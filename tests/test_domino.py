@@ -250,6 +250,7 @@ def test_a_recipe_run_trains_the_correction_with_the_target_lm_head(domino_run):
     ("override", "field"),
     [
         (["--drafter.draft_vocab_size", "512"], "drafter.draft_vocab_size"),
+        (["--drafter.train_lm_head", "true"], "drafter.train_lm_head"),
         (["--drafter.pure_draft_prefix_len", "4"], "drafter.pure_draft_prefix_len"),
         (["--drafter.base_loss_decay", "0"], "drafter.base_loss_decay"),
         (["--drafter.confidence_head", "true"], "drafter.learn_mask_embedding / confidence_head"),

@@ -72,6 +72,9 @@ class DFlashDrafterConfig(DrafterConfig):
     # reading the target's frozen row, which training refuses where it is near zero (never trained).
     learn_mask_embedding: bool = False
     out_of_vocab_targets: Literal["mask", "renormalise"] = "mask"  # as EAGLE-3's
+    # Train the drafter's LM head (it starts as the target's rows for the draft vocabulary); false
+    # keeps those rows frozen, as speculators' and z-lab's DFlash trainers do.
+    train_lm_head: bool = True
     objective: str | dict[str, float] = "kl_div"  # kl_div, rkl, jsd, ce, tv, nla, lk_hybrid or a mix {ce: 0.1, tv: 0.9}
     features: Literal["online", "offline", "served"] = "online"  # target features: per step, on disk first, or served
     features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
@@ -267,7 +270,7 @@ class DFlashTask:
                 f"near zero beside the table's median row norm {weak[1]:.3g} (a token never trained), so every "
                 f"mask slot would enter the drafter as zeros; {cls.weak_mask_advice}"
             )
-        return cls.head_class.for_target(
+        head = cls.head_class.for_target(
             target,
             recipe.target.name,
             drafter.aux_layers,
@@ -279,6 +282,8 @@ class DFlashTask:
             confidence_head=drafter.confidence_head,
             **cls.head_options(drafter),
         )
+        head.lm_head.weight.requires_grad_(drafter.train_lm_head)
+        return head
 
     weak_mask_advice = (
         "set drafter.learn_mask_embedding: true (exported as mask_embedding.pt, which vLLM reads) "

@@ -58,6 +58,7 @@ class DominoDrafterConfig(DFlashDrafterConfig):
     base_loss_decay: Annotated[float, DECAY] = 1.0
     # must stay null: the target's LM head scores the full vocabulary
     draft_vocab_size: Annotated[int, DRAFT_VOCAB] | None = None
+    train_lm_head: bool = False  # must stay false: the target's LM head, as the references score
 
     def validate(self) -> None:
         super().validate()
@@ -65,6 +66,11 @@ class DominoDrafterConfig(DFlashDrafterConfig):
             raise ValueError(
                 "drafter.draft_vocab_size: a Domino drafter scores the full vocabulary with the target's LM "
                 "head (its serving engines load no drafter LM head); leave it null"
+            )
+        if self.train_lm_head:
+            raise ValueError(
+                "drafter.train_lm_head: a Domino drafter scores with the target's LM head, which its serving "
+                "engines read from the target (an export saves none); leave it false"
             )
         if self.learn_mask_embedding or self.confidence_head or self.confidence_for is not None:
             raise ValueError(
@@ -103,12 +109,6 @@ class DominoTask(DFlashTask):
     def __init__(self, recipe: DominoRecipe, target, head: DominoHead):
         super().__init__(recipe, target, head)
         self.base_weight = self.cfg.base_loss_start
-
-    @classmethod
-    def new_head(cls, recipe: DominoRecipe, target, draft_vocab, tokenizer, train_set) -> DominoHead:
-        head = super().new_head(recipe, target, draft_vocab, tokenizer, train_set)
-        head.lm_head.weight.requires_grad_(False)  # the target's, as the references score
-        return head
 
     @staticmethod
     def head_options(drafter: DominoDrafterConfig) -> dict:
