@@ -280,10 +280,15 @@ class Adapter:
                 f"{arrived} request(s) arrived since the last round (request {since}); adapt.held_out asks "
                 f"{self.cfg.held_out} new ones to judge on: serve more traffic, then run again"
             )
-        if len(data.prompts) < self.cfg.min_held_out:
+        if len(data.prompts) < self.cfg.judged_at_least:
+            asked = (
+                f"adapt.held_out {self.cfg.held_out}"
+                if self.cfg.min_held_out is None
+                else f"adapt.min_held_out {self.cfg.min_held_out}"
+            )
             return (
                 f"{len(data.prompts)} held-out conversation(s) ({data.split.fresh} new of {data.split.conversations} "
-                f"in the traffic, one kept to train on) are fewer than adapt.min_held_out {self.cfg.min_held_out}: "
+                f"in the traffic, one kept to train on) are fewer than {asked}: "
                 "serve more traffic, then run again"
             )
         return None

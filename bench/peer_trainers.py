@@ -58,7 +58,11 @@ decay``, ``decay_gamma: 4``), full bidirectional attention in the block (``--ful
 Not matched (one trainer has no such setting): AdamW betas (ours 0.9/0.95, speculators' torch defaults),
 speculators packs rows (multipack) where ours pads length-grouped batches, EAGLE-3's chain sampling
 (``down_sample_ratio`` 0.7) and identity initialisation are ours only, speculators' EAGLE-3 norms
-(``norm_before_fc``, ``norm_output``) are its own, ours masks out-of-vocabulary targets.
+(``norm_before_fc``, ``norm_output``) are its own, ours masks out-of-vocabulary targets, speculators
+freezes the drafter's LM head (ours: ``drafter.train_lm_head``). ``--ours "OVERRIDES"`` gives
+draftsmith's trainer alone recipe overrides for these (e.g. ``--ours "--training.adam_betas [0.9,0.999]
+--training.packing true"``); a folder trained with others is not reused (use another ``--out``, hard-linking
+its ``features`` and the speculators side to skip their stages).
 
 Results: ``OUT/peer_trainers.json`` and ``OUT/peer_trainers.md`` (printed too). ``sequences``: conversations
 stepped on (ours: steps x ``batch_size`` padded rows; speculators: the conversations its packed rows held); the

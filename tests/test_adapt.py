@@ -128,10 +128,15 @@ def test_a_nan_round_and_another_targets_traffic_are_refused(deployed, tmp_path)
         Adapter(_config(deployed, tmp_path / "x", traffic=str(tmp_path / "foreign")))
 
 
-def test_a_round_judged_on_fewer_conversations_than_held_out_says_so(deployed, tmp_path):
-    """Every request is new but one conversation stays to train on: 15 judged of the 16 asked."""
+def test_a_round_judged_on_fewer_conversations_than_held_out_says_so(deployed, tmp_path, capsys):
+    """Every request is new but one conversation stays to train on: 15 judged of the 16 asked, with
+    adapt.min_held_out at 15 or less; by default (null: adapt.held_out) the round is not run."""
     cfg = _config(deployed, tmp_path / "adapt", held_out=REQUESTS, round_steps=1, margin=100.0, replay_fraction=0.0)
-    verdict = Adapter(replace(cfg, judge_max_new_tokens=4, general_held_out=0)).run(1)[0].verdict
+    cfg = replace(cfg, judge_max_new_tokens=4, general_held_out=0)
+    assert Adapter(replace(cfg, min_held_out=None)).run(1) == []
+    said = capsys.readouterr().out
+    assert f"{REQUESTS - 1} held-out conversation(s)" in said and f"fewer than adapt.held_out {REQUESTS}" in said
+    verdict = Adapter(cfg).run(1)[0].verdict
     assert verdict["requests"] == REQUESTS - 1 and not verdict["promoted"]
     assert f"judged on {REQUESTS - 1} held-out conversations, fewer than adapt.held_out {REQUESTS}" in verdict["reason"]
 
