@@ -276,8 +276,8 @@ def test_training_lowers_the_loss_and_records_accuracy_per_slot(dflash_recipe, t
 
 
 def test_train_lm_head_false_keeps_the_targets_rows_as_speculators_trains(dflash_recipe, tmp_path):
-    """``drafter.train_lm_head: false`` leaves the LM head at the target's rows for the draft
-    vocabulary while the layers train; the default trains it too."""
+    """``drafter.train_lm_head: false`` (the default) leaves the LM head at the target's rows for the
+    draft vocabulary while the layers train; ``true`` trains it too."""
     from draftsmith.train.dflash import main
 
     target = load_target(str(dflash_recipe.parent / "target"), "float32")[0]

@@ -58,7 +58,6 @@ class DominoDrafterConfig(DFlashDrafterConfig):
     base_loss_decay: Annotated[float, DECAY] = 1.0
     # must stay null: the target's LM head scores the full vocabulary
     draft_vocab_size: Annotated[int, DRAFT_VOCAB] | None = None
-    train_lm_head: bool = False  # must stay false: the target's LM head, as the references score
 
     def validate(self) -> None:
         super().validate()
@@ -70,7 +69,7 @@ class DominoDrafterConfig(DFlashDrafterConfig):
         if self.train_lm_head:
             raise ValueError(
                 "drafter.train_lm_head: a Domino drafter scores with the target's LM head, which its serving "
-                "engines read from the target (an export saves none); leave it false"
+                "engines read from the target (an export saves none); leave it false (the default)"
             )
         if self.learn_mask_embedding or self.confidence_head or self.confidence_for is not None:
             raise ValueError(
