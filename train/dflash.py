@@ -271,7 +271,7 @@ class DFlashTask:
                 f"near zero beside the table's median row norm {weak[1]:.3g} (a token never trained), so every "
                 f"mask slot would enter the drafter as zeros; {cls.weak_mask_advice}"
             )
-        head = cls.head_class.for_target(
+        return cls.head_class.for_target(
             target,
             recipe.target.name,
             drafter.aux_layers,
@@ -283,8 +283,6 @@ class DFlashTask:
             confidence_head=drafter.confidence_head,
             **cls.head_options(drafter),
         )
-        head.lm_head.weight.requires_grad_(drafter.train_lm_head)
-        return head
 
     weak_mask_advice = (
         "set drafter.learn_mask_embedding: true (exported as mask_embedding.pt, which vLLM reads) "

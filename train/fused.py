@@ -38,13 +38,16 @@ def fused_target_features(target, aux_layers: list[int], batch: dict) -> tuple[t
 def build_fused(recipe: Recipe, new_head: Callable) -> tuple:
     """``(target, head, train_set, eval_set)`` for ``recipe``: the target and its tokenised data, the
     draft vocabulary, a head from ``new_head(recipe, target, draft_vocab, tokenizer, train_rows)``
-    (its initial weights set by ``training.seed``) and the training and held-out sets, with the
+    (its initial weights set by ``training.seed``; its LM head frozen unless ``drafter.train_lm_head``)
+    and the training and held-out sets, with the
     target's features cached first when ``drafter.features`` is offline."""
     layers = feature_layers(recipe)  # checked before the target loads; the head resolves the same ones
     target, tokenizer, data, full_target = target_and_data(recipe, layers)
     draft_vocab = draft_vocab_for(recipe.drafter.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
     torch.manual_seed(recipe.training.seed)  # the head's initial weights: reproducible, and set by the seed
     head = new_head(recipe, target, draft_vocab, tokenizer, data["train"])
+    if not recipe.drafter.train_lm_head:
+        head.lm_head.weight.requires_grad_(False)
     source = feature_source(recipe)
     with stage(f"train: {source.mode} feature sets"):
         train_set, eval_set = training_sets(source, target, tokenizer, data, head.aux_layers, full_target)
