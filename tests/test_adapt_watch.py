@@ -71,13 +71,12 @@ def deployed(tmp_path_factory):
     return {"root": root, "target": target, "head": Path(head)}
 
 
-@pytest.mark.slow
-def test_a_watched_round_is_promoted_and_served_by_the_running_vllm(deployed):
-    root = deployed["root"]
-    adapt = {
+def _adapt_section(deployed, traffic: Path, out: Path) -> dict:
+    """The watch tests' ``adapt`` section: one round over 16 requests, 8 trained on and 8 judged."""
+    return {
         "head": str(deployed["head"]),
-        "traffic": str(root / "gateway.jsonl"),
-        "out_dir": str(root / "adapt"),
+        "traffic": str(traffic),
+        "out_dir": str(out),
         "held_out": 8,
         "min_held_out": 8,
         "replay_fraction": 0.0,
@@ -91,6 +90,12 @@ def test_a_watched_round_is_promoted_and_served_by_the_running_vllm(deployed):
         "margin": -1.0,
         "export_format": "speculators",
     }
+
+
+@pytest.mark.slow
+def test_a_watched_round_is_promoted_and_served_by_the_running_vllm(deployed):
+    root = deployed["root"]
+    adapt = _adapt_section(deployed, root / "gateway.jsonl", root / "adapt")
     tokenizer = load_tokenizer(str(deployed["target"]))
     probe = [render_prompt(tokenizer, _messages(100 + i)) for i in range(3)]
     job = {
@@ -297,21 +302,7 @@ def test_draftsmith_adapt_watch_learns_from_a_vllm_serve_request_log_and_pushes_
     from draftsmith.adapt.rounds import CURRENT, Adapter
 
     log, out = tmp_path / "vllm-serve.log", tmp_path / "adapt"
-    adapt = {
-        "head": str(deployed["head"]),
-        "traffic": str(log),
-        "out_dir": str(out),
-        "held_out": 8,
-        "min_held_out": 8,
-        "replay_fraction": 0.0,
-        "round_steps": 40,
-        "learning_rate": 3e-3,
-        "batch_size": 2,
-        "judge_max_new_tokens": 16,
-        "max_forgetting": None,
-        "margin": -1.0,  # the loop is under test, not the judge (test_adapt's controls are)
-        "export_format": "speculators",
-    }
+    adapt = _adapt_section(deployed, log, out)
     recipe = tmp_path / "adapt.yaml"
     recipe.write_text(json.dumps({"adapt": adapt}))
     log.touch()
