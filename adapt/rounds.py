@@ -281,14 +281,10 @@ class Adapter:
                 f"{self.cfg.held_out} new ones to judge on: serve more traffic, then run again"
             )
         if len(data.prompts) < self.cfg.judged_at_least:
-            asked = (
-                f"adapt.held_out {self.cfg.held_out}"
-                if self.cfg.min_held_out is None
-                else f"adapt.min_held_out {self.cfg.min_held_out}"
-            )
+            field = "adapt.held_out" if self.cfg.min_held_out is None else "adapt.min_held_out"
             return (
                 f"{len(data.prompts)} held-out conversation(s) ({data.split.fresh} new of {data.split.conversations} "
-                f"in the traffic, one kept to train on) are fewer than {asked}: "
+                f"in the traffic, one kept to train on) are fewer than {field} {self.cfg.judged_at_least}: "
                 "serve more traffic, then run again"
             )
         return None
@@ -336,6 +332,12 @@ class Adapter:
                 break
             done.append(result)
         return done
+
+    def release(self) -> None:
+        """Let go of ``adapt.out_dir`` (taken by :meth:`run`), so that another adapter (a watcher's) may run it."""
+        if getattr(self, "_lock", None) is not None:
+            self._lock.close()
+            self._lock = None
 
     def run_round(self, number: int) -> Round | None:
         """Round ``number``: train, judge, and publish when the challenger wins (see the module

@@ -351,7 +351,7 @@ def serve_and_watch(job: dict) -> dict:
                 "response": {"id": f"r{i}", "choices": [choice]},
             }
             log.write(json.dumps(line) + "\n")
-    adapter._lock.close()  # the watcher's adapter takes the out_dir
+    adapter.release()  # the watcher's adapter takes the out_dir
     watcher = Watcher(Adapter(adapter.cfg), server, job["probe"], tokens, stops)
     result["step"] = watcher.step()
     return result

@@ -260,8 +260,10 @@ def _run(command: list[str], log: Path, env: dict | None = None) -> None:
         raise SystemExit(f"{command[1]} failed (exit {done.returncode}); the end of {log}:\n" + "\n".join(tail))
 
 
-def train_ours(kind: str, out: Path, recipe, overrides: list[str], minutes: float, store: Path, mask: int | None):
-    """draftsmith's trainer (``train/<kind>.py``) on the offline store; returns its final checkpoint."""
+def train_ours(kind: str, out: Path, overrides: list[str], minutes: float, store: Path, mask: int | None):
+    """draftsmith's trainer (``train/<kind>.py``) on the offline store, its recipe ``overrides`` (the
+    shared ones and ``--ours``'); returns its final checkpoint."""
+    recipe = recipe_for(kind, overrides)
     folder = out / kind / "draftsmith"
     final = folder / "checkpoint-final"
     if not (final / "config.json").is_file():
@@ -585,7 +587,7 @@ def main(argv: list[str] | None = None) -> dict:
         claim_run(
             out / kind, {"minutes": args.minutes, "overrides": overrides} | ({"ours": args.ours} if ours_only else {})
         )
-        ours_ckpt, ours_train = train_ours(kind, out, recipe, [*overrides, *ours_only], args.minutes, store, mask)
+        ours_ckpt, ours_train = train_ours(kind, out, [*overrides, *ours_only], args.minutes, store, mask)
         spec_args = speculators_args(
             kind, recipe, target_dir, out / FEATURES, out / kind / "speculators", vocab, ratio, data
         )

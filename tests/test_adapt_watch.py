@@ -280,10 +280,8 @@ def test_a_vllm_server_takes_b_over_http_without_a_restart_and_refuses_a_wrong_e
     )
 
 
-def _chat(url: str, messages: list[dict]) -> None:
-    """One chat request to the server at ``url``, greedy, as a user's client sends it."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=60) as reply:
-        model = json.loads(reply.read())["data"][0]["id"]
+def _chat(url: str, model: str, messages: list[dict]) -> None:
+    """One chat request for ``model`` to the server at ``url``, greedy, as a user's client sends it."""
     body = {"model": model, "messages": messages, "max_tokens": TOKENS, "temperature": 0.0}
     request = urllib.request.Request(
         url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -308,14 +306,16 @@ def test_draftsmith_adapt_watch_learns_from_a_vllm_serve_request_log_and_pushes_
     log.touch()
     round0 = Adapter(AdaptConfig(**adapt))
     round0.run(0)  # round 0: A exported, `current` pointing at it, what the server starts with
-    round0._lock.close()
+    round0.release()
     a = (out / CURRENT / "export").resolve()
     tokenizer = load_tokenizer(str(deployed["target"]))
     probe = [render_prompt(tokenizer, _messages(100 + i)) for i in range(3)]
     logging = ["--enable-log-requests", "--enable-log-outputs"]
     with _vllm_serve(deployed["target"], a, log, *logging, env={"VLLM_LOGGING_LEVEL": "DEBUG"}) as server:
+        with urllib.request.urlopen(server["url"] + "/v1/models", timeout=60) as reply:
+            model = json.loads(reply.read())["data"][0]["id"]
         for i in range(16):
-            _chat(server["url"], _messages(i))
+            _chat(server["url"], model, _messages(i))
         (record,) = adapt_main([str(recipe), "--watch", "--vllm-url", server["url"], "--rounds", "1", "--poll", "1"])
         http = HttpServer(server["url"])
         serving = http.counters(probe, TOKENS, [])

@@ -39,8 +39,8 @@ def build_fused(recipe: Recipe, new_head: Callable) -> tuple:
     """``(target, head, train_set, eval_set)`` for ``recipe``: the target and its tokenised data, the
     draft vocabulary, a head from ``new_head(recipe, target, draft_vocab, tokenizer, train_rows)``
     (its initial weights set by ``training.seed``; its LM head frozen unless ``drafter.train_lm_head``)
-    and the training and held-out sets, with the
-    target's features cached first when ``drafter.features`` is offline."""
+    and the training and held-out sets, with the target's features cached first when
+    ``drafter.features`` is offline."""
     layers = feature_layers(recipe)  # checked before the target loads; the head resolves the same ones
     target, tokenizer, data, full_target = target_and_data(recipe, layers)
     draft_vocab = draft_vocab_for(recipe.drafter.draft_vocab_size, data["train"], tokenizer, target.config.vocab_size)
