@@ -22,6 +22,7 @@ from draftsmith.train.objectives import (
     objective_rows,
     parse_objective,
     row_dot,
+    soft_coefficients,
     soft_target_cross_entropy,
     token_loss,
 )
@@ -179,6 +180,33 @@ def test_token_loss_keeps_the_soft_cross_entropy_for_forward_kl_and_adds_other_o
     torch.testing.assert_close(tv_loss, 0.5 * kept * (1 - torch.minimum(student.softmax(-1), probs).sum(-1)))
 
 
+@pytest.mark.parametrize(
+    "mix", [{"ce": 1.0}, {"kl_div": 0.3, "ce": 0.7}, {"kl_div": 2.0}, {"kl_div": 0.3, "ce": 0.7, "tv": 0.5}]
+)
+def test_forward_kl_and_ce_train_as_one_soft_cross_entropy_with_their_weights(monkeypatch, mix):
+    """``kl_div`` and ``ce`` (and their weights) go into the soft cross-entropy's coefficients: the
+    value equals :func:`objective_rows` of the mix plus ``w_kl`` x p's entropy, the gradient equals
+    its gradient, and only the other terms are scored apart (for ``ce`` and ``kl_div`` alone the
+    chunked scorer never runs). Ties in p go to the first id, as ``argmax``."""
+    student, target = _random(7, 30, seed=12)
+    probs = target.softmax(-1)
+    probs[0, :2] = probs[0].max()  # a tie: argmax takes id 0
+    probs = probs / probs.sum(-1, keepdim=True)
+    scored: list[dict] = []
+    real = objectives.objective_rows
+    monkeypatch.setattr(objectives, "objective_rows", lambda m, *a, **k: scored.append(m) or real(m, *a, **k))
+    logits = student.clone().requires_grad_()
+    loss, _ = token_loss(logits, soft_coefficients(mix, probs), probs, mix, 1.0)
+    loss.sum().backward()
+    assert scored == ([{"tv": 0.5}] if "tv" in mix else [])
+    want_logits = student.clone().requires_grad_()
+    want = real(mix, want_logits, probs)
+    want.sum().backward()
+    entropy = -(probs * probs.log()).sum(-1)
+    torch.testing.assert_close(loss, want + mix.get("kl_div", 0.0) * entropy)
+    torch.testing.assert_close(logits.grad, want_logits.grad)
+
+
 def test_the_soft_cross_entropy_goes_a_chunk_of_rows_at_a_time_with_the_whole_rows_values(monkeypatch):
     """With 3 rows a pass (7 passes over 20 rows) the soft cross-entropy, its log-normaliser, its
     gradient and :func:`row_dot` equal the composite whole-row forms to 1e-6."""
@@ -208,7 +236,7 @@ def test_the_fused_mixed_loss_equals_the_two_token_losses_composed(monkeypatch, 
     monkeypatch.setattr(objectives, "PASS_ELEMENTS", 3 * 40)
     base, addend = _random(11, 40, seed=9)
     probs = next(iter(_random(11, 40, seed=10))).softmax(-1)
-    coeff = probs if mix == {"kl_div": 1.0} else torch.zeros_like(probs)
+    coeff = soft_coefficients(mix, probs)
     switch = torch.tensor([False, True, True, False, True, True, True, True, False, True, True])
     kept = torch.tensor([1.0, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1])
     scale = torch.linspace(0.5, 2.0, 11)
@@ -261,6 +289,7 @@ def test_the_unrolled_loss_scores_each_pass_with_the_recipes_objective(make_tiny
         )
         ce0, ce1 = (-(p * q.log_softmax(-1)).sum(-1) for q, p in ((q0, p0), (q1, p1)))
         torch.testing.assert_close(loss(), ce0.mean() + 0.5 * ce1.mean())
+        torch.testing.assert_close(loss(objective={"kl_div": 2.0}), 2 * loss())  # a lone term's weight counts
         best0, best1 = p0.argmax(-1, keepdim=True), p1.argmax(-1, keepdim=True)
         top1 = [
             -(p.gather(-1, b) * q.log_softmax(-1).gather(-1, b)).mean()

@@ -11,16 +11,18 @@ means:
 - ``rkl``: KL(q || p), mode-seeking;
 - ``jsd``: ``beta KL(p || m) + (1 - beta) KL(q || m)``, ``m = beta p + (1 - beta) q`` (beta 0.5:
   speculators' JSD);
-- ``ce``: cross-entropy on the target's argmax;
+- ``ce``: cross-entropy on the target's argmax (the first, as ``argmax``: ties go to the lower id);
 - ``tv``: total variation ``1 - alpha``, with ``alpha = sum_v min(p_v, q_v)`` the chance that
   speculative sampling accepts a token drawn from q (Leviathan et al., 2023);
 - ``nla``: ``-log alpha`` (alpha clamped at 1e-5, as speculators does);
 - ``lk_hybrid``: ``lambda KL(p || q) + (1 - lambda) TV`` with ``lambda = exp(-3 sg(alpha))``
   (Samarin et al., "LK Losses", arXiv 2602.23881).
 
-Rows are scored in chunks under activation checkpointing: a term's fp32 intermediates exist for
-one chunk at a time, never as full ``[tokens, vocab]`` copies per term, and are recomputed in the
-backward pass.
+``kl_div`` and ``ce`` are linear in ``log q``: together they train as one soft cross-entropy
+``-sum_i c_i log q_i`` with ``c = w_kl p + w_ce onehot(argmax p)`` (:func:`soft_coefficients`), the
+fused path that never writes ``log q``; the other terms are scored by :func:`objective_rows`, in
+chunks of rows under activation checkpointing: a term's fp32 intermediates exist for one chunk at
+a time, never as full ``[tokens, vocab]`` copies per term, and are recomputed in the backward pass.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ LK_ETA = 3.0  # speculators' (and the LK paper's best) blend temperature
 CHUNK_ELEMENTS = 1 << 22  # rows per chunk x vocabulary: 16 MiB of fp32 per intermediate
 # rows x vocabulary of one pass of the soft cross-entropy: 4 MiB of fp32, which a core's caches hold
 PASS_ELEMENTS = 1 << 20
+SOFT = ("kl_div", "ce")  # the terms linear in log q, trained as one soft cross-entropy (soft_coefficients)
 
 
 def parse_objective(spec: str | dict, where: str = "drafter.objective") -> dict[str, float]:
@@ -90,9 +93,19 @@ def slug(mix: dict[str, float]) -> str:
     return re.sub(r"[^A-Za-z0-9_.]+", "-", describe(mix)).strip("-")
 
 
-def is_soft_cross_entropy(mix: dict[str, float]) -> bool:
-    """Whether ``mix`` is forward KL alone, which trains as the soft cross-entropy fast path."""
-    return set(mix) == {"kl_div"}
+def soft_coefficients(mix: dict[str, float], probs: torch.Tensor) -> torch.Tensor:
+    """``c`` ``[rows, V]`` (fp32) with ``-sum_i c_i log q_i`` equal to ``mix``'s ``kl_div`` and ``ce``
+    terms against the target's ``probs`` (``kl_div`` up to p's entropy, a constant: equal gradients)."""
+    coeff = probs.float() * mix.get("kl_div", 0.0)
+    if mix.get("ce"):
+        best = probs.max(-1, keepdim=True).indices  # the first maximum, as argmax's
+        coeff.scatter_add_(-1, best, coeff.new_full(best.shape, mix["ce"]))
+    return coeff
+
+
+def scored_apart(mix: dict[str, float]) -> dict[str, float]:
+    """``mix``'s terms that :func:`objective_rows` scores: all but those in :func:`soft_coefficients`."""
+    return {name: weight for name, weight in mix.items() if name not in SOFT and weight}
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
@@ -284,10 +297,11 @@ def mixed_token_loss(
     logits), equal to composing them but with the soft cross-entropies fused (see
     :class:`_MixedSoftTargetCrossEntropy`); ``lse`` is the summed logits' log-normaliser."""
     loss, lse, logits = _MixedSoftTargetCrossEntropy.apply(base, addend, switch.to(base.dtype), coeff, weight)
-    if not is_soft_cross_entropy(mix):
-        extra = objective_rows(mix, logits, probs)
+    rest = scored_apart(mix)
+    if rest:
+        extra = objective_rows(rest, logits, probs)
         if weight > 0:
-            extra = (1 - weight) * extra + weight * objective_rows(mix, base, probs)
+            extra = (1 - weight) * extra + weight * objective_rows(rest, base, probs)
         loss = loss + kept * extra
     return loss, lse, logits
 
@@ -295,12 +309,13 @@ def mixed_token_loss(
 def token_loss(
     logits: torch.Tensor, coeff: torch.Tensor, probs: torch.Tensor, mix: dict[str, float], weight: torch.Tensor | float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, lse)`` per row: the soft cross-entropy with ``coeff`` (which holds the whole token
-    term when ``mix`` is forward KL alone, else only extra terms such as HASS's top-K) plus, for any
-    other ``mix``, ``weight`` (a number, or one per row: 0 drops a row) x the objective against ``probs``."""
+    """``(loss, lse)`` per row: the soft cross-entropy with ``coeff`` (``mix``'s ``kl_div`` and ``ce``
+    terms, :func:`soft_coefficients`, plus any extra such as HASS's top-K) plus ``weight`` (a number,
+    or one per row: 0 drops a row) x ``mix``'s other terms against ``probs`` (:func:`scored_apart`)."""
     loss, lse = soft_target_cross_entropy(logits, coeff)
-    if not is_soft_cross_entropy(mix):
-        loss = loss + weight * objective_rows(mix, logits, probs)
+    rest = scored_apart(mix)
+    if rest:
+        loss = loss + weight * objective_rows(rest, logits, probs)
     return loss, lse
 
 

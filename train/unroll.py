@@ -40,7 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from draftsmith.data_prep.packing import block_causal_mask, head_segments, same_segment, segment_positions
 from draftsmith.heads.base import same_dtype
-from draftsmith.train.objectives import is_soft_cross_entropy, parse_objective, token_loss
+from draftsmith.train.objectives import parse_objective, soft_coefficients, token_loss
 
 
 @dataclass
@@ -608,10 +608,11 @@ def target_terms(head, target_next: torch.Tensor, cfg: UnrollLoss, training: boo
 
 def loss_coefficients(probs: torch.Tensor, cfg: UnrollLoss) -> torch.Tensor:
     """Weights ``c`` over the draft vocabulary with loss ``-sum_i c_i log q_i``: ``ce_weight`` x the
-    target's distribution (when the objective is forward KL: any other is scored apart, see
-    :func:`~draftsmith.train.objectives.token_loss`), plus ``top_k_weight`` x its K most likely
-    entries (HASS)."""
-    coeff = probs * cfg.ce_weight if is_soft_cross_entropy(cfg.objective) else torch.zeros_like(probs)
+    objective's terms linear in ``log q`` (forward KL, CE on the argmax:
+    :func:`~draftsmith.train.objectives.soft_coefficients`; the others are scored apart, see
+    :func:`~draftsmith.train.objectives.token_loss`), plus ``top_k_weight`` x the target's K most
+    likely entries (HASS)."""
+    coeff = soft_coefficients(cfg.objective, probs) * cfg.ce_weight
     if cfg.top_k:
         top = probs.topk(min(cfg.top_k, probs.shape[-1]), dim=-1).indices
         coeff.scatter_add_(-1, top, probs.gather(-1, top) * cfg.top_k_weight)
