@@ -30,8 +30,9 @@ configuration (vLLM's chain of 3, the judge's default) and greedy decoding:
 1. the stream (the split above, leaving out the conversations the head trained on) is served by the
    frozen head and captured with what it drafted (``runs/domain56/traffic``);
 2. one ``draftsmith-adapt`` round per weighting on that same traffic with the same seed: uniform
-   (``adapt.rejected_weight: 1``) and rejected-weighted (``--weight``), each judged by the honest judge
-   on the stream's newest conversations (its verdict recorded); the challengers are kept, promoted or not;
+   (``adapt.rejected_weight: 1``) and rejected-weighted (``--weight``; ``--weight 1``: the uniform round
+   alone), each judged by the honest judge on the stream's newest conversations (its verdict recorded);
+   the challengers are kept, promoted or not;
 3. the frozen head and both challengers decode the unseen held-out prompts of the domain
    (``code-held-out.jsonl``); each gain's two-sided 95% paired bootstrap interval over the prompts.
 
@@ -231,13 +232,14 @@ def rejected(args) -> dict:
         print(f"stream: {record['stream']}")
     heads = {"frozen": args.head}
     record["rounds"] = {}
-    for weight in (1.0, args.weight):
+    for weight in dict.fromkeys((1.0, args.weight)):  # --weight 1: the uniform round alone
         name = "uniform" if weight == 1 else f"rejected x{weight:g}"
         cfg = AdaptConfig(
             head=args.head,
             traffic=str(traffic),
             out_dir=str(out / f"adapt-w{weight:g}"),
             replay_limit=args.replay_limit,
+            replay_fraction=args.replay_fraction,
             held_out=args.judged,
             min_held_out=min(8, args.judged),
             general_held_out=args.general_held_out,
@@ -275,10 +277,8 @@ def rejected(args) -> dict:
         seconds[name] = round(clock(target.device) - began, 1)
     record["unseen"] = {"prompts": len(prompts), "counts": counts, "seconds": seconds}
     names = list(heads)
-    record["gains"] = {
-        f"{b} vs {a}": _interval(counts[a], counts[b])
-        for a, b in [(names[0], names[1]), (names[0], names[2]), (names[1], names[2])]
-    }
+    pairs = [(names[0], names[1])] + ([(names[0], names[2]), (names[1], names[2])] if len(names) > 2 else [])
+    record["gains"] = {f"{b} vs {a}": _interval(counts[a], counts[b]) for a, b in pairs}
     (out / "rejected.json").write_text(json.dumps(record, indent=1))
     print("\n| heads | unseen prompts | tau base | tau other | gain | 95% paired bootstrap interval |")
     print("|---|---|---|---|---|---|")
@@ -316,12 +316,15 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument(
         "--judged", type=at_least(2), default=12, help="the stream's newest conversations the round judges on"
     )
-    run.add_argument("--weight", type=float, default=4.0, help="adapt.rejected_weight of the weighted round")
+    run.add_argument(
+        "--weight", type=float, default=4.0, help="adapt.rejected_weight of the weighted round (1: no such round)"
+    )
     run.add_argument("--steps", type=at_least(1), default=40, help="optimiser steps per round")
     run.add_argument("--lr", type=float, default=AdaptConfig.learning_rate)
     run.add_argument("--max-new-tokens", type=at_least(1), default=64)
     run.add_argument("--max-length", type=at_least(1), default=768)
     run.add_argument("--replay-limit", type=at_least(0), default=48)
+    run.add_argument("--replay-fraction", type=float, default=AdaptConfig.replay_fraction)
     run.add_argument("--general-held-out", type=at_least(0), default=16)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--max-chars", type=at_least(1), default=1200)

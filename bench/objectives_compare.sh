@@ -1,16 +1,18 @@
 #!/bin/bash
 # One kind under each token objective at one training budget (issue 57 item 4): the same data and
-# stored features (extracted once, read by every run), the same optimiser steps each (equal steps,
-# not minutes: on a shared machine other jobs would change what a minute buys; each run's wall time
-# is in its log and in steps.md), then MT-bench in draftsmith's engine with each head's planned tree:
+# stored features (extracted once, read by every run), the same optimiser steps each (equal steps:
+# on a shared machine other jobs would change what a minute buys; each run's wall time is in its log
+# and in steps.md) or, with MINUTES, the same minutes of wall clock each (a quiet machine), then MT-bench in draftsmith's engine with each head's planned tree:
 # acceptance length and speedup against plain decoding in one run, and each objective's acceptance
 # length against the default's (kl_div) with a paired bootstrap interval over the prompt turns.
 #
 #   STEPS=150 OUT=runs/objectives bash bench/objectives_compare.sh
 #   KIND=dspark OBJECTIVES="kl_div lk_hybrid" STEPS=40 OUT=runs/objectives-dspark bash bench/objectives_compare.sh
+#   MINUTES=6 OBJECTIVES="kl_div ce" OUT=runs/objectives-minutes bash bench/objectives_compare.sh
 #
 # Knobs: KIND (eagle3, peagle, dflash, dspark), OBJECTIVES (names or JSON mixes, space-separated),
-# STEPS, LIMIT (ShareGPT conversations), REGENERATE, PER_CATEGORY and TOKENS (MT-bench prompts per
+# STEPS or MINUTES (the budget; MINUTES wins), FEATURES (a stored-features folder to read, default
+# OUT/features), LIMIT (ShareGPT conversations), REGENERATE, PER_CATEGORY and TOKENS (MT-bench prompts per
 # category and new tokens), TEMPERATURE, DTYPE. One job at a time: parallel jobs skew each other.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,10 +26,16 @@ PER_CATEGORY=${PER_CATEGORY:-1}
 TOKENS=${TOKENS:-96}
 TEMPERATURE=${TEMPERATURE:-0}
 DTYPE=${DTYPE:-auto}
+FEATURES=${FEATURES:-$OUT/features}
+if [ -n "${MINUTES:-}" ]; then
+  BUDGET=(--training.max_steps null --training.max_minutes "$MINUTES"); STEPS="$MINUTES min"
+else
+  BUDGET=(--training.max_steps "$STEPS" --training.max_minutes null)
+fi
 COMMON=(--target.dtype "$DTYPE" --data.limit "$LIMIT" --data.max_length 512 --data.held_out_fraction 0.05
-        --data.regenerate.enabled "$REGENERATE" --drafter.features offline --drafter.features_dir "$OUT/features"
-        --training.max_steps "$STEPS" --training.max_minutes null --training.num_epochs 50
-        --training.eval_every 0 --training.save_every 0 --tracking.report_to none)
+        --data.regenerate.enabled "$REGENERATE" --drafter.features offline --drafter.features_dir "$FEATURES"
+        "${BUDGET[@]}" --training.num_epochs 50 --training.eval_every 0 --training.save_every 0
+        --tracking.report_to none)
 mkdir -p "$OUT"
 DRAFTERS=()
 for objective in $OBJECTIVES; do
@@ -39,7 +47,7 @@ for objective in $OBJECTIVES; do
   DRAFTERS+=(--drafter "$KIND:$OUT/$name/checkpoint-final?name=$name")
 done
 {
-  echo "| objective ($STEPS steps each) | wall s (the first run also prepares data and features) | held-out top-1 @1 / @3 |"
+  echo "| objective ($STEPS each) | steps | wall s (the first run also prepares data and features) | held-out top-1 @1 / @3 |"
   echo "|---|---|---|"
   for objective in $OBJECTIVES; do
     name=$(python -c "import sys; from draftsmith.train.objectives import parse_objective, slug; print(slug(parse_objective(sys.argv[1])))" "$objective")
@@ -49,7 +57,8 @@ from pathlib import Path
 run, seconds, name = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 acc = json.loads((run / "checkpoint-final" / "config.json").read_text()).get("depth_accuracy") or []
 at = lambda d: f"{acc[d - 1]:.3f}" if len(acc) >= d else "-"
-print(f"| {name} | {float(seconds):.0f} | {at(1)} / {at(3)} |")
+steps = json.loads((run / "checkpoint-final" / "state" / "trainer_state.json").read_text()).get("step", "-")
+print(f"| {name} | {steps} | {float(seconds):.0f} | {at(1)} / {at(3)} |")
 PY
   done
 } > "$OUT/steps.md"
