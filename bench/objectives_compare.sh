@@ -2,9 +2,10 @@
 # One kind under each token objective at one training budget (issue 57 item 4): the same data and
 # stored features (extracted once, read by every run), the same optimiser steps each (equal steps:
 # on a shared machine other jobs would change what a minute buys; each run's wall time is in its log
-# and in steps.md) or, with MINUTES, the same minutes of wall clock each (a quiet machine), then MT-bench in draftsmith's engine with each head's planned tree:
-# acceptance length and speedup against plain decoding in one run, and each objective's acceptance
-# length against the default's (kl_div) with a paired bootstrap interval over the prompt turns.
+# and in steps.md) or, with MINUTES, the same minutes of wall clock each (a quiet machine), then
+# MT-bench in draftsmith's engine with each head's planned tree: acceptance length and speedup
+# against plain decoding in one run, and each objective's acceptance length against the default's
+# (kl_div) with a paired bootstrap interval over the prompt turns.
 #
 #   STEPS=150 OUT=runs/objectives bash bench/objectives_compare.sh
 #   KIND=dspark OBJECTIVES="kl_div lk_hybrid" STEPS=40 OUT=runs/objectives-dspark bash bench/objectives_compare.sh
