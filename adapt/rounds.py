@@ -150,6 +150,7 @@ class Adapter:
     def __init__(self, cfg: AdaptConfig):
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
+        self._lock = None  # adapt.out_dir's lock, taken by run() and held until release()
         self.kind, config = adaptable_kind(cfg.head, "adapt.head")
         recipe_file = Path(cfg.head) / "recipe.yaml"
         if not recipe_file.is_file():
@@ -322,7 +323,7 @@ class Adapter:
         if self.out.exists() and not self.out.is_dir():
             raise UserError(f"adapt.out_dir {self.out} is a file: give a folder (it holds the rounds and `current`)")
         private_folder(self.out)  # round folders hold heads trained on users' requests
-        if getattr(self, "_lock", None) is None:  # held once for this adapter's life: a watcher runs it again
+        if self._lock is None:  # held once for this adapter's life: a watcher runs it again
             self._lock = hold_lock(self.out, "adapt.out_dir")  # a second adapter on it is refused
         self._start()
         done = []
@@ -335,7 +336,7 @@ class Adapter:
 
     def release(self) -> None:
         """Let go of ``adapt.out_dir`` (taken by :meth:`run`), so that another adapter (a watcher's) may run it."""
-        if getattr(self, "_lock", None) is not None:
+        if self._lock is not None:
             self._lock.close()
             self._lock = None
 

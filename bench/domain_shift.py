@@ -46,6 +46,7 @@ lengths are counts: a busy CPU slows the run, it does not bias them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import shutil
@@ -276,9 +277,7 @@ def rejected(args) -> dict:
         counts[name] = acceptance_counts(target, f"eagle3:{folder}?{JUDGE}", prompts, args.max_new_tokens)
         seconds[name] = round(clock(target.device) - began, 1)
     record["unseen"] = {"prompts": len(prompts), "counts": counts, "seconds": seconds}
-    names = list(heads)
-    pairs = [(names[0], names[1])] + ([(names[0], names[2]), (names[1], names[2])] if len(names) > 2 else [])
-    record["gains"] = {f"{b} vs {a}": _interval(counts[a], counts[b]) for a, b in pairs}
+    record["gains"] = {f"{b} vs {a}": _interval(counts[a], counts[b]) for a, b in itertools.combinations(heads, 2)}
     (out / "rejected.json").write_text(json.dumps(record, indent=1))
     print("\n| heads | unseen prompts | tau base | tau other | gain | 95% paired bootstrap interval |")
     print("|---|---|---|---|---|---|")

@@ -29,45 +29,46 @@ TEMPERATURE=${TEMPERATURE:-0}
 DTYPE=${DTYPE:-auto}
 FEATURES=${FEATURES:-$OUT/features}
 if [ -n "${MINUTES:-}" ]; then
-  BUDGET=(--training.max_steps null --training.max_minutes "$MINUTES"); STEPS="$MINUTES min"
+  BUDGET=(--training.max_steps null --training.max_minutes "$MINUTES"); LABEL="$MINUTES min"
 else
-  BUDGET=(--training.max_steps "$STEPS" --training.max_minutes null)
+  BUDGET=(--training.max_steps "$STEPS" --training.max_minutes null); LABEL="$STEPS steps"
 fi
 COMMON=(--target.dtype "$DTYPE" --data.limit "$LIMIT" --data.max_length 512 --data.held_out_fraction 0.05
         --data.regenerate.enabled "$REGENERATE" --drafter.features offline --drafter.features_dir "$FEATURES"
         "${BUDGET[@]}" --training.num_epochs 50 --training.eval_every 0 --training.save_every 0
         --tracking.report_to none)
 mkdir -p "$OUT"
+read -r -a OBJECTIVE_LIST <<< "$OBJECTIVES"
+# each objective's folder name, one Python start for all of them
+mapfile -t NAMES < <(python -c "import sys; from draftsmith.train.objectives import parse_objective, slug
+print('\n'.join(slug(parse_objective(o)) for o in sys.argv[1:]))" "${OBJECTIVE_LIST[@]}")
 DRAFTERS=()
-for objective in $OBJECTIVES; do
-  name=$(python -c "import sys; from draftsmith.train.objectives import parse_objective, slug; print(slug(parse_objective(sys.argv[1])))" "$objective")
+for i in "${!NAMES[@]}"; do
+  name=${NAMES[$i]}
   if [ ! -f "$OUT/$name/checkpoint-final/config.json" ]; then
     /usr/bin/time -f "%e" -o "$OUT/$name.seconds" python "train/$KIND.py" "recipes/smollm2-$KIND.yaml" "${COMMON[@]}" \
-      --drafter.objective "$objective" --training.output_dir "$OUT/$name" > "$OUT/train_$name.log" 2>&1
+      --drafter.objective "${OBJECTIVE_LIST[$i]}" --training.output_dir "$OUT/$name" > "$OUT/train_$name.log" 2>&1
   fi
   DRAFTERS+=(--drafter "$KIND:$OUT/$name/checkpoint-final?name=$name")
 done
-{
-  echo "| objective ($STEPS each) | steps | wall s (the first run also prepares data and features) | held-out top-1 @1 / @3 |"
-  echo "|---|---|---|"
-  for objective in $OBJECTIVES; do
-    name=$(python -c "import sys; from draftsmith.train.objectives import parse_objective, slug; print(slug(parse_objective(sys.argv[1])))" "$objective")
-    python - "$OUT/$name" "$(cat "$OUT/$name.seconds")" "$name" <<'PY'
+python - "$OUT" "$LABEL" "${NAMES[@]}" > "$OUT/steps.md" <<'PY'
 import json, sys
 from pathlib import Path
-run, seconds, name = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-acc = json.loads((run / "checkpoint-final" / "config.json").read_text()).get("depth_accuracy") or []
-at = lambda d: f"{acc[d - 1]:.3f}" if len(acc) >= d else "-"
-steps = json.loads((run / "checkpoint-final" / "state" / "trainer_state.json").read_text()).get("step", "-")
-print(f"| {name} | {steps} | {float(seconds):.0f} | {at(1)} / {at(3)} |")
+out, budget, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+print(f"| objective ({budget} each) | steps | wall s (the first run also prepares data and features) | held-out top-1 @1 / @3 |")
+print("|---|---|---|---|")
+for name in names:
+    final = out / name / "checkpoint-final"
+    acc = json.loads((final / "config.json").read_text()).get("depth_accuracy") or []
+    at = lambda d: f"{acc[d - 1]:.3f}" if len(acc) >= d else "-"
+    steps = json.loads((final / "state" / "trainer_state.json").read_text()).get("step", "-")
+    seconds = float((out / f"{name}.seconds").read_text())
+    print(f"| {name} | {steps} | {seconds:.0f} | {at(1)} / {at(3)} |")
 PY
-  done
-} > "$OUT/steps.md"
 python eval/run.py --dtype "$DTYPE" --bench mt_bench --per-category "$PER_CATEGORY" --max-new-tokens "$TOKENS" \
   --temperature "$TEMPERATURE" "${DRAFTERS[@]}" --out "$OUT/mt_bench" > "$OUT/mt_bench.log" 2>&1
 first=--header
-for objective in $OBJECTIVES; do
-  name=$(python -c "import sys; from draftsmith.train.objectives import parse_objective, slug; print(slug(parse_objective(sys.argv[1])))" "$objective")
+for name in "${NAMES[@]}"; do
   [ "$name" = kl_div ] && continue
   python bench/paired_tau.py "$OUT/mt_bench/results.json" --base kl_div --other "$name" $first
   first=

@@ -93,13 +93,14 @@ def slug(mix: dict[str, float]) -> str:
     return re.sub(r"[^A-Za-z0-9_.]+", "-", describe(mix)).strip("-")
 
 
-def soft_coefficients(mix: dict[str, float], probs: torch.Tensor) -> torch.Tensor:
-    """``c`` ``[rows, V]`` (fp32) with ``-sum_i c_i log q_i`` equal to ``mix``'s ``kl_div`` and ``ce``
-    terms against the target's ``probs`` (``kl_div`` up to p's entropy, a constant: equal gradients)."""
-    coeff = probs.float() * mix.get("kl_div", 0.0)
+def soft_coefficients(mix: dict[str, float], probs: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``c`` ``[rows, V]`` (fp32) with ``-sum_i c_i log q_i`` equal to ``scale`` x ``mix``'s ``kl_div``
+    and ``ce`` terms against the target's ``probs`` (``kl_div`` up to p's entropy, a constant: equal
+    gradients). One ``[rows, V]`` tensor is written: ``scale`` is folded into the weights."""
+    coeff = probs.float() * (scale * mix.get("kl_div", 0.0))
     if mix.get("ce"):
         best = probs.max(-1, keepdim=True).indices  # the first maximum, as argmax's
-        coeff.scatter_add_(-1, best, coeff.new_full(best.shape, mix["ce"]))
+        coeff.scatter_add_(-1, best, coeff.new_full(best.shape, scale * mix["ce"]))
     return coeff
 
 

@@ -612,7 +612,7 @@ def loss_coefficients(probs: torch.Tensor, cfg: UnrollLoss) -> torch.Tensor:
     :func:`~draftsmith.train.objectives.soft_coefficients`; the others are scored apart, see
     :func:`~draftsmith.train.objectives.token_loss`), plus ``top_k_weight`` x the target's K most
     likely entries (HASS)."""
-    coeff = soft_coefficients(cfg.objective, probs) * cfg.ce_weight
+    coeff = soft_coefficients(cfg.objective, probs, cfg.ce_weight)
     if cfg.top_k:
         top = probs.topk(min(cfg.top_k, probs.shape[-1]), dim=-1).indices
         coeff.scatter_add_(-1, top, probs.gather(-1, top) * cfg.top_k_weight)
