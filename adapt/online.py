@@ -71,35 +71,37 @@ def adapt_stream(
     store = TrafficStore.for_target(folder, target, tokenizer, target_name, drafter.feature_layers, shard_size=every)
     decoder = SpeculativeDecoder(target, drafter, tokenizer, sampling=sampling, capture=store)
     results, rounds, optimizer = [], 0, saved_optimizer(checkpoint)
-    for index, prompt in enumerate(prompts):
-        before = rounds
-        gen = decoder.generate(prompt, max_new_tokens, seed=seed + index)
-        spent = 0.0
-        if cfg.round_steps and (index + 1) % every == 0 and index + 1 < len(prompts):
-            store.flush()
-            began = clock(target.device)
-            rows = FeatureDataset(folder / "train")
-            trainer = round_trainer(
-                kind,
-                Path(checkpoint),
-                cfg,
-                target,
-                master,
-                weighted(RowSelection([(rows, i) for i in range(len(rows))], cfg.max_length), cfg.rejected_weight),
-                None,
-                folder / f"round-{rounds + 1}",
-            )
-            carry_optimizer(trainer, optimizer)
-            trainer.train()
-            optimizer = trainer.optimizer.state_dict()
-            if master is not head:
-                with torch.no_grad():
-                    for mine, trained in zip(head.parameters(), master.parameters()):
-                        mine.copy_(trained)
-            rounds += 1
-            spent = clock(target.device) - began
-        results.append(StreamRequest(index, sum(gen.accepted), gen.steps, gen.seconds, before, spent))
-    store.flush()
+    try:
+        for index, prompt in enumerate(prompts):
+            before = rounds
+            gen = decoder.generate(prompt, max_new_tokens, seed=seed + index)
+            spent = 0.0
+            if cfg.round_steps and (index + 1) % every == 0 and index + 1 < len(prompts):
+                store.flush()
+                began = clock(target.device)
+                rows = FeatureDataset(folder / "train")
+                trainer = round_trainer(
+                    kind,
+                    Path(checkpoint),
+                    cfg,
+                    target,
+                    master,
+                    weighted(RowSelection([(rows, i) for i in range(len(rows))], cfg.max_length), cfg.rejected_weight),
+                    None,
+                    folder / f"round-{rounds + 1}",
+                )
+                carry_optimizer(trainer, optimizer)
+                trainer.train()
+                optimizer = trainer.optimizer.state_dict()
+                if master is not head:
+                    with torch.no_grad():
+                        for mine, trained in zip(head.parameters(), master.parameters()):
+                            mine.copy_(trained)
+                rounds += 1
+                spent = clock(target.device) - began
+            results.append(StreamRequest(index, sum(gen.accepted), gen.steps, gen.seconds, before, spent))
+    finally:  # the stream's traffic, whole on disk (what was served before an error too) and free for a round
+        store.close()
     return results
 
 

@@ -36,6 +36,13 @@ configuration (vLLM's chain of 3, the judge's default) and greedy decoding:
 3. the frozen head and both challengers decode the unseen held-out prompts of the domain
    (``code-held-out.jsonl``); each gain's two-sided 95% paired bootstrap interval over the prompts.
 
+``rounds`` replays a ``rejected`` run's captured stream as a deployment meets it, a round after each
+of ``--rounds`` equal slices (each trained from the head then serving, on all traffic so far, and
+judged on the slice's newest conversations), then decodes the same unseen prompts with the frozen head,
+the head serving after each round and the one round trained on the whole stream (``OUT/rounds.json``):
+
+    python bench/domain_shift.py rounds --source runs/domain56-xxl --out runs/domain56-rounds --rounds 2
+
 By default the head is deployed on the float32 target (``--dtype``: a copy of its checkpoint whose recipe
 says so, its weights unchanged; rounds train without bf16 autocast) with one torch thread (``--threads``):
 on a busy 2-core CPU, bf16 and 2 threads drafted 5x slower. Both rounds judge the frozen head on the same
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import shutil
 import sys
@@ -59,7 +67,7 @@ import yaml
 import draftsmith.adapt.judge as judge_module
 from draftsmith.adapt.config import AdaptConfig
 from draftsmith.adapt.judge import acceptance_counts, paired_gain
-from draftsmith.adapt.rounds import Adapter, adaptable_kind
+from draftsmith.adapt.rounds import Adapter, adaptable_kind, serving_head
 from draftsmith.config import load_recipe
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.domains import has_code, write_jsonl
@@ -126,6 +134,11 @@ def _read_prompts(path: Path) -> list[str]:
     return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
 
 
+def _prompt_ids(tokenizer, path: Path) -> list[list[int]]:
+    """The prompts of a ``split`` file as the target reads them (one user turn, the chat template's)."""
+    return [render_prompt(tokenizer, [{"role": "user", "content": p}]) for p in _read_prompts(path)]
+
+
 def _trained_on(recipe) -> frozenset:
     """Ids of the bundled ShareGPT conversations a head's recipe trained on (none for other data)."""
     if recipe.data.path != "sharegpt":
@@ -146,8 +159,7 @@ def _capture_stream(target, tokenizer, recipe, head: str, prompts: list[list[int
     for prompt in prompts:
         gen = decoder.generate(prompt, tokens)
         produced, passes = produced + sum(gen.accepted), passes + gen.steps
-    store.flush()
-    store._lock.close()  # the rounds read it next
+    store.close()  # the rounds read it next
     data = FeatureDataset(root / "train")
     outcomes = [
         o for row, (_, mask) in zip(data.per_token(SERVED_DRAFT), data.token_rows()) for o, m in zip(row, mask) if m
@@ -205,6 +217,48 @@ def _judge_once() -> None:
     judge_module.acceptance_counts = counts
 
 
+def _adapt_config(args, traffic: Path, out_dir: Path, weight: float = 1.0) -> AdaptConfig:
+    """The rounds' recipe from the bench's flags (its exports skipped: the bench decodes checkpoints)."""
+    cfg = AdaptConfig(
+        head=args.head,
+        traffic=str(traffic),
+        out_dir=str(out_dir),
+        replay_limit=args.replay_limit,
+        replay_fraction=args.replay_fraction,
+        held_out=args.judged,
+        min_held_out=min(8, args.judged),
+        general_held_out=args.general_held_out,
+        round_steps=args.steps,
+        learning_rate=args.lr,
+        max_length=args.max_length,
+        judge_max_new_tokens=args.max_new_tokens,
+        export_format="none",
+        seed=args.seed,
+        rejected_weight=weight,
+    )
+    cfg.validate()
+    return cfg
+
+
+def _unseen(target, heads: dict[str, str], prompts: list[list[int]], tokens: int, record: dict) -> None:
+    """Every head of ``heads`` (name: checkpoint) decodes the unseen ``prompts`` with the judge's
+    drafter; each pair's gain with its 95% paired interval goes into ``record`` and is printed."""
+    counts, seconds = {}, {}
+    for name, folder in heads.items():
+        began = clock(target.device)
+        counts[name] = acceptance_counts(target, f"eagle3:{folder}?{JUDGE}", prompts, tokens)
+        seconds[name] = round(clock(target.device) - began, 1)
+    record["unseen"] = {"prompts": len(prompts), "counts": counts, "seconds": seconds}
+    record["gains"] = {f"{b} vs {a}": _interval(counts[a], counts[b]) for a, b in itertools.combinations(heads, 2)}
+    print("\n| heads | unseen prompts | tau base | tau other | gain | 95% paired bootstrap interval |")
+    print("|---|---|---|---|---|---|")
+    for pair, g in record["gains"].items():
+        print(
+            f"| {pair} | {len(prompts)} | {g['tau_base']:.3f} | {g['tau_other']:.3f} | {g['gain']:+.3f} | "
+            f"[{g['low']:+.3f}, {g['high']:+.3f}] |"
+        )
+
+
 def rejected(args) -> dict:
     """Issue 56's measurement (see the module docstring); returns what it writes to ``OUT/rejected.json``."""
     out = Path(args.out)
@@ -220,39 +274,18 @@ def rejected(args) -> dict:
     torch.manual_seed(args.seed)
     _judge_once()
 
-    def ids(path: Path) -> list[list[int]]:
-        return [render_prompt(tokenizer, [{"role": "user", "content": p}]) for p in _read_prompts(path)]
-
     record: dict = {"argv": sys.argv, "head": args.head, "judge_drafter": JUDGE, "dtype": recipe.target.dtype}
     record.update(max_new_tokens=args.max_new_tokens, threads=args.threads)
     traffic = out / "traffic"
     if not (traffic / "train").is_dir():
-        record["stream"] = _capture_stream(
-            target, tokenizer, recipe, args.head, ids(out / "stream.jsonl"), traffic, args.max_new_tokens
-        )
+        stream = _prompt_ids(tokenizer, out / "stream.jsonl")
+        record["stream"] = _capture_stream(target, tokenizer, recipe, args.head, stream, traffic, args.max_new_tokens)
         print(f"stream: {record['stream']}")
     heads = {"frozen": args.head}
     record["rounds"] = {}
     for weight in dict.fromkeys((1.0, args.weight)):  # --weight 1: the uniform round alone
         name = "uniform" if weight == 1 else f"rejected x{weight:g}"
-        cfg = AdaptConfig(
-            head=args.head,
-            traffic=str(traffic),
-            out_dir=str(out / f"adapt-w{weight:g}"),
-            replay_limit=args.replay_limit,
-            replay_fraction=args.replay_fraction,
-            held_out=args.judged,
-            min_held_out=min(8, args.judged),
-            general_held_out=args.general_held_out,
-            round_steps=args.steps,
-            learning_rate=args.lr,
-            max_length=args.max_length,
-            judge_max_new_tokens=args.max_new_tokens,
-            export_format="none",
-            seed=args.seed,
-            rejected_weight=weight,
-        )
-        cfg.validate()
+        cfg = _adapt_config(args, traffic, out / f"adapt-w{weight:g}", weight)
         first = out / "adapt-w1" / "general"
         if weight != 1 and first.is_dir() and not (Path(cfg.out_dir) / "general").exists():
             Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
@@ -270,22 +303,8 @@ def rejected(args) -> dict:
         record["rounds"][name] = rounds[0].record()
         heads[name] = str(keep)
         del adapter
-    prompts = ids(out / "code-held-out.jsonl")
-    counts, seconds = {}, {}
-    for name, folder in heads.items():
-        began = clock(target.device)
-        counts[name] = acceptance_counts(target, f"eagle3:{folder}?{JUDGE}", prompts, args.max_new_tokens)
-        seconds[name] = round(clock(target.device) - began, 1)
-    record["unseen"] = {"prompts": len(prompts), "counts": counts, "seconds": seconds}
-    record["gains"] = {f"{b} vs {a}": _interval(counts[a], counts[b]) for a, b in itertools.combinations(heads, 2)}
+    _unseen(target, heads, _prompt_ids(tokenizer, out / "code-held-out.jsonl"), args.max_new_tokens, record)
     (out / "rejected.json").write_text(json.dumps(record, indent=1))
-    print("\n| heads | unseen prompts | tau base | tau other | gain | 95% paired bootstrap interval |")
-    print("|---|---|---|---|---|---|")
-    for pair, g in record["gains"].items():
-        print(
-            f"| {pair} | {len(prompts)} | {g['tau_base']:.3f} | {g['tau_other']:.3f} | {g['gain']:+.3f} | "
-            f"[{g['low']:+.3f}, {g['high']:+.3f}] |"
-        )
     for name, r in record["rounds"].items():
         v = r["verdict"]
         print(
@@ -293,6 +312,71 @@ def rejected(args) -> dict:
             f"{v['forgetting']}; train {r['train_seconds']} s, judge {r['judge_seconds']} s"
         )
     return record
+
+
+def rounds(args) -> dict:
+    """Rounds one after another on the stream a ``rejected`` run captured (``--source``): the traffic
+    arrives in ``--rounds`` equal slices, in the order it was served, and after each slice one round
+    trains from the serving head on everything so far and is judged on that slice's newest
+    conversations (a promoted head serves from then on). Then the frozen head, the head serving after
+    each round and the source's one-round challenger decode the source's unseen prompts.
+
+    The source's stream was served by the frozen head throughout, so each slice's draft record is the
+    frozen head's, not that of the head serving it here: the uniform rounds this runs do not read it,
+    and the target's replies and states are the drafter's to no extent (greedy, lossless)."""
+    source, out = Path(args.source), Path(args.out)
+    torch.set_num_threads(args.threads)
+    made = json.loads((source / "rejected.json").read_text())
+    args.head = made["head"]
+    kind, _ = adaptable_kind(args.head, f"{source}/rejected.json's head")
+    recipe = load_recipe(kind.training.recipe, Path(args.head) / "recipe.yaml")
+    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
+    torch.manual_seed(args.seed)
+    shards = sorted((source / "traffic" / "train").glob("shard-*.safetensors"), key=lambda f: int(f.stem.split("-")[1]))
+    traffic = out / "traffic"
+    (traffic / "train").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source / "traffic" / "identity.json", traffic / "identity.json")
+    cfg = _adapt_config(args, traffic, out / "adapt")
+    extracted = source / "adapt-w1" / "general"
+    if extracted.is_dir() and not (out / "adapt" / "general").exists():
+        shutil.copytree(extracted, out / "adapt" / "general")  # its replay and forgetting rows (same flags: same rows)
+    record: dict = {"argv": sys.argv, "source": str(source), "head": args.head, "judge_drafter": JUDGE, "rounds": []}
+    heads = {"frozen": args.head}
+    for number in range(1, args.rounds + 1):
+        for shard in shards[: len(shards) * number // args.rounds]:  # the slice arrives
+            if not (traffic / "train" / shard.name).exists():
+                os.link(shard, traffic / "train" / shard.name)
+        adapter = Adapter(cfg)
+        done = adapter.history()[number - 1 : number] or [r.record() for r in adapter.run(1)]  # a rerun reads it
+        adapter.release()
+        del adapter
+        if not done:
+            raise SystemExit(f"round {number} did not run (see the line above)")
+        record["rounds"].append(done[0])
+        heads[f"serving after round {number}"] = str(serving_head(cfg.out_dir))
+        v = done[0]["verdict"]
+        print(f"round {number}: {'promoted' if v['promoted'] else 'kept out'}: {v['reason']}; {v['forgetting']}")
+    if (source / "challenger-w1" / "config.json").is_file():
+        heads["one round on all"] = str(source / "challenger-w1")
+    _unseen(target, heads, _prompt_ids(tokenizer, source / "code-held-out.jsonl"), args.max_new_tokens, record)
+    (out / "rounds.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def _round_flags(parser) -> None:
+    """The flags of the rounds both commands run."""
+    parser.add_argument(
+        "--judged", type=at_least(2), default=12, help="the stream's newest conversations the round judges on"
+    )
+    parser.add_argument("--steps", type=at_least(1), default=40, help="optimiser steps per round")
+    parser.add_argument("--lr", type=float, default=AdaptConfig.learning_rate)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--max-length", type=at_least(1), default=768)
+    parser.add_argument("--replay-limit", type=at_least(0), default=48)
+    parser.add_argument("--replay-fraction", type=float, default=AdaptConfig.replay_fraction)
+    parser.add_argument("--general-held-out", type=at_least(0), default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch threads")
 
 
 @report_user_errors
@@ -313,27 +397,21 @@ def main(argv: list[str] | None = None) -> None:
         "--held-out", type=at_least(1), default=24, help="unseen prompts of the domain, never in the stream"
     )
     run.add_argument(
-        "--judged", type=at_least(2), default=12, help="the stream's newest conversations the round judges on"
-    )
-    run.add_argument(
         "--weight", type=float, default=4.0, help="adapt.rejected_weight of the weighted round (1: no such round)"
     )
-    run.add_argument("--steps", type=at_least(1), default=40, help="optimiser steps per round")
-    run.add_argument("--lr", type=float, default=AdaptConfig.learning_rate)
-    run.add_argument("--max-new-tokens", type=at_least(1), default=64)
-    run.add_argument("--max-length", type=at_least(1), default=768)
-    run.add_argument("--replay-limit", type=at_least(0), default=48)
-    run.add_argument("--replay-fraction", type=float, default=AdaptConfig.replay_fraction)
-    run.add_argument("--general-held-out", type=at_least(0), default=16)
-    run.add_argument("--seed", type=int, default=0)
     run.add_argument("--max-chars", type=at_least(1), default=1200)
-    run.add_argument("--threads", type=at_least(1), default=1, help="torch threads")
     run.add_argument(
         "--dtype", default="float32", help="serve and adapt the head on the target in this dtype ('': its recipe's)"
     )
+    _round_flags(run)
+    again = commands.add_parser("rounds", help="rounds one after another as a captured stream arrives")
+    again.add_argument("--source", required=True, help="a rejected run's --out: its head, stream and unseen prompts")
+    again.add_argument("--out", required=True)
+    again.add_argument("--rounds", type=at_least(1), default=2, help="equal slices of the stream, a round after each")
+    _round_flags(again)
     args = parser.parse_args(argv)
-    if args.command == "rejected":
-        rejected(args)
+    if args.command in ("rejected", "rounds"):
+        (rejected if args.command == "rejected" else rounds)(args)
         return
     split(Path(args.out), args.stream, args.held_out, args.seed, args.max_chars)
 

@@ -191,11 +191,20 @@ class TrafficStore:
         with staged(self.root / "manifest.json") as tmp:
             tmp.write_text(json.dumps(manifest, indent=1))
 
+    def close(self) -> None:
+        """Write what is held in memory and let go of the store's lock: another writer (a round's
+        reader, the next serving process) may open it now. Closing twice does nothing more."""
+        if self._lock is None:
+            return
+        self.flush()
+        self._lock.close()
+        self._lock = None
+
     def __enter__(self) -> TrafficStore:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.flush()
+        self.close()
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,8 @@ def run_bench(
     ``time_drafting``: record each generation's drafting time (for the cost model). ``capture``: the
     generations of the first drafter that reads the store's layers (the served head; verified by the
     target itself) go into this traffic store with the target's states and what it drafted at each
-    token (accepted or rejected: ``adapt.rejected_weight``); without one, plain decoding's (no draft record).
+    token (accepted or rejected: ``adapt.rejected_weight``); without one, plain decoding's (no draft record);
+    the caller closes the store.
     ``max_seconds``: start no prompt that, at the mean time of the prompts so far, would end past
     this much wall-clock time (each prompt runs every method, so the prompts run are compared
     alike); the prompts that ran are those in the returned runs.
@@ -252,8 +253,6 @@ def run_bench(
                     bar.update()
                 answer = [t for t in reference.tokens if t not in eos]
                 history.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
-    if capture is not None:
-        capture.flush()
     return runs
 
 

@@ -283,22 +283,26 @@ def main(argv: list[str] | None = None) -> dict:
     assistants = {d.name: d.assistant() for d in drafters if d.assistant() is not None}
     if args.hf_assistant:
         assistants = {name: assistants[name] for name in args.hf_assistant}
-    with stage(f"eval: decode {len(prompts)} prompts x {len(drafters) + 1 + len(args.hf_baseline)} methods"):
-        runs = run_bench(
-            target,
-            tokenizer,
-            drafters,
-            prompts,
-            args.max_new_tokens,
-            sampling,
-            args.turns,
-            tuple(args.hf_baseline),
-            assistants,
-            args.seed,
-            time_drafting=args.cost_model,
-            capture=capture,
-            max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-        )
+    try:
+        with stage(f"eval: decode {len(prompts)} prompts x {len(drafters) + 1 + len(args.hf_baseline)} methods"):
+            runs = run_bench(
+                target,
+                tokenizer,
+                drafters,
+                prompts,
+                args.max_new_tokens,
+                sampling,
+                args.turns,
+                tuple(args.hf_baseline),
+                assistants,
+                args.seed,
+                time_drafting=args.cost_model,
+                capture=capture,
+                max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+            )
+    finally:  # the requests served before an interruption are traffic too: written, the store released
+        if capture is not None:
+            capture.close()
     ran = len({r.prompt_id for r in runs})
     meta = {
         "argv": sys.argv if argv is None else ["eval/run.py", *argv],

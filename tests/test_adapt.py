@@ -410,7 +410,9 @@ def test_stores_and_round_folders_are_private_and_have_one_writer(deployed, tmp_
     assert (tmp_path / "traffic").stat().st_mode & 0o777 == 0o700
     with pytest.raises(UserError, match="traffic store .* is in use by another process"):
         TrafficStore.for_target(tmp_path / "traffic", target, tokenizer, str(deployed["target"]), LAYERS)
-    del store
+    store.close()  # released while the object lives: the next writer may open it
+    with TrafficStore.for_target(tmp_path / "traffic", target, tokenizer, str(deployed["target"]), LAYERS):
+        pass
     out = tmp_path / "adapt"
     first = Adapter(_config(deployed, out))
     first.run(0)
