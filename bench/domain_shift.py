@@ -240,11 +240,16 @@ def _adapt_config(args, traffic: Path, out_dir: Path, weight: float = 1.0) -> Ad
     return cfg
 
 
-def _unseen(target, heads: dict[str, str], prompts: list[list[int]], tokens: int, record: dict) -> None:
+def _unseen(
+    target, heads: dict[str, str], prompts: list[list[int]], tokens: int, record: dict, known: dict | None = None
+) -> None:
     """Every head of ``heads`` (name: checkpoint) decodes the unseen ``prompts`` with the judge's
-    drafter; each pair's gain with its 95% paired interval goes into ``record`` and is printed."""
-    counts, seconds = {}, {}
+    drafter (greedy: deterministic, so a head whose counts ``known`` holds is not decoded again);
+    each pair's gain with its 95% paired interval goes into ``record`` and is printed."""
+    counts, seconds = dict(known or {}), {}
     for name, folder in heads.items():
+        if name in counts:
+            continue
         began = clock(target.device)
         counts[name] = acceptance_counts(target, f"eagle3:{folder}?{JUDGE}", prompts, tokens)
         seconds[name] = round(clock(target.device) - began, 1)
@@ -356,9 +361,12 @@ def rounds(args) -> dict:
         heads[f"serving after round {number}"] = str(serving_head(cfg.out_dir))
         v = done[0]["verdict"]
         print(f"round {number}: {'promoted' if v['promoted'] else 'kept out'}: {v['reason']}; {v['forgetting']}")
-    if (source / "challenger-w1" / "config.json").is_file():
-        heads["one round on all"] = str(source / "challenger-w1")
-    _unseen(target, heads, _prompt_ids(tokenizer, source / "code-held-out.jsonl"), args.max_new_tokens, record)
+    heads["one round on all"] = str(source / "challenger-w1")
+    known = {}  # the source decoded the frozen head and its one round on these prompts, the same way
+    if made["max_new_tokens"] == args.max_new_tokens and made["judge_drafter"] == JUDGE:
+        known = {"frozen": made["unseen"]["counts"]["frozen"], "one round on all": made["unseen"]["counts"]["uniform"]}
+    prompts = _prompt_ids(tokenizer, source / "code-held-out.jsonl")
+    _unseen(target, heads, prompts, args.max_new_tokens, record, known)
     (out / "rounds.json").write_text(json.dumps(record, indent=1))
     return record
 
