@@ -98,6 +98,11 @@ class RoundData:
     split: TrafficSplit
 
 
+def round_folder(out_dir: str | Path, number: int) -> Path:
+    """Round ``number``'s folder under ``out_dir`` (round 0: the deployed head as given)."""
+    return Path(out_dir) / ROUNDS / f"round-{number:04d}"
+
+
 def serving_head(out_dir: str | Path) -> Path:
     """The checkpoint folder the ``current`` link points at (what to serve now)."""
     return Path(os.path.realpath(Path(out_dir) / CURRENT)) / "checkpoint"
@@ -305,7 +310,7 @@ class Adapter:
         """Round 0: the deployed head as given, exported, and ``current`` pointing at it."""
         if (self.out / CURRENT).exists():
             return
-        first = self.out / ROUNDS / "round-0000"
+        first = round_folder(self.out, 0)
         if not first.is_dir():
             with staged(first, folder=True) as tmp:
                 shutil.copytree(self.cfg.head, tmp / "checkpoint")
@@ -343,7 +348,7 @@ class Adapter:
     def run_round(self, number: int) -> Round | None:
         """Round ``number``: train, judge, and publish when the challenger wins (see the module
         docstring); None, with a line saying why, when the traffic cannot judge it."""
-        folder = self.out / ROUNDS / f"round-{number:04d}"
+        folder = round_folder(self.out, number)
         history = self.history()
         if folder.is_dir():  # published before a kill, not yet recorded: record it (and switch to it) now
             result = json.loads((folder / VERDICT).read_text())

@@ -67,7 +67,7 @@ import yaml
 import draftsmith.adapt.judge as judge_module
 from draftsmith.adapt.config import AdaptConfig
 from draftsmith.adapt.judge import acceptance_counts, paired_gain
-from draftsmith.adapt.rounds import Adapter, adaptable_kind, serving_head
+from draftsmith.adapt.rounds import Adapter, adaptable_kind, round_folder
 from draftsmith.config import load_recipe
 from draftsmith.data_prep.chat import render_prompt
 from draftsmith.data_prep.domains import has_code, write_jsonl
@@ -248,6 +248,9 @@ def _unseen(
     each pair's gain with its 95% paired interval goes into ``record`` and is printed."""
     counts, seconds = dict(known or {}), {}
     for name, folder in heads.items():
+        same = next((other for other, there in heads.items() if there == folder and other in counts), None)
+        if same is not None:  # decoded already (a round that kept its serving head serves the same folder)
+            counts[name] = counts[same]
         if name in counts:
             continue
         began = clock(target.device)
@@ -328,7 +331,8 @@ def rounds(args) -> dict:
 
     The source's stream was served by the frozen head throughout, so each slice's draft record is the
     frozen head's, not that of the head serving it here: the uniform rounds this runs do not read it,
-    and the target's replies and states are the drafter's to no extent (greedy, lossless)."""
+    and greedy verification makes the replies the target's whichever head drafts (in bf16 up to
+    rounding: a reply may part from another drafter's after some tokens)."""
     source, out = Path(args.source), Path(args.out)
     torch.set_num_threads(args.threads)
     made = json.loads((source / "rejected.json").read_text())
@@ -358,7 +362,9 @@ def rounds(args) -> dict:
         if not done:
             raise SystemExit(f"round {number} did not run (see the line above)")
         record["rounds"].append(done[0])
-        heads[f"serving after round {number}"] = str(serving_head(cfg.out_dir))
+        promoted = [r["number"] for r in record["rounds"] if r["verdict"]["promoted"]]
+        serving = round_folder(cfg.out_dir, promoted[-1] if promoted else 0) / "checkpoint"
+        heads[f"serving after round {number}"] = str(serving)
         v = done[0]["verdict"]
         print(f"round {number}: {'promoted' if v['promoted'] else 'kept out'}: {v['reason']}; {v['forgetting']}")
     heads["one round on all"] = str(source / "challenger-w1")
