@@ -71,38 +71,42 @@ def adapt_stream(
     store = TrafficStore.for_target(folder, target, tokenizer, target_name, drafter.feature_layers, shard_size=every)
     decoder = SpeculativeDecoder(target, drafter, tokenizer, sampling=sampling, capture=store)
     results, rounds, optimizer = [], 0, saved_optimizer(checkpoint)
-    try:
+    with store:  # closed on the way out, an error's too: what was served is on disk and free for a round
         for index, prompt in enumerate(prompts):
             before = rounds
             gen = decoder.generate(prompt, max_new_tokens, seed=seed + index)
             spent = 0.0
             if cfg.round_steps and (index + 1) % every == 0 and index + 1 < len(prompts):
-                store.flush()
                 began = clock(target.device)
-                rows = FeatureDataset(folder / "train")
-                trainer = round_trainer(
-                    kind,
-                    Path(checkpoint),
-                    cfg,
-                    target,
-                    master,
-                    weighted(RowSelection([(rows, i) for i in range(len(rows))], cfg.max_length), cfg.rejected_weight),
-                    None,
-                    folder / f"round-{rounds + 1}",
-                )
-                carry_optimizer(trainer, optimizer)
-                trainer.train()
-                optimizer = trainer.optimizer.state_dict()
-                if master is not head:
-                    with torch.no_grad():
-                        for mine, trained in zip(head.parameters(), master.parameters()):
-                            mine.copy_(trained)
                 rounds += 1
+                optimizer = _train_round(kind, checkpoint, cfg, target, head, master, store, rounds, optimizer)
                 spent = clock(target.device) - began
             results.append(StreamRequest(index, sum(gen.accepted), gen.steps, gen.seconds, before, spent))
-    finally:  # the stream's traffic, whole on disk (what was served before an error too) and free for a round
-        store.close()
     return results
+
+
+def _train_round(kind, checkpoint: str, cfg: AdaptConfig, target, head, master, store, number: int, optimizer):
+    """Round ``number``: train ``master`` (the fp32 weights, or ``head`` itself) on every request ``store``
+    holds, its optimiser's moments carried in and returned; the serving ``head`` takes the new weights."""
+    store.flush()
+    rows = FeatureDataset(store.root / "train")
+    trainer = round_trainer(
+        kind,
+        Path(checkpoint),
+        cfg,
+        target,
+        master,
+        weighted(RowSelection([(rows, i) for i in range(len(rows))], cfg.max_length), cfg.rejected_weight),
+        None,
+        store.root / f"round-{number}",
+    )
+    carry_optimizer(trainer, optimizer)
+    trainer.train()
+    if master is not head:
+        with torch.no_grad():
+            for mine, trained in zip(head.parameters(), master.parameters()):
+                mine.copy_(trained)
+    return trainer.optimizer.state_dict()
 
 
 def window_table(requests: list[StreamRequest], window: int) -> str:

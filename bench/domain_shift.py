@@ -74,7 +74,7 @@ from draftsmith.data_prep.domains import has_code, write_jsonl
 from draftsmith.data_prep.features import FeatureDataset
 from draftsmith.data_prep.prompts import MT_BENCH, load_prompts
 from draftsmith.data_prep.sharegpt import load_conversations
-from draftsmith.data_prep.traffic import ACCEPTED, REJECTED, SERVED_DRAFT, TrafficStore
+from draftsmith.data_prep.traffic import ACCEPTED, REJECTED, SERVED_DRAFT, TrafficStore, shard_files
 from draftsmith.errors import ArgumentParser, at_least, report_user_errors
 from draftsmith.eval.engine.decode import SpeculativeDecoder
 from draftsmith.eval.engine.drafters import build_drafter, parse_spec
@@ -217,6 +217,14 @@ def _judge_once() -> None:
     judge_module.acceptance_counts = counts
 
 
+def _reuse_general(extracted: Path, out_dir: Path) -> None:
+    """Start ``out_dir`` (an adapter's) with the replay and forgetting rows already ``extracted`` for
+    another adapter of the same flags (the same rows), instead of extracting them again."""
+    if extracted.is_dir() and not (out_dir / "general").exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(extracted, out_dir / "general")
+
+
 def _adapt_config(args, traffic: Path, out_dir: Path, weight: float = 1.0) -> AdaptConfig:
     """The rounds' recipe from the bench's flags (its exports skipped: the bench decodes checkpoints)."""
     cfg = AdaptConfig(
@@ -246,16 +254,15 @@ def _unseen(
     """Every head of ``heads`` (name: checkpoint) decodes the unseen ``prompts`` with the judge's
     drafter (greedy: deterministic, so a head whose counts ``known`` holds is not decoded again);
     each pair's gain with its 95% paired interval goes into ``record`` and is printed."""
-    counts, seconds = dict(known or {}), {}
+    # By folder: a round that kept its serving head serves a folder decoded already.
+    decoded = {heads[name]: c for name, c in (known or {}).items()}
+    counts, seconds = {}, {}
     for name, folder in heads.items():
-        same = next((other for other, there in heads.items() if there == folder and other in counts), None)
-        if same is not None:  # decoded already (a round that kept its serving head serves the same folder)
-            counts[name] = counts[same]
-        if name in counts:
-            continue
-        began = clock(target.device)
-        counts[name] = acceptance_counts(target, f"eagle3:{folder}?{JUDGE}", prompts, tokens)
-        seconds[name] = round(clock(target.device) - began, 1)
+        if folder not in decoded:
+            began = clock(target.device)
+            decoded[folder] = acceptance_counts(target, f"eagle3:{folder}?{JUDGE}", prompts, tokens)
+            seconds[name] = round(clock(target.device) - began, 1)
+        counts[name] = decoded[folder]
     record["unseen"] = {"prompts": len(prompts), "counts": counts, "seconds": seconds}
     record["gains"] = {f"{b} vs {a}": _interval(counts[a], counts[b]) for a, b in itertools.combinations(heads, 2)}
     print("\n| heads | unseen prompts | tau base | tau other | gain | 95% paired bootstrap interval |")
@@ -294,10 +301,7 @@ def rejected(args) -> dict:
     for weight in dict.fromkeys((1.0, args.weight)):  # --weight 1: the uniform round alone
         name = "uniform" if weight == 1 else f"rejected x{weight:g}"
         cfg = _adapt_config(args, traffic, out / f"adapt-w{weight:g}", weight)
-        first = out / "adapt-w1" / "general"
-        if weight != 1 and first.is_dir() and not (Path(cfg.out_dir) / "general").exists():
-            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-            shutil.copytree(first, Path(cfg.out_dir) / "general")  # the same replay and forgetting rows, extracted once
+        _reuse_general(out / "adapt-w1" / "general", Path(cfg.out_dir))
         keep = out / f"challenger-w{weight:g}"
         state = Path(cfg.out_dir) / "state.json"
         if state.is_file() and (keep / "config.json").is_file():  # a rerun: the round ran, its challenger kept
@@ -337,42 +341,35 @@ def rounds(args) -> dict:
     torch.set_num_threads(args.threads)
     made = json.loads((source / "rejected.json").read_text())
     args.head = made["head"]
-    kind, _ = adaptable_kind(args.head, f"{source}/rejected.json's head")
-    recipe = load_recipe(kind.training.recipe, Path(args.head) / "recipe.yaml")
-    target, tokenizer = load_target(recipe.target.name, recipe.target.dtype, chat_template=recipe.target.chat_template)
-    torch.manual_seed(args.seed)
-    shards = sorted((source / "traffic" / "train").glob("shard-*.safetensors"), key=lambda f: int(f.stem.split("-")[1]))
     traffic = out / "traffic"
     (traffic / "train").mkdir(parents=True, exist_ok=True)
     shutil.copy2(source / "traffic" / "identity.json", traffic / "identity.json")
     cfg = _adapt_config(args, traffic, out / "adapt")
-    extracted = source / "adapt-w1" / "general"
-    if extracted.is_dir() and not (out / "adapt" / "general").exists():
-        shutil.copytree(extracted, out / "adapt" / "general")  # its replay and forgetting rows (same flags: same rows)
+    _reuse_general(source / "adapt-w1" / "general", out / "adapt")
+    adapter = Adapter(cfg)  # reads the traffic afresh each round; its target decodes the unseen prompts too
+    torch.manual_seed(args.seed)
     record: dict = {"argv": sys.argv, "source": str(source), "head": args.head, "judge_drafter": JUDGE, "rounds": []}
-    heads = {"frozen": args.head}
+    heads, serving, shards = {"frozen": args.head}, args.head, shard_files(source / "traffic")
     for number in range(1, args.rounds + 1):
         for shard in shards[: len(shards) * number // args.rounds]:  # the slice arrives
             if not (traffic / "train" / shard.name).exists():
                 os.link(shard, traffic / "train" / shard.name)
-        adapter = Adapter(cfg)
         done = adapter.history()[number - 1 : number] or [r.record() for r in adapter.run(1)]  # a rerun reads it
-        adapter.release()
-        del adapter
         if not done:
             raise SystemExit(f"round {number} did not run (see the line above)")
         record["rounds"].append(done[0])
-        promoted = [r["number"] for r in record["rounds"] if r["verdict"]["promoted"]]
-        serving = round_folder(cfg.out_dir, promoted[-1] if promoted else 0) / "checkpoint"
-        heads[f"serving after round {number}"] = str(serving)
         v = done[0]["verdict"]
+        if v["promoted"]:
+            serving = str(round_folder(cfg.out_dir, number) / "checkpoint")
+        heads[f"serving after round {number}"] = serving
         print(f"round {number}: {'promoted' if v['promoted'] else 'kept out'}: {v['reason']}; {v['forgetting']}")
+    adapter.release()
     heads["one round on all"] = str(source / "challenger-w1")
     known = {}  # the source decoded the frozen head and its one round on these prompts, the same way
     if made["max_new_tokens"] == args.max_new_tokens and made["judge_drafter"] == JUDGE:
         known = {"frozen": made["unseen"]["counts"]["frozen"], "one round on all": made["unseen"]["counts"]["uniform"]}
-    prompts = _prompt_ids(tokenizer, source / "code-held-out.jsonl")
-    _unseen(target, heads, prompts, args.max_new_tokens, record, known)
+    prompts = _prompt_ids(adapter.tokenizer, source / "code-held-out.jsonl")
+    _unseen(adapter.target, heads, prompts, args.max_new_tokens, record, known)
     (out / "rounds.json").write_text(json.dumps(record, indent=1))
     return record
 

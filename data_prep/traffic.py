@@ -148,7 +148,7 @@ class TrafficStore:
 
     def shards(self) -> list[Path]:
         """The store's shards, oldest first."""
-        return _shards(self.root)
+        return shard_files(self.root)
 
     def flush(self) -> None:
         """Write the requests held in memory as the next shard, then keep the store within its bounds."""
@@ -223,7 +223,7 @@ def read_traffic(root: str | Path) -> TrafficRows:
     root = Path(root)
     manifest = root / "manifest.json"
     recorded = read_json(manifest, f"delete {manifest}: it is rebuilt") if manifest.is_file() else {}
-    shards = _shards(root)
+    shards = shard_files(root)
     expired = 0
     while shards and _past_age(shards[0], recorded.get("max_age")):
         expired += len(FeatureDataset.from_files([shards.pop(0)]))
@@ -276,8 +276,9 @@ def _on_host(states: torch.Tensor, missing: int) -> torch.Tensor:
     return torch.cat([states, states.new_zeros(missing, states.shape[1])])
 
 
-def _shards(root: Path) -> list[Path]:
-    return sorted(root.joinpath(SPLIT).glob("shard-*.safetensors"), key=_number)
+def shard_files(root: str | Path) -> list[Path]:
+    """The shards of the traffic store at ``root``, oldest first."""
+    return sorted(Path(root).joinpath(SPLIT).glob("shard-*.safetensors"), key=_number)
 
 
 def _number(path: Path) -> int:
