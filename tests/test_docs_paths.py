@@ -99,17 +99,19 @@ def _help(command: str) -> str:
     if command == "draftsmith-train":
         command = "train/eagle3.py"
     out = io.StringIO()
-    argv = sys.argv
+    argv, path = sys.argv, list(sys.path)
     sys.argv = [command, "--help"]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), contextlib.suppress(SystemExit):
             if command.endswith(".py"):
+                # `python bench/x.py` puts bench/ first on the path (its helpers import as top-level modules)
+                sys.path.insert(0, str((ROOT / command).parent))
                 runpy.run_path(str(ROOT / command), run_name="__main__")
             else:
                 module, function = SCRIPTS[command].split(":")
                 getattr(importlib.import_module(module), function)()
     finally:
-        sys.argv = argv
+        sys.argv, sys.path[:] = argv, path
     return out.getvalue()
 
 
