@@ -36,6 +36,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--objectives", default=DEFAULT, help="space-separated names or JSON mixes (no spaces)")
     args, overrides = parser.parse_known_args()
+    forward_kl = {"kl_div": 1.0}
+    try:
+        others = [m for m in (parse_objective(o, "--objectives") for o in args.objectives.split()) if m != forward_kl]
+    except ValueError as err:
+        parser.error(str(err))
     kind = yaml.safe_load(Path(args.recipe).read_text())["drafter"]["kind"]
     training = for_recipe(kind).training
     common = ["--data.regenerate.enabled", "false", "--data.limit", "64", "--drafter.features", "online"]
@@ -47,8 +52,6 @@ def main() -> None:
     with torch.no_grad():
         batch["aux"], batch["hidden"] = task.target_features(batch)
     precision = recipe.training.mixed_precision
-    others = [parse_objective(s) for s in args.objectives.split() if parse_objective(s) != {"kl_div": 1.0}]
-    forward_kl = {"kl_div": 1.0}
     runs = [("kl_div (first)", forward_kl), *((describe(m), m) for m in others), ("kl_div (again, last)", forward_kl)]
     seconds: dict[str, float] = {}
     for name, mix in runs:
