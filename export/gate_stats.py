@@ -5,7 +5,7 @@ Per draft position the evidence is two counts on each side: drafts that reached 
 drafts accepted at least that far. A position **fails** when the two acceptance rates differ by
 more than a practical margin *and* Fisher's exact test calls the difference clear
 (two-sided p < :data:`ALPHA`); it **passes** when the rates are within the margin, however many
-prompts were run, so bf16 rounding or the prompts' last steps never fail a good export on a long
+prompts were run, so bf16 rounding never fails a good export on a long
 run; a difference beyond the margin that the counts cannot confirm is **inconclusive**.
 
 The margin is relative at low rates (:data:`RELATIVE_MARGIN` of the larger rate) between a floor

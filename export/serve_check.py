@@ -123,12 +123,8 @@ def position_counts(
     accepted_per_step: list[list[int]], drafted_per_step: list[list[int]], depth: int
 ) -> tuple[list[int], list[int]]:
     """Per draft position, the drafts reaching that position and those accepted that far (as vLLM's
-    ``num_accepted_tokens_per_pos`` and ``num_drafts`` count them); ``accepted`` counts the target's bonus token.
-
-    draftsmith never drafts past ``max_new_tokens`` (a chain near the end is shorter), vLLM drafts
-    its full depth every step; so position p counts only the chains that reached it, or a
-    high-acceptance drafter would look worse here by its prompts' last steps.
-    """
+    ``num_accepted_tokens_per_pos`` and ``num_drafts`` count them); ``accepted`` counts the target's
+    bonus token. A chain shorter than ``depth`` counts at the positions it reached only."""
     hits, drafts = [0] * depth, [0] * depth
     for accepted, drafted in zip(accepted_per_step, drafted_per_step):
         for tokens, nodes in zip(accepted, drafted):
@@ -136,6 +132,18 @@ def position_counts(
                 drafts[position] += 1
                 hits[position] += tokens - 1 > position
     return hits, drafts
+
+
+def steps_started_before(accepted: list[int], limit: int) -> int:
+    """How many of a generation's steps began with fewer than ``limit`` new tokens out (the first
+    comes from the prompt's pass; step i adds ``accepted[i]``): the steps an engine capped at
+    ``limit`` new tokens runs."""
+    out = 1
+    for step, tokens in enumerate(accepted):
+        if out >= limit:
+            return step
+        out += tokens
+    return len(accepted)
 
 
 def _ours(target_folder: str, spec, prompts: list[list[int]], max_new_tokens: int, depth: int) -> dict:
@@ -152,11 +160,16 @@ def _ours(target_folder: str, spec, prompts: list[list[int]], max_new_tokens: in
     result = {"plain": [], "spec": [], "accepted": [], "drafted": [], "plain_s": 0.0, "spec_s": 0.0, "eos": sorted(eos)}
     for ids in prompts:
         base = plain.generate(ids, max_new_tokens)
-        gen = speculative.generate(ids, max_new_tokens)
+        # vLLM starts a step while fewer than max_new_tokens tokens are out and drafts its full depth
+        # even then (verifying past the limit, then cutting the output); our engine caps a draft at
+        # the budget. So we decode `depth` tokens further and count the steps vLLM would run: its
+        # last steps' drafts (all counted) alone moved a position's rate by the gate's margin.
+        gen = speculative.generate(ids, max_new_tokens + depth)
+        steps = steps_started_before(gen.accepted, max_new_tokens)
         result["plain"].append(base.tokens)
         result["spec"].append(gen.tokens)
-        result["accepted"].append(gen.accepted)
-        result["drafted"].append(gen.drafted)
+        result["accepted"].append(gen.accepted[:steps])
+        result["drafted"].append(gen.drafted[:steps])
         result["plain_s"] += base.prefill_seconds + base.decode_seconds
         result["spec_s"] += gen.prefill_seconds + gen.decode_seconds
     result["hits"], result["drafts"] = position_counts(result["accepted"], result["drafted"], depth)

@@ -37,11 +37,11 @@ def assert_gate_passed(code: int, result: dict, depth: int, first: float = 0.1) 
     assert result["positions"][0]["ours"] > first, result["positions"]
     for position in result["positions"]:
         assert position["verdict"] == "passed" and abs(position["vllm"] - position["ours"]) <= position["margin"]
-        # Counts, not just rates: vLLM drafts every position every step; we stop at max_new_tokens.
-        assert position["vllm_drafts"] >= position["ours_drafts"] > 0
+        # Counts, not just rates: both engines count the steps vLLM runs (its last ones draft past
+        # max_new_tokens, and so do ours in the gate).
+        assert position["vllm_drafts"] > 0 and position["ours_drafts"] > 0
         assert position["vllm"] == round(position["vllm_accepted"] / position["vllm_drafts"], 4)
         assert position["ours"] == round(position["ours_accepted"] / position["ours_drafts"], 4)
-    # (Acceptance lengths differ by the prompts' last steps: vLLM drafts past max_new_tokens, we do not.)
     assert result["vllm_acceptance_length"] > 1.1 and result["ours_acceptance_length"] > 1.1
     assert min(result["vllm_tok_s"], result["vllm_plain_tok_s"], result["ours_tok_s"], result["ours_plain_tok_s"]) > 0
 

@@ -77,3 +77,18 @@ def test_a_head_that_never_accepts_cannot_be_decided_by_more_prompts():
 )
 def test_margin_is_relative_between_floor_and_cap(rates, expected):
     assert margin(*rates) == pytest.approx(expected)
+
+
+def test_our_engine_counts_the_steps_vllm_runs():
+    """vLLM starts a step while fewer than max_new_tokens tokens are out and drafts its full depth on
+    it; the gate decodes further with our engine and counts those steps only (the first token comes
+    from the prompt's pass). Each step here accepts 3 tokens: out after the steps 1, 4, 7, 10, ..."""
+    from draftsmith.export.serve_check import position_counts, steps_started_before
+
+    assert steps_started_before([3] * 6, 8) == 3  # starts at 1, 4, 7; not at 10
+    assert steps_started_before([3] * 6, 7) == 2  # 7 tokens are out before the third: vLLM stops
+    assert steps_started_before([3] * 2, 100) == 2  # an EOS ended it first: every step counts
+    assert steps_started_before([], 5) == 0
+    # Those steps' chains are counted whole, at every position they drafted.
+    hits, drafts = position_counts([[3, 1, 4]], [[3, 3, 3]], 3)
+    assert drafts == [3, 3, 3] and hits == [2, 2, 1]  # 2 drafts accepted, then none, then 3
