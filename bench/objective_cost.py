@@ -20,10 +20,8 @@ from pathlib import Path
 
 import torch
 import yaml
-from train_step import first_batch, median_step_seconds
+from train_step import median_step_seconds, task_on_first_batch
 
-from draftsmith.kinds import for_recipe
-from draftsmith.train.cli import parse_training_args
 from draftsmith.train.objectives import describe, parse_objective
 
 DEFAULT = 'kl_div rkl jsd ce tv nla lk_hybrid {"ce":0.1,"tv":0.9} {"kl_div":0.5,"tv":0.5}'
@@ -42,15 +40,9 @@ def main() -> None:
     except ValueError as err:
         parser.error(str(err))
     kind = yaml.safe_load(Path(args.recipe).read_text())["drafter"]["kind"]
-    training = for_recipe(kind).training
-    common = ["--data.regenerate.enabled", "false", "--data.limit", "64", "--drafter.features", "online"]
-    recipe, _ = parse_training_args(training.recipe, [args.recipe, *common, "--tracking.report_to", "none", *overrides])
-    task, train_set, _ = training.build(recipe)
+    recipe, task, batch = task_on_first_batch(args.recipe, kind, overrides)
     if not hasattr(task, "loss_config"):
         parser.error(f"{args.recipe}: drafter.kind {kind!r} takes no token objective")
-    batch = first_batch(train_set, recipe.training.batch_size)
-    with torch.no_grad():
-        batch["aux"], batch["hidden"] = task.target_features(batch)
     precision = recipe.training.mixed_precision
     runs = [("kl_div (first)", forward_kl), *((describe(m), m) for m in others), ("kl_div (again, last)", forward_kl)]
     seconds: dict[str, float] = {}

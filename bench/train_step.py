@@ -1,5 +1,6 @@
-"""What the training-cost benches (``dflash_cost.py``, ``unroll_cost.py``) share: the first batch of
-a recipe's training set, and the median wall time of one optimiser step of a task's head on it."""
+"""What the training-cost benches (``dflash_cost.py``, ``unroll_cost.py``, ``objective_cost.py``) share:
+a recipe's task with the first batch of its training set (the target's features computed once), and
+the median wall time of one optimiser step of a task's head on it."""
 
 from __future__ import annotations
 
@@ -9,13 +10,29 @@ from contextlib import nullcontext
 import torch
 
 from draftsmith.data_prep.dataset import pad_batch
+from draftsmith.kinds import for_recipe
 from draftsmith.timing import clock
+from draftsmith.train.cli import parse_training_args
 
 
 def first_batch(train_set, batch_size: int) -> dict:
     """The first ``batch_size`` rows of ``train_set`` (their ``input_ids`` and ``loss_mask``), padded."""
     rows = [{key: torch.as_tensor(train_set[i][key]) for key in ("input_ids", "loss_mask")} for i in range(batch_size)]
     return pad_batch(rows)
+
+
+def task_on_first_batch(recipe_path: str, kind: str, overrides: list[str]) -> tuple:
+    """``(recipe, task, batch)``: the ``kind`` recipe at ``recipe_path`` (the data's own replies, 64
+    conversations, ``overrides`` last), its task, and the first batch of its training set with the
+    target's features computed once beforehand, as ``features: offline`` gives them."""
+    training = for_recipe(kind).training
+    common = ["--data.regenerate.enabled", "false", "--data.limit", "64", "--drafter.features", "online"]
+    recipe, _ = parse_training_args(training.recipe, [recipe_path, *common, "--tracking.report_to", "none", *overrides])
+    task, train_set, _ = training.build(recipe)
+    batch = first_batch(train_set, recipe.training.batch_size)
+    with torch.no_grad():
+        batch["aux"], batch["hidden"] = task.target_features(batch)
+    return recipe, task, batch
 
 
 def optimiser_step(task, precision: str, training: bool = True, lr: float = 1e-4):

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 import yaml
-from train_step import first_batch, median_step_seconds
+from train_step import median_step_seconds, task_on_first_batch
 
 from draftsmith.kinds import for_recipe
-from draftsmith.train.cli import parse_training_args
 from draftsmith.train.eagle3 import Eagle3Recipe
 
 PASSES = (1, 3, 7)
@@ -47,26 +46,7 @@ def main() -> None:
     training = for_recipe(kind).training
     if not issubclass(training.recipe, Eagle3Recipe):
         parser.error(f"{args.recipe}: drafter.kind {kind!r}: this bench times EAGLE-3 recipes and their kin")
-    recipe_class, build = training.recipe, training.build
-    recipe, _ = parse_training_args(
-        recipe_class,
-        [
-            args.recipe,
-            "--data.regenerate.enabled",
-            "false",
-            "--data.limit",
-            "64",
-            "--drafter.features",
-            "online",
-            "--tracking.report_to",
-            "none",
-            *overrides,
-        ],
-    )
-    task, train_set, _ = build(recipe)
-    batch = first_batch(train_set, recipe.training.batch_size)
-    with torch.no_grad():
-        batch["aux"], batch["hidden"] = task.target_features(batch)
+    recipe, task, batch = task_on_first_batch(args.recipe, kind, overrides)
     tokens = int(batch["attention_mask"].sum())
     result = {
         f"step_s_k{k}": step_seconds(task, batch, k, args.repeats, recipe.training.mixed_precision) for k in PASSES
