@@ -10,12 +10,15 @@
 #
 #   STEPS=40 OUT=runs/domino bash bench/domino_compare.sh
 #   MINUTES=4.5 OUT=runs/domino-minutes bash bench/domino_compare.sh
+#   MINUTES=4.5 REGENERATE=true LABELS=data OUT=runs/domino-data bash bench/domino_compare.sh
 #
 # Knobs: STEPS (optimiser steps per kind), MINUTES (minutes per kind instead of STEPS), LIMIT
 # (ShareGPT conversations), REGENERATE (true: the target rewrites the replies first, as the recipes
 # do; false: ShareGPT's own replies),
 # PER_CATEGORY and TOKENS (MT-bench prompts per category and new tokens), DTYPE (the runs' dtype:
-# auto measures this CPU). Each recipe keeps its own vocabulary: DFlash's 8192 most frequent reply
+# auto measures this CPU), LABELS (drafter.labels of both: target, the target's distribution, the
+# recipes'; data, the data's tokens, SpecForge's hard labels, meant for REGENERATE=true),
+# DFLASH_ARGS and DOMINO_ARGS (further overrides of one kind's training). Each recipe keeps its own vocabulary: DFlash's 8192 most frequent reply
 # tokens, Domino the full one (it scores with the target's LM head). One job at a time: on a
 # 2-core machine parallel jobs skew each other.
 set -euo pipefail
@@ -27,6 +30,9 @@ PER_CATEGORY=${PER_CATEGORY:-1}
 TOKENS=${TOKENS:-64}
 DTYPE=${DTYPE:-auto}
 MINUTES=${MINUTES:-}
+LABELS=${LABELS:-target}
+DFLASH_ARGS=${DFLASH_ARGS:-}
+DOMINO_ARGS=${DOMINO_ARGS:-}
 if [ -n "$MINUTES" ]; then
   # a step count no run reaches: the clock ends both
   BUDGET="--training.max_steps 1000000 --training.max_minutes $MINUTES"
@@ -35,11 +41,13 @@ else
   BUDGET="--training.max_steps $STEPS --training.max_minutes 600"
 fi
 COMMON="--target.dtype $DTYPE --data.limit $LIMIT --data.max_length 512 --data.held_out_fraction 0.05
-        --data.regenerate.enabled $REGENERATE --drafter.features offline --tracking.report_to none"
+        --data.regenerate.enabled $REGENERATE --drafter.features offline --drafter.labels $LABELS
+        --tracking.report_to none"
 mkdir -p "$OUT"
 for kind in dflash domino; do
+  if [ "$kind" = dflash ]; then EXTRA=$DFLASH_ARGS; else EXTRA=$DOMINO_ARGS; fi
   if [ ! -f "$OUT/$kind/checkpoint-final/config.json" ]; then
-    python "train/$kind.py" "recipes/smollm2-$kind.yaml" $COMMON $BUDGET \
+    python "train/$kind.py" "recipes/smollm2-$kind.yaml" $COMMON $BUDGET $EXTRA \
       --training.eval_every 0 --training.output_dir "$OUT/$kind" > "$OUT/train_$kind.log" 2>&1
   fi
 done

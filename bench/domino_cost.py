@@ -1,17 +1,22 @@
 """Cost of one Domino training step against one DFlash step, and where Domino's goes.
 
     OMP_NUM_THREADS=1 python bench/domino_cost.py --out DIR [--repeats 3] [--rounds 2] [--profile]
+        [--labels "target data"] [--key value ...]
 
 Both drafters from their ``smollm2-*`` recipes on the same first ``training.batch_size``
 conversations (ShareGPT's own replies, regeneration off, 512 tokens), the target's features
-computed once beforehand, fp32, the same held-out anchors every step. The two kinds' steps are
-timed in alternation (``--rounds`` rounds of ``--repeats`` optimiser steps each, loss + backward +
-AdamW, the median after one warm-up) so a shared machine's load falls on both alike; the ratio is
-Domino's median over DFlash's. ``--profile`` also writes one step of each under torch.profiler
-(CPU, two steps after two that warm up): the top operators by self time, ``DIR/profile_<kind>.txt``.
+computed once beforehand, fp32 unless ``--target.dtype`` says otherwise (the recipe's mixed
+precision follows it), the same held-out anchors every step. ``--labels`` times each kind under
+each ``drafter.labels`` given (``target``: the target's distribution, the recipes'; ``data``: the
+data's tokens, SpecForge's hard labels). The steps are timed in alternation (``--rounds`` rounds of
+``--repeats`` optimiser steps each, loss + backward + AdamW, the median after one warm-up) so a
+shared machine's load falls on all alike; each ratio is a median over DFlash's under the first
+``--labels``. ``--profile`` also writes one step of each under torch.profiler (CPU, two steps after
+two that warm up): the top operators by self time, ``DIR/profile_<name>.txt``. Further ``--key
+value`` pairs override both recipes.
 
-Writes ``DIR/domino_cost.json``: per kind the step medians of each round and their median, and
-``ratio``.
+Writes ``DIR/domino_cost.json``: per kind and labels the step medians of each round and their
+median, and ``ratio``.
 """
 
 from __future__ import annotations
@@ -22,38 +27,18 @@ import statistics
 from pathlib import Path
 
 import torch
-from train_step import first_batch, median_step_seconds
+from train_step import median_step_seconds, task_on_first_batch
 
-from draftsmith.train.cli import parse_training_args
-from draftsmith.train.dflash import DFlashRecipe
-from draftsmith.train.dflash import build as build_dflash
-from draftsmith.train.domino import DominoRecipe
-from draftsmith.train.domino import build as build_domino
-
-KINDS = {"dflash": (DFlashRecipe, build_dflash), "domino": (DominoRecipe, build_domino)}
-OVERRIDES = [
-    "--data.regenerate.enabled", "false", "--data.limit", "64", "--data.max_length", "512",
-    "--target.dtype", "float32", "--drafter.features", "online", "--tracking.report_to", "none",
-]  # fmt: skip
+KINDS = ("dflash", "domino")
+OVERRIDES = ["--data.max_length", "512", "--target.dtype", "float32"]
 
 
-def task_and_batch(kind: str) -> tuple:
-    """The ``kind`` recipe's task and its first batch, with the target's features attached."""
-    recipe_class, build = KINDS[kind]
-    recipe, _ = parse_training_args(recipe_class, [f"recipes/smollm2-{kind}.yaml", *OVERRIDES])
-    task, train_set, _ = build(recipe)
-    batch = first_batch(train_set, recipe.training.batch_size)
-    with torch.no_grad():
-        batch["aux"], batch["hidden"] = task.target_features(batch)
-    return task, batch
-
-
-def profile_step(task, batch: dict, path: Path) -> None:
+def profile_step(task, batch: dict, precision: str, path: Path) -> None:
     """Two optimiser steps (after as many that warm up) under torch.profiler: the operators by self
     CPU time into ``path``."""
-    median_step_seconds(task, batch, 1, "no", training=False)
+    median_step_seconds(task, batch, 1, precision, training=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        median_step_seconds(task, batch, 1, "no", training=False)
+        median_step_seconds(task, batch, 1, precision, training=False)
     path.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
 
 
@@ -63,20 +48,36 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--labels", default="target", help="space-separated drafter.labels values to time")
+    args, overrides = parser.parse_known_args()
+    labels = args.labels.split()
+    if not labels or not set(labels) <= {"target", "data"}:
+        parser.error(f"--labels {args.labels!r}: give target, data or both")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tasks = {kind: task_and_batch(kind) for kind in KINDS}
+    tasks = {}
+    for label in labels:
+        for kind in KINDS:
+            name = kind if len(labels) == 1 else f"{kind} ({label})"
+            recipe, task, batch = task_on_first_batch(
+                f"recipes/smollm2-{kind}.yaml", kind, [*OVERRIDES, "--drafter.labels", label, *overrides]
+            )
+            tasks[name] = task, batch, recipe.training.mixed_precision
     if args.profile:
-        for kind, (task, batch) in tasks.items():
-            profile_step(task, batch, out / f"profile_{kind}.txt")
-    rounds = {kind: [] for kind in KINDS}
+        for name, (task, batch, precision) in tasks.items():
+            profile_step(task, batch, precision, out / f"profile_{name.replace(' (', '_').rstrip(')')}.txt")
+    rounds = {name: [] for name in tasks}
     for _ in range(args.rounds):
-        for kind, (task, batch) in tasks.items():
+        for name, (task, batch, precision) in tasks.items():
             # training=False draws the same anchors every step: each round times the same work.
-            rounds[kind].append(median_step_seconds(task, batch, args.repeats, "no", training=False))
-    report = {kind: {"step_s_rounds": rounds[kind], "step_s": statistics.median(rounds[kind])} for kind in KINDS}
-    report["ratio"] = report["domino"]["step_s"] / report["dflash"]["step_s"]
+            rounds[name].append(median_step_seconds(task, batch, args.repeats, precision, training=False))
+    report = {name: {"step_s_rounds": r, "step_s": statistics.median(r)} for name, r in rounds.items()}
+    base = report[next(iter(tasks))]["step_s"]
+    for name in tasks:
+        report[name]["ratio"] = report[name]["step_s"] / base
+    report["ratio"] = report[list(tasks)[1]]["step_s"] / base  # Domino over DFlash, the first labels
+    report["precision"] = {name: precision for name, (_, _, precision) in tasks.items()}
+    report["overrides"] = overrides
     report["threads"] = torch.get_num_threads()
     (out / "domino_cost.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from stats_helpers import SAMPLES, assert_distributed_as_target
-from training_helpers import save_tiny_target, tiny_training_recipe, write_recipe
+from training_helpers import greedy_rows, save_tiny_target, tiny_training_recipe, write_recipe
 from transformers import DynamicCache
 
 from draftsmith.config import RecipeError
@@ -147,6 +147,58 @@ def test_a_training_step_is_unchanged_by_block_sparse_attention(make_tiny_llama)
     for name in grads:
         torch.testing.assert_close(grads[name], dense_grads[name], atol=1e-6, rtol=1e-4, msg=name)
     assert head.config._attn_implementation == "sdpa"  # the drafting pass's attention is left as it was
+
+
+def test_data_labels_on_greedy_data_train_as_ce_on_the_targets_argmax(make_tiny_llama):
+    """``labels: data`` on the target's own greedy replies gives the loss, metrics and gradients of
+    ``labels: target`` with ``objective: ce`` (the same token ids, read from the data instead of the
+    target's LM head), over a reduced draft vocabulary that drops some labels (every metric but
+    ``ce_loss``, which ``labels: target`` takes against the distribution). Negative control: on
+    data that is not the target's greedy output the two differ."""
+    from types import SimpleNamespace
+
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = _head(target, mask=47, block=3, draft_vocab=[0, 1, 2, 3, 5, 8, 13, 21, 34, 40, 47]).train()
+    greedy = greedy_rows(target, [[3, 9, 4, 17], [6, 11, 2, 30]], 40)
+    noisy = torch.randint(2, 47, greedy.shape, generator=torch.Generator().manual_seed(4))
+    loss_mask = (torch.arange(40) >= 4).long().expand(2, -1)
+
+    def step(labels: str, ids: torch.Tensor):
+        cfg = DFlashDrafterConfig(
+            aux_layers=[0, 1, 2], block_size=3, anchors_per_sequence=9, labels=labels, objective="ce"
+        )
+        task = DFlashTask(SimpleNamespace(drafter=cfg), target, head)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+        head.zero_grad()
+        loss, metrics = task.loss(head, batch, training=False)  # held-out anchors: the same blocks each call
+        loss.backward()
+        return loss.detach(), metrics, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+    (loss, metrics, grads), (want, want_metrics, want_grads) = step("data", greedy), step("target", greedy)
+    inside = torch.isin(greedy[:, 4:], head.draft_vocab)
+    assert metrics["tokens"] > 20 and loss > 0 and 0 < inside.float().mean() < 1  # some labels are dropped
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+    assert metrics.keys() == want_metrics.keys()
+    for key in metrics.keys() - {"ce_loss"}:  # under labels: target, against the target's distribution
+        assert metrics[key] == pytest.approx(want_metrics[key], rel=1e-5, abs=1e-5), key
+    assert 0 < metrics["ce_loss"] < want_metrics["ce_loss"]  # dropped labels score nothing
+    for name in want_grads:
+        torch.testing.assert_close(grads[name], want_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert abs(float(step("data", noisy)[0] - step("target", noisy)[0])) > 1e-2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"objective": "tv"}, "drafter.objective tv needs the target's distribution"),
+        ({"confidence_head": True}, "drafter.confidence_head learns"),
+        ({"out_of_vocab_targets": "renormalise"}, "drafter.out_of_vocab_targets: renormalise"),
+    ],
+)
+def test_data_labels_refuse_what_needs_the_targets_distribution(override, message):
+    with pytest.raises(ValueError, match=message):
+        DFlashDrafterConfig(labels="data", **override).validate()
+    DFlashDrafterConfig(labels="target", **override).validate()
 
 
 def test_the_drafter_proposes_what_the_training_pass_scores(make_tiny_llama):

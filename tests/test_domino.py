@@ -16,7 +16,7 @@ import pytest
 import torch
 from cli_helpers import user_error
 from stats_helpers import SAMPLES, assert_distributed_as_target
-from training_helpers import save_tiny_target, write_recipe
+from training_helpers import greedy_rows, save_tiny_target, write_recipe
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from draftsmith.errors import CheckpointError, UsageError
@@ -210,6 +210,38 @@ def test_training_steps_lower_the_loss_on_a_fixed_batch(tmp_path):
     assert torch.equal(head.lm_head.weight, lm_head)
 
 
+def test_data_labels_on_greedy_data_train_the_mixed_loss_as_ce_on_the_targets_argmax(make_tiny_llama):
+    """With ``labels: data`` on the target's greedy replies, Domino's mixed loss (lambda 0.4: the
+    corrected and backbone logits) and its gradients are ``labels: target`` under ``objective: ce``'s,
+    without the target's LM head; on other data they differ (negative control)."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=4, seed=3, scale=10.0)
+    head = _head(target, mask=47, block=4).train()
+    greedy = greedy_rows(target, [[3, 9, 4, 17], [6, 11, 2, 30]], 36)
+    noisy = torch.randint(2, 47, greedy.shape, generator=torch.Generator().manual_seed(4))
+    loss_mask = (torch.arange(36) >= 4).long().expand(2, -1)
+
+    def step(labels: str, ids: torch.Tensor):
+        drafter = DominoDrafterConfig(
+            aux_layers=[1, 2, 3], block_size=4, anchors_per_sequence=8, labels=labels, objective="ce"
+        )
+        task = DominoTask(DominoRecipe(drafter=drafter), target, head)
+        task.on_progress(0.6)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+        head.zero_grad()
+        loss, metrics = task.loss(head, batch, training=False)
+        loss.backward()
+        return loss.detach(), metrics, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+    (loss, metrics, grads), (want, want_metrics, want_grads) = step("data", greedy), step("target", greedy)
+    assert base_loss_weight(0.6, 1.0, 1.0) == pytest.approx(0.4) and metrics["tokens"] > 20
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+    assert metrics["top1@2"] == want_metrics["top1@2"] and metrics["tokens"] == want_metrics["tokens"]
+    assert grads.keys() == want_grads.keys() and "embed_proj.2.weight" in grads
+    for name in want_grads:
+        torch.testing.assert_close(grads[name], want_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert abs(float(step("data", noisy)[0] - step("target", noisy)[0])) > 1e-2
+
+
 @pytest.fixture(scope="module")
 def domino_run(tmp_path_factory):
     """A tiny Domino drafter trained 8 steps through draftsmith-train's path (the recipe, the trainer
@@ -254,6 +286,8 @@ def test_a_recipe_run_trains_the_correction_with_the_target_lm_head(domino_run):
         (["--drafter.pure_draft_prefix_len", "4"], "drafter.pure_draft_prefix_len"),
         (["--drafter.base_loss_decay", "0"], "drafter.base_loss_decay"),
         (["--drafter.confidence_head", "true"], "drafter.learn_mask_embedding / confidence_head"),
+        (["--drafter.labels", "data", "--drafter.objective", "rkl"], "drafter.objective rkl needs the target's"),
+        (["--drafter.labels", "soft"], "drafter.labels"),
     ],
 )
 def test_a_recipe_out_of_range_is_one_line_before_any_model_loads(domino_run, capsys, override, field):

@@ -260,6 +260,48 @@ def test_the_fused_mixed_loss_equals_the_two_token_losses_composed(monkeypatch, 
     assert (other - results[1][0]).abs().max() > 1e-3
 
 
+def test_hard_labels_are_the_cross_entropy_on_those_tokens_in_value_and_gradient(monkeypatch):
+    """Coefficients given as token ids (-1: no loss), in chunks of 3 rows, are
+    ``F.cross_entropy(..., ignore_index=-1)`` per row and the dense one-hot rows' soft
+    cross-entropy, in value, log-normaliser and gradient; alone and in Domino's fused mix. Negative
+    control: one label moved gives another loss on that row only."""
+    monkeypatch.setattr(objectives, "PASS_ELEMENTS", 3 * 40)
+    base, addend = _random(11, 40, seed=11)
+    labels = torch.randint(0, 40, (11,), generator=torch.Generator().manual_seed(12))
+    labels[[2, 7]] = -1
+    onehot = torch.zeros(11, 40).scatter_(-1, labels.clamp(min=0)[:, None], 1.0) * (labels >= 0)[:, None]
+    scale = torch.linspace(0.5, 2.0, 11)
+
+    def run(fn, coeff):
+        z = base.clone().requires_grad_()
+        loss, lse = fn(z, coeff)
+        (loss * scale).sum().backward()
+        return loss.detach(), lse, z.grad
+
+    hard = run(soft_target_cross_entropy, labels)
+    want = torch.nn.functional.cross_entropy(base, labels, ignore_index=-1, reduction="none")
+    torch.testing.assert_close(hard[0], want)
+    for got, want in zip(hard, run(soft_target_cross_entropy, onehot)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert hard[2][[2, 7]].abs().max() == 0 and hard[0][[2, 7]].abs().max() == 0
+    moved = labels.clone()
+    moved[4] = (moved[4] + 1) % 40
+    changed = (soft_target_cross_entropy(base, moved)[0] - hard[0]).abs() > 1e-4
+    assert changed.tolist() == [row == 4 for row in range(11)]
+
+    switch = torch.tensor([False, True, True, False, True, True, True, True, False, True, True])
+    mixed = []
+    for coeff in (labels, onehot):
+        b, x = base.clone().requires_grad_(), addend.clone().requires_grad_()
+        loss, lse, logits = mixed_token_loss(b, x, switch, coeff, None, {"kl_div": 1.0}, 1.0, 0.4)
+        (loss * scale).sum().backward()
+        mixed.append((loss.detach(), lse, logits.detach(), b.grad, x.grad))
+    for got, want in zip(*mixed):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert row_dot(labels, base)[[2, 7]].abs().max() == 0
+    torch.testing.assert_close(row_dot(labels, base), row_dot(onehot, base))
+
+
 def test_the_unrolled_loss_scores_each_pass_with_the_recipes_objective(make_tiny_llama):
     """EAGLE-1/3, HASS and P-EAGLE's loss: ``ce_weight`` x the objective per scored row, each
     pass's mean weighted ``decay ** j``; HASS's top-K term is still added; forward KL is today's loss."""
@@ -320,6 +362,17 @@ def tiny_target_folder(tmp_path_factory):
                 "anchors_per_sequence": 16,
                 "draft_vocab_size": 512,
                 "objective": {"ce": 0.1, "tv": 0.9},
+            },
+        ),
+        (
+            "domino",
+            {
+                "aux_layers": [0, 1, 2],
+                "num_layers": 1,
+                "block_size": 4,
+                "anchors_per_sequence": 16,
+                "labels": "data",
+                "objective": "ce",
             },
         ),
         ("eagle", {"objective": "tv", "ce_weight": 1.0, "regression_weight": 0.0}),

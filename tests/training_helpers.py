@@ -67,6 +67,19 @@ def save_tiny_targets(root: Path, **variants: dict) -> dict[str, Path]:
 REPO = Path(__file__).resolve().parents[1]
 
 
+def greedy_rows(target, prompts: list[list[int]], length: int) -> torch.Tensor:
+    """Rows of ``length`` tokens: each prompt and the target's greedy continuation, one full forward a
+    token (regenerated data as the training pass recomputes it, with no cache to round differently)."""
+    rows = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            while len(ids) < length:
+                ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+            rows.append(ids)
+    return torch.tensor(rows)
+
+
 def launch(
     script: str, recipe: Path, out: Path, *extra: str, cpu: bool, timeout: int = 400
 ) -> subprocess.CompletedProcess:

@@ -13,8 +13,10 @@ its cost and memory, do not grow with the conversations it holds.
 Slot k is scored against the target's distribution (over the draft vocabulary) for token a + k,
 where that token is supervised, weighted ``exp(-(k - 1) / decay_gamma)`` (DFlash) or by D-PACE
 (``weighting: dpace``: the chance the block's earlier slots were all accepted, from each slot's
-detached probability of the target's token). Data, regenerated replies, the draft vocabulary, online or offline
-features and the out-of-vocabulary mask are EAGLE-3's (:mod:`draftsmith.train.fused`).
+detached probability of the target's token). With ``drafter.labels: data`` slot k learns the
+data's token a + k instead, by cross-entropy, as SpecForge trains the DFlash family. Data,
+regenerated replies, the draft vocabulary, online or offline features and the out-of-vocabulary
+mask are EAGLE-3's (:mod:`draftsmith.train.fused`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from draftsmith.heads.vocab import mask_token_for
 from draftsmith.recipe import DRAFT_VOCAB, DataConfig, DrafterConfig, Recipe
 from draftsmith.train.cli import entry_point
 from draftsmith.train.fused import build_task, fused_target_features, regenerated_data
-from draftsmith.train.objectives import parse_objective, row_dot, token_loss
+from draftsmith.train.objectives import SOFT, describe, parse_objective, row_dot, token_loss
 from draftsmith.train.unroll import (
     UnrollLoss,
     attention_implementation,
@@ -77,6 +79,11 @@ class DFlashDrafterConfig(DrafterConfig):
     # 44-46% more steps and was level with speculators' trainer where trained was behind (BENCHMARKS.md).
     train_lm_head: bool = False
     objective: str | dict[str, float] = "kl_div"  # kl_div, rkl, jsd, ce, tv, nla, lk_hybrid or a mix {ce: 0.1, tv: 0.9}
+    # What each slot learns: the target's distribution at its position (speculators'), or the data's
+    # own next token, a hard label (SpecForge's DFlash, Domino and DSpark; meant for regenerated
+    # data, where it is the target's greedy token): no target LM head, softmax or [slots, vocab]
+    # distribution per step, and the objective is the cross-entropy (kl_div or ce).
+    labels: Literal["target", "data"] = "target"
     features: Literal["online", "offline", "served"] = "online"  # target features: per step, on disk first, or served
     features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
     # A per-position acceptance predictor (the engine's cut=priced/threshold), trained with the
@@ -89,7 +96,25 @@ class DFlashDrafterConfig(DrafterConfig):
     confidence_for: str | None = None
 
     def validate(self) -> None:
-        parse_objective(self.objective)
+        mix = parse_objective(self.objective)
+        if self.labels == "data":
+            if not set(mix) <= set(SOFT):
+                raise ValueError(
+                    f"drafter.objective {describe(mix)} needs the target's distribution; with drafter.labels: data "
+                    "each slot has one token to learn, whose kl_div and ce are its cross-entropy: set "
+                    "drafter.objective: ce, or drafter.labels: target"
+                )
+            if self.confidence_head:
+                raise ValueError(
+                    "drafter.confidence_head learns each slot's acceptance rate against the target's distribution, "
+                    "which drafter.labels: data does not compute: set drafter.labels: target, or confidence_head: false"
+                )
+            if self.out_of_vocab_targets == "renormalise":
+                raise ValueError(
+                    "drafter.out_of_vocab_targets: renormalise spreads the target's distribution over the draft "
+                    "vocabulary; a data label outside it has none to spread: set it to mask "
+                    "(labels: data drops those slots)"
+                )
         if self.confidence_for is not None and not self.confidence_head:
             raise ValueError("drafter.confidence_for trains a confidence head: set drafter.confidence_head: true")
 
@@ -253,6 +278,8 @@ class DFlashTask:
             mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask", objective=parse_objective(self.cfg.objective)
         )
         self.block_sparse = True  # False: dense SDPA under block_attention's mask (the reference; bench/dflash_cost.py)
+        # Under hard labels kl_div and ce are both the cross-entropy: a mix weighs it by their sum.
+        self.label_weight = sum(self.loss_config.objective.values())
 
     head_class = DFlashHead
 
@@ -384,7 +411,7 @@ class DFlashTask:
                 context_positions=context_positions,
             ).view(batch_size, count, block, -1)
         # The scored slots (1.. for DFlash, 0.. for DSpark) draft depths 1..S: the token at `labels`,
-        # scored with the target's distribution at labels - 1.
+        # scored with the target's distribution at labels - 1 (labels: data, against that token).
         labels = positions[:, :, 1 - shift :] + shift
         inside = labels < length
         clamped = labels.clamp(max=length - 1)
@@ -395,14 +422,22 @@ class DFlashTask:
             & (padding.gather(1, clamped.flatten(1)).view_as(labels) == padding.gather(1, anchors)[:, :, None])
         )
         with torch.no_grad():
-            source = (clamped - 1)[supervised]
-            rows = torch.arange(batch_size, device=ids.device)[:, None, None].expand_as(labels)[supervised]
-            target_probs, best, coeff, kept = target_terms(
-                model, last[rows, source].to(hidden.dtype), self.loss_config, training
-            )
-            draft_ids = model.to_draft_ids(best)
+            if self.cfg.labels == "data":
+                best = ids.gather(1, clamped.flatten(1)).view_as(labels)[supervised]
+                draft_ids = model.to_draft_ids(best)
+                # the hard labels in the draft vocabulary; -1 (outside it) scores nothing
+                target_probs, coeff, kept = None, draft_ids, draft_ids >= 0
+            else:
+                source = (clamped - 1)[supervised]
+                rows = torch.arange(batch_size, device=ids.device)[:, None, None].expand_as(labels)[supervised]
+                target_probs, best, coeff, kept = target_terms(
+                    model, last[rows, source].to(hidden.dtype), self.loss_config, training
+                )
+                draft_ids = model.to_draft_ids(best)
         previous = ids.gather(1, (clamped - 1).flatten(1)).view_as(labels)
         ce, lse, logits, confidence = self.token_terms(head, hidden, previous, supervised, coeff, target_probs, kept)
+        if self.cfg.labels == "data":
+            ce = ce * self.label_weight
         with torch.no_grad():
             # D-PACE's per-slot acceptance: the draft's probability of the target's token (0 where
             # the draft vocabulary lacks it), not exp(-soft cross-entropy), which entropy caps.
@@ -417,10 +452,11 @@ class DFlashTask:
             depth = (offsets[:depths] + 1).expand_as(labels)[supervised]
             # max's indices, the first maximum as argmax's: argmax over 49,152-token rows took twice as long
             hits = model.draft_vocab[logits.max(-1).indices] == best
-            sums = {
-                "tokens": supervised.sum(),
-                "ce_loss": (lse - row_dot(target_probs, logits)).sum(),
-            }
+            if target_probs is None:  # the hard labels' cross-entropy, where they lie in the draft vocabulary
+                ce_rows = (lse - row_dot(coeff, logits)) * kept
+            else:
+                ce_rows = lse - row_dot(target_probs, logits)
+            sums = {"tokens": supervised.sum(), "ce_loss": ce_rows.sum()}
             for d in range(1, depths + 1):
                 at = depth == d
                 sums[f"top1@{d}"] = (hits & at).sum()

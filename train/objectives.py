@@ -23,6 +23,10 @@ means:
 fused path that never writes ``log q``; the other terms are scored by :func:`objective_rows`, in
 chunks of rows under activation checkpointing: a term's fp32 intermediates exist for one chunk at
 a time, never as full ``[tokens, vocab]`` copies per term, and are recomputed in the backward pass.
+
+The same fused path takes hard labels (token ids, :func:`is_labels`) in place of ``c``: the
+cross-entropy on the data's own next tokens, as SpecForge trains the DFlash family
+(``drafter.labels: data``), where no target distribution exists to write out.
 """
 
 from __future__ import annotations
@@ -181,9 +185,23 @@ def _lse_and_dot(logits: torch.Tensor, coeff: torch.Tensor) -> tuple[torch.Tenso
     return lse, dot
 
 
+def is_labels(coeff: torch.Tensor) -> bool:
+    """Whether loss coefficients ``coeff`` are hard labels: ``[rows]`` token ids (-1: no loss), the
+    one-hot rows ``c`` stored by index, never written out over the vocabulary."""
+    return not coeff.is_floating_point()
+
+
+def coefficient_sum(coeff: torch.Tensor) -> torch.Tensor:
+    """``s = sum_i c_i`` per row, fp32 (1 per hard label, 0 where it is -1)."""
+    return (coeff >= 0).float() if is_labels(coeff) else coeff.sum(-1)
+
+
 def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fp32 ``a . b`` per row of two ``[rows, V]`` tensors, a cache-sized chunk of rows at a time (a
-    batched ``bmm`` of the whole rows took about 3x as long over a 49,152-token vocabulary)."""
+    batched ``bmm`` of the whole rows took about 3x as long over a 49,152-token vocabulary); ``a``
+    may be hard labels (:func:`is_labels`): ``b``'s entry at each label, 0 where it is -1."""
+    if is_labels(a):
+        return torch.where(a >= 0, b.gather(-1, a.clamp(min=0)[:, None])[:, 0].float(), 0.0)
     dot = a.new_empty(a.shape[0], dtype=torch.float32)
     for rows in _row_slices(*a.shape):
         dot[rows] = (a[rows].float() * b[rows].float()).sum(-1)
@@ -196,7 +214,10 @@ def _soft_grad(
     """``out`` (fp32, the shape of ``z``) set to ``scale (s softmax(z) - c)`` for rows of ``z`` with
     log-normaliser ``lse`` and ``s = sum_i c_i``: the soft cross-entropy's gradient times
     ``scale``, one per row. Written in place: a copy per chunk cost as much as the arithmetic."""
-    torch.sub(z.float(), lse[:, None], out=out).exp_().mul_((coeff.sum(-1) * scale)[:, None])
+    total = coefficient_sum(coeff)
+    torch.sub(z.float(), lse[:, None], out=out).exp_().mul_((total * scale)[:, None])
+    if is_labels(coeff):
+        return out.scatter_add_(-1, coeff.clamp(min=0)[:, None], -(total * scale)[:, None])
     return out.addcmul_(coeff, scale[:, None], value=-1.0)
 
 
@@ -213,7 +234,7 @@ class _SoftTargetCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, coeff: torch.Tensor):
         with torch.autocast(logits.device.type, enabled=False):
             lse, dot = _lse_and_dot(logits, coeff)
-            loss = coeff.sum(-1) * lse - dot
+            loss = coefficient_sum(coeff) * lse - dot
         ctx.save_for_backward(logits, coeff, lse)
         ctx.mark_non_differentiable(lse)
         return loss, lse
@@ -231,7 +252,8 @@ class _SoftTargetCrossEntropy(torch.autograd.Function):
 def soft_target_cross_entropy(logits: torch.Tensor, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, lse)`` per row of ``logits`` ``[rows, V]``: ``-sum_i coeff_i log softmax(logits)_i``
     (``coeff`` ``[rows, V]`` fp32: a distribution for soft cross-entropy, any non-negative weights
-    for sums of such terms) and the rows' fp32 log-sum-exp (no gradient)."""
+    for sums of such terms; or hard labels ``[rows]``, :func:`is_labels`: the cross-entropy on
+    those token ids) and the rows' fp32 log-sum-exp (no gradient)."""
     return _SoftTargetCrossEntropy.apply(logits, coeff)
 
 
@@ -250,7 +272,7 @@ class _MixedSoftTargetCrossEntropy(torch.autograd.Function):
             for rows in _row_slices(*base.shape):
                 torch.addcmul(base[rows], addend[rows], switch[rows, None], out=logits[rows])
             lse, dot = _lse_and_dot(logits, coeff)
-            total = coeff.sum(-1)
+            total = coefficient_sum(coeff)
             loss = total * lse - dot
             base_lse = lse
             if weight > 0:
