@@ -16,11 +16,11 @@
 # (ShareGPT conversations), REGENERATE (true: the target rewrites the replies first, as the recipes
 # do; false: ShareGPT's own replies),
 # PER_CATEGORY and TOKENS (MT-bench prompts per category and new tokens), DTYPE (the runs' dtype:
-# auto measures this CPU), LABELS (drafter.labels of both: target, the target's distribution, the
-# recipes'; data, the data's tokens, SpecForge's hard labels, meant for REGENERATE=true),
-# DFLASH_ARGS and DOMINO_ARGS (further overrides of one kind's training). Each recipe keeps its own vocabulary: DFlash's 8192 most frequent reply
-# tokens, Domino the full one (it scores with the target's LM head). One job at a time: on a
-# 2-core machine parallel jobs skew each other.
+# auto measures this CPU), LABELS (drafter.labels of both: auto, the recipes', is data with
+# REGENERATE=true and target without; target, the target's distribution; data, the data's tokens),
+# DFLASH_ARGS and DOMINO_ARGS (further overrides of one kind's training). Each recipe keeps its own
+# vocabulary: DFlash's 8192 most frequent reply tokens, Domino the full one (it scores with the
+# target's LM head). One job at a time: on a 2-core machine parallel jobs skew each other.
 set -euo pipefail
 STEPS=${STEPS:-40}
 OUT=${OUT:-runs/domino}
@@ -30,7 +30,7 @@ PER_CATEGORY=${PER_CATEGORY:-1}
 TOKENS=${TOKENS:-64}
 DTYPE=${DTYPE:-auto}
 MINUTES=${MINUTES:-}
-LABELS=${LABELS:-target}
+LABELS=${LABELS:-auto}
 DFLASH_ARGS=${DFLASH_ARGS:-}
 DOMINO_ARGS=${DOMINO_ARGS:-}
 if [ -n "$MINUTES" ]; then

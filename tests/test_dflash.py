@@ -201,6 +201,30 @@ def test_data_labels_refuse_what_needs_the_targets_distribution(override, messag
     DFlashDrafterConfig(labels="target", **override).validate()
 
 
+@pytest.mark.parametrize(
+    "drafter, regenerate, chosen",
+    [
+        ({}, True, "data"),
+        ({"objective": {"kl_div": 0.5, "ce": 0.5}}, True, "data"),
+        ({}, False, "target"),
+        ({"objective": "lk_hybrid"}, True, "target"),
+        ({"confidence_head": True}, True, "target"),
+        ({"labels": "target"}, True, "target"),
+        ({"labels": "data"}, False, "data"),
+    ],
+)
+def test_auto_labels_are_the_data_only_where_the_target_wrote_it(drafter, regenerate, chosen, capsys):
+    from draftsmith.recipe import DataConfig
+    from draftsmith.train.dflash import resolve_labels
+    from draftsmith.train.fused import regenerated_data
+
+    data = regenerated_data() if regenerate else DataConfig()
+    assert data.regenerate.enabled is regenerate
+    assert resolve_labels(DFlashDrafterConfig(**drafter), data) == chosen
+    said = capsys.readouterr().out
+    assert said.startswith(f"drafter.labels auto -> {chosen}: ") if "labels" not in drafter else said == ""
+
+
 def test_the_drafter_proposes_what_the_training_pass_scores(make_tiny_llama):
     """Through the engine's protocol (begin with the prompt's features, propose after the root),
     the drafter's greedy chain of K tokens is the argmax at every slot of the anchor's block
@@ -504,6 +528,9 @@ def test_vllm_serves_a_learned_mask_row_from_the_export(tmp_path):
         "draft_vocab_size": 2048,
         "mask_token_id": 16,
         "learn_mask_embedding": True,
+        # the control below (no learned row: vLLM accepts nothing) was measured on this head; a head
+        # trained on the data's tokens (auto, on regenerated data) still drafts some right without it
+        "labels": "target",
     }
     recipe = write_recipe(
         tmp_path,

@@ -82,8 +82,10 @@ class DFlashDrafterConfig(DrafterConfig):
     # What each slot learns: the target's distribution at its position (speculators'), or the data's
     # own next token, a hard label (SpecForge's DFlash, Domino and DSpark; meant for regenerated
     # data, where it is the target's greedy token): no target LM head, softmax or [slots, vocab]
-    # distribution per step, and the objective is the cross-entropy (kl_div or ce).
-    labels: Literal["target", "data"] = "target"
+    # distribution per step, and the objective is the cross-entropy (kl_div or ce). auto: data where
+    # the target regenerates the replies (data.regenerate.enabled) and nothing needs the target's
+    # distribution (the objective, a confidence head), else target.
+    labels: Literal["auto", "target", "data"] = "auto"
     features: Literal["online", "offline", "served"] = "online"  # target features: per step, on disk first, or served
     features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
     # A per-position acceptance predictor (the engine's cut=priced/threshold), trained with the
@@ -123,6 +125,24 @@ class DFlashDrafterConfig(DrafterConfig):
 class DFlashRecipe(Recipe):
     data: DataConfig = field(default_factory=regenerated_data)
     drafter: DFlashDrafterConfig = field(default_factory=DFlashDrafterConfig)
+
+
+def resolve_labels(cfg: DFlashDrafterConfig, data: DataConfig | None) -> str:
+    """``cfg.labels``, with ``auto`` resolved (and said on stdout, as ``dtype: auto`` is): ``data``
+    where the target regenerates the replies, so the data's tokens are its own choices, and nothing
+    in the recipe needs its distribution; else ``target``."""
+    if cfg.labels != "auto":
+        return cfg.labels
+    if data is None or not data.regenerate.enabled:
+        chosen, why = "target", "the replies are not the target's own (data.regenerate.enabled: false)"
+    elif not set(parse_objective(cfg.objective)) <= set(SOFT):
+        chosen, why = "target", f"drafter.objective {describe(parse_objective(cfg.objective))} needs its distribution"
+    elif cfg.confidence_head or cfg.out_of_vocab_targets == "renormalise":
+        chosen, why = "target", "the confidence head / out_of_vocab_targets: renormalise needs its distribution"
+    else:
+        chosen, why = "data", "the target regenerates the replies: each slot learns its token there by cross-entropy"
+    print(f"drafter.labels auto -> {chosen}: {why}")
+    return chosen
 
 
 def sample_anchors(
@@ -277,6 +297,7 @@ class DFlashTask:
         self.loss_config = UnrollLoss(
             mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask", objective=parse_objective(self.cfg.objective)
         )
+        self.labels = resolve_labels(self.cfg, getattr(recipe, "data", None))
         self.block_sparse = True  # False: dense SDPA under block_attention's mask (the reference; bench/dflash_cost.py)
         # Under hard labels kl_div and ce are both the cross-entropy: a mix weighs it by their sum.
         self.label_weight = sum(self.loss_config.objective.values())
@@ -422,7 +443,7 @@ class DFlashTask:
             & (padding.gather(1, clamped.flatten(1)).view_as(labels) == padding.gather(1, anchors)[:, :, None])
         )
         with torch.no_grad():
-            if self.cfg.labels == "data":
+            if self.labels == "data":
                 best = ids.gather(1, clamped.flatten(1)).view_as(labels)[supervised]
                 draft_ids = model.to_draft_ids(best)
                 # the hard labels in the draft vocabulary; -1 (outside it) scores nothing
@@ -436,7 +457,7 @@ class DFlashTask:
                 draft_ids = model.to_draft_ids(best)
         previous = ids.gather(1, (clamped - 1).flatten(1)).view_as(labels)
         ce, lse, logits, confidence = self.token_terms(head, hidden, previous, supervised, coeff, target_probs, kept)
-        if self.cfg.labels == "data":
+        if self.labels == "data":
             ce = ce * self.label_weight
         with torch.no_grad():
             # D-PACE's per-slot acceptance: the draft's probability of the target's token (0 where

@@ -15,7 +15,9 @@ Domino's correction head, as SpecForge (``algorithms/common/dflash_family_model.
   draft first, the correction after); the share of the run is the learning-rate schedule's
   (steps, or ``training.max_minutes`` used, whichever is further);
 - the LM head is the target's and stays frozen (the references score with the target's LM head
-  and their checkpoints hold none), over the full vocabulary.
+  and their checkpoints hold none), over the full vocabulary;
+- the labels (``drafter.labels: auto``) are the data's tokens on regenerated data, as SpecForge
+  trains it, or the target's distribution.
 
 The references weigh depth d by ``exp(-(d - 1) / gamma)`` as DFlash does; they divide the weighted
 sum by the weights' sum, this trainer (as for DFlash) by the number of scored slots, a constant
