@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from speculators_helpers import aux_features, unroll_over
 from stats_helpers import assert_distributed_as_target
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
-from training_helpers import tiny_training_recipe, train_offline
+from training_helpers import greedy_rows, tiny_training_recipe, train_offline
 from transformers import DynamicCache
 
 from draftsmith.config import RecipeError
@@ -530,6 +530,56 @@ def test_targets_outside_the_draft_vocabulary_get_no_token_loss_when_masked(make
     # Masked training scores against the exact target token: a position outside the vocabulary is a miss.
     drafted = head.draft_vocab[head.draft_logits(out[0, :-1]).argmax(-1)]
     assert metrics["top1"] == (drafted == full_best).sum() and (drafted[missing] != full_best[missing]).all()
+
+
+def test_greedy_replies_give_the_targets_next_token_without_its_full_vocabulary_pass(make_tiny_llama, monkeypatch):
+    """On the target's own greedy replies, training reads its next tokens from the data: the same
+    masked loss, gradients and metrics as the exact full-vocabulary argmax, over three passes of a
+    head whose draft vocabulary lacks some of those tokens, and no full-vocabulary LM-head pass
+    (held-out evaluation still makes one). Negative control: on other data the masks differ."""
+    from draftsmith.train import unroll as unroll_module
+    from draftsmith.train.unroll import UnrollLoss, unrolled_loss
+
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    greedy = greedy_rows(target, [[3, 9, 4, 17]], 24)
+    noisy = torch.randint(2, 47, greedy.shape, generator=torch.Generator().manual_seed(4))
+    vocab = sorted(set(range(0, 48, 3)) | set(greedy[0, 8:16].tolist()))
+    head = Eagle3Head.for_target(target, "tiny", [0, 1, 2], torch.tensor(vocab), init="random").train()
+    assert 0 < torch.isin(greedy[0, 2:], head.draft_vocab).float().mean() < 1
+    mask, pad = (torch.arange(24) >= 4)[None], torch.ones_like(greedy)  # the reply is supervised, not the prompt
+    exact_passes = []
+    choice = unroll_module._target_choice
+    monkeypatch.setattr(unroll_module, "_target_choice", lambda *a, **k: exact_passes.append(1) or choice(*a, **k))
+
+    def step(ids: torch.Tensor, greedy_ids: torch.Tensor | None, training: bool = True):
+        ids_list = ids[0].tolist()
+        features = aux_features(target, ids_list, None).detach()
+        outputs = unroll(head, ids, aux_features(target, ids_list, [0, 1, 2])[:, :-1], pad, 3, head.feedback_input)
+        head.zero_grad()
+        loss, metrics = unrolled_loss(
+            head,
+            outputs,
+            features,
+            mask,
+            pad,
+            UnrollLoss(steps=3, mask_out_of_vocab=True),
+            training,
+            None,
+            None,
+            greedy_ids,
+        )
+        loss.backward()
+        return loss.detach(), metrics, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+    (loss, metrics, grads), (want, want_metrics, want_grads) = step(greedy, greedy), step(greedy, None)
+    assert exact_passes == [1]  # the reference's alone
+    torch.testing.assert_close(loss, want)
+    assert metrics == want_metrics and metrics["tokens"] > 15
+    for name in want_grads:
+        torch.testing.assert_close(grads[name], want_grads[name], msg=name)
+    step(greedy, greedy, training=False)
+    assert exact_passes == [1, 1]
+    assert abs(float(step(noisy, noisy)[0] - step(noisy, None)[0])) > 1e-3
 
 
 @pytest.mark.parametrize("features", ["online", "offline"])

@@ -43,6 +43,7 @@ from draftsmith.train.unroll import (
     UnrollLoss,
     attention_implementation,
     depth_rates,
+    greedy_replies,
     record_depth_accuracy,
     target_terms,
 )
@@ -298,6 +299,7 @@ class DFlashTask:
             mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask", objective=parse_objective(self.cfg.objective)
         )
         self.labels = resolve_labels(self.cfg, getattr(recipe, "data", None))
+        self.greedy_replies = greedy_replies(getattr(recipe, "data", None))
         self.block_sparse = True  # False: dense SDPA under block_attention's mask (the reference; bench/dflash_cost.py)
         # Under hard labels kl_div and ce are both the cross-entropy: a mix weighs it by their sum.
         self.label_weight = sum(self.loss_config.objective.values())
@@ -443,16 +445,17 @@ class DFlashTask:
             & (padding.gather(1, clamped.flatten(1)).view_as(labels) == padding.gather(1, anchors)[:, :, None])
         )
         with torch.no_grad():
+            data_next = ids.gather(1, clamped.flatten(1)).view_as(labels)[supervised]
             if self.labels == "data":
-                best = ids.gather(1, clamped.flatten(1)).view_as(labels)[supervised]
-                draft_ids = model.to_draft_ids(best)
+                best, draft_ids = data_next, model.to_draft_ids(data_next)
                 # the hard labels in the draft vocabulary; -1 (outside it) scores nothing
                 target_probs, coeff, kept = None, draft_ids, draft_ids >= 0
             else:
                 source = (clamped - 1)[supervised]
                 rows = torch.arange(batch_size, device=ids.device)[:, None, None].expand_as(labels)[supervised]
+                greedy_next = data_next if self.greedy_replies else None
                 target_probs, best, coeff, kept = target_terms(
-                    model, last[rows, source].to(hidden.dtype), self.loss_config, training
+                    model, last[rows, source].to(hidden.dtype), self.loss_config, training, greedy_next
                 )
                 draft_ids = model.to_draft_ids(best)
         previous = ids.gather(1, (clamped - 1).flatten(1)).view_as(labels)

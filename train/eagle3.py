@@ -30,6 +30,7 @@ from draftsmith.train.unroll import (
     LaterInputs,
     chain_sample,
     depth_rates,
+    greedy_replies,
     loss_settings,
     record_depth_accuracy,
     supervised_next,
@@ -124,6 +125,7 @@ class Eagle3Task:
         self.target = target
         self.model = head
         self.loss_config = loss_settings(self.cfg, mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask")
+        self.greedy_replies = greedy_replies(getattr(recipe, "data", None))
 
     collate = staticmethod(pad_batch)
 
@@ -156,6 +158,7 @@ class Eagle3Task:
             training,
             chains,
             batch.get("loss_weight"),  # adapt.rejected_weight's, where a round set them
+            batch["input_ids"] if self.greedy_replies else None,
         )
 
     def sample_chains(self, batch: dict) -> list[Chains] | None:

@@ -463,6 +463,7 @@ def unrolled_loss(
     training: bool,
     chains: list[Chains] | None = None,
     weights: torch.Tensor | None = None,
+    greedy_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted loss over the passes and metrics: ``top1``/``top3`` (pass 0, as without unrolling)
     and ``top1@d`` with ``rows@d`` for every draft depth d (hits and scored positions: the task's
@@ -481,6 +482,9 @@ def unrolled_loss(
     sum(w)`` over its rows (``adapt.rejected_weight``: heavier where the served draft was rejected);
     EAGLE-1's feature regression stays unweighted (no kind that adapts trains one). Metrics stay
     unweighted counts. Weights of 1 give the unweighted loss exactly.
+
+    ``greedy_ids`` ``[b, L]``: the batch's token ids where the target wrote its replies greedily,
+    read as its next tokens in training (:func:`target_terms`'s ``greedy_next``).
     """
     total = outputs[0].new_zeros((), dtype=torch.float32)
     # pool_depths: the passes' weighted row sums and row counts (token loss, regression), divided at the end.
@@ -492,8 +496,9 @@ def unrolled_loss(
     # Index i of `needed` stands for token i + 2 (its last index is never needed): the needed tokens' weights.
     row_weight = weights[:, 2:][needed[:, :-1]].float() if weights is not None else None
     with torch.no_grad():
+        greedy_next = greedy_ids[:, 2:][needed[:, :-1]] if greedy_ids is not None else None
         target_probs, best, coeff, keep = target_terms(
-            head, target_hidden[:, 1:][needed].to(outputs[0].dtype), cfg, training
+            head, target_hidden[:, 1:][needed].to(outputs[0].dtype), cfg, training, greedy_next
         )
         if cfg.regression_weight:
             next_feature = target_hidden[:, 1:][needed]
@@ -593,13 +598,28 @@ def _scores(head, pred, rows, coeff, probs, objective, weight):
 
 
 @torch.no_grad()
-def target_terms(head, target_next: torch.Tensor, cfg: UnrollLoss, training: bool):
+def greedy_replies(data) -> bool:
+    """Whether the recipe's ``data`` section has the target rewrite the replies greedily
+    (``data.regenerate``, temperature 0): each reply token is then the target's argmax there."""
+    regenerate = getattr(data, "regenerate", None)
+    return bool(regenerate is not None and regenerate.enabled and regenerate.temperature == 0)
+
+
+def target_terms(head, target_next: torch.Tensor, cfg: UnrollLoss, training: bool, greedy_next=None):
     """``(probs, best, coeff, kept)`` for rows of the target's last hidden states ``target_next``:
     its distribution over the draft vocabulary, its next token (exact, over the full vocabulary, in
     evaluation or when masking), the loss weights ``c`` (:func:`loss_coefficients`, zeroed where
-    ``cfg.mask_out_of_vocab`` drops the row) and which rows keep a token loss."""
+    ``cfg.mask_out_of_vocab`` drops the row) and which rows keep a token loss.
+
+    ``greedy_next``: the data's tokens these rows predict, where the target wrote them greedily
+    (:func:`greedy_replies`); in training they are its next token, read instead of computed: the
+    exact argmax is a full-vocabulary LM-head pass, a quarter of an EAGLE-3 step on the bundled
+    target. Held-out evaluation still computes it."""
     probs = head.target_logits(target_next).float().softmax(-1)
-    best = _target_choice(head, target_next, probs, exact=not training or cfg.mask_out_of_vocab)
+    if training and greedy_next is not None:
+        best = greedy_next
+    else:
+        best = _target_choice(head, target_next, probs, exact=not training or cfg.mask_out_of_vocab)
     coeff = loss_coefficients(probs, cfg)
     kept = head.to_draft_ids(best) >= 0 if cfg.mask_out_of_vocab else torch.ones_like(best, dtype=torch.bool)
     coeff[~kept] = 0.0
