@@ -497,6 +497,9 @@ def round_trainer(kind, head_checkpoint: Path, cfg: AdaptConfig, target, head, r
             "seed": cfg.seed,
         },
         "tracking": {"report_to": "none"},
+        # The rows are served traffic, not the target's greedy rewrite: its argmax and the labels
+        # come from the target's features (train/unroll.py: greedy_replies).
+        "data": {"regenerate": {"enabled": False}},
     }
     recipe = load_recipe(kind.training.recipe, head_checkpoint / "recipe.yaml", overrides)
     return Trainer(recipe, kind.training.task(recipe, target, head), rows, eval_rows)

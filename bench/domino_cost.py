@@ -51,8 +51,8 @@ def main() -> None:
     parser.add_argument("--labels", default="target", help="space-separated drafter.labels values to time")
     args, overrides = parser.parse_known_args()
     labels = args.labels.split()
-    if not labels or not set(labels) <= {"target", "data"}:
-        parser.error(f"--labels {args.labels!r}: give target, data or both")
+    if not labels or not set(labels) <= {"target", "data"} or len(set(labels)) < len(labels):
+        parser.error(f"--labels {args.labels!r}: give target, data or both, once each")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tasks = {}

@@ -149,13 +149,17 @@ def test_a_training_step_is_unchanged_by_block_sparse_attention(make_tiny_llama)
     assert head.config._attn_implementation == "sdpa"  # the drafting pass's attention is left as it was
 
 
-def test_data_labels_on_greedy_data_train_as_ce_on_the_targets_argmax(make_tiny_llama):
-    """``labels: data`` on the target's own greedy replies gives the loss, metrics and gradients of
-    ``labels: target`` with ``objective: ce`` (the same token ids, read from the data instead of the
-    target's LM head), over a reduced draft vocabulary that drops some labels (every metric but
-    ``ce_loss``, which ``labels: target`` takes against the distribution). Negative control: on
-    data that is not the target's greedy output the two differ."""
+@pytest.mark.parametrize("training", [False, True], ids=["held-out", "training"])
+def test_data_labels_on_greedy_data_train_as_ce_on_the_targets_argmax(make_tiny_llama, training):
+    """On the target's own greedy replies, ``labels: data`` and ``labels: target`` reading the
+    target's argmax from the data (a greedily regenerated recipe) both give the loss, metrics and
+    gradients of ``labels: target`` with ``objective: ce`` and the exact argmax, over a reduced draft
+    vocabulary that drops some labels (every metric but ``ce_loss``, which ``labels: target`` takes
+    against the distribution), in training and held out. Negative controls: on data that is not
+    the target's greedy output they differ."""
     from types import SimpleNamespace
+
+    from draftsmith.train.fused import regenerated_data
 
     target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
     head = _head(target, mask=47, block=3, draft_vocab=[0, 1, 2, 3, 5, 8, 13, 21, 34, 40, 47]).train()
@@ -163,28 +167,35 @@ def test_data_labels_on_greedy_data_train_as_ce_on_the_targets_argmax(make_tiny_
     noisy = torch.randint(2, 47, greedy.shape, generator=torch.Generator().manual_seed(4))
     loss_mask = (torch.arange(40) >= 4).long().expand(2, -1)
 
-    def step(labels: str, ids: torch.Tensor):
+    def step(labels: str, ids: torch.Tensor, greedy_recipe: bool = False):
         cfg = DFlashDrafterConfig(
             aux_layers=[0, 1, 2], block_size=3, anchors_per_sequence=9, labels=labels, objective="ce"
         )
-        task = DFlashTask(SimpleNamespace(drafter=cfg), target, head)
+        recipe = SimpleNamespace(drafter=cfg, data=regenerated_data() if greedy_recipe else None)
+        task = DFlashTask(recipe, target, head)
+        assert task.greedy_replies is greedy_recipe
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
         head.zero_grad()
-        loss, metrics = task.loss(head, batch, training=False)  # held-out anchors: the same blocks each call
+        torch.manual_seed(0)  # the same anchors every call
+        loss, metrics = task.loss(head, batch, training=training)
         loss.backward()
         return loss.detach(), metrics, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
 
-    (loss, metrics, grads), (want, want_metrics, want_grads) = step("data", greedy), step("target", greedy)
+    want, want_metrics, want_grads = step("target", greedy)
     inside = torch.isin(greedy[:, 4:], head.draft_vocab)
-    assert metrics["tokens"] > 20 and loss > 0 and 0 < inside.float().mean() < 1  # some labels are dropped
-    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
-    assert metrics.keys() == want_metrics.keys()
-    for key in metrics.keys() - {"ce_loss"}:  # under labels: target, against the target's distribution
-        assert metrics[key] == pytest.approx(want_metrics[key], rel=1e-5, abs=1e-5), key
-    assert 0 < metrics["ce_loss"] < want_metrics["ce_loss"]  # dropped labels score nothing
-    for name in want_grads:
-        torch.testing.assert_close(grads[name], want_grads[name], atol=1e-6, rtol=1e-4, msg=name)
-    assert abs(float(step("data", noisy)[0] - step("target", noisy)[0])) > 1e-2
+    assert want_metrics["tokens"] > 20 and want > 0 and 0 < inside.float().mean() < 1  # some labels are dropped
+    for loss, metrics, grads in (step("data", greedy), step("target", greedy, greedy_recipe=True)):
+        torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+        assert metrics.keys() == want_metrics.keys()
+        for key in metrics.keys() - {"ce_loss"}:  # under labels: target, against the target's distribution
+            assert metrics[key] == pytest.approx(want_metrics[key], rel=1e-5, abs=1e-5), key
+        for name in want_grads:
+            torch.testing.assert_close(grads[name], want_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert 0 < step("data", greedy)[1]["ce_loss"] < want_metrics["ce_loss"]  # dropped labels score nothing
+    exact = step("target", noisy)[0]
+    assert abs(float(step("data", noisy)[0] - exact)) > 1e-2
+    if training:  # the masks read from the data differ from the target's argmax's
+        assert abs(float(step("target", noisy, greedy_recipe=True)[0] - exact)) > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -204,22 +215,32 @@ def test_data_labels_refuse_what_needs_the_targets_distribution(override, messag
 @pytest.mark.parametrize(
     "drafter, regenerate, chosen",
     [
-        ({}, True, "data"),
-        ({"objective": {"kl_div": 0.5, "ce": 0.5}}, True, "data"),
-        ({}, False, "target"),
-        ({"objective": "lk_hybrid"}, True, "target"),
-        ({"confidence_head": True}, True, "target"),
-        ({"labels": "target"}, True, "target"),
-        ({"labels": "data"}, False, "data"),
+        ({}, {}, "data"),
+        ({"objective": {"kl_div": 0.5, "ce": 0.5}}, {}, "data"),
+        ({}, None, "target"),
+        ({}, {"temperature": 0.7}, "target"),  # sampled replies: not the target's argmax
+        ({}, {"conversations": 50}, "target"),  # the other conversations keep their own replies
+        ({"objective": "lk_hybrid"}, {}, "target"),
+        ({"confidence_head": True}, {}, "target"),
+        ({"out_of_vocab_targets": "renormalise"}, {}, "target"),
+        ({"labels": "target"}, {}, "target"),
+        ({"labels": "data"}, None, "data"),
     ],
 )
-def test_auto_labels_are_the_data_only_where_the_target_wrote_it(drafter, regenerate, chosen, capsys):
+def test_auto_labels_are_the_data_only_where_the_target_wrote_it_greedily(drafter, regenerate, chosen, capsys):
+    """``labels: auto`` is ``data`` where every reply is the target's greedy rewrite and nothing needs
+    its distribution; the same condition gates reading the target's argmax from the data."""
+    from dataclasses import replace
+
     from draftsmith.recipe import DataConfig
     from draftsmith.train.dflash import resolve_labels
     from draftsmith.train.fused import regenerated_data
+    from draftsmith.train.unroll import greedy_replies
 
-    data = regenerated_data() if regenerate else DataConfig()
-    assert data.regenerate.enabled is regenerate
+    data = DataConfig() if regenerate is None else regenerated_data()
+    if regenerate:
+        data = replace(data, regenerate=replace(data.regenerate, **regenerate))
+    assert greedy_replies(data) is (regenerate == {})
     assert resolve_labels(DFlashDrafterConfig(**drafter), data) == chosen
     said = capsys.readouterr().out
     assert said.startswith(f"drafter.labels auto -> {chosen}: ") if "labels" not in drafter else said == ""

@@ -84,8 +84,8 @@ class DFlashDrafterConfig(DrafterConfig):
     # own next token, a hard label (SpecForge's DFlash, Domino and DSpark; meant for regenerated
     # data, where it is the target's greedy token): no target LM head, softmax or [slots, vocab]
     # distribution per step, and the objective is the cross-entropy (kl_div or ce). auto: data where
-    # the target regenerates the replies (data.regenerate.enabled) and nothing needs the target's
-    # distribution (the objective, a confidence head), else target.
+    # the target rewrites every reply greedily (data.regenerate) and nothing needs its distribution
+    # (the objective, a confidence head), else target.
     labels: Literal["auto", "target", "data"] = "auto"
     features: Literal["online", "offline", "served"] = "online"  # target features: per step, on disk first, or served
     features_dir: str | None = None  # offline cache (default: under the draftsmith cache)
@@ -130,12 +130,16 @@ class DFlashRecipe(Recipe):
 
 def resolve_labels(cfg: DFlashDrafterConfig, data: DataConfig | None) -> str:
     """``cfg.labels``, with ``auto`` resolved (and said on stdout, as ``dtype: auto`` is): ``data``
-    where the target regenerates the replies, so the data's tokens are its own choices, and nothing
-    in the recipe needs its distribution; else ``target``."""
+    where the target rewrites every reply greedily (:func:`~draftsmith.train.unroll.greedy_replies`),
+    so the data's tokens are its own choices, and nothing in the recipe needs its distribution; else
+    ``target``."""
     if cfg.labels != "auto":
         return cfg.labels
-    if data is None or not data.regenerate.enabled:
-        chosen, why = "target", "the replies are not the target's own (data.regenerate.enabled: false)"
+    if not greedy_replies(data):
+        chosen, why = (
+            "target",
+            "the replies are not all the target's greedy ones (data.regenerate off, sampled or partial)",
+        )
     elif not set(parse_objective(cfg.objective)) <= set(SOFT):
         chosen, why = "target", f"drafter.objective {describe(parse_objective(cfg.objective))} needs its distribution"
     elif cfg.confidence_head or cfg.out_of_vocab_targets == "renormalise":
@@ -446,13 +450,17 @@ class DFlashTask:
         )
         with torch.no_grad():
             data_next = ids.gather(1, clamped.flatten(1)).view_as(labels)[supervised]
+            source = (clamped - 1)[supervised]
+            rows = torch.arange(batch_size, device=ids.device)[:, None, None].expand_as(labels)[supervised]
             if self.labels == "data":
-                best, draft_ids = data_next, model.to_draft_ids(data_next)
+                draft_ids = model.to_draft_ids(data_next)
                 # the hard labels in the draft vocabulary; -1 (outside it) scores nothing
                 target_probs, coeff, kept = None, draft_ids, draft_ids >= 0
+                # Held-out top-1 counts against the target's own argmax, whatever the labels.
+                best = data_next
+                if not training:
+                    best = target_terms(model, last[rows, source].to(hidden.dtype), self.loss_config, False)[1]
             else:
-                source = (clamped - 1)[supervised]
-                rows = torch.arange(batch_size, device=ids.device)[:, None, None].expand_as(labels)[supervised]
                 greedy_next = data_next if self.greedy_replies else None
                 target_probs, best, coeff, kept = target_terms(
                     model, last[rows, source].to(hidden.dtype), self.loss_config, training, greedy_next

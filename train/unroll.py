@@ -597,14 +597,20 @@ def _scores(head, pred, rows, coeff, probs, objective, weight):
     return loss, lse, top3, dot
 
 
-@torch.no_grad()
 def greedy_replies(data) -> bool:
-    """Whether the recipe's ``data`` section has the target rewrite the replies greedily
-    (``data.regenerate``, temperature 0): each reply token is then the target's argmax there."""
+    """Whether the recipe's ``data`` section has the target rewrite every reply greedily
+    (``data.regenerate``, temperature 0, all conversations): each reply token is then the target's
+    argmax there."""
     regenerate = getattr(data, "regenerate", None)
-    return bool(regenerate is not None and regenerate.enabled and regenerate.temperature == 0)
+    return bool(
+        regenerate is not None
+        and regenerate.enabled
+        and regenerate.temperature == 0
+        and regenerate.conversations is None
+    )
 
 
+@torch.no_grad()
 def target_terms(head, target_next: torch.Tensor, cfg: UnrollLoss, training: bool, greedy_next=None):
     """``(probs, best, coeff, kept)`` for rows of the target's last hidden states ``target_next``:
     its distribution over the draft vocabulary, its next token (exact, over the full vocabulary, in
