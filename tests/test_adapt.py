@@ -116,6 +116,22 @@ def test_a_round_that_loses_is_not_promoted_and_no_new_traffic_is_not_judged_aga
     assert [r["number"] for r in json.loads((out / "state.json").read_text())["rounds"]] == [1]
 
 
+def test_a_round_reads_the_targets_argmax_from_its_features_not_from_served_rows(deployed, tmp_path):
+    """The deployed head's recipe rewrote its replies greedily, so its own training read the target's
+    next token from the data; a round trains on served traffic, whose tokens were not chosen that
+    way, so its task computes the argmax."""
+    from draftsmith.adapt.rounds import round_trainer
+
+    adapter = Adapter(_config(deployed, tmp_path / "adapt"))
+    head = Eagle3Head.from_pretrained(deployed["head"], adapter.target)
+    trainer = round_trainer(
+        adapter.kind, Path(adapter.cfg.head), adapter.cfg, adapter.target, head, [], [], tmp_path / "train"
+    )
+    recipe = yaml.safe_load((Path(deployed["head"]) / "recipe.yaml").read_text())
+    assert recipe["data"]["regenerate"]["enabled"] and recipe["data"]["regenerate"]["temperature"] == 0
+    assert trainer.task.greedy_replies is False
+
+
 def test_a_nan_round_and_another_targets_traffic_are_refused(deployed, tmp_path):
     out = tmp_path / "adapt"
     nan = Adapter(_config(deployed, out, margin=-100.0, learning_rate=1e30, replay_fraction=0.0)).run(1)[0]

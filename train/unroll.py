@@ -618,14 +618,16 @@ def target_terms(head, target_next: torch.Tensor, cfg: UnrollLoss, training: boo
     ``cfg.mask_out_of_vocab`` drops the row) and which rows keep a token loss.
 
     ``greedy_next``: the data's tokens these rows predict, where the target wrote them greedily
-    (:func:`greedy_replies`); in training they are its next token, read instead of computed: the
-    exact argmax is a full-vocabulary LM-head pass, a quarter of an EAGLE-3 step on the bundled
-    target. Held-out evaluation still computes it."""
+    (:func:`greedy_replies`); where training needs the exact argmax (the out-of-vocabulary mask over a
+    reduced draft vocabulary) they are its next token, read instead of computed: that argmax is a
+    full-vocabulary LM-head pass, a quarter of an EAGLE-3 step on the bundled target. Held-out
+    evaluation still computes it."""
     probs = head.target_logits(target_next).float().softmax(-1)
-    if training and greedy_next is not None:
-        best = greedy_next
+    exact = not training or cfg.mask_out_of_vocab
+    if training and exact and greedy_next is not None and not head.full_vocab:
+        best = greedy_next  # where the exact pass would run; elsewhere the argmax is cheap and stays as it was
     else:
-        best = _target_choice(head, target_next, probs, exact=not training or cfg.mask_out_of_vocab)
+        best = _target_choice(head, target_next, probs, exact=exact)
     coeff = loss_coefficients(probs, cfg)
     kept = head.to_draft_ids(best) >= 0 if cfg.mask_out_of_vocab else torch.ones_like(best, dtype=torch.bool)
     coeff[~kept] = 0.0
