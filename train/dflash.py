@@ -99,25 +99,9 @@ class DFlashDrafterConfig(DrafterConfig):
     confidence_for: str | None = None
 
     def validate(self) -> None:
-        mix = parse_objective(self.objective)
-        if self.labels == "data":
-            if not set(mix) <= set(SOFT):
-                raise ValueError(
-                    f"drafter.objective {describe(mix)} needs the target's distribution; with drafter.labels: data "
-                    "each slot has one token to learn, whose kl_div and ce are its cross-entropy: set "
-                    "drafter.objective: ce, or drafter.labels: target"
-                )
-            if self.confidence_head:
-                raise ValueError(
-                    "drafter.confidence_head learns each slot's acceptance rate against the target's distribution, "
-                    "which drafter.labels: data does not compute: set drafter.labels: target, or confidence_head: false"
-                )
-            if self.out_of_vocab_targets == "renormalise":
-                raise ValueError(
-                    "drafter.out_of_vocab_targets: renormalise spreads the target's distribution over the draft "
-                    "vocabulary; a data label outside it has none to spread: set it to mask "
-                    "(labels: data drops those slots)"
-                )
+        need = distribution_need(self)
+        if self.labels == "data" and need:
+            raise ValueError(f"{need}, which drafter.labels: data does not compute: set drafter.labels: target")
         if self.confidence_for is not None and not self.confidence_head:
             raise ValueError("drafter.confidence_for trains a confidence head: set drafter.confidence_head: true")
 
@@ -128,22 +112,35 @@ class DFlashRecipe(Recipe):
     drafter: DFlashDrafterConfig = field(default_factory=DFlashDrafterConfig)
 
 
+def distribution_need(cfg: DFlashDrafterConfig) -> str | None:
+    """What in ``cfg`` needs the target's distribution, which ``labels: data`` does not compute
+    (None: nothing; each slot then has one token to learn, whose ``kl_div`` and ``ce`` are its
+    cross-entropy)."""
+    mix = parse_objective(cfg.objective)
+    if not set(mix) <= set(SOFT):
+        return f"drafter.objective {describe(mix)} needs the target's distribution (kl_div or ce do not)"
+    if cfg.confidence_head:
+        return "drafter.confidence_head learns each slot's acceptance rate against the target's distribution"
+    if cfg.out_of_vocab_targets == "renormalise":
+        return (
+            "drafter.out_of_vocab_targets: renormalise spreads the target's distribution over the draft "
+            "vocabulary (mask drops the slots whose label lies outside it)"
+        )
+    return None
+
+
 def resolve_labels(cfg: DFlashDrafterConfig, data: DataConfig | None) -> str:
     """``cfg.labels``, with ``auto`` resolved (and said on stdout, as ``dtype: auto`` is): ``data``
     where the target rewrites every reply greedily (:func:`~draftsmith.train.unroll.greedy_replies`),
-    so the data's tokens are its own choices, and nothing in the recipe needs its distribution; else
-    ``target``."""
+    so the data's tokens are its own choices, and nothing in the recipe needs its distribution
+    (:func:`distribution_need`); else ``target``."""
     if cfg.labels != "auto":
         return cfg.labels
+    need = distribution_need(cfg)
     if not greedy_replies(data):
-        chosen, why = (
-            "target",
-            "the replies are not all the target's greedy ones (data.regenerate off, sampled or partial)",
-        )
-    elif not set(parse_objective(cfg.objective)) <= set(SOFT):
-        chosen, why = "target", f"drafter.objective {describe(parse_objective(cfg.objective))} needs its distribution"
-    elif cfg.confidence_head or cfg.out_of_vocab_targets == "renormalise":
-        chosen, why = "target", "the confidence head / out_of_vocab_targets: renormalise needs its distribution"
+        chosen, why = "target", "not every reply is the target's greedy one (data.regenerate off, sampled or partial)"
+    elif need:
+        chosen, why = "target", need
     else:
         chosen, why = "data", "the target regenerates the replies: each slot learns its token there by cross-entropy"
     print(f"drafter.labels auto -> {chosen}: {why}")
@@ -302,8 +299,9 @@ class DFlashTask:
         self.loss_config = UnrollLoss(
             mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask", objective=parse_objective(self.cfg.objective)
         )
-        self.labels = resolve_labels(self.cfg, getattr(recipe, "data", None))
-        self.greedy_replies = greedy_replies(getattr(recipe, "data", None))
+        data = getattr(recipe, "data", None)
+        self.labels = resolve_labels(self.cfg, data)
+        self.greedy_replies = greedy_replies(data)
         self.block_sparse = True  # False: dense SDPA under block_attention's mask (the reference; bench/dflash_cost.py)
         # Under hard labels kl_div and ce are both the cross-entropy: a mix weighs it by their sum.
         self.label_weight = sum(self.loss_config.objective.values())
@@ -457,9 +455,8 @@ class DFlashTask:
                 # the hard labels in the draft vocabulary; -1 (outside it) scores nothing
                 target_probs, coeff, kept = None, draft_ids, draft_ids >= 0
                 # Held-out top-1 counts against the target's own argmax, whatever the labels.
-                best = data_next
-                if not training:
-                    best = target_terms(model, last[rows, source].to(hidden.dtype), self.loss_config, False)[1]
+                target_next = last[rows, source].to(hidden.dtype)
+                best = data_next if training else target_terms(model, target_next, self.loss_config, False)[1]
             else:
                 greedy_next = data_next if self.greedy_replies else None
                 target_probs, best, coeff, kept = target_terms(

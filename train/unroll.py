@@ -493,10 +493,12 @@ def unrolled_loss(
     # that token is supervised, by pass j at position i - j. Computed once for all passes, only there.
     needed = supervised_next(loss_mask, padding)
     row_of = torch.cumsum(needed.flatten(), 0).view_as(needed) - 1  # row of each needed index in `coeff`
-    # Index i of `needed` stands for token i + 2 (its last index is never needed): the needed tokens' weights.
-    row_weight = weights[:, 2:][needed[:, :-1]].float() if weights is not None else None
+    # Index i of `needed` stands for token i + 2 (its last index is never needed): the needed tokens'
+    # weights and, on greedy replies, ids.
+    next_needed = needed[:, :-1]
+    row_weight = weights[:, 2:][next_needed].float() if weights is not None else None
     with torch.no_grad():
-        greedy_next = greedy_ids[:, 2:][needed[:, :-1]] if greedy_ids is not None else None
+        greedy_next = greedy_ids[:, 2:][next_needed] if greedy_ids is not None else None
         target_probs, best, coeff, keep = target_terms(
             head, target_hidden[:, 1:][needed].to(outputs[0].dtype), cfg, training, greedy_next
         )
