@@ -1,10 +1,10 @@
 """Peer trainers as a benchmark (issue 44, item 3): speculators 0.9's own trainer against draftsmith's,
 same data, same precomputed features, same wall-clock budget, same settings where both have them, for
-EAGLE-3 and DFlash; judged by vLLM's acceptance counts on the same prompts.
+EAGLE-3, P-EAGLE and DFlash; judged by vLLM's acceptance counts on the same prompts.
 
     python bench/peer_trainers.py --minutes 10 --out runs/peer --data.held_out_fraction 0.05
 
-(the measurement: both kinds, 10 minutes per trainer, 16 MT-bench first turns x 128 tokens; about 50 held-out
+(the measurement: every kind, 10 minutes per trainer, 16 MT-bench first turns x 128 tokens; about 50 held-out
 conversations). Smaller: ``--kinds eagle3``, ``--per-category 1``, ``--max-new-tokens 64``; any ``--data.*``
 recipe override goes to both trainers (``--target.name DIR`` another target), e.g. the smoke run ``--minutes
 1 --limit 2 --max-new-tokens 16 --data.limit 24 --data.regenerate.enabled false --data.held_out_fraction 0.2
@@ -34,10 +34,11 @@ What it runs, in order (each stage is skipped where its output is already there,
    as it saved it.
 6. **Held-out accuracy per depth**: both folders loaded by speculators' own model class, run over the
    held-out rows' features in eval mode (one evaluator, speculators' metrics: EAGLE-3's unconditional
-   accuracy at each training-time-test step; DFlash's accuracy per block position and expected accepted
-   length, with the same anchors for both heads).
+   accuracy at each training-time-test step; P-EAGLE's accuracy per parallel depth; DFlash's accuracy per
+   block position and expected accepted length; the same sampled chains or anchors for both heads).
 7. **vLLM**: each folder served in vLLM (``bench/peer_vllm.py: score``, fp32, greedy, one prompt at a time,
-   chain of ``--eagle3-depth`` for EAGLE-3, the block for DFlash), MT-bench first turns
+   chain of ``--eagle3-depth`` for EAGLE-3 and P-EAGLE, which drafts it in one pass, the block for DFlash),
+   MT-bench first turns
    (``--per-category`` per category, or ``--prompts FILE``): acceptance length per prompt from vLLM's
    counters, per-position acceptance, and the difference (ours - speculators) with a 95% paired
    bootstrap interval over prompts (:func:`draftsmith.adapt.judge.paired_gain`).
@@ -50,7 +51,11 @@ the mean training row), ``--draft-vocab-size`` and the vocabulary itself, ``--ta
 ``drafter.aux_layers``, ``--hidden-states-dtype`` = the target's dtype (autocast bf16 where the machine
 runs bf16), ``--seed``; on a CPU also ``--draft-attn-impl sdpa`` and ``--loss-implementation eager``
 (flex attention and the fused loss are GPU kernels). EAGLE-3: ``--ttt-steps 7 --ttt-step-loss-decay 0.8``, one layer,
-``--no-norm-before-residual`` (= ``norm_before_residual: false``), frozen embedding. DFlash: ``--num-layers
+``--no-norm-before-residual`` (= ``norm_before_residual: false``), frozen embedding. P-EAGLE: EAGLE-3's
+layers and norm flag, ``--num-depths`` = ``ttt_steps`` (speculators' depth 0 is our first pass),
+``--down-sample-ratio``/``--down-sample-ratio-min`` (chain sampling), ``--max-anchors`` = tokens per step
+(every supervised position seeds a chain, as ours), ``--mask-token-id`` (draftsmith's choice), the embedding
+table trained (``--embed-requires-grad``; the mask token's row lives there in both). DFlash: ``--num-layers
 2``, ``--block-size 8``, ``--max-anchors`` = 64 anchors x 4 rows per step, ``--loss-fn kl_div`` with
 ``--per-position-loss-weight fixed-exp-decay --dflash-decay-gamma 4`` (= soft targets, ``weighting:
 decay``, ``decay_gamma: 4``), full bidirectional attention in the block (``--full-attention-indices 0 1
@@ -87,7 +92,8 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-KINDS = ("eagle3", "dflash")
+KINDS = ("eagle3", "peagle", "dflash")
+EAGLE3_FAMILY = ("eagle3", "peagle")  # a chain drafted from the target's features (vLLM: ``eagle3``)
 RECIPES = {kind: ROOT / "recipes" / f"smollm2-{kind}.yaml" for kind in KINDS}
 FEATURES = "features"  # under --out: speculators' data folder (arrow rows, hidden_states/, vocab files)
 SHARED_OVERRIDES = ("--data.", "--target.name")  # recipe overrides both trainers take
@@ -103,6 +109,8 @@ def recipe_for(kind: str, overrides: list[str]):
 
     if kind == "eagle3":
         from draftsmith.train.eagle3 import Eagle3Recipe as recipe_class
+    elif kind == "peagle":
+        from draftsmith.train.peagle import PEagleRecipe as recipe_class
     else:
         from draftsmith.train.dflash import DFlashRecipe as recipe_class
     recipe, _ = parse_training_args(recipe_class, [str(RECIPES[kind]), *overrides])
@@ -322,10 +330,19 @@ def speculators_args(
         *["--scheduler-type", "linear", "--scheduler-warmup-steps", str(training.warmup_steps)],
         *["--epochs", "100", "--log-freq", str(training.log_every), "--seed", str(training.seed)],
     ]
-    if kind == "eagle3":
-        args += ["--ttt-steps", str(drafter.ttt_steps), "--ttt-step-loss-decay", repr(drafter.ttt_step_loss_decay)]
+    if kind in EAGLE3_FAMILY:
         args += ["--num-layers", str(drafter.num_layers)]
         args += ["--norm-before-residual" if drafter.norm_before_residual else "--no-norm-before-residual"]
+    if kind == "eagle3":
+        args += ["--ttt-steps", str(drafter.ttt_steps), "--ttt-step-loss-decay", repr(drafter.ttt_step_loss_decay)]
+    elif kind == "peagle":
+        # speculators' depth 0 is our pass 0 (the next token), so its num_depths is our ttt_steps; every
+        # supervised position seeds a chain (its --max-anchors caps the seeds: none here, as ours), the
+        # embedding table trains (P-EAGLE's mask row lives there, in both).
+        args += ["--num-depths", str(drafter.ttt_steps), "--max-anchors", str(tokens_per_step)]
+        args += ["--down-sample-ratio", repr(drafter.down_sample_ratio)]
+        args += ["--down-sample-ratio-min", repr(drafter.down_sample_ratio_min)]
+        args += ["--mask-token-id", str(drafter.mask_token_id), "--embed-requires-grad"]
     else:
         args += ["--num-layers", str(drafter.num_layers), "--block-size", str(drafter.block_size)]
         args += ["--max-anchors", str(drafter.anchors_per_sequence * training.batch_size)]
@@ -370,6 +387,8 @@ def load_speculators_head(kind: str, folder: Path, target_dir: str):
     verifier read from the target's local folder."""
     if kind == "eagle3":
         from speculators.models.eagle3 import Eagle3DraftModel as model_class
+    elif kind == "peagle":
+        from speculators.models.peagle import PEagleDraftModel as model_class
     else:
         from speculators.models.dflash import DFlashDraftModel as model_class
     config = model_class.config_class.from_pretrained(folder)
@@ -404,11 +423,11 @@ def held_out_accuracy(kind: str, folder: Path, target_dir: str, data_path: Path,
     for i in range(len(rows)):
         row = rows[i]
         collate = CollateFn(
-            int(row["lengths"][0]) - (kind == "eagle3"),  # shift_batch drops one position
+            int(row["lengths"][0]) - (kind in EAGLE3_FAMILY),  # shift_batch drops one position
             hidden,
             len(model.target_layer_ids),
             torch.float32,
-            shift_batch if kind == "eagle3" else None,
+            shift_batch if kind in EAGLE3_FAMILY else None,
         )
         batch = {k: v for k, v in collate([row]).items() if k != RECOVERY_METADATA_KEY}
         _, _, metrics = model(**batch, **call)
@@ -423,7 +442,8 @@ def held_out_accuracy(kind: str, folder: Path, target_dir: str, data_path: Path,
         result["accuracy"] = [
             sums[f"position_{p}_acc_sum"] / max(sums[f"position_{p}_acc_total"], 1) for p in positions
         ]
-        result["expected_accepted_length"] = sums["eal_sum"] / max(sums["eal_total"], 1)
+        if "eal_sum" in sums:  # DFlash's; P-EAGLE reports accuracy per depth only
+            result["expected_accepted_length"] = sums["eal_sum"] / max(sums["eal_total"], 1)
     return result
 
 
@@ -437,14 +457,18 @@ def eval_call_kwargs(kind: str, args: list[str]) -> dict:
     return val
 
 
-def vllm_counts(folder: Path, method: str, depth: int, target_dir: str, prompts: list[list[int]], job: dict) -> dict:
-    """Per-prompt drafts and accepted drafts of the head in ``folder`` served by vLLM."""
+def vllm_counts(folder: Path, kind: str, depth: int, target_dir: str, prompts: list[list[int]], job: dict) -> dict:
+    """Per-prompt drafts and accepted drafts of the ``kind`` head in the speculators folder ``folder``,
+    served by vLLM as the kind's plug-in says (P-EAGLE: ``eagle3`` drafting its chain in one pass)."""
+    from draftsmith.export import speculators
+    from draftsmith.export.serve_check import speculative_config
+    from draftsmith.kinds import get
     from draftsmith.vllm_engine import engine_args, run_job
 
     cache = folder.parent / f"vllm_{folder.name}.json"
     if cache.is_file():
         return json.loads(cache.read_text())
-    spec = {"method": method, "model": str(folder), "num_speculative_tokens": depth}
+    spec = speculative_config(get(kind).serve(speculators.NAME, folder, depth), folder)
     result = run_job(
         {
             **job,
@@ -578,12 +602,12 @@ def main(argv: list[str] | None = None) -> dict:
         recipe = recipe_for(kind, overrides)
         recipe.drafter.aux_layers = layers
         mask = None
-        if kind == "dflash":
+        if kind in ("peagle", "dflash"):
             from draftsmith.heads.vocab import mask_token_for
 
             mask = mask_token_for(recipe.drafter.mask_token_id, tokenizer, data["train"], len(tokenizer))
             recipe.drafter.mask_token_id = mask
-        depth = args.eagle3_depth if kind == "eagle3" else recipe.drafter.block_size - 1
+        depth = args.eagle3_depth if kind in EAGLE3_FAMILY else recipe.drafter.block_size - 1
         claim_run(
             out / kind, {"minutes": args.minutes, "overrides": overrides} | ({"ours": args.ours} if ours_only else {})
         )

@@ -36,7 +36,7 @@ from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
 from draftsmith.train.ordering import sequence_lengths
-from draftsmith.train.unroll import chain_sample, pass_mask, supervised_next, unroll
+from draftsmith.train.unroll import UnrollLoss, chain_sample, pass_mask, supervised_next, unroll, unrolled_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -181,7 +181,7 @@ def test_eagle3_chain_sampling_trains_a_decaying_share_of_deep_drafts(tiny_targe
         return task
 
     sampled, full = task_for(0.5), task_for(1.0)
-    assert full.sample_chains(batch) is None
+    assert full.sample_chains(batch, 4) is None
     _, metrics = sampled.loss(head, batch, training=True)
     rows = [metrics[f"rows@{d}"] for d in (1, 2, 3, 4)]
     supervised = supervised_next(loss_mask, padding)
@@ -193,6 +193,85 @@ def test_eagle3_chain_sampling_trains_a_decaying_share_of_deep_drafts(tiny_targe
     _, everything = full.loss(head, batch, training=True)
     assert [held_out[f"rows@{d}"] for d in (1, 2, 3, 4)] == [everything[f"rows@{d}"] for d in (1, 2, 3, 4)]
     assert everything["rows@4"] > 2 * rows[3]
+
+
+def test_reach_weighs_each_pass_by_the_product_of_the_earlier_passes_top1_rates(tiny_target):
+    """``depth_weighting: reach``: the loss is sum_j (prod_{i<j} r_i) L_j, r_i pass i's top-1 rate on
+    the batch and L_j pass j's mean loss (each pass's loss taken apart as the difference of two
+    undecayed sums); the decayed loss is another number (negative control)."""
+    head = _head3(tiny_target)
+    ids, padding, loss_mask = _batch()
+    features = torch.cat([aux_features(tiny_target, row.tolist(), [0, 1, 2]) for row in ids]).detach()
+    hidden = torch.cat([aux_features(tiny_target, row.tolist(), None) for row in ids]).detach()
+    outputs = unroll(head, ids, features[:, :-1], padding, 4, head.feedback_input)
+
+    def loss(cfg: UnrollLoss, passes: int):
+        return unrolled_loss(head, outputs[:passes], hidden, loss_mask, padding, cfg, training=True)
+
+    reach, metrics = loss(UnrollLoss(steps=4, reach=True), 4)
+    summed = [loss(UnrollLoss(steps=4, decay=1.0), j)[0] for j in (1, 2, 3, 4)]
+    per_pass = [summed[0], *(b - a for a, b in zip(summed, summed[1:]))]
+    rates = [metrics[f"top1@{d}"] / metrics[f"rows@{d}"] for d in (1, 2, 3, 4)]
+    assert all(0 < r < 1 for r in rates[:3]), rates  # weights strictly between the decay's and zero
+    weights = [1.0, rates[0], rates[0] * rates[1], rates[0] * rates[1] * rates[2]]
+    expected = sum(w * part for w, part in zip(weights, per_pass))
+    torch.testing.assert_close(reach, expected, atol=1e-5, rtol=1e-5)
+    assert abs(float(loss(UnrollLoss(steps=4), 4)[0].detach() - reach.detach())) > 1e-3  # decay 0.8 ** j: another
+    (grad,) = torch.autograd.grad(reach, head.fc.weight, retain_graph=True)
+    (grad_expected,) = torch.autograd.grad(expected, head.fc.weight)
+    torch.testing.assert_close(grad, grad_expected, atol=1e-5, rtol=1e-4)
+
+
+def test_reach_runs_the_passes_up_to_the_first_whose_logged_reach_is_below_the_floor(tiny_target):
+    """Under ``reach`` a training step runs pass j only while the product of the last logged
+    window's top-1 rates before it stays at ``reach_floor`` or above (one more depth than the window
+    measured at most); before any window, in evaluation and under ``decay``: every pass."""
+    head = _head3(tiny_target)
+
+    def task_for(weighting: str, floor: float) -> Eagle3Task:
+        drafter = Eagle3DrafterConfig(
+            ttt_steps=5, aux_layers=[0, 1, 2], depth_weighting=weighting, reach_floor=floor, draft_vocab_size=None
+        )
+        return Eagle3Task(Eagle3Recipe(drafter=drafter), tiny_target, head)
+
+    task = task_for("reach", 0.15)
+    assert task.passes() == 5  # no window logged yet
+    logs = task.finalise_metrics({"train/top1@1": 2.0, "train/rows@1": 4.0, "train/top1@2": 1.0, "train/rows@2": 4.0})
+    assert task.window_rates == [0.5, 0.25] and logs["train/passes"] == 2
+    assert task.passes() == 2  # pass 2's reach 0.5 x 0.25 < 0.15
+    task.finalise_metrics({"eval/top1@1": 0.0, "eval/rows@1": 4.0})  # held-out windows leave it
+    assert task.window_rates == [0.5, 0.25]
+    low = task_for("reach", 0.1)
+    low.load_state_dict(task.state_dict())
+    assert low.passes() == 3  # reach 0.125 >= 0.1; depth 3 was not measured: one more pass, no further
+    low.window_rates = [0.9, 0.9, 0.9, 0.9, 0.9]
+    assert low.passes() == 5
+    decay = task_for("decay", 0.15)
+    decay.window_rates = [0.01]
+    assert decay.passes() == 5
+
+
+def test_reach_training_resumes_as_it_ran_and_skips_passes(tiny_recipe, tmp_path):
+    """A run under ``reach`` cut after step 3 and resumed logs the uninterrupted run's losses and
+    passes and ends with its weights: the window's rates ride in the checkpoint's trainer state."""
+    from draftsmith.train.eagle3 import main
+
+    args = ["--training.max_steps", "6", "--training.save_every", "3", "--training.log_every", "1"]
+    args += ["--training.eval_every", "0", "--drafter.depth_weighting", "reach", "--drafter.reach_floor", "0.3"]
+    whole = main([str(tiny_recipe), "--output_dir", str(tmp_path / "whole"), *args])
+    main([str(tiny_recipe), "--output_dir", str(tmp_path / "cut"), *args, "--training.stop_after_steps", "3"])
+    state = json.loads((tmp_path / "cut" / "checkpoint-3" / "state" / "trainer_state.json").read_text())
+    assert len(state["task"]["window_rates"]) >= 1
+    resumed = main([str(tiny_recipe), "--output_dir", str(tmp_path / "cut"), *args, "--resume"])
+    logged = [
+        {h["step"]: (h["train/loss"], h["train/passes"]) for h in run.history if "train/loss" in h}
+        for run in (whole, resumed)
+    ]
+    assert sorted(logged[1]) == [4, 5, 6] and all(logged[1][k] == logged[0][k] for k in (4, 5, 6)), logged
+    assert min(passes for _, passes in logged[0].values()) < 3  # some step skipped a pass (3 in the recipe)
+    expected = load_file(str(whole.last_checkpoint / "model.safetensors"))
+    got = load_file(str(resumed.last_checkpoint / "model.safetensors"))
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle3_two_layers", "eagle_hass"])

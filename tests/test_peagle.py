@@ -194,7 +194,7 @@ def test_the_training_loss_is_one_mean_over_every_sampled_draft_of_every_depth(m
     loss_mask[:, :6] = 0
     batch = {"input_ids": ids, "attention_mask": padding, "loss_mask": loss_mask}
     torch.manual_seed(5)
-    chains = task.sample_chains(batch)
+    chains = task.sample_chains(batch, task.cfg.ttt_steps)
     torch.manual_seed(5)
     loss, _ = task.loss(head, batch, training=True)
     with torch.no_grad():

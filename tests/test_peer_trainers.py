@@ -1,9 +1,9 @@
 """bench/peer_trainers.py: speculators' own trainer against draftsmith's.
 
 - Fast: the settings it hands speculators' trainer parse in speculators' own schema and carry the
-  recipe's values (learning rate, optimiser, warm-up, vocabulary, layers, TTT steps, block size,
-  anchors per step, loss weighting, bidirectional block attention, mask token).
-- Slow: a tiny end-to-end run (EAGLE-3 on a tiny target, a few seconds of training each): both
+  recipe's values (learning rate, optimiser, warm-up, vocabulary, layers, TTT steps, P-EAGLE's depths and
+  chain sampling, block size, anchors per step, loss weighting, bidirectional block attention, mask token).
+- Slow: a tiny end-to-end run (EAGLE-3 and P-EAGLE on a tiny target, a few seconds of training each): both
   trainers' heads load in speculators' model class, are scored on the same held-out rows and served
   by vLLM on the same prompts, and the paired interval brackets the difference.
 """
@@ -35,7 +35,7 @@ def _flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
 def test_speculators_settings_carry_the_recipes_values(kind, tmp_path):
     pytest.importorskip("speculators", reason="installed by scripts/install.sh (the speculators extra)")
     from speculators.train.config import TrainConfig
@@ -43,7 +43,7 @@ def test_speculators_settings_carry_the_recipes_values(kind, tmp_path):
     bench = _bench()
     recipe = bench.recipe_for(kind, ["--target.dtype", "float32"])
     recipe.drafter.aux_layers = [2, 15, 27]
-    if kind == "dflash":
+    if kind != "eagle3":
         recipe.drafter.mask_token_id = 16
     data = {"train": [{"input_ids": list(range(100))}, {"input_ids": list(range(300))}]}
     vocab = (tmp_path / "d2t.npy", tmp_path / "t2d.npy", 8192)
@@ -60,8 +60,16 @@ def test_speculators_settings_carry_the_recipes_values(kind, tmp_path):
     assert flat["num_layers"] == recipe.drafter.num_layers
     if kind == "eagle3":
         assert (flat["ttt_steps"], flat["ttt_step_loss_decay"]) == (7, 0.8)
+    if kind in ("eagle3", "peagle"):
         assert flat["norm_before_residual"] is recipe.drafter.norm_before_residual
-    else:
+    if kind == "peagle":
+        d = recipe.drafter
+        assert flat["num_depths"] == d.ttt_steps == 7  # speculators' depth 0 is our first pass
+        assert (flat["down_sample_ratio"], flat["down_sample_ratio_min"]) == (0.7, 0.2)
+        assert flat["max_anchors"] == flat["total_seq_len"]  # every supervised position seeds a chain, as ours
+        assert flat["mask_token_id"] == 16 and flat["embed_requires_grad"] is True
+        assert flat["loss_fn"] == "kl_div"
+    elif kind == "dflash":
         d = recipe.drafter
         assert (flat["block_size"], flat["max_anchors"]) == (d.block_size, d.anchors_per_sequence * t.batch_size)
         assert (flat["loss_fn"], flat["per_position_loss_weight"]) == ("kl_div", "fixed-exp-decay")
@@ -84,19 +92,21 @@ def test_both_heads_are_trained_loaded_and_scored_on_the_same_prompts(tmp_path):
     out = tmp_path / "peer"
     command = [sys.executable, str(ROOT / "bench" / "peer_trainers.py"), "--minutes", "0.1", "--out", str(out)]
     command += ["--target.name", str(target)]
-    command += ["--kinds", "eagle3", "--limit", "2", "--max-new-tokens", "8", "--data.limit", "16"]
+    command += ["--kinds", "eagle3", "peagle", "--limit", "2", "--max-new-tokens", "8", "--data.limit", "16"]
     command += ["--data.regenerate.enabled", "false", "--data.held_out_fraction", "0.25", "--data.max_length", "128"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "peer_trainers.json").read_text())
-    entry = results["kinds"]["eagle3"]
-    ours, theirs = entry["draftsmith"], entry["speculators"]
-    for run in (ours, theirs):
-        assert run["train"]["steps"] >= 1
-        assert len(run["held_out"]["accuracy"]) == 7  # ttt_steps depths, by one evaluator
-        assert run["held_out"]["conversations"] == results["held_out_conversations"]
-        assert len(run["vllm"]["per_prompt"]) == results["prompts"] == 2
-        assert len(run["vllm"]["per_position"]) == entry["depth"]
-    paired = entry["paired"]
-    assert paired["low"] <= paired["difference"] <= paired["high"]
-    assert (out / "peer_trainers.md").read_text().count("| eagle3 |") == 2
+    report = (out / "peer_trainers.md").read_text()
+    for kind in ("eagle3", "peagle"):
+        entry = results["kinds"][kind]
+        assert entry["depth"] == 3  # --eagle3-depth: P-EAGLE served as a chain of 3 drafted in one pass
+        for run in (entry["draftsmith"], entry["speculators"]):
+            assert run["train"]["steps"] >= 1
+            assert len(run["held_out"]["accuracy"]) == 7  # ttt_steps depths, by one evaluator
+            assert run["held_out"]["conversations"] == results["held_out_conversations"]
+            assert len(run["vllm"]["per_prompt"]) == results["prompts"] == 2
+            assert len(run["vllm"]["per_position"]) == entry["depth"]
+        paired = entry["paired"]
+        assert paired["low"] <= paired["difference"] <= paired["high"]
+        assert report.count(f"| {kind} |") == 2

@@ -60,6 +60,12 @@ class Eagle3DrafterConfig(DrafterConfig):
     num_layers: Annotated[int, COUNT] = 1
     ttt_steps: Annotated[int, COUNT] = 7  # passes of the training-time test (draft depths trained)
     ttt_step_loss_decay: Annotated[float, DECAY] = 0.8  # the loss of pass j is weighted decay ** j
+    # decay: pass j weighs ttt_step_loss_decay ** j (EAGLE-3's, speculators'); reach: the product of passes
+    # 0..j-1's top-1 rates on the batch, the chance a greedy chain gets to depth j + 1 (what its acceptance is worth)
+    depth_weighting: Literal["decay", "reach"] = "decay"
+    # reach: a step skips the passes whose reach in the last logged training window was below this
+    # (their loss would weigh less; the passes before them always run); 0: every pass, every step
+    reach_floor: Annotated[float, DECAY] = 0.05
     # HASS: add a distillation term over the target's K most likely tokens (null: off)
     top_k_loss: Annotated[int, COUNT] | None = None
     top_k_weight: Annotated[float, NON_NEGATIVE] = 1.0  # weight of the top-K term
@@ -124,8 +130,15 @@ class Eagle3Task:
         self.cfg = recipe.drafter
         self.target = target
         self.model = head
-        self.loss_config = loss_settings(self.cfg, mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask")
+        self.loss_config = loss_settings(
+            self.cfg,
+            mask_out_of_vocab=self.cfg.out_of_vocab_targets == "mask",
+            reach=self.cfg.depth_weighting == "reach",
+        )
         self.greedy_replies = greedy_replies(getattr(recipe, "data", None))
+        # Each depth's top-1 rate in the last logged training window (summed over processes, so every
+        # process runs the same passes); saved with the run's state.
+        self.window_rates: list[float] = []
 
     collate = staticmethod(pad_batch)
 
@@ -137,13 +150,14 @@ class Eagle3Task:
     def loss(self, head, batch: dict, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
         aux, last = self.target_features(batch)
         dtype = next(self.model.parameters()).dtype
-        chains = self.sample_chains(batch) if training else None
+        steps = self.passes() if training else self.cfg.ttt_steps
+        chains = self.sample_chains(batch, steps) if training else None
         outputs = unroll(
             head,
             batch["input_ids"],
             aux[:, :-1].to(dtype),
             batch["attention_mask"],
-            self.cfg.ttt_steps,
+            steps,
             self.model.feedback_input,
             later_inputs=self.later_inputs,
             chains=chains,
@@ -161,19 +175,48 @@ class Eagle3Task:
             batch["input_ids"] if self.greedy_replies else None,
         )
 
-    def sample_chains(self, batch: dict) -> list[Chains] | None:
-        """The draft chains each training pass j > 0 trains (:func:`chain_sample`); None: all of them."""
+    def passes(self) -> int:
+        """Passes a training step runs: all of them, or under ``depth_weighting: reach`` those up to the
+        first whose reach in the last logged window (the product of the rates of the depths before it)
+        is below ``reach_floor``. Read from logged values: no host sync of its own."""
+        if self.cfg.depth_weighting != "reach" or not self.window_rates:
+            return self.cfg.ttt_steps
+        steps, reach = 1, 1.0
+        for rate in self.window_rates[: self.cfg.ttt_steps - 1]:
+            reach *= rate
+            if reach < self.cfg.reach_floor:
+                break
+            steps += 1
+        return steps
+
+    def finalise_metrics(self, logs: dict[str, float]) -> dict[str, float]:
+        """:func:`depth_rates`; a training window's rates are kept for :meth:`passes`."""
+        logs = depth_rates(logs)
+        if "train/top1@1" in logs:
+            self.window_rates = [
+                logs[f"train/top1@{d}"] for d in range(1, self.cfg.ttt_steps + 1) if f"train/top1@{d}" in logs
+            ]
+            logs["train/passes"] = len(self.window_rates)
+        return logs
+
+    def state_dict(self) -> dict:
+        """What :meth:`passes` reads, for a resumed run to go on as it was."""
+        return {"window_rates": self.window_rates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.window_rates = list(state.get("window_rates", []))
+
+    def sample_chains(self, batch: dict, steps: int) -> list[Chains] | None:
+        """The draft chains each training pass j > 0 of ``steps`` trains (:func:`chain_sample`); None: all of them."""
         if self.cfg.down_sample_ratio == 1:
             return None
         return chain_sample(
             supervised_next(batch["loss_mask"], batch["attention_mask"]),
-            self.cfg.ttt_steps,
+            steps,
             self.cfg.down_sample_ratio,
             self.cfg.down_sample_ratio_min,
             batch["attention_mask"],
         )
-
-    finalise_metrics = staticmethod(depth_rates)
 
     def on_evaluate(self, metrics: dict[str, float]) -> None:
         record_depth_accuracy(self.model, metrics)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -65,6 +65,8 @@ class TrainTask(Protocol):
     # - ``finalise_metrics(logs)``: derived values (e.g. perplexity) from the token-weighted means.
     # - ``on_progress(fraction)``: the share of the run done (:meth:`Trainer.progress`), before each
     #   training micro-batch, for losses on a schedule of their own (Domino's base-loss weight).
+    # - ``state_dict()`` / ``load_state_dict(state)``: the task's own training state (a JSON-able dict,
+    #   e.g. EAGLE-3's depth rates under ``depth_weighting: reach``), saved with every checkpoint.
 
 
 @dataclass
@@ -76,6 +78,7 @@ class TrainState:
     batches_in_epoch: int = 0  # micro-batches of this epoch already consumed
     tokens: int = 0  # loss tokens seen, summed over processes
     seconds: float = 0.0  # wall time spent in the training loop, over every resumed run
+    task: dict = field(default_factory=dict)  # the task's state_dict(), where it has one
 
 
 def _warmed(schedule, warmup: int, start: int = 0):
@@ -177,6 +180,8 @@ class Trainer:
             begin_staging(tmp)
         acc.wait_for_everyone()
         self._count_tokens()
+        if hasattr(self.task, "state_dict"):
+            self.state.task = self.task.state_dict()
         acc.save_state(str(state_dir(tmp)))
         acc.wait_for_everyone()  # every rank writes its random_states_{i}.pkl last: all in tmp before the rename
         if acc.is_main_process:
@@ -195,6 +200,8 @@ class Trainer:
             self._trim_log(0)  # killed before its first checkpoint: the rerun starts the log again
             return False
         self.state = TrainState(**load_state(self.accelerator, newest))
+        if hasattr(self.task, "load_state_dict"):
+            self.task.load_state_dict(self.state.task)
         self._trim_log(self.state.step)
         self.accelerator.print(f"resumed from {newest} at step {self.state.step}")
         return True

@@ -57,6 +57,9 @@ class UnrollLoss:
     # One mean over the scored rows of all passes (P-EAGLE, as speculators and SpecForge reduce it: each
     # depth then weighs as many rows as it scores) instead of each pass's own mean, summed (EAGLE-3).
     pool_depths: bool = False
+    # Weigh pass j by its reach, the product of passes 0..j-1's top-1 rates on the batch (the chance a
+    # greedy chain gets that deep, what its draft's acceptance is worth), in place of decay ** j.
+    reach: bool = False
     # The token term over the target's whole distribution (weighted ce_weight): train/objectives.py's mix.
     objective: dict[str, float] = field(default_factory=lambda: {"kl_div": 1.0})
 
@@ -475,7 +478,10 @@ def unrolled_loss(
     EAGLE-3 and SpecForge trainers do, instead of fitting the distribution renormalised over it.
     With ``chains`` pass j > 0 scores its sampled positions only. The loss is the sum over passes of
     ``decay ** j`` x each pass's mean over its scored rows, or with ``cfg.pool_depths`` one mean: the
-    sum of ``decay ** j`` x every pass's row losses over the rows all passes score.
+    sum of ``decay ** j`` x every pass's row losses over the rows all passes score. With ``cfg.reach``
+    pass j weighs its reach in place of ``decay ** j``: the product of passes 0..j-1's top-1 rates
+    against the target's next token on this batch (detached, on the device: no host sync), so a depth
+    trains in proportion to the chance a greedy chain drafted by this head gets there.
 
     ``weights`` ``[b, L]`` (None: uniform): a loss weight per token, applied wherever that token is
     scored, at every depth; each token-loss mean above becomes the weighted mean ``sum(w * loss) /
@@ -505,7 +511,9 @@ def unrolled_loss(
         if cfg.regression_weight:
             next_feature = target_hidden[:, 1:][needed]
     sums: dict[str, torch.Tensor] = {}  # read back together at the end: one host sync for all metrics
+    reach = total.new_ones(())  # pass 0's weight under cfg.reach
     for step, pred in enumerate(outputs):
+        weight = reach if cfg.reach else cfg.decay**step
         n = pred.shape[1] - step
         # Position t scores token t + step + 2 (of its own conversation) with the target's distribution at t + step + 1.
         mask = scored_rows(needed, padding, step)[:, :n]
@@ -528,22 +536,23 @@ def unrolled_loss(
             target_t = next_feature.index_select(0, rows)
             regression = F.smooth_l1_loss(pred_t.float(), target_t.float(), reduction="none").mean(-1)
         if cfg.pool_depths:
-            pooled["token"] = pooled["token"] + cfg.decay**step * ce.sum()
+            pooled["token"] = pooled["token"] + weight * ce.sum()
             pooled["token_rows"] = pooled["token_rows"] + counted.sum()
             if cfg.regression_weight:
-                pooled["regression"] = pooled["regression"] + cfg.decay**step * regression.sum()
+                pooled["regression"] = pooled["regression"] + weight * regression.sum()
                 pooled["regression_rows"] = pooled["regression_rows"] + regression.shape[0]
         else:
             loss = ce.sum() / counted.sum().clamp(min=1)
             if cfg.regression_weight:
                 loss = loss + cfg.regression_weight * regression.mean()
-            total = total + cfg.decay**step * loss
+            total = total + weight * loss
         with torch.no_grad():
             best_t = best.index_select(0, rows)
             top3 = head.draft_vocab[top3]
             hits = (top3[:, 0] == best_t).sum()
             sums[f"top1@{step + 1}"] = hits
             sums[f"rows@{step + 1}"] = mask.sum()
+            reach = reach * hits / sums[f"rows@{step + 1}"].clamp(min=1)
             if step == 0:
                 sums["top1"] = hits
                 sums["top3"] = (top3 == best_t[:, None]).any(-1).sum()
