@@ -92,7 +92,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-KINDS = ("eagle3", "peagle", "dflash")
+KINDS = ("eagle3", "peagle", "dflash", "dspark")
 EAGLE3_FAMILY = ("eagle3", "peagle")  # a chain drafted from the target's features (vLLM: ``eagle3``)
 RECIPES = {kind: ROOT / "recipes" / f"smollm2-{kind}.yaml" for kind in KINDS}
 FEATURES = "features"  # under --out: speculators' data folder (arrow rows, hidden_states/, vocab files)
@@ -111,6 +111,8 @@ def recipe_for(kind: str, overrides: list[str]):
         from draftsmith.train.eagle3 import Eagle3Recipe as recipe_class
     elif kind == "peagle":
         from draftsmith.train.peagle import PEagleRecipe as recipe_class
+    elif kind == "dspark":
+        from draftsmith.train.dspark import DSparkRecipe as recipe_class
     else:
         from draftsmith.train.dflash import DFlashRecipe as recipe_class
     recipe, _ = parse_training_args(recipe_class, [str(RECIPES[kind]), *overrides])
@@ -353,6 +355,13 @@ def speculators_args(
         if drafter.weighting == "dpace":
             args[args.index("kl_div")] = "ce"  # D-PACE needs speculators' hard-label CE
             args += ["--dpace-alpha", repr(drafter.dpace_alpha)]
+        if kind == "dspark":
+            flag = {True: "--", False: "--no-"}
+            args += [f"{flag[drafter.sample_from_anchor]}sample-from-anchor"]
+            args += ["--markov-rank", str(drafter.markov_rank), "--markov-head-type", drafter.markov_head_type]
+            args += [f"{flag[drafter.confidence_head]}enable-confidence-head"]
+            args += [f"{flag[drafter.confidence_head_with_markov]}confidence-head-with-markov"]
+            args += ["--confidence-head-alpha", repr(drafter.confidence_alpha)]
     return args
 
 
@@ -389,6 +398,8 @@ def load_speculators_head(kind: str, folder: Path, target_dir: str):
         from speculators.models.eagle3 import Eagle3DraftModel as model_class
     elif kind == "peagle":
         from speculators.models.peagle import PEagleDraftModel as model_class
+    elif kind == "dspark":
+        from speculators.models.dspark import DSparkDraftModel as model_class
     else:
         from speculators.models.dflash import DFlashDraftModel as model_class
     config = model_class.config_class.from_pretrained(folder)
@@ -442,8 +453,10 @@ def held_out_accuracy(kind: str, folder: Path, target_dir: str, data_path: Path,
         result["accuracy"] = [
             sums[f"position_{p}_acc_sum"] / max(sums[f"position_{p}_acc_total"], 1) for p in positions
         ]
-        if "eal_sum" in sums:  # DFlash's; P-EAGLE reports accuracy per depth only
-            result["expected_accepted_length"] = sums["eal_sum"] / max(sums["eal_total"], 1)
+        # DFlash's expected accepted length, DSpark's mean accepted length a block; P-EAGLE has neither
+        for key in ("eal", "accept_len"):
+            if f"{key}_sum" in sums:
+                result["expected_accepted_length"] = sums[f"{key}_sum"] / max(sums[f"{key}_total"], 1)
     return result
 
 
@@ -482,6 +495,96 @@ def vllm_counts(folder: Path, kind: str, depth: int, target_dir: str, prompts: l
     return result
 
 
+def vllm_serves(kind: str, folder: Path, depth: int) -> bool:
+    """Whether vLLM serves the ``kind`` export in ``folder`` on this machine (its CPU build: not DSpark);
+    where it does not, draftsmith's engine judges both heads."""
+    from draftsmith.errors import UsageError
+    from draftsmith.export import speculators
+    from draftsmith.kinds import get
+
+    try:
+        return get(kind).serve(speculators.NAME, folder, depth) is not None
+    except UsageError:
+        return False
+
+
+def graft_record(theirs: Path, ours_export: Path, folder: Path) -> Path:
+    """speculators' own folder ``theirs`` as one draftsmith's engine loads: its files hard-linked into
+    ``folder`` and its config.json given the drafter record of ours (``ours_export``, a speculators
+    export of the same kind trained with the same settings). Every field both configs hold must agree
+    (block, layers, heads, vocabulary size, mask token...), else the record would misdescribe it."""
+    from draftsmith.heads.exported import EXPORT_KEY
+
+    if (folder / "config.json").is_file():
+        return folder
+    ours = json.loads((ours_export / "config.json").read_text())
+    config = json.loads((theirs / "config.json").read_text())
+    # Not the head's shape: versions, dtypes, the verifier's path, and the class name (speculators' own
+    # save_pretrained writes its model class, DSparkDraftModel, where its config's default and our export
+    # say DSparkSpeculator).
+    loose = {EXPORT_KEY, "architectures", "speculators_version", "transformers_version", "dtype", "torch_dtype"}
+    loose.add("speculators_config")
+    differ = {k: (ours[k], config[k]) for k in (ours.keys() & config.keys()) - loose if ours[k] != config[k]}
+    layer_keys = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "layer_types")
+    layers = ours["transformer_layer_config"], config["transformer_layer_config"]
+    differ |= {k: (layers[0].get(k), layers[1].get(k)) for k in layer_keys if layers[0].get(k) != layers[1].get(k)}
+    differ.pop("transformer_layer_config", None)  # compared field by field above (dtypes and ids may differ)
+    if differ:
+        raise SystemExit(f"{theirs} and {ours_export} differ in {differ}: the heads were not trained alike")
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(theirs, staging, copy_function=os.link)
+    config[EXPORT_KEY] = {**ours[EXPORT_KEY], "source": str(theirs)}
+    (staging / "config.json").unlink()  # a hard link to theirs: replaced, not written through
+    (staging / "config.json").write_text(json.dumps(config, indent=1))
+    os.replace(staging, folder)
+    return folder
+
+
+def engine_counts(kind: str, heads: dict[str, Path], depth: int, target_dir: str, args, out: Path) -> dict:
+    """Per-prompt counts of each of ``heads`` (name -> folder) drafting the chain vLLM would (``depth``
+    tokens, top-1 each, no adaptive cut) in draftsmith's engine, for kinds vLLM's CPU build does not
+    serve: one ``eval/run.py`` run, fp32, greedy, first turns only, the prompts vLLM would get."""
+    from urllib.parse import urlencode
+
+    from draftsmith.kinds import get
+
+    results = out / "engine" / "results.json"
+    if not results.is_file():
+        command = [sys.executable, str(ROOT / "eval" / "run.py"), "--target", target_dir, "--dtype", "float32"]
+        command += ["--prompts", args.prompts] if args.prompts else ["--bench", "mt_bench"]
+        command += ["--per-category", str(args.per_category)] if args.per_category and not args.prompts else []
+        command += ["--limit", str(args.limit)] if args.limit else []
+        command += ["--turns", "1", "--max-new-tokens", str(args.max_new_tokens), "--out", str(out / "engine")]
+        for name, folder in heads.items():
+            options = urlencode({**get(kind).chain(depth), "name": name})
+            command += ["--drafter", f"{kind}:{folder}?{options}"]
+        _run(command, out / "engine.log")
+    runs = json.loads(results.read_text())["runs"]
+    counted = {}
+    for name in heads:
+        rows = []
+        for run in sorted((r for r in runs if r["method"] == name), key=lambda r: r["prompt_id"]):
+            drafts = [a - 1 for a in run["accepted"]]  # a step's tokens: its accepted drafts and the target's own
+            per_position = [sum(d > k for d in drafts) for k in range(depth)]
+            rows.append(
+                {
+                    "drafts": run["steps"],
+                    "accepted": sum(drafts),
+                    "per_position": per_position,
+                    "same": run["same_output"],
+                }
+            )
+        counted[name] = {"rows": rows}
+    return counted
+
+
+def same_outputs(ours: list[dict], theirs: list[dict]) -> int:
+    """Prompts on which both heads' outputs agree: vLLM's tokens, or in draftsmith's engine both equal to
+    plain decoding's."""
+    return sum(a["tokens"] == b["tokens"] if "tokens" in a else a["same"] and b["same"] for a, b in zip(ours, theirs))
+
+
 def acceptance(result: dict, depth: int) -> dict:
     rows = result["rows"]
     drafts = sum(r["drafts"] for r in rows)
@@ -512,34 +615,35 @@ def paired_interval(ours: list, theirs: list) -> dict:
 def table(results: dict) -> str:
     lines = [
         f"Peer trainers, {results['minutes']} min each, {results['train_conversations']} training conversations, "
-        f"{results['held_out_conversations']} held out; vLLM {results.get('vllm', '?')} fp32 greedy, "
-        f"{results['prompts']} prompts x {results['max_new_tokens']} new tokens.",
+        f"{results['held_out_conversations']} held out; served fp32 greedy (vLLM {results.get('vllm', '-')} where "
+        f"its CPU build serves the kind, else draftsmith's engine), {results['prompts']} prompts x "
+        f"{results['max_new_tokens']} new tokens.",
         "",
-        "| kind | trainer | steps | loop seconds | sequences | held-out accuracy per depth | vLLM tau "
-        "| vLLM acceptance per position |",
-        "|---|---|---|---|---|---|---|---|",
+        "| kind | trainer | steps | loop seconds | sequences | held-out accuracy per depth | served tau "
+        "| served acceptance per position | judge |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, entry in results["kinds"].items():
         for who in ("draftsmith", "speculators"):
             run = entry[who]
             acc = " / ".join(f"{a:.3f}" for a in run["held_out"]["accuracy"])
-            pos = " / ".join(f"{p:.2f}" for p in run["vllm"]["per_position"])
+            pos = " / ".join(f"{p:.2f}" for p in run["served"]["per_position"])
             lines.append(
                 f"| {kind} | {who} | {run['train']['steps']} | {run['train']['seconds']} | "
                 f"{run['train']['sequences']} | {acc} | "
-                f"{run['vllm']['acceptance_length']:.3f} | {pos} |"
+                f"{run['served']['acceptance_length']:.3f} | {pos} | {entry['judge']} |"
             )
     lines.append("")
     for kind, entry in results["kinds"].items():
         d = entry["paired"]
         extra = ""
-        if kind == "dflash":
+        if "expected_accepted_length" in entry["draftsmith"]["held_out"]:
             ours_eal = entry["draftsmith"]["held_out"]["expected_accepted_length"]
             theirs_eal = entry["speculators"]["held_out"]["expected_accepted_length"]
             extra = f"; held-out expected accepted length {ours_eal:.3f} (draftsmith) vs {theirs_eal:.3f} (speculators)"
         lines.append(
             f"- {kind}: tau draftsmith - speculators = {d['difference']:+.3f}, 95% paired bootstrap interval "
-            f"[{d['low']:+.3f}, {d['high']:+.3f}] over {d['prompts']} prompts; same vLLM output for both heads on "
+            f"[{d['low']:+.3f}, {d['high']:+.3f}] over {d['prompts']} prompts; same output for both heads on "
             f"{entry['same_output']} of {d['prompts']} prompts{extra}"
         )
     return "\n".join(lines)
@@ -602,12 +706,15 @@ def main(argv: list[str] | None = None) -> dict:
         recipe = recipe_for(kind, overrides)
         recipe.drafter.aux_layers = layers
         mask = None
-        if kind in ("peagle", "dflash"):
+        if kind != "eagle3":
             from draftsmith.heads.vocab import mask_token_for
 
             mask = mask_token_for(recipe.drafter.mask_token_id, tokenizer, data["train"], len(tokenizer))
             recipe.drafter.mask_token_id = mask
-        depth = args.eagle3_depth if kind in EAGLE3_FAMILY else recipe.drafter.block_size - 1
+        if kind in EAGLE3_FAMILY:
+            depth = args.eagle3_depth
+        else:  # the whole block: DSpark's anchor slot drafts too
+            depth = recipe.drafter.block_size - 1 + (kind == "dspark" and recipe.drafter.sample_from_anchor)
         claim_run(
             out / kind, {"minutes": args.minutes, "overrides": overrides} | ({"ours": args.ours} if ours_only else {})
         )
@@ -620,23 +727,26 @@ def main(argv: list[str] | None = None) -> dict:
         )
         ours_folder = export_ours(ours_ckpt, out / kind, target_dir, depth)
         call = eval_call_kwargs(kind, spec_args)
-        entry = {"depth": depth, "speculators_args": spec_args}
-        scored = {}
-        for who, folder, train in (
-            ("draftsmith", ours_folder, ours_train),
-            ("speculators", theirs_folder, theirs_train),
-        ):
+        folders = {"draftsmith": ours_folder, "speculators": theirs_folder}
+        served = vllm_serves(kind, ours_folder, depth)
+        if served:
+            scored = {who: vllm_counts(folder, kind, depth, target_dir, ids, job) for who, folder in folders.items()}
+            results["vllm"] = scored["draftsmith"]["version"]
+        else:
+            graft = graft_record(theirs_folder, ours_folder, out / kind / "speculators-engine")
+            heads = {"draftsmith": ours_folder, "speculators": graft}
+            scored = engine_counts(kind, heads, depth, target_dir, args, out / kind)
+        judge = f"vLLM {results['vllm']}" if served else "draftsmith engine"
+        entry = {"depth": depth, "judge": judge, "speculators_args": spec_args}
+        for who, folder in folders.items():
             held = held_out_accuracy(kind, folder, target_dir, out / FEATURES, ratio, call)
-            result = vllm_counts(folder, kind, depth, target_dir, ids, job)
-            results["vllm"] = result["version"]
-            scored[who] = result
-            entry[who] = {"train": train, "held_out": held, "vllm": acceptance(result, depth), "folder": str(folder)}
+            train = ours_train if who == "draftsmith" else theirs_train
+            served_counts = acceptance(scored[who], depth)
+            entry[who] = {"train": train, "held_out": held, "served": served_counts, "folder": str(folder)}
         entry["paired"] = paired_interval(
-            entry["draftsmith"]["vllm"]["per_prompt"], entry["speculators"]["vllm"]["per_prompt"]
+            entry["draftsmith"]["served"]["per_prompt"], entry["speculators"]["served"]["per_prompt"]
         )
-        entry["same_output"] = sum(
-            a["tokens"] == b["tokens"] for a, b in zip(scored["draftsmith"]["rows"], scored["speculators"]["rows"])
-        )
+        entry["same_output"] = same_outputs(scored["draftsmith"]["rows"], scored["speculators"]["rows"])
         results["kinds"][kind] = entry
         (out / "peer_trainers.json").write_text(json.dumps(results, indent=1))
     text = table(results)

@@ -2,10 +2,12 @@
 
 - Fast: the settings it hands speculators' trainer parse in speculators' own schema and carry the
   recipe's values (learning rate, optimiser, warm-up, vocabulary, layers, TTT steps, P-EAGLE's depths and
-  chain sampling, block size, anchors per step, loss weighting, bidirectional block attention, mask token).
-- Slow: a tiny end-to-end run (EAGLE-3 and P-EAGLE on a tiny target, a few seconds of training each): both
-  trainers' heads load in speculators' model class, are scored on the same held-out rows and served
-  by vLLM on the same prompts, and the paired interval brackets the difference.
+  chain sampling, block size, DSpark's Markov and confidence heads, anchors per step, loss weighting,
+  bidirectional block attention, mask token).
+- Slow: a tiny end-to-end run (EAGLE-3, P-EAGLE and DSpark on a tiny target, a few seconds of training
+  each): both trainers' heads load in speculators' model class, are scored on the same held-out rows and
+  served on the same prompts (by vLLM; DSpark, which vLLM's CPU build does not serve, by draftsmith's
+  engine, speculators' own folder given our record), and the paired interval brackets the difference.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash", "dspark"])
 def test_speculators_settings_carry_the_recipes_values(kind, tmp_path):
     pytest.importorskip("speculators", reason="installed by scripts/install.sh (the speculators extra)")
     from speculators.train.config import TrainConfig
@@ -69,12 +71,18 @@ def test_speculators_settings_carry_the_recipes_values(kind, tmp_path):
         assert flat["max_anchors"] == flat["total_seq_len"]  # every supervised position seeds a chain, as ours
         assert flat["mask_token_id"] == 16 and flat["embed_requires_grad"] is True
         assert flat["loss_fn"] == "kl_div"
-    elif kind == "dflash":
+    if kind in ("dflash", "dspark"):
         d = recipe.drafter
         assert (flat["block_size"], flat["max_anchors"]) == (d.block_size, d.anchors_per_sequence * t.batch_size)
         assert (flat["loss_fn"], flat["per_position_loss_weight"]) == ("kl_div", "fixed-exp-decay")
         assert flat["dflash_decay_gamma"] == d.decay_gamma and flat["mask_token_id"] == 16
         assert flat["full_attention_indices"] == list(range(d.num_layers)) and flat["sliding_window_non_causal"]
+    if kind == "dspark":
+        assert flat["block_size"] == 7 and flat["sample_from_anchor"] is True  # the recipe's, not speculators' 8
+        assert (flat["markov_rank"], flat["markov_head_type"]) == (d.markov_rank, d.markov_head_type)
+        assert flat["enable_confidence_head"] is d.confidence_head is True
+        assert flat["confidence_head_with_markov"] is d.confidence_head_with_markov
+        assert flat["confidence_head_alpha"] == d.confidence_alpha
 
 
 @pytest.mark.slow
@@ -92,21 +100,29 @@ def test_both_heads_are_trained_loaded_and_scored_on_the_same_prompts(tmp_path):
     out = tmp_path / "peer"
     command = [sys.executable, str(ROOT / "bench" / "peer_trainers.py"), "--minutes", "0.1", "--out", str(out)]
     command += ["--target.name", str(target)]
-    command += ["--kinds", "eagle3", "peagle", "--limit", "2", "--max-new-tokens", "8", "--data.limit", "16"]
+    command += ["--kinds", "eagle3", "peagle", "dspark", "--limit", "2", "--max-new-tokens", "8", "--data.limit", "16"]
     command += ["--data.regenerate.enabled", "false", "--data.held_out_fraction", "0.25", "--data.max_length", "128"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "peer_trainers.json").read_text())
     report = (out / "peer_trainers.md").read_text()
-    for kind in ("eagle3", "peagle"):
+    for kind in ("eagle3", "peagle", "dspark"):
         entry = results["kinds"][kind]
-        assert entry["depth"] == 3  # --eagle3-depth: P-EAGLE served as a chain of 3 drafted in one pass
+        # --eagle3-depth (P-EAGLE drafts its chain of 3 in one pass); DSpark's block of 7, anchor slot included
+        assert entry["depth"] == (7 if kind == "dspark" else 3)
+        assert entry["judge"] == ("draftsmith engine" if kind == "dspark" else f"vLLM {results['vllm']}")
         for run in (entry["draftsmith"], entry["speculators"]):
             assert run["train"]["steps"] >= 1
-            assert len(run["held_out"]["accuracy"]) == 7  # ttt_steps depths, by one evaluator
+            assert len(run["held_out"]["accuracy"]) == 7  # ttt_steps depths or block slots, by one evaluator
             assert run["held_out"]["conversations"] == results["held_out_conversations"]
-            assert len(run["vllm"]["per_prompt"]) == results["prompts"] == 2
-            assert len(run["vllm"]["per_position"]) == entry["depth"]
+            assert len(run["served"]["per_prompt"]) == results["prompts"] == 2
+            assert len(run["served"]["per_position"]) == entry["depth"]
         paired = entry["paired"]
         assert paired["low"] <= paired["difference"] <= paired["high"]
         assert report.count(f"| {kind} |") == 2
+    # speculators' own DSpark folder, given our drafter record, loads in draftsmith's engine with its own weights
+    graft = out / "dspark" / "speculators-engine"
+    assert json.loads((graft / "config.json").read_text())["draftsmith_export"]["source"] == str(
+        out / "dspark" / "speculators" / "final"
+    )
+    assert (graft / "model.safetensors").samefile(out / "dspark" / "speculators" / "final" / "model.safetensors")
