@@ -126,3 +126,36 @@ def test_both_heads_are_trained_loaded_and_scored_on_the_same_prompts(tmp_path):
         out / "dspark" / "speculators" / "final"
     )
     assert (graft / "model.safetensors").samefile(out / "dspark" / "speculators" / "final" / "model.safetensors")
+
+
+def test_speculators_folder_gets_our_record_only_when_every_shape_field_agrees(tmp_path):
+    """DSpark's judge in draftsmith's engine: speculators' own folder is given our drafter record (files
+    hard-linked, its config.json rewritten, theirs untouched) only when the configs agree on every field
+    both hold but versions, dtypes, the verifier and the class name; another block size is refused."""
+    bench = _bench()
+    layer = {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 100, "num_attention_heads": 4}
+    ours = {"draftsmith_export": {"kind": "dspark", "format": "speculators", "config": {"block_size": 7}}}
+    ours |= {
+        "architectures": ["DSparkSpeculator"],
+        "block_size": 7,
+        "markov_rank": 256,
+        "transformer_layer_config": layer,
+    }
+    theirs = {key: value for key, value in ours.items() if key != "draftsmith_export"}
+    theirs |= {"architectures": ["DSparkDraftModel"], "transformers_version": "5.0", "speculators_version": "0.9.0"}
+    for name, config in (("ours", ours), ("theirs", theirs)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    (tmp_path / "theirs" / "model.safetensors").write_bytes(b"weights")
+    graft = bench.graft_record(tmp_path / "theirs", tmp_path / "ours", tmp_path / "graft")
+    config = json.loads((graft / "config.json").read_text())
+    assert config["draftsmith_export"]["config"] == {"block_size": 7}
+    assert config["draftsmith_export"]["source"] == str(tmp_path / "theirs")
+    assert config["architectures"] == ["DSparkDraftModel"]  # theirs, with our record added
+    assert (graft / "model.safetensors").samefile(tmp_path / "theirs" / "model.safetensors")
+    assert "draftsmith_export" not in json.loads((tmp_path / "theirs" / "config.json").read_text())
+    for field, value in (("block_size", 8), ("transformer_layer_config", {**layer, "num_hidden_layers": 3})):
+        (tmp_path / "theirs" / "config.json").write_text(json.dumps({**theirs, field: value}))
+        with pytest.raises(SystemExit, match="not trained alike"):
+            bench.graft_record(tmp_path / "theirs", tmp_path / "ours", tmp_path / f"refused-{field}")
+        assert not (tmp_path / f"refused-{field}").exists()
