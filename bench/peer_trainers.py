@@ -1,6 +1,7 @@
 """Peer trainers as a benchmark (issue 44, item 3): speculators 0.9's own trainer against draftsmith's,
 same data, same precomputed features, same wall-clock budget, same settings where both have them, for
-EAGLE-3, P-EAGLE and DFlash; judged by vLLM's acceptance counts on the same prompts.
+EAGLE-3, P-EAGLE, DFlash and DSpark; judged by vLLM's acceptance counts on the same prompts, or where vLLM's
+CPU build does not serve the kind (DSpark), by draftsmith's engine drafting what vLLM would.
 
     python bench/peer_trainers.py --minutes 10 --out runs/peer --data.held_out_fraction 0.05
 
@@ -34,14 +35,17 @@ What it runs, in order (each stage is skipped where its output is already there,
    as it saved it.
 6. **Held-out accuracy per depth**: both folders loaded by speculators' own model class, run over the
    held-out rows' features in eval mode (one evaluator, speculators' metrics: EAGLE-3's unconditional
-   accuracy at each training-time-test step; P-EAGLE's accuracy per parallel depth; DFlash's accuracy per
-   block position and expected accepted length; the same sampled chains or anchors for both heads).
-7. **vLLM**: each folder served in vLLM (``bench/peer_vllm.py: score``, fp32, greedy, one prompt at a time,
+   accuracy at each training-time-test step; P-EAGLE's accuracy per parallel depth; DFlash's and DSpark's
+   accuracy per block position and greedy expected accepted length; the same sampled chains or anchors for
+   both heads).
+7. **Served**: each folder served in vLLM (``bench/peer_vllm.py: score``, fp32, greedy, one prompt at a time,
    chain of ``--eagle3-depth`` for EAGLE-3 and P-EAGLE, which drafts it in one pass, the block for DFlash),
-   MT-bench first turns
-   (``--per-category`` per category, or ``--prompts FILE``): acceptance length per prompt from vLLM's
-   counters, per-position acceptance, and the difference (ours - speculators) with a 95% paired
-   bootstrap interval over prompts (:func:`draftsmith.adapt.judge.paired_gain`).
+   MT-bench first turns (``--per-category`` per category, or ``--prompts FILE``): acceptance length per
+   prompt from vLLM's counters, per-position acceptance, and the difference (ours - speculators) with a 95%
+   paired bootstrap interval over prompts (:func:`draftsmith.adapt.judge.paired_gain`). A kind vLLM does
+   not serve here (DSpark: GPUs only) runs in draftsmith's engine instead (``eval/run.py``, fp32, the whole
+   block top-1, no confidence cut, as vLLM drafts it), speculators' folder given our drafter record
+   (:func:`graft_record`, which first checks that every shape field of the two configs agrees).
 
 Settings matched (speculators' flag = draftsmith's field): ``--lr`` = ``training.learning_rate`` (1e-3),
 ``--optimizer adamw --weight-decay 0`` = AdamW without weight decay, ``--scheduler-warmup-steps`` = 10 warm-up
@@ -55,11 +59,14 @@ runs bf16), ``--seed``; on a CPU also ``--draft-attn-impl sdpa`` and ``--loss-im
 layers and norm flag, ``--num-depths`` = ``ttt_steps`` (speculators' depth 0 is our first pass),
 ``--down-sample-ratio``/``--down-sample-ratio-min`` (chain sampling), ``--max-anchors`` = tokens per step
 (every supervised position seeds a chain, as ours), ``--mask-token-id`` (draftsmith's choice), the embedding
-table trained (``--embed-requires-grad``; the mask token's row lives there in both). DFlash: ``--num-layers
+table trained (``--embed-requires-grad``; the mask token's row lives there in both); ours weighs the depths
+``0.8 ** j`` as speculators does (``drafter.depth_weighting: decay``, whatever the recipe says). DFlash: ``--num-layers
 2``, ``--block-size 8``, ``--max-anchors`` = 64 anchors x 4 rows per step, ``--loss-fn kl_div`` with
 ``--per-position-loss-weight fixed-exp-decay --dflash-decay-gamma 4`` (= soft targets, ``weighting:
 decay``, ``decay_gamma: 4``), full bidirectional attention in the block (``--full-attention-indices 0 1
 --sliding-window-non-causal``, which also makes vLLM serve the block bidirectionally), ``--mask-token-id``.
+DSpark: DFlash's flags with the recipe's block (7, ``--sample-from-anchor``) and heads (``--markov-rank 256
+--markov-head-type vanilla --enable-confidence-head --confidence-head-with-markov --confidence-head-alpha 1``).
 Not matched (one trainer has no such setting): AdamW betas (ours 0.9/0.95, speculators' torch defaults),
 speculators packs rows (multipack) where ours pads length-grouped batches, EAGLE-3's chain sampling
 (``down_sample_ratio`` 0.7) and identity initialisation are ours only, speculators' EAGLE-3 norms
@@ -453,10 +460,10 @@ def held_out_accuracy(kind: str, folder: Path, target_dir: str, data_path: Path,
         result["accuracy"] = [
             sums[f"position_{p}_acc_sum"] / max(sums[f"position_{p}_acc_total"], 1) for p in positions
         ]
-        # DFlash's expected accepted length, DSpark's mean accepted length a block; P-EAGLE has neither
-        for key in ("eal", "accept_len"):
-            if f"{key}_sum" in sums:
-                result["expected_accepted_length"] = sums[f"{key}_sum"] / max(sums[f"{key}_total"], 1)
+        # The DFlash family's greedy expected accepted length (DSpark's accept_len is the sampling one,
+        # 1 - TV; the judges here are greedy); P-EAGLE reports accuracy per depth only
+        if "eal_sum" in sums:
+            result["expected_accepted_length"] = sums["eal_sum"] / max(sums["eal_total"], 1)
     return result
 
 
@@ -508,35 +515,48 @@ def vllm_serves(kind: str, folder: Path, depth: int) -> bool:
         return False
 
 
+# Config fields that say nothing of a head's shape: versions, dtypes, the verifier's path, the class name
+# (speculators' own save_pretrained writes its model class, DSparkDraftModel, where its config's default and
+# our export say DSparkSpeculator, and adds auto_map and tie_word_embeddings), and the Hugging Face
+# boilerplate our layer config carries and speculators' omits.
+LOOSE_FIELDS = {
+    "architectures", "auto_map", "dtype", "speculators_config", "speculators_version", "tie_word_embeddings",
+    "torch_dtype", "transformers_version",
+}  # fmt: skip
+LOOSE_LAYER_FIELDS = {
+    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "id2label", "is_encoder_decoder",
+    "label2id", "output_attentions", "output_hidden_states", "problem_type", "return_dict", "torch_dtype",
+    "transformers_version",
+}  # fmt: skip
+
+
 def graft_record(theirs: Path, ours_export: Path, folder: Path) -> Path:
     """speculators' own folder ``theirs`` as one draftsmith's engine loads: its files hard-linked into
-    ``folder`` and its config.json given the drafter record of ours (``ours_export``, a speculators
-    export of the same kind trained with the same settings). Every field both configs hold must agree
-    (block, layers, heads, vocabulary size, mask token...), else the record would misdescribe it."""
+    ``folder`` (made afresh) and its config.json given the drafter record of ours (``ours_export``, a
+    speculators export of the same kind trained with the same settings; our head's own held-out accuracy
+    left out). Every other field, and every field of the layer config, must be in both and agree (block,
+    layers, heads, vocabulary, mask token...), else the record would misdescribe their head."""
     from draftsmith.heads.exported import EXPORT_KEY
 
-    if (folder / "config.json").is_file():
-        return folder
     ours = json.loads((ours_export / "config.json").read_text())
     config = json.loads((theirs / "config.json").read_text())
-    # Not the head's shape: versions, dtypes, the verifier's path, and the class name (speculators' own
-    # save_pretrained writes its model class, DSparkDraftModel, where its config's default and our export
-    # say DSparkSpeculator).
-    loose = {EXPORT_KEY, "architectures", "speculators_version", "transformers_version", "dtype", "torch_dtype"}
-    loose.add("speculators_config")
-    differ = {k: (ours[k], config[k]) for k in (ours.keys() & config.keys()) - loose if ours[k] != config[k]}
-    layer_keys = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "layer_types")
-    layers = ours["transformer_layer_config"], config["transformer_layer_config"]
-    differ |= {k: (layers[0].get(k), layers[1].get(k)) for k in layer_keys if layers[0].get(k) != layers[1].get(k)}
-    differ.pop("transformer_layer_config", None)  # compared field by field above (dtypes and ids may differ)
+
+    def differences(a: dict, b: dict, loose: set) -> dict:
+        return {k: (a.get(k), b.get(k)) for k in (a.keys() | b.keys()) - loose if a.get(k) != b.get(k)}
+
+    layers = ours.pop("transformer_layer_config"), config["transformer_layer_config"]
+    differ = differences(ours, config, LOOSE_FIELDS | {EXPORT_KEY, "transformer_layer_config"})
+    differ |= differences(*layers, LOOSE_LAYER_FIELDS)
     if differ:
         raise SystemExit(f"{theirs} and {ours_export} differ in {differ}: the heads were not trained alike")
+    record = dict(ours[EXPORT_KEY], source=str(theirs))
+    record["config"] = {k: v for k, v in record["config"].items() if k != "depth_accuracy"}
     staging = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
+    for stale in (staging, folder):
+        shutil.rmtree(stale, ignore_errors=True)
     shutil.copytree(theirs, staging, copy_function=os.link)
-    config[EXPORT_KEY] = {**ours[EXPORT_KEY], "source": str(theirs)}
     (staging / "config.json").unlink()  # a hard link to theirs: replaced, not written through
-    (staging / "config.json").write_text(json.dumps(config, indent=1))
+    (staging / "config.json").write_text(json.dumps({**config, EXPORT_KEY: record}, indent=1))
     os.replace(staging, folder)
     return folder
 
@@ -553,7 +573,7 @@ def engine_counts(kind: str, heads: dict[str, Path], depth: int, target_dir: str
     if not results.is_file():
         command = [sys.executable, str(ROOT / "eval" / "run.py"), "--target", target_dir, "--dtype", "float32"]
         command += ["--prompts", args.prompts] if args.prompts else ["--bench", "mt_bench"]
-        command += ["--per-category", str(args.per_category)] if args.per_category and not args.prompts else []
+        command += ["--per-category", str(args.per_category)] if args.per_category else []  # as prompt_ids
         command += ["--limit", str(args.limit)] if args.limit else []
         command += ["--turns", "1", "--max-new-tokens", str(args.max_new_tokens), "--out", str(out / "engine")]
         for name, folder in heads.items():
@@ -615,9 +635,9 @@ def paired_interval(ours: list, theirs: list) -> dict:
 def table(results: dict) -> str:
     lines = [
         f"Peer trainers, {results['minutes']} min each, {results['train_conversations']} training conversations, "
-        f"{results['held_out_conversations']} held out; served fp32 greedy (vLLM {results.get('vllm', '-')} where "
-        f"its CPU build serves the kind, else draftsmith's engine), {results['prompts']} prompts x "
-        f"{results['max_new_tokens']} new tokens.",
+        f"{results['held_out_conversations']} held out; served fp32 greedy (by vLLM where its CPU build serves "
+        f"the kind, else by draftsmith's engine), {results['prompts']} prompts x {results['max_new_tokens']} new "
+        "tokens.",
         "",
         "| kind | trainer | steps | loop seconds | sequences | held-out accuracy per depth | served tau "
         "| served acceptance per position | judge |",
@@ -702,6 +722,12 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "kinds": {},
     }
+    earlier = out / "peer_trainers.json"
+    if earlier.is_file():  # kinds run into this folder before (claim_run: with the same settings) stay in the report
+        kept = json.loads(earlier.read_text())
+        if all("served" in entry for entry in kept.get("kinds", {}).values()):
+            results["kinds"] = kept["kinds"]
+            results.setdefault("vllm", kept.get("vllm"))
     for kind in args.kinds:
         recipe = recipe_for(kind, overrides)
         recipe.drafter.aux_layers = layers
@@ -718,7 +744,9 @@ def main(argv: list[str] | None = None) -> dict:
         claim_run(
             out / kind, {"minutes": args.minutes, "overrides": overrides} | ({"ours": args.ours} if ours_only else {})
         )
-        ours_ckpt, ours_train = train_ours(kind, out, [*overrides, *ours_only], args.minutes, store, mask)
+        # speculators weighs EAGLE-3's depths 0.8 ** j and runs every pass: so does ours unless --ours says otherwise
+        matched = ["--drafter.depth_weighting", "decay"] if kind in EAGLE3_FAMILY else []
+        ours_ckpt, ours_train = train_ours(kind, out, [*overrides, *matched, *ours_only], args.minutes, store, mask)
         spec_args = speculators_args(
             kind, recipe, target_dir, out / FEATURES, out / kind / "speculators", vocab, ratio, data
         )

@@ -24,6 +24,7 @@ from draftsmith.eval.engine.target_runner import CausalLMRunner
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.heads.vocab import unused_token_id
 from draftsmith.target import load_tokenizer
+from draftsmith.train.eagle3 import Eagle3DrafterConfig, Eagle3Recipe, Eagle3Task
 from draftsmith.train.peagle import PEagleDrafterConfig, PEagleRecipe, PEagleTask, mask_inputs
 from draftsmith.train.unroll import chain_sample, supervised_next, unroll
 
@@ -436,3 +437,25 @@ def test_the_heads_own_table_starts_as_the_targets_module_embeds_gemmas_scale_in
         raw = target.get_input_embeddings().weight[ids]
     torch.testing.assert_close(head.embed(ids), expected)
     assert not torch.allclose(raw, expected)  # the scale is there to be missed
+
+
+def test_reach_keeps_the_pass_that_trains_the_mask_feature(make_tiny_llama):
+    """Under ``depth_weighting: reach`` a P-EAGLE step keeps its second pass however low the logged
+    rates: only passes j > 0 read ``mask_hidden``, and DDP expects every parameter's gradient every
+    step. Its graph reaches ``mask_hidden`` (a gradient, zero where depth 1's rate on the batch was 0);
+    EAGLE-3 may drop to one pass."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=3, seed=3, scale=10.0)
+    head = _head(target, mask=47).train()
+    drafter = PEagleDrafterConfig(ttt_steps=4, aux_layers=[0, 1, 2], depth_weighting="reach")
+    task = PEagleTask(PEagleRecipe(drafter=drafter), target, head)
+    task.window_rates = [0.01, 0.01, 0.01]  # depth 2's reach 0.01, below the 0.05 floor
+    assert task.passes() == 2
+    eagle3 = Eagle3Task(Eagle3Recipe(drafter=Eagle3DrafterConfig(ttt_steps=4, depth_weighting="reach")), target, head)
+    eagle3.window_rates = [0.01]
+    assert eagle3.passes() == 1
+    ids = torch.randint(0, 47, (2, 24), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    loss, metrics = task.loss(head, batch, training=True)
+    loss.backward()
+    assert "rows@2" in metrics and "rows@3" not in metrics
+    assert head.mask_hidden.grad is not None

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 import torch
 
-from draftsmith.config import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT
+from draftsmith.config import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, Range
 from draftsmith.data_prep.dataset import pad_batch
 from draftsmith.heads.eagle3 import EAGLE31_OPTIONS, Eagle3Head
 from draftsmith.recipe import DECAY, DRAFT_VOCAB, DataConfig, DrafterConfig, Recipe
@@ -65,7 +65,7 @@ class Eagle3DrafterConfig(DrafterConfig):
     depth_weighting: Literal["decay", "reach"] = "decay"
     # reach: a step skips the passes whose reach in the last logged training window was below this
     # (their loss would weigh less; the passes before them always run); 0: every pass, every step
-    reach_floor: Annotated[float, DECAY] = 0.05
+    reach_floor: Annotated[float, Range(0, 1)] = 0.05
     # HASS: add a distillation term over the target's K most likely tokens (null: off)
     top_k_loss: Annotated[int, COUNT] | None = None
     top_k_weight: Annotated[float, NON_NEGATIVE] = 1.0  # weight of the top-K term
@@ -104,6 +104,9 @@ class Eagle3Task:
     head_class = Eagle3Head
     # What unroll passes j > 0 read (unroll's later_inputs); None: the previous pass's outputs, fed back.
     later_inputs: LaterInputs | None = None
+    # The fewest passes a training step runs under depth_weighting: reach (a kind whose later passes read
+    # weights pass 0 does not keeps them: DDP expects a gradient for every parameter every step).
+    min_passes: int = 1
 
     @staticmethod
     def head_options(recipe, tokenizer, train_set) -> dict:
@@ -187,7 +190,7 @@ class Eagle3Task:
             if reach < self.cfg.reach_floor:
                 break
             steps += 1
-        return steps
+        return max(steps, min(self.min_passes, self.cfg.ttt_steps))
 
     def finalise_metrics(self, logs: dict[str, float]) -> dict[str, float]:
         """:func:`depth_rates`; a training window's rates are kept for :meth:`passes`."""

@@ -71,6 +71,7 @@ class PEagleTask(Eagle3Task):
     """EAGLE-3's loss over the parallel (mask-fed) unroll of a P-EAGLE head."""
 
     head_class = PEagleHead
+    min_passes = 2  # passes j > 0 alone read the mask feature (mask_hidden)
 
     def __init__(self, recipe: PEagleRecipe, target, head: PEagleHead):
         super().__init__(recipe, target, head)
