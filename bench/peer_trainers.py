@@ -92,6 +92,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -112,17 +113,10 @@ CONFIDENCE = 0.975  # each side of the paired bootstrap interval (95% two-sided)
 
 def recipe_for(kind: str, overrides: list[str]):
     """draftsmith's recipe for ``kind`` (its CPU recipe plus ``overrides``), ``auto`` resolved."""
+    from draftsmith.kinds import get
     from draftsmith.train.cli import parse_training_args
 
-    if kind == "eagle3":
-        from draftsmith.train.eagle3 import Eagle3Recipe as recipe_class
-    elif kind == "peagle":
-        from draftsmith.train.peagle import PEagleRecipe as recipe_class
-    elif kind == "dspark":
-        from draftsmith.train.dspark import DSparkRecipe as recipe_class
-    else:
-        from draftsmith.train.dflash import DFlashRecipe as recipe_class
-    recipe, _ = parse_training_args(recipe_class, [str(RECIPES[kind]), *overrides])
+    recipe, _ = parse_training_args(get(kind).training.recipe, [str(RECIPES[kind]), *overrides])
     return recipe
 
 
@@ -401,14 +395,9 @@ def export_ours(checkpoint: Path, out: Path, target_dir: str, depth: int) -> Pat
 def load_speculators_head(kind: str, folder: Path, target_dir: str):
     """A speculators-format folder loaded by speculators' own class (sdpa attention, fp32, eval), its
     verifier read from the target's local folder."""
-    if kind == "eagle3":
-        from speculators.models.eagle3 import Eagle3DraftModel as model_class
-    elif kind == "peagle":
-        from speculators.models.peagle import PEagleDraftModel as model_class
-    elif kind == "dspark":
-        from speculators.models.dspark import DSparkDraftModel as model_class
-    else:
-        from speculators.models.dflash import DFlashDraftModel as model_class
+    from speculators.model import SpeculatorModel
+
+    model_class = SpeculatorModel.registry[kind]
     config = model_class.config_class.from_pretrained(folder)
     config.transformer_layer_config._attn_implementation = "sdpa"
     config.speculators_config.verifier.name_or_path = target_dir
@@ -477,18 +466,16 @@ def eval_call_kwargs(kind: str, args: list[str]) -> dict:
     return val
 
 
-def vllm_counts(folder: Path, kind: str, depth: int, target_dir: str, prompts: list[list[int]], job: dict) -> dict:
-    """Per-prompt drafts and accepted drafts of the ``kind`` head in the speculators folder ``folder``,
-    served by vLLM as the kind's plug-in says (P-EAGLE: ``eagle3`` drafting its chain in one pass)."""
-    from draftsmith.export import speculators
+def vllm_counts(folder: Path, served, target_dir: str, prompts: list[list[int]], job: dict) -> dict:
+    """Per-prompt drafts and accepted drafts of the head in the speculators folder ``folder``, served by
+    vLLM as ``served`` (:func:`vllm_serving`) says."""
     from draftsmith.export.serve_check import speculative_config
-    from draftsmith.kinds import get
     from draftsmith.vllm_engine import engine_args, run_job
 
     cache = folder.parent / f"vllm_{folder.name}.json"
     if cache.is_file():
         return json.loads(cache.read_text())
-    spec = speculative_config(get(kind).serve(speculators.NAME, folder, depth), folder)
+    spec = speculative_config(served, folder)
     result = run_job(
         {
             **job,
@@ -502,17 +489,18 @@ def vllm_counts(folder: Path, kind: str, depth: int, target_dir: str, prompts: l
     return result
 
 
-def vllm_serves(kind: str, folder: Path, depth: int) -> bool:
-    """Whether vLLM serves the ``kind`` export in ``folder`` on this machine (its CPU build: not DSpark);
-    where it does not, draftsmith's engine judges both heads."""
+def vllm_serving(kind: str, folder: Path, depth: int):
+    """How vLLM serves the ``kind`` export in ``folder`` on this machine, as the kind's plug-in says
+    (P-EAGLE: ``eagle3`` drafting its chain in one pass); None where it does not (its CPU build: DSpark),
+    and draftsmith's engine judges both heads."""
     from draftsmith.errors import UsageError
     from draftsmith.export import speculators
     from draftsmith.kinds import get
 
     try:
-        return get(kind).serve(speculators.NAME, folder, depth) is not None
+        return get(kind).serve(speculators.NAME, folder, depth)
     except UsageError:
-        return False
+        return None
 
 
 # Config fields that say nothing of a head's shape: versions, dtypes, the verifier's path, the class name
@@ -694,6 +682,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown options {bad}: only --data.* and --target.name recipe overrides go to both trainers")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), *filter(None, [os.environ.get("PYTHONPATH")])])
     from draftsmith.export.serve_check import prompt_ids
+    from draftsmith.kinds import get
     from draftsmith.vllm_engine import PRELOAD_ENV
 
     os.environ.setdefault(PRELOAD_ENV, "1")  # up to seven vLLM jobs: vLLM imported once
@@ -737,10 +726,8 @@ def main(argv: list[str] | None = None) -> dict:
 
             mask = mask_token_for(recipe.drafter.mask_token_id, tokenizer, data["train"], len(tokenizer))
             recipe.drafter.mask_token_id = mask
-        if kind in EAGLE3_FAMILY:
-            depth = args.eagle3_depth
-        else:  # the whole block: DSpark's anchor slot drafts too
-            depth = recipe.drafter.block_size - 1 + (kind == "dspark" and recipe.drafter.sample_from_anchor)
+        # the whole block of a block drafter, as its plug-in counts it (DSpark's anchor slot drafts too)
+        depth = args.eagle3_depth if kind in EAGLE3_FAMILY else get(kind).max_depth(asdict(recipe.drafter))
         claim_run(
             out / kind, {"minutes": args.minutes, "overrides": overrides} | ({"ours": args.ours} if ours_only else {})
         )
@@ -756,9 +743,10 @@ def main(argv: list[str] | None = None) -> dict:
         ours_folder = export_ours(ours_ckpt, out / kind, target_dir, depth)
         call = eval_call_kwargs(kind, spec_args)
         folders = {"draftsmith": ours_folder, "speculators": theirs_folder}
-        served = vllm_serves(kind, ours_folder, depth)
+        how = vllm_serving(kind, ours_folder, depth)
+        served = how is not None
         if served:
-            scored = {who: vllm_counts(folder, kind, depth, target_dir, ids, job) for who, folder in folders.items()}
+            scored = {who: vllm_counts(folder, how, target_dir, ids, job) for who, folder in folders.items()}
             results["vllm"] = scored["draftsmith"]["version"]
         else:
             graft = graft_record(theirs_folder, ours_folder, out / kind / "speculators-engine")

@@ -446,21 +446,25 @@ class DFlashTask:
             & (loss_mask.bool() & padding.bool()).gather(1, clamped.flatten(1)).view_as(labels)
             & (padding.gather(1, clamped.flatten(1)).view_as(labels) == padding.gather(1, anchors)[:, :, None])
         )
+
+        def target_next() -> torch.Tensor:
+            """The target's last hidden states each scored slot's token is read from (labels - 1):
+            gathered only where something needs its distribution (not a data-labelled training step)."""
+            rows = torch.arange(batch_size, device=ids.device)[:, None, None].expand_as(labels)[supervised]
+            return last[rows, (clamped - 1)[supervised]].to(hidden.dtype)
+
         with torch.no_grad():
             data_next = ids.gather(1, clamped.flatten(1)).view_as(labels)[supervised]
-            source = (clamped - 1)[supervised]
-            rows = torch.arange(batch_size, device=ids.device)[:, None, None].expand_as(labels)[supervised]
             if self.labels == "data":
                 draft_ids = model.to_draft_ids(data_next)
                 # the hard labels in the draft vocabulary; -1 (outside it) scores nothing
                 target_probs, coeff, kept = None, draft_ids, draft_ids >= 0
                 # Held-out top-1 counts against the target's own argmax, whatever the labels.
-                target_next = last[rows, source].to(hidden.dtype)
-                best = data_next if training else target_terms(model, target_next, self.loss_config, False)[1]
+                best = data_next if training else target_terms(model, target_next(), self.loss_config, False)[1]
             else:
                 greedy_next = data_next if self.greedy_replies else None
                 target_probs, best, coeff, kept = target_terms(
-                    model, last[rows, source].to(hidden.dtype), self.loss_config, training, greedy_next
+                    model, target_next(), self.loss_config, training, greedy_next
                 )
                 draft_ids = model.to_draft_ids(best)
         previous = ids.gather(1, (clamped - 1).flatten(1)).view_as(labels)
