@@ -6,11 +6,13 @@
 # weight fall over the minutes), then MT-bench (first questions of each category) in draftsmith's
 # engine: acceptance length per position and speedup against plain decoding in the same run, and
 # Domino's acceptance length against DFlash's with a paired bootstrap interval over the prompt
-# turns; Domino's backbone alone (correction=0) is the correction head's ablation.
+# turns; Domino's backbone alone (correction=0) is the correction head's ablation, and each WARMUPS
+# arm is paired with DFlash and with Domino under the references' schedule.
 #
 #   STEPS=40 OUT=runs/domino bash bench/domino_compare.sh
 #   MINUTES=4.5 OUT=runs/domino-minutes bash bench/domino_compare.sh
 #   MINUTES=4.5 REGENERATE=true LABELS=data OUT=runs/domino-data bash bench/domino_compare.sh
+#   MINUTES=4.5 REGENERATE=true LABELS=data WARMUPS="0.5 0.75" OUT=runs/domino-warmup bash bench/domino_compare.sh
 #
 # Knobs: STEPS (optimiser steps per kind), MINUTES (minutes per kind instead of STEPS), LIMIT
 # (ShareGPT conversations), REGENERATE (true: the target rewrites the replies first, as the recipes
@@ -18,9 +20,12 @@
 # PER_CATEGORY and TOKENS (MT-bench prompts per category and new tokens), DTYPE (the runs' dtype:
 # auto measures this CPU), LABELS (drafter.labels of both: auto, the recipes', is data with
 # REGENERATE=true and target without; target, the target's distribution; data, the data's tokens),
-# DFLASH_ARGS and DOMINO_ARGS (further overrides of one kind's training). Each recipe keeps its own
-# vocabulary: DFlash's 8192 most frequent reply tokens, Domino the full one (it scores with the
-# target's LM head). One job at a time: on a 2-core machine parallel jobs skew each other.
+# DFLASH_ARGS and DOMINO_ARGS (further overrides of one kind's training), WARMUPS (shares of the run:
+# one more Domino arm each, trained with that drafter.backbone_warmup, needs LABELS=data; the
+# `domino` arm trains on the references' schedule, backbone_warmup 0, whatever the recipe says).
+# Each recipe keeps its own vocabulary: DFlash's 8192 most frequent reply tokens, Domino the full
+# one (it scores with the target's LM head). One job at a time: on a 2-core machine parallel jobs
+# skew each other.
 set -euo pipefail
 STEPS=${STEPS:-40}
 OUT=${OUT:-runs/domino}
@@ -33,6 +38,7 @@ MINUTES=${MINUTES:-}
 LABELS=${LABELS:-auto}
 DFLASH_ARGS=${DFLASH_ARGS:-}
 DOMINO_ARGS=${DOMINO_ARGS:-}
+WARMUPS=${WARMUPS:-}
 if [ -n "$MINUTES" ]; then
   # a step count no run reaches: the clock ends both
   BUDGET="--training.max_steps 1000000 --training.max_minutes $MINUTES"
@@ -44,20 +50,27 @@ COMMON="--target.dtype $DTYPE --data.limit $LIMIT --data.max_length 512 --data.h
         --data.regenerate.enabled $REGENERATE --drafter.features offline --drafter.labels $LABELS
         --tracking.report_to none"
 mkdir -p "$OUT"
-for kind in dflash domino; do
-  if [ "$kind" = dflash ]; then EXTRA=$DFLASH_ARGS; else EXTRA=$DOMINO_ARGS; fi
-  if [ ! -f "$OUT/$kind/checkpoint-final/config.json" ]; then
+ARMS="dflash domino"
+for share in $WARMUPS; do ARMS="$ARMS domino-w$share"; done
+DRAFTERS=(--drafter "domino:$OUT/domino/checkpoint-final?correction=0&name=domino-backbone")
+PAIRS=("dflash domino" "domino-backbone domino")
+for arm in $ARMS; do
+  kind=${arm%%-*}
+  case $arm in
+    dflash) EXTRA=$DFLASH_ARGS ;;
+    domino) EXTRA="--drafter.backbone_warmup 0 $DOMINO_ARGS" ;;
+    *) EXTRA="$DOMINO_ARGS --drafter.backbone_warmup ${arm#domino-w}"; PAIRS+=("dflash $arm" "domino $arm") ;;
+  esac
+  if [ ! -f "$OUT/$arm/checkpoint-final/config.json" ]; then
     python "train/$kind.py" "recipes/smollm2-$kind.yaml" $COMMON $BUDGET $EXTRA \
-      --training.eval_every 0 --training.output_dir "$OUT/$kind" > "$OUT/train_$kind.log" 2>&1
+      --training.eval_every 0 --training.output_dir "$OUT/$arm" > "$OUT/train_$arm.log" 2>&1
   fi
+  DRAFTERS+=(--drafter "$kind:$OUT/$arm/checkpoint-final?name=$arm")
 done
 python eval/run.py --dtype "$DTYPE" --bench mt_bench --per-category "$PER_CATEGORY" --max-new-tokens "$TOKENS" \
-  --drafter "dflash:$OUT/dflash/checkpoint-final?name=dflash" \
-  --drafter "domino:$OUT/domino/checkpoint-final?name=domino" \
-  --drafter "domino:$OUT/domino/checkpoint-final?correction=0&name=domino-backbone" \
-  --out "$OUT/mt_bench" > "$OUT/mt_bench.log" 2>&1
+  "${DRAFTERS[@]}" --out "$OUT/mt_bench" > "$OUT/mt_bench.log" 2>&1
 first=--header
-for pair in "dflash domino" "domino-backbone domino"; do
+for pair in "${PAIRS[@]}"; do
   read -r base other <<< "$pair"
   python bench/paired_tau.py "$OUT/mt_bench/results.json" --base "$base" --other "$other" $first
   first=

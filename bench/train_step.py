@@ -52,13 +52,19 @@ def optimiser_step(task, precision: str, training: bool = True, lr: float = 1e-4
     return step
 
 
-def median_step_seconds(task, batch: dict, repeats: int, precision: str, training: bool) -> float:
+def median_step_seconds(
+    task, batch: dict, repeats: int, precision: str, training: bool, seed: int | None = None
+) -> float:
     """Median wall time of one optimiser step (:func:`optimiser_step`) of ``task``'s head on
-    ``batch`` over ``repeats`` steps after one more that warms allocators and kernels up."""
+    ``batch`` over ``repeats`` steps after one more that warms allocators and kernels up; with
+    ``seed``, torch's generators are re-seeded before each step (untimed), so a training step's
+    random draws (anchors, sampled chains) are the same every time."""
     step = optimiser_step(task, precision, training)
     device = next(task.model.parameters()).device
     times = []
     for _ in range(repeats + 1):
+        if seed is not None:
+            torch.manual_seed(seed)
         start = clock(device)
         step(batch)
         times.append(clock(device) - start)

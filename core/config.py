@@ -197,7 +197,8 @@ def _build(cls: type[T], data: dict, where: str) -> T:
         try:
             validate()
         except ValueError as err:
-            raise RecipeError(f"{where or cls.__name__}: {err}") from None
+            # a whole recipe's own check names its fields itself
+            raise RecipeError(f"{where}: {err}" if where else str(err)) from None
     return obj
 
 

@@ -11,10 +11,13 @@ Tiny random-weight Llama targets (built from a config) keep these fast.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from cli_helpers import user_error
+from safetensors.torch import load_file
 from stats_helpers import SAMPLES, assert_distributed_as_target
 from training_helpers import greedy_rows, save_tiny_target, write_recipe
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -171,6 +174,85 @@ def test_the_base_loss_weight_falls_linearly_to_zero():
     assert [base_loss_weight(p, 0.8, 0.5) for p in (0.0, 0.25, 0.5, 0.9)] == pytest.approx([0.8, 0.4, 0.0, 0.0])
 
 
+def test_the_backbone_warmup_holds_lambda_at_one_then_runs_the_schedule_over_the_rest():
+    """With a warm-up, lambda is 1 through it and the references' schedule over the rest of the run."""
+    weights = [base_loss_weight(p, 1.0, 1.0, 0.5) for p in (0.0, 0.49, 0.5, 0.75, 1.0)]
+    assert weights == pytest.approx([1.0, 1.0, 1.0, 0.5, 0.0])
+    assert base_loss_weight(0.6, 0.8, 0.5, 0.2) == pytest.approx(0.0)  # decay ends at 0.2 + 0.5 * 0.8
+
+
+def test_the_backbone_warmup_is_the_backbones_cross_entropy_over_its_tokens(make_tiny_llama):
+    """A warm-up step scores the backbone alone over the warm-up's tokens with the target's frozen
+    rows for them: over every token (in another order) it equals the full-vocabulary step at lambda
+    1, gradients included, and the GRU and correction get none; over fewer, each slot's loss is the
+    hand-computed cross-entropy over those columns and labels outside them score nothing."""
+    target = make_tiny_llama(vocab_size=48, hidden_size=32, layers=4, seed=3, scale=10.0)
+    head = _head(target, mask=47, block=4).train()
+    ids = greedy_rows(target, [[3, 9, 4, 17], [6, 11, 2, 30]], 36)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": (torch.arange(36) >= 4).long().expand(2, -1),
+    }
+
+    def step(warmup: float, vocab: torch.Tensor | None):
+        drafter = DominoDrafterConfig(
+            aux_layers=[1, 2, 3], block_size=4, anchors_per_sequence=8, labels="data", backbone_warmup=warmup
+        )
+        if vocab is not None:
+            head.register_buffer("warmup_vocab", vocab, persistent=False)
+        task = DominoTask(DominoRecipe(drafter=drafter), target, head)
+        task.on_progress(0.0)
+        head.zero_grad(set_to_none=True)
+        torch.manual_seed(5)  # the same anchors every call
+        loss, metrics = task.loss(head, batch, training=True)
+        loss.backward()
+        return (
+            task,
+            loss.detach(),
+            metrics,
+            {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None},
+        )
+
+    every = torch.randperm(48, generator=torch.Generator().manual_seed(2))
+    task, loss, metrics, grads = step(0.5, every)
+    assert task.warming and task.base_weight == 1.0
+    _, want, want_metrics, want_grads = step(0.0, None)
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+    assert metrics["top1@1"] == want_metrics["top1@1"] and metrics["tokens"] == want_metrics["tokens"] > 20
+    assert not any(name.startswith(("prefix_gru", "embed_proj")) for name in grads), sorted(grads)
+    assert float(want_grads["embed_proj.2.weight"].abs().sum()) == 0  # lambda 1: the correction learns nothing either
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+    few = torch.tensor([0, 4, 9, 17, 30, 11, 2, 6, 3, 25])
+    task, loss, _, _ = step(0.5, few)
+    with torch.no_grad():  # held out: the full vocabulary, warm-up or not
+        held_out = task.loss(head, batch, training=False)
+        want_held_out = DominoTask(DominoRecipe(drafter=replace(task.cfg, backbone_warmup=0.0)), target, head).loss(
+            head, batch, training=False
+        )
+    torch.testing.assert_close(held_out[0], want_held_out[0])
+    assert held_out[1]["top1@1"] == want_held_out[1]["top1@1"]
+    assert abs(float(loss - want)) > 1e-3
+    task.warm_step = True  # as in a training step of the warm-up
+    to_columns, columns = task.scored_vocab()
+    assert torch.equal(columns, few) and to_columns(torch.tensor([17, 5])).tolist() == [3, -1]
+    hidden = torch.randn(1, 1, 4, 32)
+    labels = torch.tensor([9, 5, 30, 47])
+    coeff = to_columns(labels)
+    supervised = torch.ones(1, 1, 4, dtype=torch.bool)
+    ce, _, logits, _ = task.token_terms(head, hidden, labels[None, None], supervised, coeff, None, coeff >= 0)
+    with torch.no_grad():
+        want_logits = head.norm(hidden[0, 0]) @ target.lm_head.weight[few].T
+    torch.testing.assert_close(logits, want_logits)
+    kept = coeff >= 0
+    assert kept.tolist() == [True, False, True, False]
+    want_ce = F.cross_entropy(want_logits[kept], coeff[kept], reduction="none")
+    torch.testing.assert_close(ce[kept], want_ce, atol=1e-5, rtol=1e-5)
+    assert float(ce[~kept].abs().sum()) == 0
+
+
 def test_training_steps_lower_the_loss_on_a_fixed_batch(tmp_path):
     """A few optimiser steps on one batch lower DominoTask's loss; while lambda is 1 the loss is the
     backbone's alone (the correction's gradient is 0), once it reaches 0 the correction's is the
@@ -278,9 +360,35 @@ def test_a_recipe_run_trains_the_correction_with_the_target_lm_head(domino_run):
     assert len([h for h in trainer.history if "train/loss" in h]) == 4
 
 
+def test_a_run_with_a_backbone_warmup_trains_its_tokens_then_the_full_vocabulary(domino_run, tmp_path):
+    """Through draftsmith-train's path: lambda is logged at 1 through the warm-up and falls after it,
+    held-out evaluations score the full vocabulary even inside the warm-up, and the checkpoint is
+    the reference's (no warm-up vocabulary saved; the LM head still the target's)."""
+    from draftsmith.train.domino import main
+
+    _, recipe = domino_run
+    warmup = ["--drafter.labels", "data", "--drafter.backbone_warmup", "0.5", "--drafter.backbone_warmup_vocab", "64"]
+    trainer = main([str(recipe), "--output_dir", str(tmp_path / "run"), *warmup, "--training.eval_every", "2"])
+    lambdas = [h["train/base_weight"] for h in trainer.history if "train/base_weight" in h]
+    assert lambdas[:2] == [1.0, 1.0] and lambdas[-1] < 0.5, lambdas
+    assert len(trainer.task.model.warmup_vocab) == 64  # the most frequent reply tokens, special ones included
+    evals = [h for h in trainer.history if "eval/ce_loss" in h]
+    assert evals and all(h["eval/ce_loss"] > 0 for h in evals)
+    state = load_file(trainer.last_checkpoint / "model.safetensors")
+    assert not any("warmup" in name for name in state), sorted(state)
+    target = AutoModelForCausalLM.from_pretrained(recipe.parent / "target", dtype=torch.float32)
+    head = DominoHead.from_pretrained(trainer.last_checkpoint, target)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight)
+
+
 @pytest.mark.parametrize(
     ("override", "field"),
     [
+        (
+            ["--drafter.backbone_warmup", "0.5"],
+            "drafter.backbone_warmup = 0.5 learns the data's tokens and drafter.labels is target here (auto",
+        ),
+        (["--drafter.backbone_warmup", "1"], "drafter.backbone_warmup"),
         (["--drafter.draft_vocab_size", "512"], "drafter.draft_vocab_size"),
         (["--drafter.train_lm_head", "true"], "drafter.train_lm_head"),
         (["--drafter.pure_draft_prefix_len", "4"], "drafter.pure_draft_prefix_len"),

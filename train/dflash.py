@@ -136,15 +136,19 @@ def resolve_labels(cfg: DFlashDrafterConfig, data: DataConfig | None) -> str:
     (:func:`distribution_need`); else ``target``."""
     if cfg.labels != "auto":
         return cfg.labels
-    need = distribution_need(cfg)
-    if not greedy_replies(data):
-        chosen, why = "target", "not every reply is the target's greedy one (data.regenerate off, sampled or partial)"
-    elif need:
-        chosen, why = "target", need
-    else:
-        chosen, why = "data", "the target regenerates the replies: each slot learns its token there by cross-entropy"
+    chosen, why = auto_labels(cfg, data)
     print(f"drafter.labels auto -> {chosen}: {why}")
     return chosen
+
+
+def auto_labels(cfg: DFlashDrafterConfig, data: DataConfig | None) -> tuple[str, str]:
+    """``(labels, why)``: what ``labels: auto`` resolves to for ``cfg`` on ``data`` (:func:`resolve_labels`)."""
+    need = distribution_need(cfg)
+    if not greedy_replies(data):
+        return "target", "not every reply is the target's greedy one (data.regenerate off, sampled or partial)"
+    if need:
+        return "target", need
+    return "data", "the target regenerates the replies: each slot learns its token there by cross-entropy"
 
 
 def sample_anchors(
@@ -379,6 +383,12 @@ class DFlashTask:
         normed = self.model.norm(hidden[:, :, hidden.shape[2] - supervised.shape[2] :][supervised])
         return self.model.lm_head(normed), self.model.confidence_logits(normed)
 
+    def scored_vocab(self) -> tuple:
+        """``(to_columns, ids)``: how this step's logits are laid out, ``ids`` the token id of each
+        column and ``to_columns`` mapping token ids to columns (-1: none). The drafter's draft
+        vocabulary; a kind that scores fewer tokens on some steps (Domino's backbone warm-up) overrides it."""
+        return self.model.to_draft_ids, self.model.draft_vocab
+
     def token_terms(self, head, hidden, previous, supervised, coeff, target_probs, kept) -> tuple:
         """``(per-slot loss, log-normaliser, logits, confidence logits or None)`` of the scored
         slots: :meth:`score`'s logits under the recipe's objective against the target's terms
@@ -455,8 +465,9 @@ class DFlashTask:
 
         with torch.no_grad():
             data_next = ids.gather(1, clamped.flatten(1)).view_as(labels)[supervised]
+            to_columns, columns = self.scored_vocab()
             if self.labels == "data":
-                draft_ids = model.to_draft_ids(data_next)
+                draft_ids = to_columns(data_next)
                 # the hard labels in the draft vocabulary; -1 (outside it) scores nothing
                 target_probs, coeff, kept = None, draft_ids, draft_ids >= 0
                 # Held-out top-1 counts against the target's own argmax, whatever the labels.
@@ -466,7 +477,7 @@ class DFlashTask:
                 target_probs, best, coeff, kept = target_terms(
                     model, target_next(), self.loss_config, training, greedy_next
                 )
-                draft_ids = model.to_draft_ids(best)
+                draft_ids = to_columns(best)
         previous = ids.gather(1, (clamped - 1).flatten(1)).view_as(labels)
         ce, lse, logits, confidence = self.token_terms(head, hidden, previous, supervised, coeff, target_probs, kept)
         if self.labels == "data":
@@ -484,7 +495,7 @@ class DFlashTask:
         with torch.no_grad():
             depth = (offsets[:depths] + 1).expand_as(labels)[supervised]
             # max's indices, the first maximum as argmax's: argmax over 49,152-token rows took twice as long
-            hits = model.draft_vocab[logits.max(-1).indices] == best
+            hits = columns[logits.max(-1).indices] == best
             if target_probs is None:  # the hard labels' cross-entropy, where they lie in the draft vocabulary
                 ce_rows = (lse - row_dot(coeff, logits)) * kept
             else:

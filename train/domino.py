@@ -31,14 +31,17 @@ from functools import partial
 from typing import Annotated
 
 import torch
+import torch.nn.functional as F
 
 from draftsmith.config import COUNT, NON_NEGATIVE_INT, Range
 from draftsmith.heads.domino import DominoHead
+from draftsmith.heads.vocab import draft_vocab_for
 from draftsmith.recipe import DECAY, DRAFT_VOCAB, DataConfig, Recipe
 from draftsmith.train.cli import entry_point
-from draftsmith.train.dflash import DFlashDrafterConfig, DFlashTask
+from draftsmith.train.dflash import DFlashDrafterConfig, DFlashTask, auto_labels
 from draftsmith.train.fused import build_task, regenerated_data
-from draftsmith.train.objectives import mixed_token_loss
+from draftsmith.train.objectives import mixed_token_loss, token_loss
+from draftsmith.train.unroll import depth_rates
 
 
 @dataclass
@@ -60,6 +63,12 @@ class DominoDrafterConfig(DFlashDrafterConfig):
     base_loss_decay: Annotated[float, DECAY] = 1.0
     # must stay null: the target's LM head scores the full vocabulary
     draft_vocab_size: Annotated[int, DRAFT_VOCAB] | None = None
+    # The share of the run that trains the backbone alone (lambda held at 1, no correction) over the
+    # backbone_warmup_vocab most frequent reply tokens, at about a DFlash step's cost; the rest trains
+    # as the references do, over the full vocabulary, lambda falling from base_loss_start over it.
+    # Needs drafter.labels: data. 0: the references' schedule from the first step.
+    backbone_warmup: Annotated[float, Range(0, 1, open_high=True)] = 0.0
+    backbone_warmup_vocab: Annotated[int, DRAFT_VOCAB] = 8192
 
     def validate(self) -> None:
         super().validate()
@@ -91,10 +100,25 @@ class DominoRecipe(Recipe):
     data: DataConfig = field(default_factory=regenerated_data)
     drafter: DominoDrafterConfig = field(default_factory=DominoDrafterConfig)
 
+    def validate(self) -> None:
+        drafter = self.drafter
+        labels = drafter.labels if drafter.labels != "auto" else auto_labels(drafter, self.data)[0]
+        if drafter.backbone_warmup > 0 and labels != "data":
+            why = " (auto takes data only on greedily regenerated replies)" if drafter.labels == "auto" else ""
+            raise ValueError(
+                f"drafter.backbone_warmup = {drafter.backbone_warmup} learns the data's tokens and drafter.labels "
+                f"is {labels} here{why}: set drafter.labels: data (on the target's regenerated replies), or "
+                "drafter.backbone_warmup: 0"
+            )
 
-def base_loss_weight(progress: float, start: float, decay: float) -> float:
+
+def base_loss_weight(progress: float, start: float, decay: float, warmup: float = 0.0) -> float:
     """lambda at ``progress`` (the share of the run done): ``start`` falling linearly to 0 at
-    ``decay``, then 0 (ModelOpt's ``compute_lambda_base``, SpecForge's ``linear_lambda_base``)."""
+    ``decay``, then 0 (ModelOpt's ``compute_lambda_base``, SpecForge's ``linear_lambda_base``); with a
+    backbone ``warmup`` (a share of the run), 1 through it and that schedule over the rest of the run."""
+    if progress < warmup:
+        return 1.0
+    progress = (progress - warmup) / (1.0 - warmup)
     return max(0.0, min(1.0, start * (1.0 - min(progress / decay, 1.0))))
 
 
@@ -109,7 +133,19 @@ class DominoTask(DFlashTask):
 
     def __init__(self, recipe: DominoRecipe, target, head: DominoHead):
         super().__init__(recipe, target, head)
-        self.base_weight = self.cfg.base_loss_start
+        self.on_progress(0.0)
+        self.warm_step = False  # this loss call's: a training step inside the warm-up
+
+    @classmethod
+    def new_head(cls, recipe: DominoRecipe, target, draft_vocab, tokenizer, train_set) -> DominoHead:
+        """DFlash's fresh head, plus (with a backbone warm-up) the warm-up's vocabulary as a buffer
+        that follows the head to its device and is never saved (``warmup_vocab``)."""
+        head = super().new_head(recipe, target, draft_vocab, tokenizer, train_set)
+        drafter = recipe.drafter
+        if drafter.backbone_warmup > 0:
+            vocab = draft_vocab_for(drafter.backbone_warmup_vocab, train_set, tokenizer, target.config.vocab_size)
+            head.register_buffer("warmup_vocab", vocab, persistent=False)
+        return head
 
     @staticmethod
     def head_options(drafter: DominoDrafterConfig) -> dict:
@@ -121,13 +157,63 @@ class DominoTask(DFlashTask):
         }
 
     def on_progress(self, fraction: float) -> None:
-        """Set lambda for the next training batch from the share of the run done."""
-        self.base_weight = base_loss_weight(fraction, self.cfg.base_loss_start, self.cfg.base_loss_decay)
+        """Set lambda, and whether the backbone warm-up goes on, for the next training batch from
+        the share of the run done."""
+        warmup = self.cfg.backbone_warmup
+        self.warming = fraction < warmup
+        self.base_weight = base_loss_weight(fraction, self.cfg.base_loss_start, self.cfg.base_loss_decay, warmup)
+
+    def finalise_metrics(self, logs: dict[str, float]) -> dict[str, float]:
+        """:func:`~draftsmith.train.unroll.depth_rates`, and a training window's lambda (its last
+        step's; during the backbone warm-up 1, and the window's losses and top-1 are over the
+        warm-up's tokens)."""
+        logs = depth_rates(logs)
+        if "train/top1@1" in logs:
+            logs["train/base_weight"] = self.base_weight
+        return logs
+
+    def loss(self, head, batch: dict, training: bool) -> tuple:
+        # Held-out evaluations score the full vocabulary, as the drafter is served, warm-up or not.
+        self.warm_step = training and self.warming
+        return super().loss(head, batch, training)
+
+    def scored_vocab(self) -> tuple:
+        """The warm-up's frequent tokens in a warm-up step (``to_columns`` built once per device),
+        else the full vocabulary."""
+        if not self.warm_step:
+            return super().scored_vocab()
+        vocab = self.model.warmup_vocab
+        key = (vocab.data_ptr(), vocab.device)
+        if getattr(self, "_warm_lookup_key", None) != key:
+            lookup = torch.full((self.model.vocab_size,), -1, dtype=torch.long, device=vocab.device)
+            lookup[vocab] = torch.arange(vocab.numel(), device=vocab.device)
+            self._warm_lookup, self._warm_lookup_key = lookup, key
+        return self._warm_lookup.__getitem__, vocab
+
+    def warm_rows(self) -> torch.Tensor:
+        """The frozen LM head's rows for the warm-up's tokens, gathered once (until the head's
+        weight or device changes) rather than every step."""
+        weight, vocab = self.model.lm_head.weight, self.model.warmup_vocab
+        key = (weight.data_ptr(), weight.dtype, weight._version)
+        if getattr(self, "_warm_rows_key", None) != key:
+            self._warm_rows, self._warm_rows_key = weight.detach().index_select(0, vocab), key
+        return self._warm_rows
 
     def token_terms(self, head, hidden, previous, supervised, coeff, target_probs, kept) -> tuple:
         model = self.model
         slots = supervised.shape[-1]
         normed = model.norm(hidden[:, :, hidden.shape[2] - slots :])[supervised]
+        if self.warm_step:
+            # The backbone alone over the warm-up's tokens: the target's frozen rows for them, a
+            # sixth of the full vocabulary's products, and neither the GRU nor the correction.
+            base = F.linear(normed, self.warm_rows())
+            ce, lse = token_loss(base, coeff, target_probs, self.loss_config.objective, kept)
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                # DDP waits for a gradient of every parameter each step: zeros for the idle head.
+                idle = (*model.prefix_gru.parameters(), *model.embed_proj.parameters())
+                ce = ce + 0.0 * sum(param.sum() for param in idle)
+            return ce, lse, base, None
         states = model.prefix_states(previous)[supervised]
         depth = torch.arange(1, slots + 1, device=hidden.device).expand_as(supervised)[supervised]
         base = model.lm_head(normed)
