@@ -68,7 +68,7 @@ class DominoDrafterConfig(DFlashDrafterConfig):
     # as the references do, over the full vocabulary, lambda falling from base_loss_start over it.
     # Needs drafter.labels: data. 0: the references' schedule from the first step.
     backbone_warmup: Annotated[float, Range(0, 1, open_high=True)] = 0.0
-    backbone_warmup_vocab: Annotated[int, DRAFT_VOCAB] = 8192
+    backbone_warmup_vocab: Annotated[int, DRAFT_VOCAB] = 8192  # the warm-up's most frequent reply tokens
 
     def validate(self) -> None:
         super().validate()
@@ -103,6 +103,13 @@ class DominoRecipe(Recipe):
     def validate(self) -> None:
         drafter = self.drafter
         labels = drafter.labels if drafter.labels != "auto" else auto_labels(drafter, self.data)[0]
+        dist = self.distributed
+        if drafter.backbone_warmup > 0 and dist.backend == "deepspeed" and dist.zero_stage == 3:
+            raise ValueError(
+                "drafter.backbone_warmup reads the frozen LM head's rows for its tokens, which ZeRO-3 partitions "
+                "over the processes: set distributed.zero_stage 2 or lower (a drafter's weights fit each "
+                "process), or drafter.backbone_warmup: 0"
+            )
         if drafter.backbone_warmup > 0 and labels != "data":
             why = " (auto takes data only on greedily regenerated replies)" if drafter.labels == "auto" else ""
             raise ValueError(
