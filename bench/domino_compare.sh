@@ -21,7 +21,8 @@
 # auto measures this CPU), LABELS (drafter.labels of both: auto, the recipes', is data with
 # REGENERATE=true and target without; target, the target's distribution; data, the data's tokens),
 # DFLASH_ARGS and DOMINO_ARGS (further overrides of one kind's training), WARMUPS (shares of the run:
-# one more Domino arm each, trained with that drafter.backbone_warmup, needs LABELS=data; the
+# one more Domino arm each, trained with that drafter.backbone_warmup; they need the data's labels:
+# LABELS=data, or auto with REGENERATE=true); the
 # `domino` arm trains on the references' schedule, backbone_warmup 0, whatever the recipe says).
 # Each recipe keeps its own vocabulary: DFlash's 8192 most frequent reply tokens, Domino the full
 # one (it scores with the target's LM head). One job at a time: on a 2-core machine parallel jobs
@@ -50,6 +51,10 @@ COMMON="--target.dtype $DTYPE --data.limit $LIMIT --data.max_length 512 --data.h
         --data.regenerate.enabled $REGENERATE --drafter.features offline --drafter.labels $LABELS
         --tracking.report_to none"
 mkdir -p "$OUT"
+if [ -n "$WARMUPS" ] && { [ "$LABELS" = target ] || { [ "$LABELS" = auto ] && [ "$REGENERATE" != true ]; }; }; then
+  echo "WARMUPS: Domino's backbone warm-up learns the data's tokens: set LABELS=data, or LABELS=auto with REGENERATE=true" >&2
+  exit 2
+fi
 ARMS="dflash domino"
 for share in $WARMUPS; do ARMS="$ARMS domino-w$share"; done
 DRAFTERS=(--drafter "domino:$OUT/domino/checkpoint-final?correction=0&name=domino-backbone")

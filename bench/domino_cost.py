@@ -74,7 +74,7 @@ def main() -> None:
         warmup = ["--drafter.labels", "data", "--drafter.backbone_warmup", "0.5", *overrides]
         recipe, task, batch = task_on_first_batch("recipes/smollm2-domino.yaml", "domino", [*OVERRIDES, *warmup])
         task.on_progress(0.0)  # inside the warm-up
-        tasks["domino (data, warm-up)"] = task, batch, recipe.training.mixed_precision
+        tasks["domino (data-warmup)"] = task, batch, recipe.training.mixed_precision
     if args.profile:
         for name, (task, batch, precision) in tasks.items():
             profile_step(task, batch, precision, out / f"profile_{name.replace(' (', '_').rstrip(')')}.txt")
