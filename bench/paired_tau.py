@@ -5,6 +5,10 @@ each method's pooled tau, the difference and its two-sided 95% paired bootstrap 
 
 Prints one Markdown row (``--header`` first prints the table's header). The turns both methods ran
 are paired by prompt id and turn; a method missing from the file is one line naming the methods it has.
+Several results files (the same comparison run on other seeds) pool their turns, each paired within
+its own run:
+
+    python bench/paired_tau.py R0/results.json R1/results.json R2/results.json --base dflash --other domino
 """
 
 from __future__ import annotations
@@ -24,33 +28,41 @@ def counts(runs: list[dict], method: str) -> dict[tuple[str, int], tuple[int, in
     return {(r["prompt_id"], r["turn"]): (sum(r["accepted"]), r["steps"]) for r in runs if r["method"] == method}
 
 
-def compare(results: dict, base: str, other: str) -> dict:
-    """Pooled tau of ``base`` and ``other`` over the turns both ran, the difference and its interval."""
-    runs = results["runs"]
-    methods = sorted({r["method"] for r in runs})
-    for name in (base, other):
-        if name not in methods:
-            raise UsageError(f"no runs of method {name!r} in the results; it has: {', '.join(methods)}")
-    a, b = counts(runs, base), counts(runs, other)
-    keys = sorted(set(a) & set(b))
-    pairs_a, pairs_b = [a[k] for k in keys], [b[k] for k in keys]
+def compare(results: dict | list[dict], base: str, other: str) -> dict:
+    """Pooled tau of ``base`` and ``other`` over the turns both ran, the difference and its
+    interval; several ``results`` (runs of other seeds) pool their turns, each paired within its own run."""
+    pairs_a, pairs_b = [], []
+    for one in results if isinstance(results, list) else [results]:
+        runs = one["runs"]
+        methods = sorted({r["method"] for r in runs})
+        for name in (base, other):
+            if name not in methods:
+                raise UsageError(f"no runs of method {name!r} in the results; it has: {', '.join(methods)}")
+        a, b = counts(runs, base), counts(runs, other)
+        keys = sorted(set(a) & set(b))
+        pairs_a += [a[k] for k in keys]
+        pairs_b += [b[k] for k in keys]
     tau_a, tau_b, gain, low = paired_gain(pairs_a, pairs_b, LOW)
     _, _, _, high = paired_gain(pairs_a, pairs_b, 1 - LOW)
-    return {"base": base, "other": other, "turns": len(keys), "tau_base": tau_a, "tau_other": tau_b}, gain, low, high
+    return {"base": base, "other": other, "turns": len(pairs_a), "tau_base": tau_a, "tau_other": tau_b}, gain, low, high
 
 
 @report_user_errors
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", help="an eval/run.py results.json")
+    parser.add_argument(
+        "results", nargs="+", help="an eval/run.py results.json; several (runs of other seeds) pool their turns"
+    )
     parser.add_argument("--base", required=True, help="the method compared against (its name in the table)")
     parser.add_argument("--other", required=True, help="the method compared")
     parser.add_argument("--header", action="store_true", help="print the table's header first")
     args = parser.parse_args(argv)
-    path = Path(args.results)
-    if not path.is_file():
-        raise UsageError(f"{path}: no such results file (eval/run.py --out DIR writes DIR/results.json)")
-    record, gain, low, high = compare(json.loads(path.read_text()), args.base, args.other)
+    results = []
+    for path in map(Path, args.results):
+        if not path.is_file():
+            raise UsageError(f"{path}: no such results file (eval/run.py --out DIR writes DIR/results.json)")
+        results.append(json.loads(path.read_text()))
+    record, gain, low, high = compare(results, args.base, args.other)
     if args.header:
         print("| base | other | turns | tau base | tau other | difference | 95% paired bootstrap interval |")
         print("|---|---|---|---|---|---|---|")
