@@ -28,11 +28,11 @@ def counts(runs: list[dict], method: str) -> dict[tuple[str, int], tuple[int, in
     return {(r["prompt_id"], r["turn"]): (sum(r["accepted"]), r["steps"]) for r in runs if r["method"] == method}
 
 
-def compare(results: dict | list[dict], base: str, other: str) -> dict:
+def compare(results: list[dict], base: str, other: str) -> dict:
     """Pooled tau of ``base`` and ``other`` over the turns both ran, the difference and its
     interval; several ``results`` (runs of other seeds) pool their turns, each paired within its own run."""
     pairs_a, pairs_b = [], []
-    for one in results if isinstance(results, list) else [results]:
+    for one in results:
         runs = one["runs"]
         methods = sorted({r["method"] for r in runs})
         for name in (base, other):

@@ -28,7 +28,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from draftsmith.heads.common import load_head_parts, save_head
-from draftsmith.heads.vocab import scatter_to_vocab
+from draftsmith.heads.vocab import scatter_to_vocab, vocab_positions
 from draftsmith.target import final_logits, logit_scale
 
 
@@ -158,9 +158,8 @@ class Head(nn.Module, ABC):
         # Built once per vocabulary and device: training maps every head's labels on every step.
         key = (self.draft_vocab.data_ptr(), tokens.device)
         if getattr(self, "_draft_lookup_key", None) != key:
-            lookup = torch.full((self.vocab_size,), -1, dtype=torch.long, device=tokens.device)
-            lookup[self.draft_vocab.to(tokens.device)] = torch.arange(self.draft_vocab.numel(), device=tokens.device)
-            self._draft_lookup, self._draft_lookup_key = lookup, key
+            self._draft_lookup = vocab_positions(self.draft_vocab.to(tokens.device), self.vocab_size)
+            self._draft_lookup_key = key
         return self._draft_lookup[tokens]
 
     @torch.no_grad()

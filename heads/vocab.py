@@ -36,6 +36,13 @@ def scatter_to_vocab(
     return full.index_copy_(-1, token_ids, small)
 
 
+def vocab_positions(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[vocab_size]``: each token id's position in ``vocab`` (token ids, on their device), -1 where absent."""
+    positions = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab.device)
+    positions[vocab] = torch.arange(vocab.numel(), device=vocab.device)
+    return positions
+
+
 def d2t_for(draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """speculators' ``d2t`` (target id = draft id + ``d2t[draft id]``) of a draft vocabulary of
     sorted target ids (None: the full vocabulary of ``vocab_size``)."""

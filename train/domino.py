@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from draftsmith.config import COUNT, NON_NEGATIVE_INT, Range
 from draftsmith.heads.domino import DominoHead
-from draftsmith.heads.vocab import draft_vocab_for
+from draftsmith.heads.vocab import draft_vocab_for, vocab_positions
 from draftsmith.recipe import DECAY, DRAFT_VOCAB, DataConfig, Recipe
 from draftsmith.train.cli import entry_point
 from draftsmith.train.dflash import DFlashDrafterConfig, DFlashTask, auto_labels
@@ -101,16 +101,17 @@ class DominoRecipe(Recipe):
     drafter: DominoDrafterConfig = field(default_factory=DominoDrafterConfig)
 
     def validate(self) -> None:
-        drafter = self.drafter
-        labels = drafter.labels if drafter.labels != "auto" else auto_labels(drafter, self.data)[0]
-        dist = self.distributed
-        if drafter.backbone_warmup > 0 and dist.backend == "deepspeed" and dist.zero_stage == 3:
+        drafter, dist = self.drafter, self.distributed
+        if drafter.backbone_warmup == 0:
+            return
+        if dist.backend == "deepspeed" and dist.zero_stage == 3:
             raise ValueError(
                 "drafter.backbone_warmup reads the frozen LM head's rows for its tokens, which ZeRO-3 partitions "
                 "over the processes: set distributed.zero_stage 2 or lower (a drafter's weights fit each "
                 "process), or drafter.backbone_warmup: 0"
             )
-        if drafter.backbone_warmup > 0 and labels != "data":
+        labels = drafter.labels if drafter.labels != "auto" else auto_labels(drafter, self.data)[0]
+        if labels != "data":
             why = " (auto takes data only on greedily regenerated replies)" if drafter.labels == "auto" else ""
             raise ValueError(
                 f"drafter.backbone_warmup = {drafter.backbone_warmup} learns the data's tokens and drafter.labels "
@@ -184,27 +185,22 @@ class DominoTask(DFlashTask):
         self.warm_step = training and self.warming
         return super().loss(head, batch, training)
 
+    def warm_vocab(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, rows)`` of the warm-up's tokens: each token id's column (-1: none) and the
+        frozen LM head's rows for them, built once (again only if the head's weight or the
+        vocabulary moves or changes) rather than every step."""
+        weight, vocab = self.model.lm_head.weight, self.model.warmup_vocab
+        key = (weight.data_ptr(), weight.dtype, weight._version, vocab.data_ptr())
+        if getattr(self, "_warm_key", None) != key:
+            rows = weight.detach().index_select(0, vocab)
+            self._warm, self._warm_key = (vocab_positions(vocab, self.model.vocab_size), rows), key
+        return self._warm
+
     def scored_vocab(self) -> tuple:
-        """The warm-up's frequent tokens in a warm-up step (``to_columns`` built once per device),
-        else the full vocabulary."""
+        """The warm-up's frequent tokens in a warm-up step, else the full vocabulary."""
         if not self.warm_step:
             return super().scored_vocab()
-        vocab = self.model.warmup_vocab
-        key = (vocab.data_ptr(), vocab.device)
-        if getattr(self, "_warm_lookup_key", None) != key:
-            lookup = torch.full((self.model.vocab_size,), -1, dtype=torch.long, device=vocab.device)
-            lookup[vocab] = torch.arange(vocab.numel(), device=vocab.device)
-            self._warm_lookup, self._warm_lookup_key = lookup, key
-        return self._warm_lookup.__getitem__, vocab
-
-    def warm_rows(self) -> torch.Tensor:
-        """The frozen LM head's rows for the warm-up's tokens, gathered once (until the head's
-        weight or device changes) rather than every step."""
-        weight, vocab = self.model.lm_head.weight, self.model.warmup_vocab
-        key = (weight.data_ptr(), weight.dtype, weight._version)
-        if getattr(self, "_warm_rows_key", None) != key:
-            self._warm_rows, self._warm_rows_key = weight.detach().index_select(0, vocab), key
-        return self._warm_rows
+        return self.warm_vocab()[0].__getitem__, self.model.warmup_vocab
 
     def token_terms(self, head, hidden, previous, supervised, coeff, target_probs, kept) -> tuple:
         model = self.model
@@ -213,7 +209,7 @@ class DominoTask(DFlashTask):
         if self.warm_step:
             # The backbone alone over the warm-up's tokens: the target's frozen rows for them, a
             # sixth of the full vocabulary's products, and neither the GRU nor the correction.
-            base = F.linear(normed, self.warm_rows())
+            base = F.linear(normed, self.warm_vocab()[1])
             ce, lse = token_loss(base, coeff, target_probs, self.loss_config.objective, kept)
             dist = torch.distributed
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
